@@ -1,0 +1,41 @@
+#!/usr/bin/env bash
+# DeepInfer developer entry point. Sets up .venv on first use (CPU torch, every package editable),
+# then runs one job:
+#   ./dev.sh generate "def fibonacci("   generate text with the embedded default model
+#   ./dev.sh test                        lint (ruff, import-linter) + the whole CPU test suite
+#   ./dev.sh bench ...                   `deepinfer bench` with the given arguments
+#   ./dev.sh shell                       a shell with .venv active
+set -euo pipefail
+cd "$(dirname "$0")"
+
+PY=${PYTHON:-python3}
+VENV=.venv
+PACKAGES=(kernels model cache sched spec eplb engine)
+TORCH_SPEC=${DEEPINFER_TORCH_SPEC:-torch==2.13.0}   # CPU build; an unpinned torch pulls CUDA wheels
+
+setup() {
+  local stamp="$VENV/.deepinfer-stamp" want
+  want=$(cat packages/*/pyproject.toml packages/deepinfer-cache/hatch_build.py 2>/dev/null | sha1sum | cut -c1-16)
+  if [[ -f $stamp && $(cat "$stamp") == "$want" ]]; then return; fi
+  [[ -x $VENV/bin/python ]] || "$PY" -m venv "$VENV"
+  local pip=("$VENV/bin/python" -m pip install -q --disable-pip-version-check)
+  "${pip[@]}" "$TORCH_SPEC"
+  "${pip[@]}" nox ruff import-linter
+  local args=()
+  for p in "${PACKAGES[@]}"; do args+=(-e "packages/deepinfer-$p[test]"); done
+  "${pip[@]}" "${args[@]}"
+  echo "$want" > "$stamp"
+}
+
+job=${1:-help}; shift || true
+case "$job" in
+  generate) setup; exec "$VENV/bin/deepinfer" generate "$@" ;;
+  bench)    setup; exec "$VENV/bin/deepinfer" bench "$@" ;;
+  test)
+    setup
+    "$VENV/bin/ruff" check .
+    "$VENV/bin/lint-imports"
+    exec "$VENV/bin/python" -m pytest packages/*/tests integration_tests "$@" ;;
+  shell)    setup; exec bash --rcfile <(echo "source $VENV/bin/activate") ;;
+  *) sed -n '2,8p' "$0"; exit 2 ;;
+esac

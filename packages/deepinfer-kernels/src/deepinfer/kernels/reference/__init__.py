@@ -1,0 +1,39 @@
+"""Pure-PyTorch reference implementations of every DeepSeek-V4 op.
+
+Each op is a small function documented with shapes and dtypes; GPU kernels registered in
+`deepinfer.kernels` must match these (integer and routing outputs bitwise).
+"""
+
+from .attention import grouped_linear, sparse_attention
+from .compressor import compress_pool
+from .indexer import indexer_scores, topk_lowest_index
+from .mhc import hc_head, hc_post, hc_pre
+from .moe import clamped_swiglu, moe_experts, router_scores, routing_weights, select_experts
+from .norm import rms_norm
+from .quant import dequant_fp8_block, dequant_mxfp4, fake_quant_fp4, fake_quant_fp8, scale_to_float
+from .rope import YarnScaling, apply_rope, rope_inv_freq
+
+__all__ = [
+    "YarnScaling",
+    "apply_rope",
+    "clamped_swiglu",
+    "compress_pool",
+    "dequant_fp8_block",
+    "dequant_mxfp4",
+    "fake_quant_fp4",
+    "fake_quant_fp8",
+    "grouped_linear",
+    "hc_head",
+    "hc_post",
+    "hc_pre",
+    "indexer_scores",
+    "moe_experts",
+    "rms_norm",
+    "rope_inv_freq",
+    "router_scores",
+    "routing_weights",
+    "scale_to_float",
+    "select_experts",
+    "sparse_attention",
+    "topk_lowest_index",
+]

@@ -1,0 +1,80 @@
+"""MoE routing (learned top-k and hash) and clamped SwiGLU experts."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+SCORING_FUNCS = ("sqrtsoftplus", "sigmoid", "softmax")
+
+
+def router_scores(logits: Tensor, scoring_func: str) -> Tensor:
+    """Expert affinities from router logits [num_tokens, num_experts] (float32 out)."""
+    logits = logits.float()
+    if scoring_func == "sqrtsoftplus":
+        return torch.sqrt(F.softplus(logits))
+    if scoring_func == "sigmoid":
+        return torch.sigmoid(logits)
+    if scoring_func == "softmax":
+        return torch.softmax(logits, dim=-1)
+    raise ValueError(f"scoring_func={scoring_func!r} must be one of {SCORING_FUNCS}")
+
+
+def select_experts(scores: Tensor, bias: Tensor | None, top_k: int) -> Tensor:
+    """Top-k experts by `scores + bias` (bias affects selection only); ties → lowest expert id.
+
+    Returns: [num_tokens, top_k] int64 expert ids.
+    """
+    keys = scores if bias is None else scores + bias.float()
+    return torch.sort(keys, dim=-1, descending=True, stable=True).indices[:, :top_k]
+
+
+def routing_weights(scores: Tensor, expert_ids: Tensor, *, normalize: bool, scaling: float) -> Tensor:
+    """Gather the chosen experts' scores, optionally renormalise (sum + 1e-20), then × scaling.
+
+    Args:
+        scores: [num_tokens, num_experts] float32; expert_ids: [num_tokens, top_k] int64.
+    Returns:
+        [num_tokens, top_k] float32.
+    """
+    weights = scores.gather(1, expert_ids)
+    if normalize:
+        weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+    return weights * scaling
+
+
+def clamped_swiglu(x: Tensor, w1: Tensor, w3: Tensor, w2: Tensor, limit: float) -> Tensor:
+    """w2( silu(min(w1 x, limit)) · clamp(w3 x, −limit, limit) ).
+
+    Args:
+        x: [num_tokens, hidden]; w1, w3: [inter, hidden]; w2: [hidden, inter].
+    Returns:
+        [num_tokens, hidden].
+    """
+    gate = F.linear(x, w1).clamp(max=limit)
+    up = F.linear(x, w3).clamp(min=-limit, max=limit)
+    return F.linear(F.silu(gate) * up, w2)
+
+
+def moe_experts(x: Tensor, expert_ids: Tensor, weights: Tensor, w13: Tensor, w2: Tensor, limit: float) -> Tensor:
+    """Weighted sum of the routed experts' clamped SwiGLU outputs; only active experts run.
+
+    Args:
+        x: [num_tokens, hidden]; expert_ids, weights: [num_tokens, top_k];
+        w13: [num_experts, 2 * inter, hidden] (w1 rows then w3 rows); w2: [num_experts, hidden, inter].
+    Returns:
+        [num_tokens, hidden] in x's dtype.
+    """
+    out = torch.zeros_like(x)
+    inter = w2.shape[-1]
+    flat_ids = expert_ids.reshape(-1)
+    token_of = torch.arange(x.shape[0], device=x.device).repeat_interleave(expert_ids.shape[1])
+    flat_weights = weights.reshape(-1)
+    for expert in torch.unique(flat_ids).tolist():
+        rows = (flat_ids == expert).nonzero(as_tuple=True)[0]
+        tokens = token_of[rows]
+        w = w13[expert]
+        y = clamped_swiglu(x[tokens], w[:inter], w[inter:], w2[expert], limit)
+        out.index_add_(0, tokens, (y * flat_weights[rows, None].to(y.dtype)).to(out.dtype))
+    return out

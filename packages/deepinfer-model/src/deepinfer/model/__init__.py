@@ -1,0 +1,31 @@
+"""deepinfer.model — the DeepSeek-V4 model runtime.
+
+Config (`DeepseekV4Config`), safetensors loading with FP8 / MXFP4 dequantisation (`load_model`),
+the model over a packed variable-length batch (`DeepseekV4ForCausalLM`, `ForwardBatch`) and its cache
+(`CacheSpec` declares paged streams and per-sequence state; `ModelCache` holds the tensor views).
+"""
+
+from importlib.metadata import version as _version
+
+from .batch import ForwardBatch
+from .cache import CacheSpec, ModelCache, PagedStreamSpec, StateSpec
+from .config import ConfigError, DeepseekV4Config, QuantConfig
+from .model import DeepseekV4ForCausalLM
+from .weights import LoadedWeights, WeightError, load_model, load_weights
+
+__version__ = _version("deepinfer-model")
+__all__ = [
+    "CacheSpec",
+    "ConfigError",
+    "DeepseekV4Config",
+    "DeepseekV4ForCausalLM",
+    "ForwardBatch",
+    "LoadedWeights",
+    "ModelCache",
+    "PagedStreamSpec",
+    "QuantConfig",
+    "StateSpec",
+    "WeightError",
+    "load_model",
+    "load_weights",
+]

@@ -1,0 +1,1 @@
+"""DeepSeek-V4 layers: attention (window + compressed branches), compressor, indexer, MoE."""

@@ -1,0 +1,160 @@
+"""DeepSeek-V4 attention: single-latent MQA over the sliding window ∪ compressed rows.
+
+Every layer keeps a window ring of raw KV; CSA layers add an overlapping ratio-r compressor and a
+lightning indexer that picks `index_topk` compressed rows per query; HCA layers attend to every
+visible compressed row. K = V = the 512-d latent with RoPE on its trailing dims, so the output's
+rope dims are rotated back at the query position before the grouped low-rank output projection.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor, nn
+
+from deepinfer.kernels import KernelSet
+
+from ..batch import ForwardBatch
+from ..cache import ModelCache
+from ..config import CSA, HCA, DeepseekV4Config
+from .common import RMSNorm, hadamard, linear, paged_rows
+from .compressor import Compressor
+
+
+class Indexer(nn.Module):
+    """Lightning indexer of a CSA layer: `wq_b` [heads·dim, q_lora], `weights_proj` [heads, hidden],
+    and its own overlapping compressor of width `index_head_dim` (the index keys)."""
+
+    def __init__(self, cfg: DeepseekV4Config, ratio: int) -> None:
+        super().__init__()
+        self.num_heads, self.head_dim, self.topk = cfg.index_n_heads, cfg.index_head_dim, cfg.index_topk
+        self.wq_b = linear(cfg.q_lora_rank, cfg.index_n_heads * cfg.index_head_dim)
+        self.weights_proj = linear(cfg.hidden_size, cfg.index_n_heads)
+        self.compressor = Compressor(cfg.hidden_size, cfg.index_head_dim, ratio, True, cfg.rms_norm_eps)
+
+
+class Attention(nn.Module):
+    """One layer's attention. Parameter names follow the official checkpoint (`wq_a`, `q_norm`,
+    `wq_b`, `wkv`, `kv_norm`, `wo_a`, `wo_b`, `attn_sink`, `compressor.*`, `indexer.*`)."""
+
+    def __init__(self, cfg: DeepseekV4Config, layer: int) -> None:
+        super().__init__()
+        self.cfg, self.layer = cfg, layer
+        self.kind, self.ratio = cfg.attention_types[layer], cfg.compress_ratios[layer]
+        h, d = cfg.num_attention_heads, cfg.head_dim
+        self.wq_a = linear(cfg.hidden_size, cfg.q_lora_rank)
+        self.q_norm = RMSNorm(cfg.q_lora_rank, cfg.rms_norm_eps)
+        self.wq_b = linear(cfg.q_lora_rank, h * d)
+        self.wkv = linear(cfg.hidden_size, d)
+        self.kv_norm = RMSNorm(d, cfg.rms_norm_eps)
+        self.wo_a = linear(h * d // cfg.o_groups, cfg.o_groups * cfg.o_lora_rank)
+        self.wo_b = linear(cfg.o_groups * cfg.o_lora_rank, cfg.hidden_size)
+        self.attn_sink = nn.Parameter(torch.zeros(h, dtype=torch.float32))
+        self.compressor = Compressor(cfg.hidden_size, d, self.ratio, self.kind == CSA, cfg.rms_norm_eps) \
+            if self.ratio else None
+        self.indexer = Indexer(cfg, self.ratio) if self.kind == CSA else None
+
+    def forward(
+        self, x: Tensor, batch: ForwardBatch, cache: ModelCache, ops: KernelSet, inv_freq: Tensor, kv_quant: bool
+    ) -> Tensor:
+        """x [num_tokens, hidden] (normed) → [num_tokens, hidden]; reads and writes this layer's cache."""
+        cfg, eps = self.cfg, self.cfg.rms_norm_eps
+        pos = batch.positions
+        num_tokens = x.shape[0]
+        qr = ops.rms_norm(x @ self.wq_a.weight.t(), self.q_norm.weight, eps)
+        q = (qr @ self.wq_b.weight.t()).view(num_tokens, cfg.num_attention_heads, cfg.head_dim)
+        q = ops.apply_rope(ops.rms_norm(q, None, eps), pos, inv_freq)
+        kv = ops.apply_rope(ops.rms_norm(x @ self.wkv.weight.t(), self.kv_norm.weight, eps), pos, inv_freq)
+        if kv_quant:
+            kv = self._quant_kv(kv, ops)
+        index_q = index_w = None
+        if self.indexer is not None:
+            ix = self.indexer
+            index_q = (qr @ ix.wq_b.weight.t()).view(num_tokens, ix.num_heads, ix.head_dim)
+            index_q = ops.apply_rope(index_q, pos, inv_freq)
+            index_w = (x @ ix.weights_proj.weight.t()).float() * ix.num_heads**-0.5
+            if kv_quant:
+                index_q = ops.fake_quant_fp4(index_q @ hadamard(ix.head_dim, x.device), 32)
+        out = torch.empty_like(q)
+        for i in range(batch.num_seqs):
+            a, b = batch.cu_seqlens[i], batch.cu_seqlens[i + 1]
+            rows, valid = self._gather_rows(i, a, b, x, kv, index_q, index_w, batch, cache, ops, inv_freq, kv_quant)
+            out[a:b] = ops.sparse_attention(q[a:b], rows, valid, self.attn_sink, cfg.head_dim**-0.5)
+        out = ops.apply_rope(out, pos, inv_freq, inverse=True)
+        grouped = ops.grouped_linear(out.reshape(num_tokens, cfg.o_groups, -1), self.wo_a.weight)
+        return grouped.flatten(1) @ self.wo_b.weight.t()
+
+    def _quant_kv(self, kv: Tensor, ops: KernelSet) -> Tensor:
+        """Official V4 numerics: FP8 (block 64, ue8m0) on the nope dims; rope dims untouched."""
+        rope = self.cfg.qk_rope_head_dim
+        return torch.cat((ops.fake_quant_fp8(kv[..., :-rope], 64), kv[..., -rope:]), dim=-1)
+
+    def _gather_rows(
+        self, i: int, a: int, b: int, x: Tensor, kv: Tensor, index_q: Tensor | None, index_w: Tensor | None,
+        batch: ForwardBatch, cache: ModelCache, ops: KernelSet, inv_freq: Tensor, kv_quant: bool,
+    ) -> tuple[Tensor, Tensor]:
+        """KV rows each query of sequence i attends to: [q, rows, head_dim] and a validity mask."""
+        cfg, window = self.cfg, self.cfg.sliding_window
+        start, q_len = batch.start_positions[i], b - a
+        slot = batch.state_slots[i]
+        pos = batch.positions[a:b]
+        # Window: the ring holds positions < start; this chunk's rows come from kv directly.
+        ring = cache.state[f"layers.{self.layer}.window"][slot]
+        ring_len = ring.shape[0]
+        key_pos = pos[:, None] - window + 1 + torch.arange(window, device=x.device)[None, :]   # [q, W]
+        in_chunk = key_pos >= start
+        win_rows = torch.where(
+            in_chunk[..., None],
+            kv[a + (key_pos - start).clamp(0, q_len - 1)],
+            ring[key_pos.clamp(min=0) % ring_len],
+        )
+        win_valid = key_pos >= 0
+        keep = max(start, start + q_len - ring_len)
+        ring[torch.arange(keep, start + q_len, device=x.device) % ring_len] = kv[a + keep - start:b]
+        if self.compressor is None:
+            return win_rows, win_valid
+        table = batch.block_tables[i]
+        comp_rows, comp_valid = self._compressed_rows(
+            i, a, b, x, index_q, index_w, table, slot, start, pos, cache, ops, inv_freq, kv_quant
+        )
+        return torch.cat((win_rows, comp_rows), dim=1), torch.cat((win_valid, comp_valid), dim=1)
+
+    def _compressed_rows(
+        self, i: int, a: int, b: int, x: Tensor, index_q: Tensor | None, index_w: Tensor | None, table: Tensor,
+        slot: Tensor, start: int, pos: Tensor, cache: ModelCache, ops: KernelSet, inv_freq: Tensor, kv_quant: bool,
+    ) -> tuple[Tensor, Tensor]:
+        cfg, eps, r, layer = self.cfg, self.cfg.rms_norm_eps, self.ratio, self.layer
+        block_size = cache.spec.block_size
+        end = start + (b - a)
+        paged_kv = cache.paged[f"layers.{layer}.kv"]
+        k, g = self.compressor.project(x[a:b], pos)
+        ring_k = cache.state[f"layers.{layer}.compressor.kv"][slot]
+        ring_g = cache.state[f"layers.{layer}.compressor.gate"][slot]
+        ids, new_rows = self.compressor.compress(k, g, start, ring_k, ring_g, ops, inv_freq, eps)
+        if kv_quant and len(ids):
+            new_rows = self._quant_kv(new_rows, ops)
+        blocks, rows = paged_rows(table, ids, r, block_size)
+        paged_kv[blocks, rows] = new_rows.to(paged_kv.dtype)
+        num_entries = end // r
+        all_ids = torch.arange(num_entries, device=x.device)
+        blocks, rows = paged_rows(table, all_ids, r, block_size)
+        entries = paged_kv[blocks, rows]                                   # [num_entries, head_dim]
+        visible = (pos + 1) // r                                           # entries usable per query
+        if self.kind == HCA:
+            valid = all_ids[None, :] < visible[:, None]
+            return entries.unsqueeze(0).expand(b - a, -1, -1), valid
+        ix = self.indexer
+        paged_ik = cache.paged[f"layers.{layer}.index_k"]
+        ik, ig = ix.compressor.project(x[a:b], pos)
+        ring_ik = cache.state[f"layers.{layer}.indexer.kv"][slot]
+        ring_ig = cache.state[f"layers.{layer}.indexer.gate"][slot]
+        iids, new_keys = ix.compressor.compress(ik, ig, start, ring_ik, ring_ig, ops, inv_freq, eps)
+        if kv_quant and len(iids):
+            new_keys = ops.fake_quant_fp4(new_keys @ hadamard(ix.head_dim, x.device), 32)
+        blocks, rows = paged_rows(table, iids, r, block_size)
+        paged_ik[blocks, rows] = new_keys.to(paged_ik.dtype)
+        blocks, rows = paged_rows(table, all_ids, r, block_size)
+        keys = paged_ik[blocks, rows]
+        scores = ops.indexer_scores(index_q[a:b], keys, index_w[a:b], ix.head_dim**-0.5)
+        picks = ops.topk_lowest_index(scores, visible, ix.topk)            # [q, k], −1 = none
+        valid = picks >= 0
+        return entries[picks.clamp(min=0)], valid

@@ -1,0 +1,43 @@
+"""Small building blocks shared by the layers."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import Tensor, nn
+
+
+class RMSNorm(nn.Module):
+    """Weighted RMSNorm holding its weight in float32 (parameter `weight`, [dim])."""
+
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim, dtype=torch.float32))
+        self.eps = eps
+
+
+def linear(dim_in: int, dim_out: int) -> nn.Linear:
+    """A bias-free projection (weights stored [out, in])."""
+    return nn.Linear(dim_in, dim_out, bias=False)
+
+
+def hadamard(dim: int, device: torch.device | str = "cpu") -> Tensor:
+    """Orthonormal Sylvester–Hadamard matrix [dim, dim] (dim a power of two), float32."""
+    if dim & (dim - 1):
+        raise ValueError(f"hadamard dim={dim} must be a power of two")
+    h = torch.ones(1, 1)
+    while h.shape[0] < dim:
+        h = torch.cat((torch.cat((h, h), 1), torch.cat((h, -h), 1)), 0)
+    return (h / math.sqrt(dim)).to(device)
+
+
+def paged_rows(table: Tensor, entry_ids: Tensor, tokens_per_row: int, block_size: int) -> tuple[Tensor, Tensor]:
+    """(block ids, row-in-block) of compressed entries `entry_ids` of one sequence.
+
+    Entry w covers tokens w·tokens_per_row … ; it lives in the block holding its first token.
+    """
+    first_token = entry_ids * tokens_per_row
+    blocks = table[first_token // block_size].long()
+    rows = (first_token % block_size) // tokens_per_row
+    return blocks, rows

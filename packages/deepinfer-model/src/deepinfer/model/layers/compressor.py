@@ -1,0 +1,95 @@
+"""Compressor: gated softmax pooling of every `ratio` tokens into one compressed row.
+
+Per token t: k_t = wkv·x_t, g_t = wgate·x_t + ape[t mod ratio] (float32). A plain (HCA)
+window w pools tokens w·r … w·r+r−1. An overlapping (CSA) window pools 2r slots: the first
+half-channels of window w−1's tokens and the second half-channels of window w's. The pooled row is
+RMS-normalised and rotated (compress RoPE) at position w·r.
+
+The raw (k, g) rows of windows that have not completed (and, for CSA, the previous window) live in a
+per-sequence ring of the state slot, indexed by position mod ring length, so a chunk may end anywhere.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor, nn
+
+from deepinfer.kernels import KernelSet
+
+from .common import RMSNorm, linear
+
+
+class Compressor(nn.Module):
+    """Parameters: `wkv.weight`, `wgate.weight` [mult·width, hidden], `ape` [ratio, mult·width]
+    float32, `norm.weight` [width]; mult = 2 when overlapping, else 1."""
+
+    def __init__(self, hidden: int, width: int, ratio: int, overlap: bool, eps: float) -> None:
+        super().__init__()
+        mult = 2 if overlap else 1
+        self.width, self.ratio, self.overlap = width, ratio, overlap
+        self.wkv = linear(hidden, mult * width)
+        self.wgate = linear(hidden, mult * width)
+        self.ape = nn.Parameter(torch.zeros(ratio, mult * width, dtype=torch.float32))
+        self.norm = RMSNorm(width, eps)
+
+    @property
+    def ring_len(self) -> int:
+        """Raw rows a sequence must keep: the open window (and the previous one when overlapping)."""
+        return (2 if self.overlap else 1) * self.ratio
+
+    def project(self, x: Tensor, positions: Tensor) -> tuple[Tensor, Tensor]:
+        """x [num_tokens, hidden] → (k, g) each [num_tokens, mult·width] float32."""
+        k = x.float() @ self.wkv.weight.float().t()
+        g = x.float() @ self.wgate.weight.float().t() + self.ape[positions % self.ratio]
+        return k, g
+
+    def compress(
+        self,
+        k: Tensor,
+        g: Tensor,
+        start: int,
+        ring_k: Tensor,
+        ring_g: Tensor,
+        ops: KernelSet,
+        inv_freq: Tensor,
+        eps: float,
+    ) -> tuple[Tensor, Tensor]:
+        """Emit the windows that complete inside one sequence's chunk and update its ring.
+
+        Args:
+            k, g: [q, mult·width] this chunk's rows, positions start … start+q−1.
+            ring_k, ring_g: [ring, mult·width] the sequence's state (views, updated in place).
+        Returns:
+            (entry ids [n] int64, rows [n, width] float32) of the n completed windows.
+        """
+        r, q = self.ratio, k.shape[0]
+        end = start + q
+        ring = ring_k.shape[0]
+        first, stop = start // r, end // r                   # windows completing in [start, end)
+        entries = torch.arange(first, stop, dtype=torch.int64, device=k.device)
+        rows = k.new_zeros((0, self.width))
+        if stop > first:
+            lo = (first - 1) * r if self.overlap else first * r
+            pos = torch.arange(lo, stop * r, device=k.device)
+            from_ring = pos < start
+            idx_ring = pos.clamp(min=0) % ring
+            idx_chunk = (pos - start).clamp(min=0, max=q - 1)
+            kk = torch.where(from_ring[:, None], ring_k[idx_ring], k[idx_chunk])
+            gg = torch.where(from_ring[:, None], ring_g[idx_ring], g[idx_chunk])
+            gg = gg.masked_fill((pos < 0)[:, None], float("-inf"))
+            kk = kk.masked_fill((pos < 0)[:, None], 0.0)
+            n = stop - first
+            if self.overlap:
+                w = self.width
+                kk, gg = kk.view(n + 1, r, 2 * w), gg.view(n + 1, r, 2 * w)
+                slot_k = torch.cat((kk[:-1, :, :w], kk[1:, :, w:]), dim=1)
+                slot_g = torch.cat((gg[:-1, :, :w], gg[1:, :, w:]), dim=1)
+            else:
+                slot_k, slot_g = kk.view(n, r, -1), gg.view(n, r, -1)
+            pooled = ops.rms_norm(ops.compress_pool(slot_k, slot_g), self.norm.weight, eps)
+            rows = ops.apply_rope(pooled, entries * r, inv_freq)
+        keep = max(start, end - ring)
+        write = torch.arange(keep, end, device=k.device)
+        ring_k[write % ring] = k[write - start]
+        ring_g[write % ring] = g[write - start]
+        return entries, rows

@@ -1,0 +1,155 @@
+"""DeepSeek-V4 causal LM over an engine batch (packed variable-length tokens + paged cache)."""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor, nn
+
+from deepinfer.kernels import KernelSet, kernels_for
+from deepinfer.kernels.reference import rope_inv_freq
+
+from .batch import ForwardBatch
+from .cache import CacheSpec, ModelCache, PagedStreamSpec, StateSpec
+from .config import CSA, SLIDING, DeepseekV4Config
+from .layers.attention import Attention
+from .layers.common import RMSNorm
+from .layers.moe import MoE
+
+
+class Block(nn.Module):
+    """Attention and MoE, each wrapped by an mHC site (`hc_attn_*`, `hc_ffn_*`)."""
+
+    def __init__(self, cfg: DeepseekV4Config, layer: int) -> None:
+        super().__init__()
+        self.cfg = cfg
+        mix = (2 + cfg.hc_mult) * cfg.hc_mult
+        self.attn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.ffn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.attn = Attention(cfg, layer)
+        self.ffn = MoE(cfg, layer)
+        for site in ("attn", "ffn"):
+            self.register_parameter(f"hc_{site}_fn", nn.Parameter(torch.empty(mix, cfg.hc_mult * cfg.hidden_size)))
+            self.register_parameter(f"hc_{site}_base", nn.Parameter(torch.zeros(mix)))
+            self.register_parameter(f"hc_{site}_scale", nn.Parameter(torch.ones(3)))
+
+    def _site(self, h: Tensor, site: str, ops: KernelSet) -> tuple[Tensor, Tensor, Tensor]:
+        cfg = self.cfg
+        return ops.hc_pre(h, getattr(self, f"hc_{site}_fn"), getattr(self, f"hc_{site}_scale"),
+                          getattr(self, f"hc_{site}_base"), sinkhorn_iters=cfg.hc_sinkhorn_iters,
+                          hc_eps=cfg.hc_eps, norm_eps=cfg.rms_norm_eps)
+
+    def forward(self, h: Tensor, batch: ForwardBatch, cache: ModelCache, ops: KernelSet, inv_freq: Tensor,
+                kv_quant: bool) -> Tensor:
+        eps = self.cfg.rms_norm_eps
+        x, post, comb = self._site(h, "attn", ops)
+        x = self.attn(ops.rms_norm(x, self.attn_norm.weight, eps), batch, cache, ops, inv_freq, kv_quant)
+        h = ops.hc_post(x, h, post, comb)
+        x, post, comb = self._site(h, "ffn", ops)
+        x = self.ffn(ops.rms_norm(x, self.ffn_norm.weight, eps), batch.token_ids, ops)
+        return ops.hc_post(x, h, post, comb)
+
+
+class DeepseekV4ForCausalLM(nn.Module):
+    """The V4 backbone and LM head. Parameter names are the official checkpoint's (`embed`,
+    `layers.{i}.…`, `hc_head_*`, `norm`, `head`), except routed experts, which are stacked per layer
+    (`layers.{i}.ffn.experts.w13` / `.w2`).
+
+    Args:
+        cfg: the model config.
+        kv_quant: apply the official FP8/FP4 fake-quantisation to cached KV and index keys
+            (off = transformers' numerics).
+    """
+
+    def __init__(self, cfg: DeepseekV4Config, *, kv_quant: bool = False) -> None:
+        super().__init__()
+        self.cfg, self.kv_quant = cfg, kv_quant
+        self.embed = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(Block(cfg, i) for i in range(cfg.num_hidden_layers))
+        self.hc_head_fn = nn.Parameter(torch.empty(cfg.hc_mult, cfg.hc_mult * cfg.hidden_size))
+        self.hc_head_base = nn.Parameter(torch.zeros(cfg.hc_mult))
+        self.hc_head_scale = nn.Parameter(torch.ones(1))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.register_buffer("main_inv_freq", torch.empty(cfg.qk_rope_head_dim // 2), persistent=False)
+        self.register_buffer("compress_inv_freq", torch.empty(cfg.qk_rope_head_dim // 2), persistent=False)
+        self.reset_rope()
+        self.draft_weights: dict[str, Tensor] = {}   # mtp.* tensors, for the draft head (spec decoding)
+
+    def reset_rope(self) -> None:
+        """(Re)compute the RoPE frequency buffers on the model's device (after `to_empty`)."""
+        cfg, device = self.cfg, self.main_inv_freq.device
+        if device.type == "meta":
+            return
+        self.main_inv_freq.copy_(rope_inv_freq(cfg.qk_rope_head_dim, cfg.rope_theta, None))
+        self.compress_inv_freq.copy_(rope_inv_freq(cfg.qk_rope_head_dim, cfg.compress_rope_theta, cfg.yarn))
+
+    @torch.no_grad()
+    def init_weights(self, seed: int, std: float = 0.02) -> None:
+        """Random initialisation (normal(0, std) matrices, unit norms, zero biases/sinks, hash table
+        drawn uniformly), deterministic for a seed. Used by tests and the tiny-model recipe."""
+        gen = torch.Generator().manual_seed(seed)
+        for name, p in self.named_parameters():
+            leaf = name.rsplit(".", 1)[-1]
+            if "norm" in name:
+                p.fill_(1.0)
+            elif leaf in ("ape", "attn_sink", "bias") or name.endswith("_base"):
+                p.zero_()
+            elif name.endswith("_scale"):
+                p.fill_(1.0)
+            else:
+                p.copy_(torch.randn(p.shape, generator=gen) * std)
+        for name, b in self.named_buffers():
+            if name.endswith("tid2eid"):
+                b.copy_(torch.randint(0, self.cfg.n_routed_experts, b.shape, generator=gen))
+
+    def cache_spec(self, block_size: int, max_backtracking: int = 0, dtype: torch.dtype | None = None) -> CacheSpec:
+        """What this model keeps per sequence (see deepinfer.model.cache).
+
+        Args:
+            block_size: tokens per paged block; a multiple of every compress ratio.
+            max_backtracking: spare ring slots for rejected draft tokens.
+            dtype: element type of KV rows (default: the model's parameter dtype).
+        """
+        cfg = self.cfg
+        dtype = dtype or self.embed.weight.dtype
+        for i, r in enumerate(cfg.compress_ratios):
+            if r and block_size % r:
+                raise ValueError(f"block_size={block_size} must be a multiple of layer {i}'s compress ratio {r}")
+        if max_backtracking < 0:
+            raise ValueError(f"max_backtracking={max_backtracking} must be >= 0")
+        streams, stored, dropped = [], [], []
+        for i, (kind, r) in enumerate(zip(cfg.attention_types, cfg.compress_ratios)):
+            stored.append(StateSpec(f"layers.{i}.window", (cfg.sliding_window + max_backtracking, cfg.head_dim),
+                                    dtype, True))
+            if kind == SLIDING:
+                continue
+            streams.append(PagedStreamSpec(f"layers.{i}.kv", cfg.head_dim, r, dtype))
+            mult = 2 if kind == CSA else 1
+            ring = mult * r + max_backtracking
+            for part in ("kv", "gate"):
+                dropped.append(StateSpec(f"layers.{i}.compressor.{part}", (ring, mult * cfg.head_dim), torch.float32,
+                                         False))
+            if kind == CSA:
+                streams.append(PagedStreamSpec(f"layers.{i}.index_k", cfg.index_head_dim, r, dtype))
+                for part in ("kv", "gate"):
+                    dropped.append(StateSpec(f"layers.{i}.indexer.{part}", (ring, 2 * cfg.index_head_dim),
+                                             torch.float32, False))
+        return CacheSpec(block_size, tuple(streams), tuple(stored + dropped))
+
+    def forward(self, batch: ForwardBatch, cache: ModelCache, ops: KernelSet | None = None) -> Tensor:
+        """Run one step; writes this step's KV/state into `cache`.
+
+        Returns:
+            logits [len(batch.logits_indices), vocab] float32 for the requested rows.
+        """
+        cfg = self.cfg
+        ops = ops or kernels_for(batch.token_ids.device)
+        h = self.embed(batch.token_ids).unsqueeze(1).expand(-1, cfg.hc_mult, -1).contiguous()
+        for layer, block in enumerate(self.layers):
+            inv_freq = self.main_inv_freq if cfg.compress_ratios[layer] == 0 else self.compress_inv_freq
+            h = block(h, batch, cache, ops, inv_freq, self.kv_quant)
+        h = h[batch.logits_indices]
+        x = ops.hc_head(h, self.hc_head_fn, self.hc_head_scale, self.hc_head_base, hc_eps=cfg.hc_eps,
+                        norm_eps=cfg.rms_norm_eps)
+        x = ops.rms_norm(x, self.norm.weight, cfg.rms_norm_eps)
+        return (x.float() @ self.head.weight.float().t())

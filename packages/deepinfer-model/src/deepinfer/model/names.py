@@ -1,0 +1,67 @@
+"""Checkpoint key names → the model's parameter names.
+
+Two vocabularies reach us: the official checkpoint's (`layers.3.attn.wq_a.weight`, per-expert
+`layers.3.ffn.experts.17.w1.weight`) and transformers' (`model.layers.3.self_attn.q_a_proj.weight`,
+stacked `model.layers.3.mlp.experts.gate_up_proj`). The model uses the official names, with routed
+experts stacked per layer (`layers.{i}.ffn.experts.w13` = w1 rows then w3 rows, `…experts.w2`).
+"""
+
+from __future__ import annotations
+
+import re
+
+# transformers → official, applied in order to the part after "model." (first match per pattern).
+_HF_TO_OFFICIAL: tuple[tuple[str, str], ...] = (
+    (r"^embed_tokens\.", "embed."),
+    (r"^hc_head\.hc_(fn|base|scale)$", r"hc_head_\1"),
+    (r"\.input_layernorm\.", ".attn_norm."),
+    (r"\.post_attention_layernorm\.", ".ffn_norm."),
+    (r"\.attn_hc\.(fn|base|scale)$", r".hc_attn_\1"),
+    (r"\.ffn_hc\.(fn|base|scale)$", r".hc_ffn_\1"),
+    (r"\.self_attn\.compressor\.indexer\.scorer\.weights_proj\.", ".attn.indexer.weights_proj."),
+    (r"\.self_attn\.compressor\.indexer\.q_b_proj\.", ".attn.indexer.wq_b."),
+    (r"\.self_attn\.compressor\.indexer\.", ".attn.indexer.compressor."),
+    (r"\.self_attn\.", ".attn."),
+    (r"\.compressor\.kv_proj\.", ".compressor.wkv."),
+    (r"\.compressor\.gate_proj\.", ".compressor.wgate."),
+    (r"\.compressor\.position_bias$", ".compressor.ape"),
+    (r"\.compressor\.kv_norm\.", ".compressor.norm."),
+    (r"\.attn\.q_a_proj\.", ".attn.wq_a."),
+    (r"\.attn\.q_a_norm\.", ".attn.q_norm."),
+    (r"\.attn\.q_b_proj\.", ".attn.wq_b."),
+    (r"\.attn\.kv_proj\.", ".attn.wkv."),
+    (r"\.attn\.o_a_proj\.", ".attn.wo_a."),
+    (r"\.attn\.o_b_proj\.", ".attn.wo_b."),
+    (r"\.attn\.sinks$", ".attn.attn_sink"),
+    (r"\.mlp\.gate\.e_score_correction_bias$", ".ffn.gate.bias"),
+    (r"\.mlp\.experts\.gate_up_proj$", ".ffn.experts.w13"),
+    (r"\.mlp\.experts\.down_proj$", ".ffn.experts.w2"),
+    (r"\.mlp\.shared_experts\.gate_proj\.", ".ffn.shared_experts.w1."),
+    (r"\.mlp\.shared_experts\.up_proj\.", ".ffn.shared_experts.w3."),
+    (r"\.mlp\.shared_experts\.down_proj\.", ".ffn.shared_experts.w2."),
+    (r"\.mlp\.", ".ffn."),
+)
+_EXPERT = re.compile(r"^(layers\.\d+\.ffn\.experts)\.(\d+)\.(w[123])\.weight$")
+
+
+def to_official(key: str) -> str:
+    """Map one key (transformers or official) to its official name; official keys pass through."""
+    if key == "lm_head.weight":
+        return "head.weight"
+    if not key.startswith("model."):
+        return key
+    key = key[len("model."):]
+    for pattern, repl in _HF_TO_OFFICIAL:
+        key = re.sub(pattern, repl, key)
+    return key
+
+
+def expert_part(key: str) -> tuple[str, int, str] | None:
+    """For an official per-expert key, (layer prefix, expert id, "w1" | "w2" | "w3"); else None."""
+    m = _EXPERT.match(key)
+    return (m.group(1), int(m.group(2)), m.group(3)) if m else None
+
+
+def is_draft_key(key: str) -> bool:
+    """MTP / DSpark draft-head weights (`mtp.{k}.…`), kept aside for speculative decoding."""
+    return key.startswith("mtp.")

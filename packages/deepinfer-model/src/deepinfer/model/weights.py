@@ -1,0 +1,191 @@
+"""Load a model folder's safetensors weights into DeepseekV4ForCausalLM.
+
+Only safetensors are read (never pickles) and nothing from the folder is executed. FP8 block-scaled
+weights (`X.weight` e4m3 + `X.scale` or `X.weight_scale_inv`) and MXFP4 experts (int8/uint8
+`X.weight` + e8m0 `X.scale`) are dequantised on load. Every tensor is checked against the model's
+expected names and shapes before anything is assigned, so a bad checkpoint loads nothing.
+"""
+
+from __future__ import annotations
+
+import json
+from collections import defaultdict
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from torch import Tensor
+
+from deepinfer.kernels.reference import dequant_fp8_block, dequant_mxfp4
+
+from .config import DeepseekV4Config
+from .model import DeepseekV4ForCausalLM
+from .names import expert_part, is_draft_key, to_official
+
+_SCALE_SUFFIXES = (".scale", ".weight_scale_inv")
+
+
+class WeightError(ValueError):
+    """A missing, unexpected or mis-shaped weight; the message names the key."""
+
+
+@dataclass(frozen=True, slots=True)
+class CheckpointFiles:
+    """The safetensors files of a model folder and which file holds which key."""
+
+    files: tuple[Path, ...]
+
+
+def find_checkpoint(model_dir: str | Path) -> CheckpointFiles:
+    """`model.safetensors`, or the shards named by `model.safetensors.index.json`."""
+    root = Path(model_dir)
+    index = root / "model.safetensors.index.json"
+    if index.is_file():
+        with index.open(encoding="utf-8") as f:
+            weight_map = json.load(f).get("weight_map")
+        if not isinstance(weight_map, dict) or not weight_map:
+            raise WeightError(f"{index}: missing or empty 'weight_map'")
+        files = []
+        for name in sorted(set(weight_map.values())):
+            path = root / name
+            if Path(name).name != name or not name.endswith(".safetensors"):
+                raise WeightError(f"{index}: shard name {name!r} must be a plain *.safetensors file name")
+            if not path.is_file():
+                raise WeightError(f"{index}: shard {name!r} does not exist")
+            files.append(path)
+        return CheckpointFiles(tuple(files))
+    single = root / "model.safetensors"
+    if single.is_file():
+        return CheckpointFiles((single,))
+    raise WeightError(f"{root}: no model.safetensors or model.safetensors.index.json")
+
+
+def read_tensors(files: CheckpointFiles) -> dict[str, Tensor]:
+    """Every tensor of every file, by its stored key (duplicate keys are an error)."""
+    out: dict[str, Tensor] = {}
+    for path in files.files:
+        with safe_open(str(path), framework="pt") as f:
+            for key in f.keys():
+                if key in out:
+                    raise WeightError(f"key {key!r} appears in more than one shard")
+                out[key] = f.get_tensor(key)
+    return out
+
+
+def _dequantize(raw: dict[str, Tensor], cfg: DeepseekV4Config) -> dict[str, Tensor]:
+    """Fold scale tensors into their weights; returns float tensors (or integer tables) by key."""
+    block = cfg.quant.fp8_block if cfg.quant else 128
+    out: dict[str, Tensor] = {}
+    scales = {k for k in raw if k.endswith(_SCALE_SUFFIXES)}
+    for key, t in raw.items():
+        if key in scales:
+            continue
+        scale_key = next((key[: -len(".weight")] + s for s in _SCALE_SUFFIXES
+                          if key.endswith(".weight") and key[: -len(".weight")] + s in raw), None)
+        if t.dtype == torch.float8_e4m3fn:
+            if scale_key is None:
+                raise WeightError(f"{key}: FP8 weight without a scale tensor")
+            out[key] = dequant_fp8_block(t, raw[scale_key], block)
+        elif t.dtype in (torch.int8, torch.uint8) and scale_key is not None:
+            out[key] = dequant_mxfp4(t, raw[scale_key])
+        else:
+            if scale_key is not None:
+                raise WeightError(f"{key}: has a scale tensor but dtype {t.dtype} is neither FP8 nor packed FP4")
+            out[key] = t
+        if scale_key is not None:
+            scales.discard(scale_key)
+    if scales:
+        raise WeightError(f"scale tensor(s) without a weight: {', '.join(sorted(scales))}")
+    return out
+
+
+def _stack_experts(tensors: dict[str, Tensor], cfg: DeepseekV4Config) -> dict[str, Tensor]:
+    parts: dict[str, dict[int, dict[str, Tensor]]] = defaultdict(lambda: defaultdict(dict))
+    out: dict[str, Tensor] = {}
+    for key, t in tensors.items():
+        hit = expert_part(key)
+        if hit is None:
+            out[key] = t
+        else:
+            prefix, expert, which = hit
+            parts[prefix][expert][which] = t
+    for prefix, experts in parts.items():
+        for e in range(cfg.n_routed_experts):
+            for which in ("w1", "w2", "w3"):
+                if which not in experts.get(e, {}):
+                    raise WeightError(f"missing {prefix}.{e}.{which}.weight")
+        extra = sorted(set(experts) - set(range(cfg.n_routed_experts)))
+        if extra:
+            raise WeightError(f"unexpected expert id(s) {extra} under {prefix} (n_routed_experts={cfg.n_routed_experts})")
+        ordered = [experts[e] for e in range(cfg.n_routed_experts)]
+        out[f"{prefix}.w13"] = torch.stack([torch.cat((p["w1"], p["w3"]), 0) for p in ordered])
+        out[f"{prefix}.w2"] = torch.stack([p["w2"] for p in ordered])
+    return out
+
+
+@dataclass(frozen=True, slots=True)
+class LoadedWeights:
+    """Backbone tensors by model parameter name, and the draft-head (`mtp.*`) tensors kept aside."""
+
+    backbone: dict[str, Tensor]
+    draft: dict[str, Tensor]
+
+
+def load_weights(model_dir: str | Path, cfg: DeepseekV4Config) -> LoadedWeights:
+    """Read, dequantise, rename and stack a folder's weights (no checking against a model yet)."""
+    tensors = _dequantize(read_tensors(find_checkpoint(model_dir)), cfg)
+    backbone, draft = {}, {}
+    for key, t in tensors.items():
+        name = to_official(key)
+        (draft if is_draft_key(name) else backbone)[name] = t
+    return LoadedWeights(_stack_experts(backbone, cfg), draft)
+
+
+def load_model(
+    model_dir: str | Path,
+    *,
+    dtype: torch.dtype = torch.float32,
+    device: torch.device | str = "cpu",
+    kv_quant: bool = False,
+    cfg: DeepseekV4Config | None = None,
+) -> DeepseekV4ForCausalLM:
+    """Build the model of `model_dir` and load its weights.
+
+    Raises:
+        ConfigError: bad config.json. WeightError: a missing, unexpected or mis-shaped tensor
+        (nothing is loaded then).
+    """
+    cfg = cfg or DeepseekV4Config.from_model_dir(model_dir)
+    weights = load_weights(model_dir, cfg)
+    with torch.device("meta"):
+        model = DeepseekV4ForCausalLM(cfg, kv_quant=kv_quant)
+    expected = model.state_dict()
+    missing = sorted(set(expected) - set(weights.backbone))
+    if missing:
+        k = missing[0]
+        raise WeightError(f"missing weight {k!r} (expected shape {tuple(expected[k].shape)})"
+                          + (f" and {len(missing) - 1} more" if len(missing) > 1 else ""))
+    unexpected = sorted(set(weights.backbone) - set(expected))
+    if unexpected:
+        raise WeightError(f"unexpected weight(s): {', '.join(unexpected[:5])}")
+    for key, t in weights.backbone.items():
+        if tuple(t.shape) != tuple(expected[key].shape):
+            raise WeightError(f"{key}: shape {tuple(t.shape)} != expected {tuple(expected[key].shape)}")
+    model = model.to_empty(device=device)
+    state = {}
+    for key, t in weights.backbone.items():
+        keep_fp32 = expected[key].dtype == torch.float32 and _is_fp32_param(key)
+        target = torch.int64 if key.endswith("tid2eid") else (torch.float32 if keep_fp32 else dtype)
+        state[key] = t.to(device=device, dtype=target)
+    model.load_state_dict(state, strict=True, assign=True)
+    model.reset_rope()
+    model.draft_weights = weights.draft
+    return model.eval()
+
+
+def _is_fp32_param(key: str) -> bool:
+    """Parameters the model keeps in float32 whatever the compute dtype (norms, mHC, sinks, biases)."""
+    leaf = key.rsplit(".", 1)[-1]
+    return (leaf in ("ape", "attn_sink", "bias") or "norm" in key or key.startswith("hc_head_")
+            or ".hc_" in key)
