@@ -73,10 +73,14 @@ class ModelCache:
         self.state = dict(state)
 
     @classmethod
-    def allocate(cls, spec: CacheSpec, num_blocks: int, num_slots: int, device: torch.device | str = "cpu") -> ModelCache:
+    def allocate(
+        cls, spec: CacheSpec, num_blocks: int, num_slots: int, device: torch.device | str = "cpu"
+    ) -> ModelCache:
         """Separate zeroed tensors per stream and region (tests, and engines without a planner)."""
         paged = {
-            s.name: torch.zeros(num_blocks, spec.block_size // s.tokens_per_row, s.row_dim, dtype=s.dtype, device=device)
+            s.name: torch.zeros(
+                num_blocks, spec.block_size // s.tokens_per_row, s.row_dim, dtype=s.dtype, device=device
+            )
             for s in spec.streams
         }
         state = {r.name: torch.zeros(num_slots, *r.shape, dtype=r.dtype, device=device) for r in spec.states}
@@ -118,7 +122,9 @@ class ModelCache:
         for r in spec.states:
             off = region_offsets[r.name]
             if off + r.num_bytes > slot_bytes:
-                raise ValueError(f"state region {r.name!r} [{off}, {off + r.num_bytes}) exceeds slot_bytes={slot_bytes}")
+                raise ValueError(
+                    f"state region {r.name!r} [{off}, {off + r.num_bytes}) exceeds slot_bytes={slot_bytes}"
+                )
             state[r.name] = slots[:, off:off + r.num_bytes].view(r.dtype).view(num_slots, *r.shape)
         return cls(spec, paged, state)
 

@@ -73,31 +73,41 @@ def read_tensors(files: CheckpointFiles) -> dict[str, Tensor]:
     return out
 
 
+def _scale_key(key: str, raw: dict[str, Tensor]) -> str | None:
+    """The scale tensor that belongs to weight `key`, if the checkpoint has one."""
+    if not key.endswith(".weight"):
+        return None
+    stem = key[: -len(".weight")]
+    return next((stem + s for s in _SCALE_SUFFIXES if stem + s in raw), None)
+
+
 def _dequantize(raw: dict[str, Tensor], cfg: DeepseekV4Config) -> dict[str, Tensor]:
     """Fold scale tensors into their weights; returns float tensors (or integer tables) by key."""
     block = cfg.quant.fp8_block if cfg.quant else 128
+    scale_of = {key: _scale_key(key, raw) for key in raw}
+    scales = {s for s in scale_of.values() if s is not None}
     out: dict[str, Tensor] = {}
-    scales = {k for k in raw if k.endswith(_SCALE_SUFFIXES)}
     for key, t in raw.items():
         if key in scales:
             continue
-        scale_key = next((key[: -len(".weight")] + s for s in _SCALE_SUFFIXES
-                          if key.endswith(".weight") and key[: -len(".weight")] + s in raw), None)
-        if t.dtype == torch.float8_e4m3fn:
-            if scale_key is None:
-                raise WeightError(f"{key}: FP8 weight without a scale tensor")
-            out[key] = dequant_fp8_block(t, raw[scale_key], block)
-        elif t.dtype in (torch.int8, torch.uint8) and scale_key is not None:
-            out[key] = dequant_mxfp4(t, raw[scale_key])
-        else:
-            if scale_key is not None:
-                raise WeightError(f"{key}: has a scale tensor but dtype {t.dtype} is neither FP8 nor packed FP4")
-            out[key] = t
-        if scale_key is not None:
-            scales.discard(scale_key)
-    if scales:
-        raise WeightError(f"scale tensor(s) without a weight: {', '.join(sorted(scales))}")
+        scale_key = scale_of[key]
+        try:
+            out[key] = _dequantize_one(t, raw[scale_key] if scale_key else None, block)
+        except ValueError as err:
+            raise WeightError(f"{key}: {err}") from None
     return out
+
+
+def _dequantize_one(t: Tensor, scale: Tensor | None, block: int) -> Tensor:
+    if t.dtype == torch.float8_e4m3fn:
+        if scale is None:
+            raise ValueError("FP8 weight without a scale tensor")
+        return dequant_fp8_block(t, scale, block)
+    if scale is None:
+        return t
+    if t.dtype in (torch.int8, torch.uint8):
+        return dequant_mxfp4(t, scale)
+    raise ValueError(f"has a scale tensor but dtype {t.dtype} is neither FP8 nor packed FP4")
 
 
 def _stack_experts(tensors: dict[str, Tensor], cfg: DeepseekV4Config) -> dict[str, Tensor]:
@@ -117,7 +127,9 @@ def _stack_experts(tensors: dict[str, Tensor], cfg: DeepseekV4Config) -> dict[st
                     raise WeightError(f"missing {prefix}.{e}.{which}.weight")
         extra = sorted(set(experts) - set(range(cfg.n_routed_experts)))
         if extra:
-            raise WeightError(f"unexpected expert id(s) {extra} under {prefix} (n_routed_experts={cfg.n_routed_experts})")
+            raise WeightError(
+                f"unexpected expert id(s) {extra} under {prefix} (n_routed_experts={cfg.n_routed_experts})"
+            )
         ordered = [experts[e] for e in range(cfg.n_routed_experts)]
         out[f"{prefix}.w13"] = torch.stack([torch.cat((p["w1"], p["w3"]), 0) for p in ordered])
         out[f"{prefix}.w2"] = torch.stack([p["w2"] for p in ordered])

@@ -93,7 +93,7 @@ class Attention(nn.Module):
         batch: ForwardBatch, cache: ModelCache, ops: KernelSet, inv_freq: Tensor, kv_quant: bool,
     ) -> tuple[Tensor, Tensor]:
         """KV rows each query of sequence i attends to: [q, rows, head_dim] and a validity mask."""
-        cfg, window = self.cfg, self.cfg.sliding_window
+        window = self.cfg.sliding_window
         start, q_len = batch.start_positions[i], b - a
         slot = batch.state_slots[i]
         pos = batch.positions[a:b]
@@ -122,7 +122,7 @@ class Attention(nn.Module):
         self, i: int, a: int, b: int, x: Tensor, index_q: Tensor | None, index_w: Tensor | None, table: Tensor,
         slot: Tensor, start: int, pos: Tensor, cache: ModelCache, ops: KernelSet, inv_freq: Tensor, kv_quant: bool,
     ) -> tuple[Tensor, Tensor]:
-        cfg, eps, r, layer = self.cfg, self.cfg.rms_norm_eps, self.ratio, self.layer
+        eps, r, layer = self.cfg.rms_norm_eps, self.ratio, self.layer
         block_size = cache.spec.block_size
         end = start + (b - a)
         paged_kv = cache.paged[f"layers.{layer}.kv"]

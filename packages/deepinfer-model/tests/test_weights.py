@@ -1,0 +1,177 @@
+"""Loading safetensors checkpoints: transformers names, official names, sharding, FP8 and MXFP4."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+import torch
+from hf_twin import Runner, hf_model, twin
+from safetensors.torch import save_file
+
+from deepinfer.model import WeightError, load_model
+
+FP8_BLOCK = 24            # not a divisor of the dims: exercises partial edge blocks
+FP8_KEYS = re.compile(r"\.(wq_a|wq_b|wkv|wo_a|wo_b)\.weight$|shared_experts\.w[123]\.weight$")
+E2M1 = [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0]
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    hf, raw = hf_model(seed=3, moe_intermediate_size=64)
+    raw = {**raw, "quantization_config": {"quant_method": "fp8", "weight_block_size": [FP8_BLOCK, FP8_BLOCK]},
+           "expert_dtype": "fp4"}
+    return hf, raw, twin(hf, raw)
+
+
+def _write_config(path, raw) -> None:
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "config.json").write_text(json.dumps(raw))
+
+
+def _fp8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Quantise w [out, in] with power-of-two block scales: (e4m3 weight, e8m0 scale, dequantised)."""
+    out_dim, in_dim = w.shape
+    rows, cols = -(-out_dim // FP8_BLOCK), -(-in_dim // FP8_BLOCK)
+    scale = torch.empty(rows, cols)
+    deq = torch.empty_like(w)
+    q = torch.empty(out_dim, in_dim, dtype=torch.float8_e4m3fn)
+    for i in range(rows):
+        for j in range(cols):
+            blk = w[i * FP8_BLOCK:(i + 1) * FP8_BLOCK, j * FP8_BLOCK:(j + 1) * FP8_BLOCK]
+            s = 2.0 ** torch.ceil(torch.log2(blk.abs().max() / 448.0)).item()
+            qb = (blk / s).to(torch.float8_e4m3fn)
+            q[i * FP8_BLOCK:(i + 1) * FP8_BLOCK, j * FP8_BLOCK:(j + 1) * FP8_BLOCK] = qb
+            deq[i * FP8_BLOCK:(i + 1) * FP8_BLOCK, j * FP8_BLOCK:(j + 1) * FP8_BLOCK] = qb.float() * s
+            scale[i, j] = s
+    return q, scale.to(torch.float8_e8m0fnu), deq
+
+
+def _mxfp4(shape: tuple[int, int], gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Random MXFP4 weight: (packed int8 [out, in/2], e8m0 scale [out, in/32], its float value)."""
+    out_dim, in_dim = shape
+    codes = torch.randint(0, 16, (out_dim, in_dim), generator=gen)
+    exps = torch.randint(-9, -4, (out_dim, in_dim // 32), generator=gen)
+    value = torch.empty(out_dim, in_dim)
+    for i in range(out_dim):
+        for j in range(in_dim):
+            c = int(codes[i, j])
+            mag = E2M1[c & 7] * 2.0 ** int(exps[i, j // 32])
+            value[i, j] = -mag if c & 8 else mag
+    packed = (codes[:, 0::2] | (codes[:, 1::2] << 4)).to(torch.uint8).view(torch.int8)
+    return packed, (exps + 127).to(torch.uint8).view(torch.float8_e8m0fnu), value
+
+
+def _official_checkpoint(model, gen):
+    """Official-name tensors (per-expert, FP8 dense, MXFP4 experts) and the dequantised state."""
+    tensors, deq_state = {}, {}
+    for key, t in model.state_dict().items():
+        t = t.detach().clone()
+        m = re.match(r"(layers\.\d+\.ffn\.experts)\.(w13|w2)$", key)
+        if m:
+            prefix, which = m.groups()
+            stacked = []
+            for e in range(t.shape[0]):
+                if which == "w13":
+                    inter = t.shape[1] // 2
+                    halves = []
+                    for part in ("w1", "w3"):
+                        packed, scale, value = _mxfp4((inter, t.shape[2]), gen)
+                        tensors[f"{prefix}.{e}.{part}.weight"], tensors[f"{prefix}.{e}.{part}.scale"] = packed, scale
+                        halves.append(value)
+                    stacked.append(torch.cat(halves))
+                else:
+                    packed, scale, value = _mxfp4(tuple(t.shape[1:]), gen)
+                    tensors[f"{prefix}.{e}.w2.weight"], tensors[f"{prefix}.{e}.w2.scale"] = packed, scale
+                    stacked.append(value)
+            deq_state[key] = torch.stack(stacked)
+        elif FP8_KEYS.search(key):
+            q, scale, value = _fp8(t)
+            tensors[key], tensors[key[: -len("weight")] + "scale"] = q, scale
+            deq_state[key] = value
+        else:
+            tensors[key] = t
+            deq_state[key] = t
+    return tensors, deq_state
+
+
+def test_sharded_official_fp8_mxfp4_matches_dequantised_twin(tiny, tmp_path) -> None:
+    hf, raw, ours = tiny
+    tensors, deq_state = _official_checkpoint(ours, torch.Generator().manual_seed(0))
+    tensors["mtp.0.enorm.weight"] = torch.ones(64)           # draft-head weights are kept aside
+    keys = sorted(tensors)
+    shards = {f"model-0000{i + 1}-of-00003.safetensors": keys[i::3] for i in range(3)}
+    _write_config(tmp_path, raw)
+    weight_map = {}
+    for name, shard_keys in shards.items():
+        save_file({k: tensors[k].contiguous() for k in shard_keys}, str(tmp_path / name))
+        weight_map.update({k: name for k in shard_keys})
+    (tmp_path / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    loaded = load_model(tmp_path)
+    for key, value in deq_state.items():
+        torch.testing.assert_close(loaded.state_dict()[key].float(), value.float(), atol=0, rtol=0, msg=key)
+    assert set(loaded.draft_weights) == {"mtp.0.enorm.weight"}
+    twin_model = type(ours)(ours.cfg)
+    twin_model.load_state_dict(deq_state)
+    ids = list(range(5, 40))
+    torch.testing.assert_close(Runner(loaded).step({1: ids})[0], Runner(twin_model.eval()).step({1: ids})[0],
+                               atol=0, rtol=0)
+
+
+def test_transformers_names_single_file(tiny, tmp_path) -> None:
+    hf, raw, ours = tiny
+    _write_config(tmp_path, {k: v for k, v in raw.items() if k not in ("quantization_config", "expert_dtype")})
+    save_file({k: v.contiguous() for k, v in hf.state_dict().items()}, str(tmp_path / "model.safetensors"))
+    loaded = load_model(tmp_path)
+    ids = list(range(3, 30))
+    torch.testing.assert_close(Runner(loaded).step({1: ids})[0], Runner(ours).step({1: ids})[0], atol=0, rtol=0)
+
+
+def test_bfloat16_load_keeps_fp32_params(tiny, tmp_path) -> None:
+    hf, raw, ours = tiny
+    _write_config(tmp_path, {k: v for k, v in raw.items() if k not in ("quantization_config", "expert_dtype")})
+    save_file({k: v.contiguous() for k, v in ours.state_dict().items()}, str(tmp_path / "model.safetensors"))
+    loaded = load_model(tmp_path, dtype=torch.bfloat16)
+    assert loaded.layers[0].attn.wq_a.weight.dtype == torch.bfloat16
+    assert loaded.layers[0].hc_attn_fn.dtype == torch.float32 and loaded.layers[1].attn.attn_sink.dtype == torch.float32
+    assert loaded.layers[0].ffn.gate.tid2eid.dtype == torch.int64
+
+
+def _save_state(path, raw, state) -> None:
+    _write_config(path, {k: v for k, v in raw.items() if k not in ("quantization_config", "expert_dtype")})
+    save_file({k: v.contiguous() for k, v in state.items()}, str(path / "model.safetensors"))
+
+
+def test_missing_weight_names_key_and_shape(tiny, tmp_path) -> None:
+    hf, raw, ours = tiny
+    state = dict(ours.state_dict())
+    del state["layers.2.attn.compressor.ape"]
+    _save_state(tmp_path, raw, state)
+    with pytest.raises(WeightError, match=r"layers\.2\.attn\.compressor\.ape.*\(8, 32\)"):
+        load_model(tmp_path)
+
+
+def test_misshaped_and_unexpected_weights(tiny, tmp_path) -> None:
+    hf, raw, ours = tiny
+    state = dict(ours.state_dict())
+    state["layers.0.attn.wkv.weight"] = torch.zeros(31, 64)
+    _save_state(tmp_path / "a", raw, state)
+    with pytest.raises(WeightError, match=r"layers\.0\.attn\.wkv\.weight: shape \(31, 64\) != expected \(32, 64\)"):
+        load_model(tmp_path / "a")
+    state = {**ours.state_dict(), "layers.0.attn.surprise": torch.zeros(2)}
+    _save_state(tmp_path / "b", raw, state)
+    with pytest.raises(WeightError, match=r"unexpected weight\(s\): layers\.0\.attn\.surprise"):
+        load_model(tmp_path / "b")
+
+
+def test_only_safetensors_are_read(tiny, tmp_path) -> None:
+    hf, raw, ours = tiny
+    _write_config(tmp_path, raw)
+    torch.save(ours.state_dict(), tmp_path / "pytorch_model.bin")
+    with pytest.raises(WeightError, match="no model.safetensors"):
+        load_model(tmp_path)
+    index = {"weight_map": {"embed.weight": "gone.safetensors"}}
+    (tmp_path / "model.safetensors.index.json").write_text(json.dumps(index))
+    with pytest.raises(WeightError, match="shard 'gone.safetensors' does not exist"):
+        load_model(tmp_path)
