@@ -1,0 +1,47 @@
+"""DeepInfer cache: block and state-slot managers and the KV/state byte layout planner.
+
+`BlockManager` (Cython) hands out paged KV block ids, and through `BlockManager.for_state_slots`
+per-sequence state slots, from an array-backed doubly linked free list with a refcount per block;
+id 0 is reserved. `plan_paged_layout` / `plan_state_layout` decide where every paged KV stream and
+every per-sequence state region live inside one uint8 buffer each. No torch: the engine allocates
+the buffers. The only environment variable read here is DEEPINFER_NUM_STATE_SLOTS_RATIO (by
+`BlockManager.for_state_slots` when given no ratio).
+"""
+
+from importlib.metadata import PackageNotFoundError, version
+
+try:
+    from ._block_pool import BlockManager
+except ImportError as error:  # pragma: no cover - only on a source tree that was never built
+    raise ImportError(
+        "deepinfer.cache._block_pool (Cython) is not built; install the package with "
+        "`pip install packages/deepinfer-cache` or `pip install -e packages/deepinfer-cache`"
+    ) from error
+from .layout import (
+    PagedLayout,
+    PagedStream,
+    RegionPlacement,
+    StateLayout,
+    StateRegion,
+    StreamPlacement,
+    plan_paged_layout,
+    plan_state_layout,
+)
+
+try:
+    __version__ = version("deepinfer-cache")
+except PackageNotFoundError:  # pragma: no cover - imported from a source tree, not installed
+    __version__ = "0.0.0+unknown"
+
+__all__ = [
+    "BlockManager",
+    "PagedLayout",
+    "PagedStream",
+    "RegionPlacement",
+    "StateLayout",
+    "StateRegion",
+    "StreamPlacement",
+    "__version__",
+    "plan_paged_layout",
+    "plan_state_layout",
+]

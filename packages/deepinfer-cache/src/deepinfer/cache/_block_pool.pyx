@@ -1,0 +1,276 @@
+# cython: language_level=3, boundscheck=False, wraparound=False, initializedcheck=False
+"""Cython BlockManager: block ids from an array-backed doubly linked free list, with refcounts.
+
+Twin: deepinfer/cache/_pure/block_pool.py (same API, ids and errors; both run on the same tests).
+Every mutating call validates the whole request before it commits: a rejected call changes nothing.
+The list walks run without the GIL; a manager still has one owner thread (it is not locked).
+"""
+
+from cpython.mem cimport PyMem_Free, PyMem_Malloc
+from libc.stdint cimport int32_t, int64_t
+
+from ._free_list cimport (
+    NOT_LINKED,
+    FreeList,
+    add_refs,
+    id_range,
+    pop_head,
+    release,
+)
+
+import numpy as np
+
+from ._slots import as_id_array, check_count, check_num_blocks, resolve_state_slots
+
+cdef extern from *:
+    """
+    #ifndef DEEPINFER_CACHE_SOURCE_SHA256
+    #define DEEPINFER_CACHE_SOURCE_SHA256 "unknown"
+    #endif
+    """
+    const char* DEEPINFER_CACHE_SOURCE_SHA256
+
+# sha256 of _block_pool.pyx + every .pxd of the package as built (set by hatch_build.py); a test
+# compares it with the source tree to catch a stale in-place build.
+SOURCE_SHA256 = DEEPINFER_CACHE_SOURCE_SHA256.decode("ascii")
+
+_np_empty = np.empty
+_np_int32 = np.int32
+_np_ndarray = np.ndarray
+
+
+cdef class BlockManager:
+    """Hands out block ids 1..num_blocks-1 with refcounts; block 0 is reserved (the dummy block).
+
+    Args:
+        num_blocks: blocks in the pool, block 0 included; in [2, 2**31 - 1].
+
+    Raises:
+        ValueError: num_blocks is not an int in that range.
+        MemoryError: the three int32 arrays of num_blocks + 1 entries cannot be allocated.
+    """
+
+    def __cinit__(self, num_blocks):
+        cdef int32_t total = check_num_blocks(num_blocks)
+        cdef size_t num_bytes = (<size_t>total + 1) * sizeof(int32_t)
+        cdef Py_ssize_t i
+        self._list.num_blocks = total
+        self._list.ref_counts = <int32_t*>PyMem_Malloc(num_bytes)
+        self._list.next_free = <int32_t*>PyMem_Malloc(num_bytes)
+        self._list.prev_free = <int32_t*>PyMem_Malloc(num_bytes)
+        if not (self._list.ref_counts and self._list.next_free and self._list.prev_free):
+            raise MemoryError(f"cannot allocate the free list of num_blocks={total}")
+        with nogil:
+            for i in range(total):
+                self._list.ref_counts[i] = 0
+                self._list.next_free[i] = <int32_t>(i + 1)
+                self._list.prev_free[i] = <int32_t>(i - 1)
+            self._list.ref_counts[total] = 0
+            self._list.prev_free[total] = total - 1
+            self._list.next_free[0] = NOT_LINKED
+            self._list.prev_free[0] = NOT_LINKED
+            self._list.next_free[total] = 1
+            self._list.prev_free[1] = total
+            self._list.num_free = total - 1
+
+    def __dealloc__(self):
+        PyMem_Free(self._list.ref_counts)
+        PyMem_Free(self._list.next_free)
+        PyMem_Free(self._list.prev_free)
+
+    @classmethod
+    def for_state_slots(cls, max_num_seqs, ratio=None):
+        """A manager of int(max_num_seqs * ratio) + 1 state slots (slot 0 is the dummy slot).
+
+        Args:
+            max_num_seqs: most sequences running at once, >= 1.
+            ratio: slots per sequence, a finite float > 0. None reads the environment variable
+                DEEPINFER_NUM_STATE_SLOTS_RATIO if set (the only env var the cache package reads),
+                else 1.2.
+
+        Raises:
+            ValueError: a bad max_num_seqs, ratio or DEEPINFER_NUM_STATE_SLOTS_RATIO, or a product
+                that leaves no usable slot.
+        """
+        return cls(resolve_state_slots(max_num_seqs, ratio))
+
+    @property
+    def num_blocks(self):
+        """Blocks in the pool, reserved block 0 included."""
+        return self._list.num_blocks
+
+    @property
+    def num_free(self):
+        """Blocks on the free list (refcount 0), block 0 excluded."""
+        return self._list.num_free
+
+    @property
+    def usage(self):
+        """Fraction of the usable blocks (1..num_blocks-1) in use, in [0, 1]."""
+        cdef double num_usable = self._list.num_blocks - 1
+        return (num_usable - self._list.num_free) / num_usable
+
+    def can_allocate(self, num):
+        """True if allocate(num) would succeed. Raises ValueError if num < 0."""
+        if type(num) is not int or num < 0:
+            num = check_count("num", num)
+        return num <= self._list.num_free
+
+    def ref_count(self, block_id):
+        """References held on block_id (0 = free); block 0 always reports 0.
+
+        Raises:
+            ValueError: block_id outside [0, num_blocks).
+        """
+        if isinstance(block_id, bool) or not isinstance(block_id, (int, np.integer)):
+            raise ValueError(f"block_id must be an int, got {type(block_id).__name__}")
+        if not 0 <= block_id < self._list.num_blocks:
+            raise ValueError(f"block_id={block_id} out of range [0, {self._list.num_blocks})")
+        return self._list.ref_counts[<int32_t>block_id]
+
+    def allocate(self, num):
+        """Takes num blocks from the head of the free list, each with refcount 1.
+
+        Returns:
+            [num] int32 block ids in free-list order (never 0); allocate(0) gives an empty array.
+
+        Raises:
+            ValueError: num < 0 or num > num_free; nothing is changed.
+        """
+        if type(num) is not int or num < 0:
+            num = check_count("num", num)
+        if num > self._list.num_free:
+            raise ValueError(f"num={num} exceeds the {self._list.num_free} free blocks")
+        cdef Py_ssize_t count = num
+        out = _np_empty(count, dtype=_np_int32)
+        cdef int32_t[::1] view = out
+        if count:
+            with nogil:
+                pop_head(&self._list, &view[0], count)
+        return out
+
+    def free(self, block_ids):
+        """Drops one reference per listed id, in order; a block reaching 0 joins the free list's tail.
+
+        Args:
+            block_ids: 1-D integer ids; an id may repeat as often as it has references.
+
+        Returns:
+            Number of blocks that went back to the free list.
+
+        Raises:
+            ValueError: id 0, an id outside [1, num_blocks), a free block, or an id listed more
+                times than its refcount; nothing is changed.
+        """
+        ids = self._checked(block_ids)
+        cdef const int32_t[::1] view = ids
+        cdef Py_ssize_t bad = -1
+        cdef Py_ssize_t num_released = 0
+        if view.shape[0] == 0:
+            return 0
+        with nogil:
+            bad = release(&self._list, &view[0], view.shape[0], &num_released)
+        if bad >= 0:
+            block = int(ids[bad])
+            times = int((ids == block).sum())
+            raise ValueError(
+                f"block {block} is freed {times} time(s) but holds {self._list.ref_counts[block]} "
+                "reference(s) (unallocated block or duplicate id)"
+            )
+        return num_released
+
+    def pin(self, block_ids):
+        """Adds one reference per listed id (sharing, e.g. a forked sequence).
+
+        Args:
+            block_ids: 1-D integer ids of allocated blocks; repeats add one reference each.
+
+        Raises:
+            ValueError: id 0, an id outside [1, num_blocks), a free block, or a refcount that would
+                overflow int32; nothing is changed.
+        """
+        ids = self._checked(block_ids)
+        cdef const int32_t[::1] view = ids
+        cdef Py_ssize_t bad = -1
+        if view.shape[0] == 0:
+            return
+        with nogil:
+            bad = add_refs(&self._list, &view[0], view.shape[0])
+        if bad >= 0:
+            block = int(ids[bad])
+            held = self._list.ref_counts[block]
+            if held == 0:
+                raise ValueError(f"block {block} is not allocated (refcount 0); cannot pin it")
+            times = int((ids == block).sum())
+            raise ValueError(f"block {block}: refcount {held} + {times} overflows int32")
+
+    def free_block_ids(self):
+        """[num_free] int32 ids on the free list, head (next handed out) first."""
+        out = _np_empty(self._list.num_free, dtype=_np_int32)
+        cdef int32_t[::1] view = out
+        cdef int32_t sentinel = self._list.num_blocks
+        cdef int32_t block = self._list.next_free[sentinel]
+        cdef Py_ssize_t i = 0
+        with nogil:
+            while block != sentinel and i < view.shape[0]:
+                view[i] = block
+                i += 1
+                block = self._list.next_free[block]
+        return out
+
+    def check_integrity(self):
+        """Walks the free list both ways and checks every invariant; O(num_blocks), for idle time.
+
+        Raises:
+            RuntimeError: a broken link, a count mismatch, or a listed block with a refcount.
+        """
+        cdef FreeList* fl = &self._list
+        cdef int32_t sentinel = fl.num_blocks
+        cdef int32_t block, previous
+        cdef int64_t seen = 0
+        if fl.ref_counts[0] != 0 or fl.next_free[0] != NOT_LINKED or fl.prev_free[0] != NOT_LINKED:
+            raise RuntimeError("block 0 must stay unreferenced and off the free list")
+        block = fl.next_free[sentinel]
+        previous = sentinel
+        while block != sentinel:
+            if (not 1 <= block < sentinel or fl.prev_free[block] != previous or fl.ref_counts[block] != 0
+                    or seen >= sentinel):
+                raise RuntimeError(f"free list broken at block {block}")
+            seen += 1
+            previous = block
+            block = fl.next_free[block]
+        if fl.prev_free[sentinel] != previous or seen != fl.num_free:
+            raise RuntimeError(f"free list holds {seen} blocks, num_free={fl.num_free}")
+        for block in range(1, sentinel):
+            linked = fl.next_free[block] != NOT_LINKED
+            if fl.ref_counts[block] < 0 or linked != (fl.ref_counts[block] == 0):
+                raise RuntimeError(
+                    f"block {block}: refcount {fl.ref_counts[block]}, on free list: {linked}"
+                )
+
+    def __repr__(self):
+        return f"BlockManager(num_blocks={self._list.num_blocks}, num_free={self._list.num_free})"
+
+    cdef object _checked(self, object block_ids):
+        """Block ids as a contiguous 1-D int32 array, all in [1, num_blocks)."""
+        cdef int64_t low, high
+        cdef const int32_t[::1] view
+        if (type(block_ids) is _np_ndarray and block_ids.dtype == _np_int32 and block_ids.ndim == 1
+                and block_ids.flags.c_contiguous):
+            view = block_ids
+            if view.shape[0] == 0:
+                return block_ids
+            id_range(&view[0], view.shape[0], &low, &high)
+            _check_range(low, high, self._list.num_blocks)
+            return block_ids
+        ids = as_id_array(block_ids)  # int64; range-checked before the narrowing cast
+        if ids.shape[0]:
+            _check_range(int(ids.min()), int(ids.max()), self._list.num_blocks)
+        return ids.astype(_np_int32)
+
+
+cdef inline _check_range(int64_t low, int64_t high, int32_t num_blocks):
+    if low == 0:
+        raise ValueError("block 0 is reserved and never handed out; it cannot be freed or pinned")
+    if low < 1 or high >= num_blocks:
+        raise ValueError(f"block id {low if low < 1 else high} out of range [1, {num_blocks})")

@@ -1,0 +1,128 @@
+"""ModelRunner: owns the model and its cache memory, turns scheduler steps into model batches."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from math import lcm
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from deepinfer.cache import PagedStream, StateRegion, plan_paged_layout, plan_state_layout
+from deepinfer.model import DeepseekV4ForCausalLM, ForwardBatch, ModelCache
+from deepinfer.sched import SchedulerOutput, StepKind
+
+
+@dataclass(frozen=True, slots=True)
+class CachePlan:
+    """How the cache memory was sized (reported by the engine)."""
+
+    block_size: int
+    num_kv_blocks: int
+    num_state_slots: int
+    paged_bytes: int
+    state_bytes: int
+    state_size_to_disk: int
+
+
+@dataclass(frozen=True, slots=True)
+class StepBatch:
+    """A scheduler step turned into model input, plus which sequence each logits row belongs to."""
+
+    batch: ForwardBatch
+    sample_seq_ids: tuple[str, ...]     # sequences to sample, in logits-row order
+    logits_rows: Tensor                 # [len(sample_seq_ids)] rows of the forward's logits
+
+
+def default_block_size(model: DeepseekV4ForCausalLM) -> int:
+    """The smallest multiple of every compress ratio that is ≥ 64 tokens."""
+    grain = lcm(*[r for r in model.cfg.compress_ratios if r] or [1])
+    return grain * max(1, -(-64 // grain))
+
+
+class ModelRunner:
+    """Allocates the paged KV and state buffers through deepinfer.cache's planner and runs forwards.
+
+    Args:
+        model: the loaded model (on its device).
+        block_size: tokens per paged block.
+        num_kv_blocks / budget_bytes: size the paged buffer by block count or by bytes (one of them).
+        num_state_slots: state slots (slot 0 the dummy).
+        max_backtracking: spare ring slots for rejected draft tokens.
+    """
+
+    def __init__(
+        self,
+        model: DeepseekV4ForCausalLM,
+        *,
+        block_size: int,
+        num_kv_blocks: int | None,
+        budget_bytes: int | None,
+        num_state_slots: int,
+        max_backtracking: int,
+    ) -> None:
+        self.model = model
+        self.device = model.embed.weight.device
+        spec = model.cache_spec(block_size, max_backtracking)
+        streams = [PagedStream(s.name, s.bytes_per_row, s.tokens_per_row) for s in spec.streams]
+        if streams:
+            paged = plan_paged_layout(streams, block_size, num_blocks=num_kv_blocks,
+                                      budget_bytes=None if num_kv_blocks else budget_bytes)
+            num_blocks, paged_bytes = paged.num_blocks, paged.total_bytes
+            offsets = {name: p.offset for name, p in paged.streams.items()}
+        else:                      # a model of sliding-window layers only has no paged stream
+            num_blocks, paged_bytes, offsets = num_kv_blocks or 2, 0, {}
+        if num_blocks < 2:
+            raise ValueError(f"the KV budget holds {num_blocks} block(s); at least 2 are needed (block 0 is reserved)")
+        state = plan_state_layout([StateRegion(r.name, r.num_bytes, r.stored) for r in spec.states], num_state_slots)
+        paged_buffer = torch.zeros(paged_bytes, dtype=torch.uint8, device=self.device)
+        state_buffer = torch.zeros(state.total_bytes, dtype=torch.uint8, device=self.device)
+        self.cache = ModelCache.from_buffers(
+            spec, paged_buffer, offsets, num_blocks, state_buffer,
+            {name: r.offset for name, r in state.regions.items()}, num_state_slots, state.slot_bytes,
+        )
+        self.plan = CachePlan(block_size, num_blocks, num_state_slots, paged_bytes, state.total_bytes,
+                              state.state_size_to_disk)
+
+    def apply_cache_ops(self, out: SchedulerOutput) -> None:
+        """Copy-on-write clones and zeroing the scheduler asked for (before the forward)."""
+        if len(out.clone_states):
+            pairs = torch.as_tensor(np.asarray(out.clone_states), dtype=torch.int64, device=self.device)
+            self.cache.copy_slots(pairs[:, 0], pairs[:, 1])
+        if len(out.clone_blocks):
+            pairs = torch.as_tensor(np.asarray(out.clone_blocks), dtype=torch.int64, device=self.device)
+            self.cache.copy_blocks(pairs[:, 0], pairs[:, 1])
+        if len(out.zero_states):
+            self.cache.zero_slots(torch.as_tensor(np.asarray(out.zero_states), dtype=torch.int64, device=self.device))
+
+    def prepare(self, out: SchedulerOutput) -> StepBatch | None:
+        """The model batch of a PREFILL or DECODE step (None for empty / idle steps)."""
+        if out.kind is StepKind.PREFILL and out.prefill:
+            chunks = out.prefill
+            batch = ForwardBatch.build(
+                [c.token_ids.tolist() for c in chunks], [c.start for c in chunks],
+                [c.block_table.tolist() for c in chunks], [c.state_slot for c in chunks],
+                logits="last", device=self.device,
+            )
+            done = [i for i, c in enumerate(chunks) if c.completes_prefill]
+            return StepBatch(batch, tuple(chunks[i].seq_id for i in done),
+                             torch.tensor(done, dtype=torch.int64, device=self.device))
+        if out.kind is StepKind.DECODE and out.decode is not None and out.decode.num_seqs:
+            d = out.decode
+            query_lens, seq_lens = d.query_lens.tolist(), d.seq_lens.tolist()
+            if any(q != 1 for q in query_lens):   # nextn = 0 until speculative decoding lands
+                raise ValueError(f"decode query lengths {query_lens} must all be 1 (nextn=0)")
+            batch = ForwardBatch.build(
+                [[t] for t in d.last_token_ids.tolist()], [s - 1 for s in seq_lens],
+                [row.tolist() for row in d.block_tables], d.state_slots.tolist(),
+                logits="last", device=self.device,
+            )
+            return StepBatch(batch, tuple(d.seq_ids), torch.arange(d.num_seqs, device=self.device))
+        return None
+
+    @torch.no_grad()
+    def forward(self, step: StepBatch) -> Tensor:
+        """Run the model; returns float32 logits [len(step.sample_seq_ids), vocab]."""
+        logits = self.model(step.batch, self.cache)
+        return logits[step.logits_rows]

@@ -1,0 +1,111 @@
+"""What a request gives back: `RequestOutput` holding one `CompletionOutput` per sample.
+
+Finish reasons are plain strings (the OpenAI vocabulary plus three of ours):
+
+- ``"stop"``: EOS, a stop token id or a stop string ended the output (`stop_reason` says which).
+- ``"length"``: `max_tokens` or the model's max_model_len was reached.
+- ``"abort"``: the user aborted the request.
+- ``"preempted"``: the scheduler ran out of KV blocks and finished the request instead of
+  recomputing it (DESIGN.md §4, ``stop_preempted_request``).
+- ``"ignored"``: the request was never run (prompt too long, grammar failed to compile, ...). The
+  reason is a separate field, `ignored_reason`, rather than a suffix of the finish reason, so that a
+  client can compare finish reasons with ``==`` against the constants below and still read why.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+FINISH_STOP = "stop"
+FINISH_LENGTH = "length"
+FINISH_ABORT = "abort"
+FINISH_PREEMPTED = "preempted"
+FINISH_IGNORED = "ignored"
+FINISH_REASONS = frozenset({FINISH_STOP, FINISH_LENGTH, FINISH_ABORT, FINISH_PREEMPTED, FINISH_IGNORED})
+
+
+class InvalidOutput(ValueError):
+    """An output was built with inconsistent fields; the message names the field."""
+
+
+@dataclass(frozen=True, slots=True)
+class CompletionOutput:
+    """One generated sample of a request, as of the step that produced it.
+
+    Attributes:
+        index: which sample of the request (0 for a request with one sample).
+        text: the output text so far; stop strings are cut unless include_stop_str_in_output.
+        token_ids: the output token ids so far (a stop token id or EOS that ended it included).
+        finish_reason: None while running, else one of `FINISH_REASONS`.
+        logprobs: None unless SamplingParams.logprobs was set; else one dict per entry of token_ids
+            mapping token id -> logprob (float, of the model's raw distribution) holding the
+            sampled token and the SamplingParams.logprobs most likely alternatives.
+        stop_reason: for finish_reason "stop", the stop string (str) or the stop token id (int) that
+            ended the output; None when EOS ended it or the output did not stop.
+        ignored_reason: for finish_reason "ignored", why the request was not run; else None.
+    """
+
+    index: int
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None = None
+    logprobs: list[dict[int, float]] | None = None
+    stop_reason: str | int | None = None
+    ignored_reason: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.index < 0:
+            raise InvalidOutput(f"index={self.index} must be >= 0")
+        if self.finish_reason is not None and self.finish_reason not in FINISH_REASONS:
+            allowed = ", ".join(sorted(FINISH_REASONS))
+            raise InvalidOutput(f"finish_reason={self.finish_reason!r} must be None or one of {allowed}")
+        if (self.finish_reason == FINISH_IGNORED) != (self.ignored_reason is not None):
+            raise InvalidOutput(
+                f"ignored_reason={self.ignored_reason!r} must be set exactly when finish_reason is "
+                f"'ignored' (finish_reason={self.finish_reason!r})"
+            )
+        if self.stop_reason is not None and self.finish_reason != FINISH_STOP:
+            raise InvalidOutput(
+                f"stop_reason={self.stop_reason!r} must be None unless finish_reason is 'stop' "
+                f"(finish_reason={self.finish_reason!r})"
+            )
+        if self.logprobs is not None and len(self.logprobs) != len(self.token_ids):
+            raise InvalidOutput(
+                f"len(logprobs)={len(self.logprobs)} must equal len(token_ids)={len(self.token_ids)}"
+            )
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass(frozen=True, slots=True)
+class RequestOutput:
+    """The state of one request after an engine step.
+
+    Attributes:
+        request_id: the id the request was submitted with.
+        prompt: the prompt text, or None when the request gave token ids only.
+        prompt_token_ids: the prompt as token ids.
+        outputs: one `CompletionOutput` per sample, in index order.
+        finished: True once every sample has a finish reason (checked).
+    """
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool
+
+    def __post_init__(self) -> None:
+        if not self.outputs:
+            raise InvalidOutput(f"outputs of request {self.request_id!r} must hold at least one sample")
+        for position, output in enumerate(self.outputs):
+            if output.index != position:
+                raise InvalidOutput(f"outputs[{position}].index={output.index} must be {position}")
+        all_finished = all(output.finished for output in self.outputs)
+        if self.finished != all_finished:
+            raise InvalidOutput(
+                f"finished={self.finished} must equal whether every output has a finish_reason "
+                f"({all_finished}) for request {self.request_id!r}"
+            )

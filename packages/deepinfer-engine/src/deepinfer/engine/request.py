@@ -1,0 +1,112 @@
+"""Per-request state inside the engine: outputs so far, detokenization and stop conditions."""
+
+from __future__ import annotations
+
+from .outputs import (
+    FINISH_ABORT,
+    FINISH_IGNORED,
+    FINISH_LENGTH,
+    FINISH_PREEMPTED,
+    FINISH_STOP,
+    CompletionOutput,
+    RequestOutput,
+)
+from .sampler import RequestRng
+from .sampling_params import SamplingParams
+from .tokenizer import IncrementalDetokenizer, StopStringChecker, Tokenizer
+
+
+class Request:
+    """One request's mutable state; only the engine touches it.
+
+    Stop conditions, checked after each sampled token in this order: a stop string in the text
+    (once min_tokens outputs exist), EOS (unless ignore_eos), a stop token id, then the length
+    limits (max_tokens, or max_model_len counting the prompt).
+    """
+
+    def __init__(
+        self,
+        request_id: str,
+        prompt: str | None,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        tokenizer: Tokenizer | None,
+        *,
+        eos_token_ids: tuple[int, ...],
+        max_model_len: int,
+        device: str,
+    ) -> None:
+        self.request_id = request_id
+        self.prompt = prompt
+        self.prompt_token_ids = prompt_token_ids
+        self.params = params
+        self.rng = RequestRng.for_params(params, device)
+        self.detok = IncrementalDetokenizer(tokenizer) if tokenizer is not None else None
+        self.stops = StopStringChecker(params.stop, include_stop_str_in_output=params.include_stop_str_in_output)
+        self.eos_token_ids = () if params.ignore_eos else eos_token_ids
+        self.max_model_len = max_model_len
+        self.output_token_ids: list[int] = []
+        self.logprobs: list[dict[int, float]] | None = [] if params.logprobs is not None else None
+        self.finish_reason: str | None = None
+        self.stop_reason: str | int | None = None
+        self.ignored_reason: str | None = None
+
+    @property
+    def max_tokens(self) -> int:
+        """Output tokens allowed: SamplingParams.max_tokens, capped by max_model_len − prompt."""
+        room = max(1, self.max_model_len - len(self.prompt_token_ids))
+        return room if self.params.max_tokens is None else min(self.params.max_tokens, room)
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    def add_token(self, token_id: int, logprobs: dict[int, float] | None) -> None:
+        """Record one sampled token and decide whether the request is done."""
+        self.output_token_ids.append(token_id)
+        if self.logprobs is not None and logprobs is not None:
+            self.logprobs.append(logprobs)
+        num_out = len(self.output_token_ids)
+        may_stop = num_out >= self.params.min_tokens
+        if self.detok is not None:
+            update = self.stops.add(self.detok.add([token_id]), allow_stop=may_stop)
+            if update.stopped:
+                self._finish(FINISH_STOP, update.stop_str)
+                return
+        if may_stop and token_id in self.eos_token_ids:
+            self._finish(FINISH_STOP, None)
+        elif may_stop and token_id in self.params.stop_token_ids:
+            self._finish(FINISH_STOP, token_id)
+        elif num_out >= self.max_tokens:
+            self._finish(FINISH_LENGTH, None)
+
+    def abort(self) -> None:
+        self._finish(FINISH_ABORT, None)
+
+    def preempt(self) -> None:
+        self._finish(FINISH_PREEMPTED, None)
+
+    def ignore(self, reason: str) -> None:
+        self.ignored_reason = reason
+        self._finish(FINISH_IGNORED, None)
+
+    def _finish(self, reason: str, stop_reason: str | int | None) -> None:
+        if self.finished:
+            return
+        self.finish_reason, self.stop_reason = reason, stop_reason
+        if self.detok is not None and self.stops.stop_str is None:
+            tail = self.detok.finish()
+            self.stops.add(tail, allow_stop=False)
+            self.stops.finish()
+
+    def to_output(self) -> RequestOutput:
+        completion = CompletionOutput(
+            index=0,
+            text=self.stops.text,
+            token_ids=list(self.output_token_ids),
+            finish_reason=self.finish_reason,
+            logprobs=None if self.logprobs is None else list(self.logprobs),
+            stop_reason=self.stop_reason,
+            ignored_reason=self.ignored_reason,
+        )
+        return RequestOutput(self.request_id, self.prompt, list(self.prompt_token_ids), [completion], self.finished)

@@ -1,0 +1,114 @@
+"""Worker: executes one engine step in the order of DESIGN.md §3.
+
+`execute_model_step` always (1) launches the forward of step N, (2) post-processes step N−1 (only
+now waiting for its sampling), (3) launches sampling of step N, (4) runs the `pre_sampler_sync` hook,
+then post-processes N at once (prefill steps, or ZOS off) or keeps it for the next call (ZOS decode).
+ZOS is off in this version, so step N is always post-processed in the same call; the N / N−1 split is
+already in place so ZOS slots in without a rewrite.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from .model_runner import ModelRunner, StepBatch
+from .sampler import Sampler, SamplerOutput, build_sampling_batch
+from .sampling_params import SamplingParams
+from .sampler import RequestRng
+
+
+@dataclass(frozen=True, slots=True)
+class SampledToken:
+    """One sequence's sampled token of a step, with the logprobs it asked for."""
+
+    seq_id: str
+    token_id: int
+    logprobs: dict[int, float] | None
+
+
+@dataclass(frozen=True, slots=True)
+class RowParams:
+    """What the sampler needs to know about one row's request."""
+
+    params: SamplingParams
+    rng: RequestRng | None
+    num_output_tokens: int
+
+
+@dataclass(frozen=True, slots=True)
+class _InFlight:
+    seq_ids: tuple[str, ...]
+    wanted_logprobs: tuple[int | None, ...]
+    sampled: SamplerOutput
+
+
+class Worker:
+    """Runs forwards and sampling for the engine; keeps at most one step in flight."""
+
+    def __init__(self, runner: ModelRunner, sampler: Sampler, eos_token_ids: Sequence[int], vocab_size: int) -> None:
+        self.runner = runner
+        self.sampler = sampler
+        self.eos_token_ids = tuple(eos_token_ids)
+        self.vocab_size = vocab_size
+        self._pending: _InFlight | None = None
+        self.pre_sampler_sync_hooks: list[Callable[[], None]] = []
+
+    def execute_model_step(
+        self, step: StepBatch | None, row_params: Callable[[str], RowParams], *, keep_in_flight: bool = False
+    ) -> list[SampledToken]:
+        """Run one step; returns the tokens whose post-processing completed during this call."""
+        logits = self.runner.forward(step) if step is not None else None          # (1) launch forward N
+        done = self._post_process(self._pending)                                   # (2) post-process N−1
+        self._pending = None
+        current = self._launch_sampling(step, logits, row_params)                  # (3) sample N
+        for hook in self.pre_sampler_sync_hooks:                                   # (4) pre_sampler_sync
+            hook()
+        if keep_in_flight:
+            self._pending = current
+        else:
+            done.extend(self._post_process(current))
+        return done
+
+    def flush(self) -> list[SampledToken]:
+        """Post-process the step still in flight (none while ZOS is off)."""
+        done = self._post_process(self._pending)
+        self._pending = None
+        return done
+
+    def _launch_sampling(
+        self, step: StepBatch | None, logits: torch.Tensor | None, row_params: Callable[[str], RowParams]
+    ) -> _InFlight | None:
+        if step is None or logits is None or not step.sample_seq_ids:
+            return None
+        rows = [row_params(seq_id) for seq_id in step.sample_seq_ids]
+        batch = build_sampling_batch(
+            [r.params for r in rows], rngs=[r.rng for r in rows],
+            num_output_tokens=[r.num_output_tokens for r in rows], eos_token_ids=self.eos_token_ids,
+            vocab_size=self.vocab_size, device=logits.device,
+        )
+        sampled = self.sampler(logits.float(), batch)
+        return _InFlight(step.sample_seq_ids, tuple(r.params.logprobs for r in rows), sampled)
+
+    @staticmethod
+    def _post_process(flight: _InFlight | None) -> list[SampledToken]:
+        if flight is None:
+            return []
+        s = flight.sampled
+        token_ids = s.token_ids.tolist()
+        logprobs = s.logprobs.tolist()
+        top_ids = s.top_ids.tolist() if s.top_ids is not None else None
+        top_lps = s.top_logprobs.tolist() if s.top_logprobs is not None else None
+        out = []
+        for i, seq_id in enumerate(flight.seq_ids):
+            wanted = flight.wanted_logprobs[i]
+            entry = None
+            if wanted is not None:
+                entry = {token_ids[i]: logprobs[i]}
+                if wanted and top_ids is not None and top_lps is not None:
+                    for tok, lp in zip(top_ids[i][:wanted], top_lps[i][:wanted]):
+                        entry.setdefault(tok, lp)
+            out.append(SampledToken(seq_id, token_ids[i], entry))
+        return out

@@ -1,0 +1,88 @@
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from deepinfer.engine.env import EngineEnv, InvalidEnvVar, env_var_name, read_env, unknown_env_vars
+
+
+def test_defaults_when_nothing_is_set() -> None:
+    env = read_env({"PATH": "/bin"})
+    assert env == EngineEnv()
+    assert (env.prefill_attempt_interval, env.prefill_any_attempt_interval) == (70, 100)
+    assert env.num_state_slots_ratio == 1.2 and env.max_backtracking_tokens == 6
+    assert not env.disable_sync_guard and not env.batch_invariant
+    assert env.sampler_force_topk is None and env.use_nextn_decode == 0
+    assert env.cudagraph_batch_size_interval == 8
+
+
+def test_every_variable_is_read() -> None:
+    env = read_env({
+        "DEEPINFER_PREFILL_ATTEMPT_INTERVAL": "5",
+        "DEEPINFER_PREFILL_ANY_ATTEMPT_INTERVAL": " 9 ",
+        "DEEPINFER_NUM_STATE_SLOTS_RATIO": "2.5",
+        "DEEPINFER_MAX_BACKTRACKING_TOKENS": "0",
+        "DEEPINFER_DISABLE_SYNC_GUARD": "TRUE",
+        "DEEPINFER_BATCH_INVARIANT": "1",
+        "DEEPINFER_SAMPLER_FORCE_TOPK": "64",
+        "DEEPINFER_USE_NEXTN_DECODE": "5",
+        "DEEPINFER_CUDAGRAPH_BATCH_SIZE_INTERVAL": "16",
+    })
+    assert env == EngineEnv(5, 9, 2.5, 0, True, True, 64, 5, 16)
+
+
+@pytest.mark.parametrize(("raw", "expected"), [("0", False), ("1", True), ("true", True), ("False", False),
+                                               ("tRuE", True), ("", False)])
+def test_bool_parsing(raw: str, expected: bool) -> None:
+    assert read_env({"DEEPINFER_BATCH_INVARIANT": raw}).batch_invariant is expected
+
+
+def test_force_topk_zero_or_empty_means_none() -> None:
+    assert read_env({"DEEPINFER_SAMPLER_FORCE_TOPK": "0"}).sampler_force_topk is None
+    assert read_env({"DEEPINFER_SAMPLER_FORCE_TOPK": ""}).sampler_force_topk is None
+    assert EngineEnv(sampler_force_topk=0).sampler_force_topk is None
+
+
+@pytest.mark.parametrize(
+    ("name", "raw", "message"),
+    [
+        ("DEEPINFER_PREFILL_ATTEMPT_INTERVAL", "0", "DEEPINFER_PREFILL_ATTEMPT_INTERVAL=0 must be an int >= 1"),
+        ("DEEPINFER_PREFILL_ATTEMPT_INTERVAL", "abc",
+         r"DEEPINFER_PREFILL_ATTEMPT_INTERVAL='abc' must be an integer \(an int >= 1\)"),
+        ("DEEPINFER_PREFILL_ANY_ATTEMPT_INTERVAL", "-3", "DEEPINFER_PREFILL_ANY_ATTEMPT_INTERVAL=-3 must be"),
+        ("DEEPINFER_NUM_STATE_SLOTS_RATIO", "0", "DEEPINFER_NUM_STATE_SLOTS_RATIO=0.0 must be a float > 0"),
+        ("DEEPINFER_NUM_STATE_SLOTS_RATIO", "nan", "DEEPINFER_NUM_STATE_SLOTS_RATIO='nan' must be finite"),
+        ("DEEPINFER_NUM_STATE_SLOTS_RATIO", "x", "DEEPINFER_NUM_STATE_SLOTS_RATIO='x' must be a number"),
+        ("DEEPINFER_MAX_BACKTRACKING_TOKENS", "-1", "DEEPINFER_MAX_BACKTRACKING_TOKENS=-1 must be an int >= 0"),
+        ("DEEPINFER_DISABLE_SYNC_GUARD", "yes", r"DEEPINFER_DISABLE_SYNC_GUARD='yes' must be one of 0, 1"),
+        ("DEEPINFER_BATCH_INVARIANT", "2", r"DEEPINFER_BATCH_INVARIANT='2' must be one of 0, 1, true, false"),
+        ("DEEPINFER_SAMPLER_FORCE_TOPK", "-5", "DEEPINFER_SAMPLER_FORCE_TOPK=-5 must be an int >= 1, or 0"),
+        ("DEEPINFER_USE_NEXTN_DECODE", "1.5", "DEEPINFER_USE_NEXTN_DECODE='1.5' must be an integer"),
+        ("DEEPINFER_CUDAGRAPH_BATCH_SIZE_INTERVAL", "0", "DEEPINFER_CUDAGRAPH_BATCH_SIZE_INTERVAL=0 must be"),
+    ],
+)
+def test_bad_values_name_variable_and_range(name: str, raw: str, message: str) -> None:
+    with pytest.raises(InvalidEnvVar, match=message):
+        read_env({name: raw})
+
+
+def test_direct_construction_is_validated_too() -> None:
+    with pytest.raises(InvalidEnvVar, match="DEEPINFER_BATCH_INVARIANT=1 must be a bool"):
+        EngineEnv(batch_invariant=1)  # type: ignore[arg-type]
+    with pytest.raises(InvalidEnvVar, match="DEEPINFER_MAX_BACKTRACKING_TOKENS=True must be an int >= 0"):
+        EngineEnv(max_backtracking_tokens=True)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        EngineEnv().batch_invariant = True  # type: ignore[misc]
+
+
+def test_unknown_deepinfer_variables_are_reported() -> None:
+    environ = {"DEEPINFER_BATCH_INVARANT": "1", "DEEPINFER_BATCH_INVARIANT": "1", "HOME": "/root",
+               "DEEPINFER_ZZZ": ""}
+    assert unknown_env_vars(environ) == ("DEEPINFER_BATCH_INVARANT", "DEEPINFER_ZZZ")
+    assert env_var_name("use_nextn_decode") == "DEEPINFER_USE_NEXTN_DECODE"
+
+
+def test_reads_os_environ_by_default(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("DEEPINFER_USE_NEXTN_DECODE", "3")
+    assert read_env().use_nextn_decode == 3

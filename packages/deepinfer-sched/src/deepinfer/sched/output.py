@@ -1,0 +1,158 @@
+"""What `Scheduler.schedule()` hands the engine: one frozen `SchedulerOutput` per step.
+
+Numpy arrays in it are views of buffers the scheduler owns and reuses: they are valid until the
+next `schedule()` call, so the engine must consume (copy) them before calling again.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from .sequence import IgnoreReason
+
+__all__ = ["DecodeBatch", "IgnoredSeq", "PrefillChunk", "PrefilledSeq", "SchedulerOutput", "StepKind"]
+
+
+class StepKind(enum.Enum):
+    """The kind of forward this rank runs this step.
+
+    PREFILL: `SchedulerOutput.prefill` holds at least one chunk.
+    DECODE: `SchedulerOutput.decode` holds at least one sequence.
+    EMPTY_PROMPT: another DP rank prefills, this one has nothing: run an empty prefill forward so
+        the EP collectives match.
+    EMPTY_DECODE: another DP rank decodes, this one has nothing running: run a padding-only decode.
+    IDLE: no rank of the DP group runs a forward this step.
+    """
+
+    PREFILL = "prefill"
+    DECODE = "decode"
+    EMPTY_PROMPT = "empty_prompt"
+    EMPTY_DECODE = "empty_decode"
+    IDLE = "idle"
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class PrefillChunk:
+    """One sequence's part of a prefill step.
+
+    Attributes:
+        seq_id: the sequence.
+        start: first token position of the chunk (= tokens already computed before this step).
+        end: one past the last position; the chunk is the sequence's tokens [start, end).
+        completes_prefill: True when end reaches the sequence's known tokens (its whole prompt, or
+            prompt + output for a recomputed sequence): the engine samples the next token and
+            calls `append_tokens` with it.
+        token_ids: [end - start] int32 token ids of the chunk.
+        block_table: [ceil(end / block_size)] int32 block ids covering positions [0, end).
+        state_slot: the sequence's state slot (>= 1).
+    """
+
+    seq_id: str
+    start: int
+    end: int
+    completes_prefill: bool
+    token_ids: np.ndarray
+    block_table: np.ndarray
+    state_slot: int
+
+    @property
+    def num_tokens(self) -> int:
+        return self.end - self.start
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class DecodeBatch:
+    """The sequences of a decode step, sorted by seq_lens descending (ties keep the previous
+    step's order, newcomers after).
+
+    Attributes:
+        seq_ids: [num_seqs] ids.
+        rows: [num_seqs] int32 scheduler row of each sequence: stable while the sequence holds KV,
+            reused after it finishes (a cheap key for the engine's per-sequence buffers).
+        query_lens: [num_seqs] int32 query tokens to feed, in [1, nextn + 1]; the last sampled
+            token plus drafts. Each sequence reserved nextn + 1 positions regardless.
+        seq_lens: [num_seqs] int32 K length after this step: positions [seq_len - nextn - 1,
+            seq_len) are this step's reserved query positions.
+        block_tables: [num_seqs, max_num_blocks] int32 block ids, 0-padded (block 0 = empty).
+        state_slots: [num_seqs] int32 state slot of each sequence (>= 1).
+        last_token_ids: [num_seqs] int32 last known token of each sequence; -1 where a step of it
+            is still in flight (ZOS), so the input token comes from that step's sampled tokens.
+    """
+
+    seq_ids: tuple[str, ...]
+    rows: np.ndarray
+    query_lens: np.ndarray
+    seq_lens: np.ndarray
+    block_tables: np.ndarray
+    state_slots: np.ndarray
+    last_token_ids: np.ndarray
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.seq_ids)
+
+
+@dataclass(frozen=True, slots=True)
+class IgnoredSeq:
+    """A waiting sequence dropped without running; it holds nothing and is forgotten."""
+
+    seq_id: str
+    reason: IgnoreReason
+
+
+EMPTY_PAIRS = np.zeros((0, 2), dtype=np.int32)
+EMPTY_PAIRS.flags.writeable = False
+EMPTY_SLOTS = np.zeros(0, dtype=np.int32)
+EMPTY_SLOTS.flags.writeable = False
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class SchedulerOutput:
+    """Everything the engine needs for one step.
+
+    Apply `clone_states`, `clone_blocks` and `zero_states` (in that order) before the forward.
+
+    Attributes:
+        kind: the forward to run (`StepKind`).
+        prefill: chunks of a PREFILL step, in admission (FIFO) order; empty otherwise.
+        decode: the batch of a DECODE step; None otherwise.
+        clone_states: [k, 2] int32 (src, dst) state slot copies (fork copy-on-write).
+        clone_blocks: [k, 2] int32 (src, dst) KV block copies (fork copy-on-write of the last,
+            partly written block).
+        zero_states: [k] int32 state slots to zero (sequences admitted fresh this step).
+        ignored: waiting sequences dropped since the last step, with reasons.
+        preempted_seq_ids: sequences preempted this step (in preemption order). With
+            stop_preempted_request they are finished with reason "preempted"; otherwise they
+            were freed and queued at the front of the waiting queue for recompute. Either way the
+            engine drops results of their in-flight steps.
+        num_decode_steps: decode steps the DP group has run so far (drives the attempt points).
+    """
+
+    kind: StepKind
+    prefill: tuple[PrefillChunk, ...] = ()
+    decode: DecodeBatch | None = None
+    clone_states: np.ndarray = field(default_factory=lambda: EMPTY_PAIRS)
+    clone_blocks: np.ndarray = field(default_factory=lambda: EMPTY_PAIRS)
+    zero_states: np.ndarray = field(default_factory=lambda: EMPTY_SLOTS)
+    ignored: tuple[IgnoredSeq, ...] = ()
+    preempted_seq_ids: tuple[str, ...] = ()
+    num_decode_steps: int = 0
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class PrefilledSeq:
+    """Where the transferred KV and state of a sequence admitted by `add_prefilled_seq` go.
+
+    Attributes:
+        seq_id: the sequence.
+        block_table: [ceil(num_prompt_tokens / block_size)] int32 block ids for positions
+            [0, num_prompt_tokens).
+        state_slot: its state slot (>= 1).
+    """
+
+    seq_id: str
+    block_table: np.ndarray
+    state_slot: int

@@ -1,0 +1,174 @@
+"""Engine -> scheduler calls on single sequences: add, admit prefilled, abort, finish, append
+sampled tokens, and the read-only view."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import numpy as np
+
+from .config import EngineType
+from .output import IgnoredSeq, PrefilledSeq
+from .sequence import BRANCH_PREFIX, FinishReason, IgnoreReason, SeqStatus, Sequence, SeqView
+from .state import SchedState
+
+_TOKEN_LIMIT = 2**31
+_ENGINE_REASONS = (FinishReason.STOP, FinishReason.LENGTH, FinishReason.ABORT)
+
+
+def _as_tokens(token_ids: Iterable[int], field: str) -> list[int]:
+    """Token ids as a list of ints in [0, 2**31); bools, floats and nested input are refused."""
+    if isinstance(token_ids, (list, tuple)) and all(type(t) is int for t in token_ids):
+        tokens = list(token_ids)
+        if tokens and not (0 <= min(tokens) and max(tokens) < _TOKEN_LIMIT):
+            bad = next(t for t in tokens if not 0 <= t < _TOKEN_LIMIT)
+            raise ValueError(f"{field} holds token id {bad}, outside [0, {_TOKEN_LIMIT})")
+        return tokens
+    array = np.asarray(token_ids if isinstance(token_ids, np.ndarray) else list(token_ids))
+    if array.size == 0:
+        return []
+    if array.ndim != 1 or array.dtype.kind not in "iu":
+        raise ValueError(f"{field} must be a 1-D sequence of ints, got shape {array.shape} {array.dtype}")
+    if int(array.min()) < 0 or int(array.max()) >= _TOKEN_LIMIT:
+        bad = int(array.min()) if int(array.min()) < 0 else int(array.max())
+        raise ValueError(f"{field} holds token id {bad}, outside [0, {_TOKEN_LIMIT})")
+    return array.tolist()
+
+
+def _check_new(st: SchedState, seq_id: object, max_tokens: object) -> None:
+    if not isinstance(seq_id, str) or not seq_id:
+        raise ValueError(f"seq_id must be a non-empty str, got {seq_id!r}")
+    if seq_id.startswith(BRANCH_PREFIX):
+        raise ValueError(f"seq_id={seq_id!r} must not start with {BRANCH_PREFIX!r} (fork branch ids)")
+    if seq_id in st.seqs:
+        raise ValueError(f"seq_id={seq_id!r} is already a live sequence")
+    if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
+        raise ValueError(f"max_tokens={max_tokens!r} must be an int >= 1")
+
+
+def add_seq(st: SchedState, seq_id: str, prompt_token_ids: Iterable[int], max_tokens: int) -> None:
+    if st.config.engine_type is EngineType.COMPLETION:
+        raise ValueError("engine_type=COMPLETION cannot prefill; admit sequences with add_prefilled_seq")
+    _check_new(st, seq_id, max_tokens)
+    tokens = _as_tokens(prompt_token_ids, "prompt_token_ids")
+    reason = None
+    if not tokens:
+        reason = IgnoreReason.EMPTY_PROMPT
+    elif len(tokens) > st.config.max_model_len:
+        reason = IgnoreReason.PROMPT_TOO_LONG
+    elif st.blocks_for(len(tokens)) > st.kv.num_blocks - 1:
+        reason = IgnoreReason.PROMPT_EXCEEDS_KV_CAPACITY
+    if reason is not None:
+        st.pending_ignored.append(IgnoredSeq(seq_id, reason))
+        return
+    seq = Sequence(seq_id, tokens, max_tokens, st.next_arrival())
+    st.seqs[seq_id] = seq
+    st.waiting[seq_id] = seq
+
+
+def add_prefilled_seq(
+    st: SchedState, seq_id: str, prompt_token_ids: Iterable[int], first_token_id: int, max_tokens: int
+) -> PrefilledSeq | None:
+    _check_new(st, seq_id, max_tokens)
+    tokens = _as_tokens(prompt_token_ids, "prompt_token_ids")
+    if not 1 <= len(tokens) <= st.config.max_model_len:
+        raise ValueError(
+            f"len(prompt_token_ids)={len(tokens)} out of range: must be in [1, {st.config.max_model_len}]"
+        )
+    (first,) = _as_tokens([first_token_id], "first_token_id")
+    num_blocks = st.blocks_for(len(tokens))
+    if st.table.num_used >= st.config.max_num_seqs or st.slots.num_free < 1 or st.kv.num_free < num_blocks:
+        return None
+    seq = Sequence(seq_id, tokens + [first], max_tokens, st.next_arrival())
+    seq.num_prompt_tokens = len(tokens)
+    seq.status = SeqStatus.PROMPTED
+    table = st.table
+    row = table.acquire(seq)
+    table.state_slot[row] = int(st.slots.allocate(1)[0])
+    table.append_blocks(row, st.kv.allocate(num_blocks))
+    table.seq_len[row] = len(tokens)
+    table.last_token[row] = first
+    table.num_output[row] = 1
+    st.seqs[seq_id] = seq
+    st.prompted[seq_id] = seq
+    return PrefilledSeq(seq_id, table.block_ids(row).copy(), int(table.state_slot[row]))
+
+
+def abort_seq(st: SchedState, seq_id: str) -> None:
+    seq = st.lookup(seq_id)
+    if seq.status is SeqStatus.WAITING:
+        st.pending_ignored.append(IgnoredSeq(seq.seq_id, IgnoreReason.ABORTED))
+    st.drop(seq)
+
+
+def finish_seq(st: SchedState, seq_id: str, reason: FinishReason) -> None:
+    try:
+        reason = FinishReason(reason)
+    except ValueError:
+        reason = None
+    if reason not in _ENGINE_REASONS:
+        allowed = ", ".join(r.value for r in _ENGINE_REASONS)
+        raise ValueError(f"reason must be one of {allowed} (preemption is the scheduler's decision)")
+    st.drop(st.lookup(seq_id))
+
+
+def append_tokens(st: SchedState, seq_id: str, token_ids: Iterable[int]) -> None:
+    seq = st.lookup(seq_id)
+    table = st.table
+    row = seq.row
+    if row < 0 or table.pending_steps[row] == 0:
+        raise ValueError(f"seq_id={seq_id!r} has no step in flight to append tokens for")
+    tokens = _as_tokens(token_ids, "token_ids")
+    if seq.awaiting_first_token:
+        if len(tokens) != 1:
+            raise ValueError(
+                f"len(token_ids)={len(tokens)}: after its last prefill chunk {seq_id!r} takes exactly 1 token"
+            )
+        seq.awaiting_first_token = False
+    else:
+        query_len = st.config.max_query_len
+        if not 1 <= len(tokens) <= query_len:
+            raise ValueError(f"len(token_ids)={len(tokens)} out of range: must be in [1, {query_len}]")
+        table.num_inflight[row] -= query_len
+        table.seq_len[row] -= query_len - len(tokens)
+        if len(tokens) < query_len:
+            _trim_blocks(st, row)
+    table.pending_steps[row] -= 1
+    seq.token_ids.extend(tokens)
+    table.num_output[row] += len(tokens)
+    table.last_token[row] = tokens[-1]
+
+
+def _trim_blocks(st: SchedState, row: int) -> None:
+    """Frees tail blocks left unused by rejected drafts (never shared: fork shares only computed KV)."""
+    table = st.table
+    keep = st.blocks_for(int(table.seq_len[row]))
+    held = int(table.num_blocks[row])
+    if held > keep:
+        st.kv.free(table.block_table[row, keep:held].copy())
+        table.block_table[row, keep:held] = 0
+        table.num_blocks[row] = keep
+
+
+def view(st: SchedState, seq: Sequence) -> SeqView:
+    row = seq.row
+    table = st.table
+    if row >= 0:
+        inflight = int(table.num_inflight[row])
+        computed = int(table.seq_len[row]) - inflight
+        block_ids = tuple(table.block_ids(row).tolist())
+        slot = int(table.state_slot[row])
+    else:
+        inflight = computed = slot = 0
+        block_ids = ()
+    return SeqView(
+        seq_id=seq.seq_id,
+        status=seq.status,
+        prompt_token_ids=tuple(seq.token_ids[: seq.num_prompt_tokens]),
+        output_token_ids=tuple(seq.token_ids[seq.num_prompt_tokens :]),
+        max_tokens=seq.max_tokens,
+        num_computed_tokens=computed,
+        num_inflight_tokens=inflight,
+        block_ids=block_ids,
+        state_slot=slot,
+    )

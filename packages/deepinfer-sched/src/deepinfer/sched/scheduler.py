@@ -1,0 +1,235 @@
+"""The step scheduler of one DP rank (DESIGN.md §4). `schedule()` reads like the design:
+
+    vote on the step kind -> prefill (FIFO admission, chunking) or decode (promote, reserve,
+    preempt) -> emit one SchedulerOutput
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from types import ModuleType
+
+from . import admission, requests
+from .config import EngineType, SchedulerConfig
+from .decode import DecodeBuffers, schedule_decode
+from .fork import fork_seq
+from .integrity import check_integrity
+from .output import DecodeBatch, PrefillChunk, PrefilledSeq, SchedulerOutput, StepKind
+from .sequence import FinishReason, SeqView
+from .state import SchedState
+from .verify import VerifyLengthPolicy
+from .vote import SingleRankVoteGroup, StepVoteGroup, attempt_point, cast_vote, confirm_prefill
+
+__all__ = ["Scheduler"]
+
+
+def load_decode_core(native: bool | None) -> ModuleType:
+    """The compiled decode core (native True or None) or its numpy twin (False, or None when the
+    extension is not built)."""
+    if native is False:
+        from ._pure import decode_core
+        return decode_core
+    try:
+        from . import _decode_core
+    except ImportError:
+        if native:
+            raise
+        from ._pure import decode_core
+        return decode_core
+    return _decode_core
+
+
+class Scheduler:
+    """Sequences, queues and the per-step choice of what runs on this rank.
+
+    Not thread-safe: the engine serialises all calls.
+
+    Args:
+        config: limits and policies (`SchedulerConfig`).
+        kv_blocks: the paged KV `BlockManager` (deepinfer.cache); block 0 is never handed out.
+        state_slots: the state-slot `BlockManager` (`BlockManager.for_state_slots`); slot 0 is
+            the dummy slot.
+        vote_group: the DP group the step-kind vote runs over; None = a single rank.
+        verify_policy: assigns per-sequence query lengths in [1, nextn + 1] to decode batches;
+            None = every sequence feeds nextn + 1 tokens.
+        native: True requires the Cython decode core, False uses the numpy twin, None (default)
+            uses the Cython core when it is built.
+
+    Raises:
+        ValueError: kv_blocks or state_slots lacks the BlockManager interface.
+    """
+
+    def __init__(
+        self,
+        config: SchedulerConfig,
+        kv_blocks: object,
+        state_slots: object,
+        *,
+        vote_group: StepVoteGroup | None = None,
+        verify_policy: VerifyLengthPolicy | None = None,
+        native: bool | None = None,
+    ) -> None:
+        if not isinstance(config, SchedulerConfig):
+            raise ValueError(f"config must be a SchedulerConfig, got {type(config).__name__}")
+        for name, manager in (("kv_blocks", kv_blocks), ("state_slots", state_slots)):
+            missing = [attr for attr in ("allocate", "free", "pin", "num_free", "num_blocks", "usage")
+                       if not hasattr(manager, attr)]
+            if missing:
+                raise ValueError(f"{name} must be a deepinfer.cache.BlockManager; it lacks {missing}")
+        self._st = SchedState(config, kv_blocks, state_slots)
+        self._group: StepVoteGroup = vote_group if vote_group is not None else SingleRankVoteGroup()
+        self._verify_policy = verify_policy
+        self._core = load_decode_core(native)
+        self._buffers = DecodeBuffers(config.max_num_seqs, config.max_blocks_per_seq, config.max_query_len)
+
+    @property
+    def config(self) -> SchedulerConfig:
+        return self._st.config
+
+    @property
+    def uses_native_core(self) -> bool:
+        """True when the decode hot loop runs in the Cython extension."""
+        return not self._core.__name__.endswith("_pure.decode_core")
+
+    # ---------------------------------------------------------------- engine -> scheduler
+
+    def add_seq(self, seq_id: str, prompt_token_ids: Iterable[int], max_tokens: int) -> None:
+        """Queues a request for prefill (FIFO).
+
+        Args:
+            seq_id: unique id; not starting with "_" (reserved for fork branches).
+            prompt_token_ids: token ids, each in [0, 2**31).
+            max_tokens: output limit, >= 1 (the engine enforces it; kept for `get_seq`).
+
+        An empty prompt, a prompt longer than max_model_len or one needing more KV blocks than
+        the cache holds is not queued: the next `schedule()` reports it in `ignored`.
+
+        Raises:
+            ValueError: a bad or duplicate seq_id, bad token ids or max_tokens, or a COMPLETION
+                engine (use `add_prefilled_seq`).
+        """
+        requests.add_seq(self._st, seq_id, prompt_token_ids, max_tokens)
+
+    def add_prefilled_seq(
+        self, seq_id: str, prompt_token_ids: Iterable[int], first_token_id: int, max_tokens: int
+    ) -> PrefilledSeq | None:
+        """Admits a sequence whose prompt was prefilled elsewhere (a COMPLETION engine's input):
+        allocates its blocks and state slot now; the caller writes the transferred KV and state
+        into them. It joins the running set at the next decode step.
+
+        Returns:
+            The block table and state slot to fill, or None when blocks, a slot or
+            max_num_seqs do not allow it now (nothing changed; retry later).
+
+        Raises:
+            ValueError: as `add_seq`, plus an empty or over-long prompt or a bad first_token_id.
+        """
+        return requests.add_prefilled_seq(self._st, seq_id, prompt_token_ids, first_token_id, max_tokens)
+
+    def abort_seq(self, seq_id: str) -> None:
+        """Finishes a sequence at once and frees what it holds. A WAITING one (never run, or
+        queued for recompute) is reported by the next `schedule()` in `ignored` with reason
+        ABORTED. Raises KeyError for an unknown id."""
+        requests.abort_seq(self._st, seq_id)
+
+    def finish_seq(self, seq_id: str, reason: FinishReason) -> None:
+        """Finishes a sequence (the engine decided: STOP, LENGTH or ABORT) and frees its blocks,
+        state slot and row. Raises KeyError for an unknown id, ValueError for another reason."""
+        requests.finish_seq(self._st, seq_id, reason)
+
+    def append_tokens(self, seq_id: str, token_ids: Iterable[int]) -> None:
+        """Records the tokens a step produced for a sequence, oldest step first.
+
+        After the prefill chunk that completed the prompt: exactly the one sampled token. After a
+        decode step: the accepted tokens, 1 to nextn + 1 (the verified drafts plus the bonus
+        token); the step's unused reserved positions are given back.
+
+        Raises:
+            KeyError: unknown id (e.g. finished or preempted: drop its in-flight results).
+            ValueError: no step of it is in flight, or a bad token count or id.
+        """
+        requests.append_tokens(self._st, seq_id, token_ids)
+
+    def fork_seq(self, parent_id: str, num_branches: int) -> tuple[str, ...]:
+        """Makes `num_branches` copies of a prefilled sequence that share its KV blocks and state
+        slot (copy-on-write at their first decode step).
+
+        Returns:
+            The branch ids "_{parent_id}.{k}", k counting forks of this parent from 1; the "_"
+            drops once the branch is copied (both spellings are accepted everywhere).
+
+        Raises:
+            KeyError: unknown parent. ValueError: num_branches < 1, a parent that is not PROMPTED
+                or RUNNING, has a decode step in flight or is itself an uncopied branch.
+        """
+        return fork_seq(self._st, self._st.lookup(parent_id), num_branches)
+
+    # ---------------------------------------------------------------- queries
+
+    def get_seq(self, seq_id: str) -> SeqView:
+        """Snapshot of a live sequence. Raises KeyError for an unknown (or finished) id."""
+        return requests.view(self._st, self._st.lookup(seq_id))
+
+    def has_unfinished(self) -> bool:
+        """True while any sequence is live or an ignored one is not reported yet."""
+        return bool(self._st.seqs) or bool(self._st.pending_ignored)
+
+    @property
+    def num_waiting(self) -> int:
+        """Sequences waiting for prefill (the one mid-prefill included)."""
+        return len(self._st.waiting) + (self._st.prefilling is not None)
+
+    @property
+    def num_running(self) -> int:
+        """Sequences decoding or about to (prompted included)."""
+        return len(self._st.running_rows) + len(self._st.prompted)
+
+    def check_integrity(self) -> None:
+        """Checks every bookkeeping invariant (O(sequences + blocks)); for tests and idle time.
+
+        Raises:
+            RuntimeError: naming the first broken invariant.
+        """
+        check_integrity(self._st)
+
+    # ---------------------------------------------------------------- the step
+
+    def schedule(self) -> SchedulerOutput:
+        """Decides and reserves this rank's next step (one vote round, two if prefill is chosen).
+
+        Returns:
+            The `SchedulerOutput`; its arrays stay valid until the next call.
+        """
+        st = self._st
+        st.reset_step()
+        ignored = tuple(st.pending_ignored)
+        st.pending_ignored.clear()
+        kind, prefill, decode = self._step()
+        clone_states, clone_blocks, zero_states = st.emit_lists()
+        return SchedulerOutput(
+            kind=kind,
+            prefill=prefill,
+            decode=decode,
+            clone_states=clone_states,
+            clone_blocks=clone_blocks,
+            zero_states=zero_states,
+            ignored=ignored,
+            preempted_seq_ids=tuple(st.preempted),
+            num_decode_steps=st.num_decode_steps,
+        )
+
+    def _step(self) -> tuple[StepKind, tuple[PrefillChunk, ...], DecodeBatch | None]:
+        st = self._st
+        engine_type = st.config.engine_type
+        has_running = engine_type is not EngineType.PROMPT and bool(len(st.running_rows) or st.prompted)
+        wants = engine_type is not EngineType.COMPLETION and admission.wants_prefill(st, has_running)
+        vote = cast_vote(self._group, wants, has_running)
+        if vote.prefill_chosen(attempt_point(st.config, st.num_decode_steps)):
+            chunks = admission.schedule_prefill(st) if wants else ()
+            if confirm_prefill(self._group, bool(chunks)):
+                return (StepKind.PREFILL if chunks else StepKind.EMPTY_PROMPT), chunks, None
+        if vote.none_running:
+            return StepKind.IDLE, (), None
+        st.num_decode_steps += 1
+        batch = schedule_decode(st, self._core, self._buffers, self._verify_policy)
+        return (StepKind.DECODE if batch is not None else StepKind.EMPTY_DECODE), (), batch

@@ -1,0 +1,128 @@
+"""Sequence records: statuses, finish and ignore reasons, the internal record and its public view."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+__all__ = ["FinishReason", "IgnoreReason", "SeqStatus", "SeqView", "branch_id", "canonical_id"]
+
+BRANCH_PREFIX = "_"
+
+
+class SeqStatus(enum.Enum):
+    """Where a sequence is in its life.
+
+    WAITING: queued for prefill (nothing computed, or everything freed for a recompute).
+    PREFILLING: part of its prompt is computed; its next chunk goes first in the next prefill step.
+    PROMPTED: prefill done (or forked, or admitted prefilled); joins the running set at the next
+        decode step.
+    RUNNING: decoding.
+    """
+
+    WAITING = "waiting"
+    PREFILLING = "prefilling"
+    PROMPTED = "prompted"
+    RUNNING = "running"
+
+
+class FinishReason(str, enum.Enum):
+    """Why a sequence finished; the values are the engine's finish-reason strings."""
+
+    STOP = "stop"
+    LENGTH = "length"
+    ABORT = "abort"
+    PREEMPTED = "preempted"
+
+
+class IgnoreReason(str, enum.Enum):
+    """Why a waiting sequence was dropped without running."""
+
+    EMPTY_PROMPT = "empty prompt"
+    PROMPT_TOO_LONG = "prompt longer than max_model_len"
+    PROMPT_EXCEEDS_KV_CAPACITY = "prompt needs more KV blocks than the cache holds"
+    ABORTED = "aborted"
+
+
+def canonical_id(seq_id: str) -> str:
+    """The key a sequence is stored under: a fork branch's id without its "_" prefix."""
+    return seq_id[1:] if seq_id.startswith(BRANCH_PREFIX) else seq_id
+
+
+def branch_id(key: str, uncopied: bool) -> str:
+    """A branch's public id: "_" + key until its copy-on-write happened, then the key itself."""
+    return BRANCH_PREFIX + key if uncopied else key
+
+
+class Sequence:
+    """Mutable per-sequence record owned by the scheduler (never handed out; see `SeqView`).
+
+    Counters the decode hot path touches (KV length, blocks, in-flight steps, ...) live in the
+    flat arrays of `SeqTable`, at index `row`; a sequence holds a row only while it holds KV.
+    """
+
+    __slots__ = (
+        "key",
+        "token_ids",
+        "num_prompt_tokens",
+        "max_tokens",
+        "status",
+        "row",
+        "arrival",
+        "awaiting_first_token",
+        "uncopied",
+        "parent",
+        "num_forks",
+    )
+
+    def __init__(self, key: str, token_ids: list[int], max_tokens: int, arrival: int) -> None:
+        self.key = key
+        self.token_ids = token_ids            # prompt followed by output tokens
+        self.num_prompt_tokens = len(token_ids)
+        self.max_tokens = max_tokens
+        self.status = SeqStatus.WAITING
+        self.row = -1                         # SeqTable row; -1 = holds no KV
+        self.arrival = arrival                # admission order, for deterministic tie-breaks
+        self.awaiting_first_token = False     # prefill done, its sampled token not appended yet
+        self.uncopied = False                 # fork branch still sharing its parent's state slot
+        self.parent: Sequence | None = None   # set for fork branches
+        self.num_forks = 0                    # branches made from this sequence so far
+
+    @property
+    def seq_id(self) -> str:
+        return branch_id(self.key, self.uncopied)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    def __repr__(self) -> str:
+        return f"Sequence({self.seq_id!r}, {self.status.name}, tokens={self.num_tokens}, row={self.row})"
+
+
+@dataclass(frozen=True, slots=True)
+class SeqView:
+    """Snapshot of one live sequence, as returned by `Scheduler.get_seq`.
+
+    Attributes:
+        seq_id: current id ("_"-prefixed while a fork branch awaits its copy-on-write).
+        status: where the sequence is (`SeqStatus`).
+        prompt_token_ids: the prompt's token ids.
+        output_token_ids: the tokens appended so far (sampled first token included).
+        max_tokens: output limit given at add time (the engine enforces it).
+        num_computed_tokens: tokens whose KV is confirmed in the cache.
+        num_inflight_tokens: query tokens reserved by decode steps not yet followed by
+            `append_tokens` (ZOS keeps one step in flight).
+        block_ids: the block table (no padding); empty while it holds no KV.
+        state_slot: state slot id; 0 = none yet (the dummy slot).
+    """
+
+    seq_id: str
+    status: SeqStatus
+    prompt_token_ids: tuple[int, ...]
+    output_token_ids: tuple[int, ...]
+    max_tokens: int
+    num_computed_tokens: int
+    num_inflight_tokens: int
+    block_ids: tuple[int, ...]
+    state_slot: int

@@ -1,0 +1,117 @@
+"""The scheduler's mutable state, shared by the admission, decode, preemption and fork modules."""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+
+import numpy as np
+
+from .config import SchedulerConfig
+from .output import EMPTY_PAIRS, EMPTY_SLOTS, IgnoredSeq
+from .seq_table import SeqTable
+from .sequence import SeqStatus, Sequence, canonical_id
+
+
+class SchedState:
+    """Queues, the row table, the two BlockManagers and the per-step emit lists.
+
+    Queues: `waiting` (FIFO, recompute victims at the front), `prefilling` (the one sequence cut
+    into chunks, continued first), `prompted` (FIFO, joins the running set at the next decode) and
+    `running_rows` (rows of running sequences, kept sorted by KV length descending).
+    """
+
+    def __init__(self, config: SchedulerConfig, kv_blocks: object, state_slots: object) -> None:
+        self.config = config
+        self.kv = kv_blocks
+        self.slots = state_slots
+        self.table = SeqTable(config.max_num_seqs + 1, config.max_blocks_per_seq)
+        self.seqs: dict[str, Sequence] = {}
+        self.waiting: OrderedDict[str, Sequence] = OrderedDict()
+        self.prefilling: Sequence | None = None
+        self.prompted: OrderedDict[str, Sequence] = OrderedDict()
+        self.running_rows = np.zeros(0, dtype=np.int32)
+        self.num_uncopied = 0            # fork branches awaiting copy-on-write
+        self.num_arrivals = 0
+        self.num_decode_steps = 0
+        # Emitted by the next schedule() (ignored) or by the current one (the rest).
+        self.pending_ignored: list[IgnoredSeq] = []
+        self.clone_states: list[tuple[int, int]] = []
+        self.clone_blocks: list[tuple[int, int]] = []
+        self.zero_states: list[int] = []
+        self.preempted: list[str] = []
+
+    def lookup(self, seq_id: str) -> Sequence:
+        """The live sequence with this id ("_"-prefixed or not). Raises KeyError if none."""
+        if not isinstance(seq_id, str):
+            raise KeyError(f"seq_id must be a str, got {type(seq_id).__name__}")
+        seq = self.seqs.get(canonical_id(seq_id))
+        if seq is None:
+            raise KeyError(f"seq_id={seq_id!r} is not a live sequence")
+        return seq
+
+    def next_arrival(self) -> int:
+        self.num_arrivals += 1
+        return self.num_arrivals
+
+    def blocks_for(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.config.block_size)
+
+    def release_kv(self, seq: Sequence) -> None:
+        """Drops every block and slot reference of `seq` and gives back its row."""
+        if seq.row < 0:
+            return
+        row = seq.row
+        block_ids = self.table.block_ids(row)
+        if len(block_ids):
+            self.kv.free(block_ids)
+        slot = int(self.table.state_slot[row])
+        if slot:
+            self.slots.free(np.array([slot], dtype=np.int32))
+        if seq.uncopied:
+            self._forget_branch(seq)
+        self.table.release(seq)
+
+    def unlink(self, seq: Sequence) -> None:
+        """Takes `seq` out of whichever queue holds it (status is left to the caller)."""
+        if seq.status is SeqStatus.WAITING:
+            self.waiting.pop(seq.key, None)
+        elif seq.status is SeqStatus.PREFILLING:
+            self.prefilling = None
+        elif seq.status is SeqStatus.PROMPTED:
+            self.prompted.pop(seq.key, None)
+        elif seq.status is SeqStatus.RUNNING:
+            self.running_rows = self.running_rows[self.running_rows != seq.row]
+
+    def drop(self, seq: Sequence) -> None:
+        """Frees everything `seq` holds and forgets it (it finished)."""
+        self.unlink(seq)
+        self.release_kv(seq)
+        del self.seqs[seq.key]
+
+    def _forget_branch(self, seq: Sequence) -> None:
+        parent = seq.parent
+        if parent is not None and parent.row >= 0:
+            self.table.num_branches[parent.row] -= 1
+        seq.uncopied = False
+        seq.parent = None
+        self.num_uncopied -= 1
+
+    def emit_lists(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """This step's (clone_states [k,2], clone_blocks [k,2], zero_states [k]) as int32 arrays."""
+        return _pairs(self.clone_states), _pairs(self.clone_blocks), _slots(self.zero_states)
+
+    def reset_step(self) -> None:
+        self.clone_states.clear()
+        self.clone_blocks.clear()
+        self.zero_states.clear()
+        self.preempted.clear()
+
+
+def _pairs(pairs: list[tuple[int, int]]) -> np.ndarray:
+    if not pairs:
+        return EMPTY_PAIRS
+    return np.array(pairs, dtype=np.int32).reshape(len(pairs), 2)
+
+
+def _slots(slots: list[int]) -> np.ndarray:
+    return np.array(slots, dtype=np.int32) if slots else EMPTY_SLOTS

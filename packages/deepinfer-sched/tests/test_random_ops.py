@@ -1,0 +1,146 @@
+"""Random add / schedule / append / finish / abort / fork sequences against an engine model
+(one ZOS step in flight or none); the bookkeeping invariants hold after every call and nothing
+leaks at the end."""
+
+from __future__ import annotations
+
+import random
+from collections import deque
+
+from hypothesis import HealthCheck, event, given, settings
+from hypothesis import strategies as st
+
+from deepinfer.cache import BlockManager
+from deepinfer.sched import Scheduler, SchedulerConfig, SeqStatus, StepKind
+
+OPS = st.lists(
+    st.tuples(st.sampled_from(["add", "add", "step", "step", "step", "step", "step", "finish", "abort",
+                               "fork"]),
+              st.integers(0, 20)),
+    min_size=20,
+    max_size=80,
+)
+
+
+class EngineModel:
+    """What an engine does with the scheduler's outputs, including ZOS's one-step lag."""
+
+    def __init__(self, sched: Scheduler, rng: random.Random, max_model_len: int) -> None:
+        self.sched = sched
+        self.rng = rng
+        self.max_model_len = max_model_len
+        self.in_flight: deque[list[str]] = deque()   # decode steps whose tokens are not appended
+        self.next_id = 0
+
+    def live_ids(self) -> list[str]:
+        return sorted(self.sched._st.seqs)   # test-only peek, to pick targets
+
+    def forget(self, seq_id: str) -> None:
+        key = seq_id.lstrip("_")
+        for step in self.in_flight:
+            step[:] = [s for s in step if s.lstrip("_") != key]
+
+    def post_process(self, seq_ids: list[str], query_len: int) -> None:
+        for seq_id in seq_ids:
+            num_accepted = self.rng.randint(1, query_len)
+            self.sched.append_tokens(seq_id, [self.rng.randrange(1000) for _ in range(num_accepted)])
+            view = self.sched.get_seq(seq_id)
+            num_tokens = len(view.prompt_token_ids) + len(view.output_token_ids)
+            if num_tokens >= self.max_model_len or len(view.output_token_ids) >= view.max_tokens:
+                self.sched.finish_seq(seq_id, "length")
+                self.forget(seq_id)
+
+    def step(self, zos: bool) -> None:
+        query_len = self.sched.config.max_query_len
+        while len(self.in_flight) > (1 if zos else 0):
+            self.post_process(self.in_flight.popleft(), query_len)
+        out = self.sched.schedule()
+        event(f"kind {out.kind.name}")
+        if out.preempted_seq_ids:
+            event("preempted")
+        if len(out.clone_states):
+            event("fork copied")
+        for seq_id in out.preempted_seq_ids:
+            self.forget(seq_id)
+        if out.kind is StepKind.PREFILL:
+            while self.in_flight:
+                self.post_process(self.in_flight.popleft(), query_len)
+            done = [c.seq_id for c in out.prefill if c.completes_prefill]
+            for seq_id in done:
+                self.sched.append_tokens(seq_id, [self.rng.randrange(1000)])
+        elif out.kind is StepKind.DECODE:
+            assert out.decode.num_seqs > 0
+            self.in_flight.append(list(out.decode.seq_ids))
+
+    def apply(self, op: str, arg: int) -> None:
+        live = self.live_ids()
+        if op == "add":
+            self.next_id += 1
+            prompt = [self.rng.randrange(1000) for _ in range(arg)]
+            self.sched.add_seq(f"s{self.next_id}", prompt, 1 + arg % 7)
+        elif op == "step":
+            self.step(zos=arg % 2 == 1)
+        elif op in ("finish", "abort") and live:
+            seq_id = live[arg % len(live)]
+            if op == "finish":
+                self.sched.finish_seq(seq_id, "stop")
+            else:
+                self.sched.abort_seq(seq_id)
+            self.forget(seq_id)
+        elif op == "fork" and live:
+            view = self.sched.get_seq(live[arg % len(live)])
+            if (view.status in (SeqStatus.PROMPTED, SeqStatus.RUNNING) and not view.seq_id.startswith("_")
+                    and view.num_inflight_tokens == 0):
+                self.sched.fork_seq(view.seq_id, 1 + arg % 2)
+
+
+def check_blocks_match_needs(sched: Scheduler, kv: BlockManager) -> None:
+    """Blocks owned == sum of per-sequence needs, counting a shared block once per holder."""
+    block_size = sched.config.block_size
+    total_held = 0
+    for seq_id in sched._st.seqs:
+        view = sched.get_seq(seq_id)
+        if view.state_slot:
+            needed = -(-(view.num_computed_tokens + view.num_inflight_tokens) // block_size)
+            assert len(view.block_ids) == needed, view
+            total_held += needed
+    assert total_held == sum(kv.ref_count(block) for block in range(1, kv.num_blocks))
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(
+    ops=OPS,
+    seed=st.integers(0, 2**16),
+    block_size=st.integers(1, 6),
+    num_blocks=st.integers(2, 24),
+    num_slots=st.integers(1, 6),
+    max_num_seqs=st.integers(1, 6),
+    nextn=st.integers(0, 2),
+    stop_preempted_request=st.booleans(),
+    max_num_batched_tokens=st.integers(1, 24),
+    checkpoints=st.sampled_from([(), (4, 8, 12, 16), (7,)]),
+    intervals=st.tuples(st.integers(1, 4), st.integers(1, 4)),
+)
+def test_random_operations_keep_invariants(
+    native, ops, seed, block_size, num_blocks, num_slots, max_num_seqs, nextn,
+    stop_preempted_request, max_num_batched_tokens, checkpoints, intervals,
+) -> None:
+    config = SchedulerConfig(
+        block_size=block_size, max_model_len=24, max_num_seqs=max_num_seqs,
+        max_num_batched_tokens=max_num_batched_tokens, nextn=nextn, chunk_checkpoints=checkpoints,
+        stop_preempted_request=stop_preempted_request, prefill_attempt_interval=intervals[0],
+        prefill_any_attempt_interval=intervals[1],
+    )
+    kv, slots = BlockManager(num_blocks), BlockManager(num_slots + 1)
+    sched = Scheduler(config, kv, slots, native=native)
+    engine = EngineModel(sched, random.Random(seed), config.max_model_len)
+    for op, arg in ops:
+        engine.apply(op, arg)
+        sched.check_integrity()
+        check_blocks_match_needs(sched, kv)
+    for seq_id in engine.live_ids():
+        sched.finish_seq(seq_id, "abort")
+    sched.schedule()                       # reports anything still pending as ignored
+    assert not sched.has_unfinished()
+    assert kv.num_free == num_blocks - 1 and slots.num_free == num_slots
+    sched.check_integrity()
