@@ -15,7 +15,8 @@ TORCH_SPEC=${DEEPINFER_TORCH_SPEC:-torch==2.13.0}   # CPU build; an unpinned tor
 
 setup() {
   local stamp="$VENV/.deepinfer-stamp" want
-  want=$(cat packages/*/pyproject.toml packages/deepinfer-cache/hatch_build.py 2>/dev/null | sha1sum | cut -c1-16)
+  want=$(cat packages/*/pyproject.toml packages/*/hatch_build.py \
+              $(find packages -name '*.pyx' -o -name '*.pxd' | sort) 2>/dev/null | sha1sum | cut -c1-16)
   if [[ -f $stamp && $(cat "$stamp") == "$want" ]]; then return; fi
   [[ -x $VENV/bin/python ]] || "$PY" -m venv "$VENV"
   local pip=("$VENV/bin/python" -m pip install -q --disable-pip-version-check)

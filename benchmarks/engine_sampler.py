@@ -55,7 +55,10 @@ def main() -> None:
     parser.add_argument("--vocab-size", type=int, default=129280)
     parser.add_argument("--iters", type=int, default=10)
     parser.add_argument("--force-top-k", type=int, default=None)
+    parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
     args = parser.parse_args()
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
     device = torch.device(args.device)
     torch.manual_seed(0)
     sampler = Sampler(seed=0, force_top_k=args.force_top_k)

@@ -9,7 +9,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from engine_twin import byte_bpe_tokenizer_json, hf_model, write_model_dir  # noqa: E402
+from engine_twin import byte_bpe_tokenizer_json, hf_model, write_model_dir
 
 
 @pytest.fixture(scope="session")

@@ -11,7 +11,9 @@ from safetensors.torch import save_file
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "packages" / "deepinfer-model" / "tests"))
 
-from hf_twin import hf_model  # noqa: E402
+from hf_twin import hf_model
+
+__all__ = ["byte_bpe_tokenizer_json", "hf_greedy", "hf_model", "random_prompts", "write_model_dir"]
 
 
 def write_model_dir(path: Path, hf, raw: dict, tokenizer_json: str | None = None) -> Path:

@@ -48,8 +48,6 @@ def test_decode_reserves_blocks_and_sorts_by_length(make_sched) -> None:
     assert batch.state_slots.tolist() == [2, 3, 1]
     assert batch.last_token_ids.tolist() == [7, 7, 7]
     assert batch.rows.tolist() == [1, 2, 0]
-    with pytest.raises(ValueError):
-        batch.seq_lens[0] = 1                               # the scheduler's buffers are read-only
     for seq_id in batch.seq_ids:
         sched.append_tokens(seq_id, [8])
     view = sched.get_seq("b")
@@ -205,3 +203,47 @@ def test_finishing_everything_frees_everything(make_sched) -> None:
     sched.check_integrity()
     assert not sched.has_unfinished()
     assert sched.schedule().kind is StepKind.IDLE
+
+
+def test_append_decode_tokens_matches_one_by_one_appends(make_sched) -> None:
+    results = []
+    for batched in (False, True):
+        sched = make_sched(nextn=2)
+        for name, length in (("a", 3), ("b", 9), ("c", 5)):
+            sched.add_seq(name, [1] * length, 16)
+        batch = prefill_all(sched).decode
+        assert batch.seq_ids == ("b", "c", "a")
+        tokens = np.array([[10, 11, 12], [20, 21, 22], [30, 31, 32]])
+        accepted = np.array([3, 1, 2])
+        if batched:
+            assert sched.append_decode_tokens(batch.seq_ids, tokens, accepted) == 3
+        else:
+            for seq_id, row, count in zip(batch.seq_ids, tokens.tolist(), accepted.tolist()):
+                sched.append_tokens(seq_id, row[:count])
+        sched.check_integrity()
+        results.append([sched.get_seq(name) for name in "abc"])
+        assert sched.schedule().decode.last_token_ids.tolist() == [12, 20, 31]   # b 15, c 9, a 8
+    assert results[0] == results[1]
+    assert results[1][0].output_token_ids == (7, 30, 31)
+    assert results[1][2].num_computed_tokens == 6 and results[1][2].block_ids == (5, 6)
+
+
+def test_append_decode_tokens_drops_finished_sequences_and_checks_input(make_sched) -> None:
+    sched = make_sched()
+    for name in "ab":
+        sched.add_seq(name, [1, 2], 16)
+    batch = prefill_all(sched).decode
+    step_two = sched.schedule().decode               # ZOS: step two scheduled before step one's tokens
+    sched.finish_seq("a", "stop")
+    with pytest.raises(ValueError, match=r"expected \[2, k\]"):
+        sched.append_decode_tokens(batch.seq_ids, np.array([[1], [2], [3]]), np.array([1, 1]))
+    with pytest.raises(ValueError, match=r"outside \[1, 1\]"):
+        sched.append_decode_tokens(batch.seq_ids, np.array([[1], [2]]), np.array([1, 2]))
+    with pytest.raises(ValueError, match="twice"):
+        sched.append_decode_tokens(("b", "b"), np.array([[1], [2]]), np.array([1, 1]))
+    assert sched.append_decode_tokens(batch.seq_ids, np.array([[5], [6]]), np.array([1, 1])) == 1
+    assert sched.append_decode_tokens(step_two.seq_ids, np.array([[7], [8]]), np.array([1, 1])) == 1
+    assert sched.get_seq("b").output_token_ids == (7, 6, 8)
+    with pytest.raises(ValueError, match="no decode step in flight"):
+        sched.append_decode_tokens(("b",), np.array([[1]]), np.array([1]))
+    sched.check_integrity()

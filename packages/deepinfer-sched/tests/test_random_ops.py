@@ -7,6 +7,7 @@ from __future__ import annotations
 import random
 from collections import deque
 
+import numpy as np
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
@@ -41,9 +42,15 @@ class EngineModel:
             step[:] = [s for s in step if s.lstrip("_") != key]
 
     def post_process(self, seq_ids: list[str], query_len: int) -> None:
+        accepted = [self.rng.randint(1, query_len) for _ in seq_ids]
+        tokens = [[self.rng.randrange(1000) for _ in range(query_len)] for _ in seq_ids]
+        if self.rng.random() < 0.5:
+            self.sched.append_decode_tokens(tuple(seq_ids), np.array(tokens, dtype=np.int64).reshape(-1, query_len),
+                                            np.array(accepted, dtype=np.int32))
+        else:
+            for seq_id, row, count in zip(seq_ids, tokens, accepted):
+                self.sched.append_tokens(seq_id, row[:count])
         for seq_id in seq_ids:
-            num_accepted = self.rng.randint(1, query_len)
-            self.sched.append_tokens(seq_id, [self.rng.randrange(1000) for _ in range(num_accepted)])
             view = self.sched.get_seq(seq_id)
             num_tokens = len(view.prompt_token_ids) + len(view.output_token_ids)
             if num_tokens >= self.max_model_len or len(view.output_token_ids) >= view.max_tokens:
@@ -120,16 +127,19 @@ def check_blocks_match_needs(sched: Scheduler, kv: BlockManager) -> None:
     max_num_batched_tokens=st.integers(1, 24),
     checkpoints=st.sampled_from([(), (4, 8, 12, 16), (7,)]),
     intervals=st.tuples(st.integers(1, 4), st.integers(1, 4)),
+    max_num_prompts=st.sampled_from([None, 1, 2]),
+    sum_k=st.sampled_from([None, 24, 30]),
 )
 def test_random_operations_keep_invariants(
     native, ops, seed, block_size, num_blocks, num_slots, max_num_seqs, nextn,
-    stop_preempted_request, max_num_batched_tokens, checkpoints, intervals,
+    stop_preempted_request, max_num_batched_tokens, checkpoints, intervals, max_num_prompts, sum_k,
 ) -> None:
     config = SchedulerConfig(
         block_size=block_size, max_model_len=24, max_num_seqs=max_num_seqs,
         max_num_batched_tokens=max_num_batched_tokens, nextn=nextn, chunk_checkpoints=checkpoints,
         stop_preempted_request=stop_preempted_request, prefill_attempt_interval=intervals[0],
-        prefill_any_attempt_interval=intervals[1],
+        prefill_any_attempt_interval=intervals[1], max_num_prompts=max_num_prompts,
+        prefill_max_sum_seqlen_k=sum_k,
     )
     kv, slots = BlockManager(num_blocks), BlockManager(num_slots + 1)
     sched = Scheduler(config, kv, slots, native=native)

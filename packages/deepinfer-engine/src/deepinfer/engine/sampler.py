@@ -8,7 +8,8 @@ Random rows are sampled by an exponential race: token = argmax_i p_i / E_i with 
 independently per token, which picks token i with probability p_i / sum(p). Each row's noise is one
 draw of `vocab_size` values from that row's generator, so a seeded request (its own `RequestRng`,
 advanced only by its own draws) gets the same tokens whatever else is in the batch and at whatever
-row it sits, on CPU. Unseeded rows share the sampler's generator.
+row it sits (tested on CPU, and on an H200 with torch 2.11). Unseeded rows share the sampler's
+generator.
 """
 
 from __future__ import annotations
@@ -234,7 +235,8 @@ class Sampler:
                 f"logits must be float32 [num_seqs={batch.num_seqs}, vocab_size={batch.vocab_size}], "
                 f"got {logits.dtype} {list(logits.shape)}"
             )
-        raw_logprobs = torch.log_softmax(logits, dim=-1)
+        # log_softmax(logits) = logits - logsumexp(logits), taken only where needed.
+        log_normaliser = torch.logsumexp(logits, dim=-1, keepdim=True)   # [num_seqs, 1]
         masked = logits
         if batch.banned_rows.shape[0]:
             minus_inf = logits.new_full((), -torch.inf)
@@ -250,12 +252,12 @@ class Sampler:
             token_ids.index_copy_(0, batch.greedy_rows, greedy)
             sampled = self._sample(masked.index_select(0, batch.random_rows), batch)
             token_ids.index_copy_(0, batch.random_rows, sampled)
-        logprobs = raw_logprobs.gather(1, token_ids[:, None]).squeeze(1)
+        logprobs = (logits.gather(1, token_ids[:, None]) - log_normaliser).squeeze(1)
         num_top = min(batch.num_top_logprobs, batch.vocab_size)
         if num_top == 0:
             return SamplerOutput(token_ids, logprobs, None, None)
-        top_logprobs, top_ids = raw_logprobs.topk(num_top, dim=-1)
-        return SamplerOutput(token_ids, logprobs, top_logprobs, top_ids)
+        top_logits, top_ids = logits.topk(num_top, dim=-1)
+        return SamplerOutput(token_ids, logprobs, top_logits - log_normaliser, top_ids)
 
     def _sample(self, logits: Tensor, batch: SamplingBatch) -> Tensor:
         """[num_random, vocab] float32 (masked, unscaled) -> [num_random] int64 sampled ids."""

@@ -2,6 +2,14 @@
 `IncrementalDetokenizer`, and the `StopStringChecker` that ends outputs on stop strings.
 
 Nothing from the model folder is executed: only tokenizer.json and plain JSON configs are read.
+
+Per request, the engine chains the two streaming objects after each step:
+
+    delta = detokenizer.add(new_token_ids)
+    update = checker.add(delta, allow_stop=num_output_tokens >= params.min_tokens)
+    if update.stopped: finish with "stop" (stop_reason=update.stop_str); text = checker.text
+    elif finished another way: checker.add(detokenizer.finish(), allow_stop=...); checker.finish()
+    stream update.delta (plus what the two finish() calls released)
 """
 
 from __future__ import annotations

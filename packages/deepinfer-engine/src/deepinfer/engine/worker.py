@@ -15,9 +15,8 @@ from dataclasses import dataclass
 import torch
 
 from .model_runner import ModelRunner, StepBatch
-from .sampler import Sampler, SamplerOutput, build_sampling_batch
+from .sampler import RequestRng, Sampler, SamplerOutput, SamplingBatch, build_sampling_batch, logprob_dicts
 from .sampling_params import SamplingParams
-from .sampler import RequestRng
 
 
 @dataclass(frozen=True, slots=True)
@@ -41,7 +40,7 @@ class RowParams:
 @dataclass(frozen=True, slots=True)
 class _InFlight:
     seq_ids: tuple[str, ...]
-    wanted_logprobs: tuple[int | None, ...]
+    batch: SamplingBatch
     sampled: SamplerOutput
 
 
@@ -90,25 +89,12 @@ class Worker:
             vocab_size=self.vocab_size, device=logits.device,
         )
         sampled = self.sampler(logits.float(), batch)
-        return _InFlight(step.sample_seq_ids, tuple(r.params.logprobs for r in rows), sampled)
+        return _InFlight(step.sample_seq_ids, batch, sampled)
 
     @staticmethod
     def _post_process(flight: _InFlight | None) -> list[SampledToken]:
         if flight is None:
             return []
-        s = flight.sampled
-        token_ids = s.token_ids.tolist()
-        logprobs = s.logprobs.tolist()
-        top_ids = s.top_ids.tolist() if s.top_ids is not None else None
-        top_lps = s.top_logprobs.tolist() if s.top_logprobs is not None else None
-        out = []
-        for i, seq_id in enumerate(flight.seq_ids):
-            wanted = flight.wanted_logprobs[i]
-            entry = None
-            if wanted is not None:
-                entry = {token_ids[i]: logprobs[i]}
-                if wanted and top_ids is not None and top_lps is not None:
-                    for tok, lp in zip(top_ids[i][:wanted], top_lps[i][:wanted]):
-                        entry.setdefault(tok, lp)
-            out.append(SampledToken(seq_id, token_ids[i], entry))
-        return out
+        token_ids = flight.sampled.token_ids.tolist()
+        logprobs = logprob_dicts(flight.sampled, flight.batch)
+        return [SampledToken(seq_id, token_ids[i], logprobs[i]) for i, seq_id in enumerate(flight.seq_ids)]

@@ -25,6 +25,8 @@ class ForwardBatch:
     block_tables: Tensor      # [num_seqs, max_blocks] int32; 0 = no block
     state_slots: Tensor       # [num_seqs] int64; 0 = the dummy slot
     logits_indices: Tensor    # [num_logits] int64 rows whose logits the forward returns
+    max_context_len: int = 0  # ≥ every sequence's start + query length (a CUDA graph pads it to its capacity)
+    uniform_decode: bool = False   # every sequence has exactly one query row (the batched decode path)
 
     @property
     def num_seqs(self) -> int:
@@ -76,4 +78,6 @@ class ForwardBatch:
             block_tables=table.to(device),
             state_slots=torch.tensor(list(state_slots), dtype=torch.int64, device=device),
             logits_indices=torch.tensor(rows, dtype=torch.int64, device=device),
+            max_context_len=max(s + len(t) for s, t in zip(start_positions, token_ids)) if n else 0,
+            uniform_decode=n > 0 and all(len(t) == 1 for t in token_ids),
         )

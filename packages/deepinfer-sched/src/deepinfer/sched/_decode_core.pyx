@@ -109,23 +109,20 @@ def commit_decode(int32_t[::1] rows, const int32_t[::1] need, const int32_t[::1]
                   int query_len, int32_t[::1] seq_len, int32_t[::1] num_inflight,
                   int32_t[::1] pending_steps, int32_t[::1] num_blocks, int32_t[:, ::1] block_table,
                   const int32_t[::1] state_slot, const int32_t[::1] last_token,
-                  int32_t[::1] out_seq_lens, int32_t[::1] out_state_slots, int32_t[::1] out_last_tokens,
-                  int32_t[::1] out_block_tables):
-    """Reserves one decode step for every row and fills the output buffers.
+                  int32_t[::1] out_seq_lens, int32_t[::1] out_state_slots, int32_t[::1] out_last_tokens):
+    """Reserves one decode step for every row and fills the per-row outputs.
 
     Appends new_block_ids (consumed in row order, need[i] for rows[i]) to the block-table rows,
     sorts `rows` in place by seq_len descending (stable), then per row in that order emits the
     last token (-1 while a step is in flight), adds query_len to seq_len and num_inflight, one to
-    pending_steps, and emits seq_len, state slot and the 0-padded block table into
-    out_block_tables viewed as [len(rows), width]. Returns width (the most blocks of any row).
+    pending_steps, and emits seq_len and state slot. Returns the most blocks of any row.
     """
     cdef Py_ssize_t n = rows.shape[0], i, offset = 0, width = 0
-    cdef Py_ssize_t table_width = block_table.shape[1]
     cdef int32_t row, count, start
     cdef int32_t* scratch
     if need.shape[0] < n or out_seq_lens.shape[0] < n or out_state_slots.shape[0] < n \
-            or out_last_tokens.shape[0] < n or out_block_tables.shape[0] < n * table_width:
-        raise ValueError(f"output buffers are smaller than the {n} rows given")
+            or out_last_tokens.shape[0] < n:
+        raise ValueError(f"output arrays are smaller than the {n} rows given")
     if n == 0:
         return 0
     with nogil:
@@ -154,6 +151,17 @@ def commit_decode(int32_t[::1] rows, const int32_t[::1] need, const int32_t[::1]
             out_state_slots[i] = state_slot[row]
             if num_blocks[row] > width:
                 width = num_blocks[row]
-        for i in range(n):
-            memcpy(&out_block_tables[i * width], &block_table[rows[i], 0], width * sizeof(int32_t))
     return width
+
+
+def gather_block_tables(const int32_t[::1] rows, const int32_t[:, ::1] block_table, int32_t[:, ::1] out):
+    """out[i] = block_table[rows[i], :out.shape[1]] for out of shape [len(rows), width]."""
+    cdef Py_ssize_t n = rows.shape[0], i
+    cdef Py_ssize_t width = out.shape[1]
+    if out.shape[0] != n or width > block_table.shape[1]:
+        raise ValueError(f"out has shape ({out.shape[0]}, {width}); expected ({n}, <= {block_table.shape[1]})")
+    if n == 0 or width == 0:
+        return
+    with nogil:
+        for i in range(n):
+            memcpy(&out[i, 0], &block_table[rows[i], 0], width * sizeof(int32_t))

@@ -14,30 +14,33 @@ import numpy as np
 from .fork import copy_on_write
 from .output import DecodeBatch
 from .preemption import fit_by_preemption
+from .seq_table import SeqTable
 from .sequence import SeqStatus
 from .state import SchedState
 from .verify import VerifyLengthPolicy, checked_query_lens
 
 
-class DecodeBuffers:
-    """Output buffers reused by every decode step (views valid until the next schedule())."""
+class DecodeScratch:
+    """State reused across decode steps (internal; never handed out): the per-row block-need
+    array, and the last step's id tuple, reused while the rows and their ids are unchanged."""
 
-    def __init__(self, capacity: int, max_blocks_per_seq: int, query_len: int) -> None:
-        self.max_blocks_per_seq = max_blocks_per_seq
-        self.query_len = query_len
-        self.capacity = 0
-        self.ensure(capacity)
+    def __init__(self, capacity: int) -> None:
+        self.need = np.zeros(max(capacity, 1), dtype=np.int32)
+        self.last_rows = np.zeros(0, dtype=np.int32)
+        self.last_ids_version = -1
+        self.last_seq_ids: tuple[str, ...] = ()
 
-    def ensure(self, num_rows: int) -> None:
-        if num_rows <= self.capacity:
-            return
-        self.capacity = max(num_rows, 2 * self.capacity)
-        self.need = np.zeros(self.capacity, dtype=np.int32)
-        self.seq_lens = np.zeros(self.capacity, dtype=np.int32)
-        self.state_slots = np.zeros(self.capacity, dtype=np.int32)
-        self.last_tokens = np.zeros(self.capacity, dtype=np.int32)
-        self.query_lens = np.full(self.capacity, self.query_len, dtype=np.int32)
-        self.block_tables = np.zeros(self.capacity * self.max_blocks_per_seq, dtype=np.int32)
+    def seq_ids(self, table: SeqTable, rows: np.ndarray) -> tuple[str, ...]:
+        if table.ids_version != self.last_ids_version or not np.array_equal(rows, self.last_rows):
+            self.last_seq_ids = tuple(table.ids[rows].tolist())
+            self.last_rows = rows.copy()
+            self.last_ids_version = table.ids_version
+        return self.last_seq_ids
+
+    def ensure(self, num_rows: int) -> np.ndarray:
+        if num_rows > len(self.need):
+            self.need = np.zeros(max(num_rows, 2 * len(self.need)), dtype=np.int32)
+        return self.need
 
 
 def promote_prompted(st: SchedState) -> None:
@@ -58,10 +61,14 @@ def promote_prompted(st: SchedState) -> None:
 
 
 def schedule_decode(
-    st: SchedState, core: ModuleType, buffers: DecodeBuffers, verify_policy: VerifyLengthPolicy | None
+    st: SchedState, core: ModuleType, scratch: DecodeScratch, verify_policy: VerifyLengthPolicy | None
 ) -> DecodeBatch | None:
-    """Reserves one decode step for every running sequence it can; None if none runs."""
-    _check_lengths(st)
+    """Reserves one decode step for every running sequence it can; None if none runs.
+
+    Raises:
+        RuntimeError: a sequence would outgrow its block-table row (the engine missed a length
+            stop). Bookkeeping stays consistent, but the step's clone lists are lost: fatal.
+    """
     promote_prompted(st)
     table = st.table
     held = None
@@ -73,73 +80,56 @@ def schedule_decode(
     num_rows = len(rows)
     if num_rows == 0:
         return None
-    buffers.ensure(num_rows)
+    need = scratch.ensure(num_rows)
     query_len = st.config.max_query_len
     total = core.count_new_blocks(
         rows, table.seq_len, table.num_blocks, query_len, st.config.block_size,
-        st.config.max_blocks_per_seq, buffers.need,
+        st.config.max_blocks_per_seq, need,
     )
+    if total < 0:
+        _refuse_too_long(st, int(rows[-1 - total]))
     if total > st.kv.num_free:
-        kept = fit_by_preemption(st, rows, buffers.need)
+        kept = fit_by_preemption(st, rows, need)
         rows = np.ascontiguousarray(rows[kept])
-        buffers.need[: len(rows)] = buffers.need[:num_rows][kept]
+        need[: len(rows)] = need[:num_rows][kept]
         num_rows = len(rows)
-        total = int(buffers.need[:num_rows].sum())
+        total = int(need[:num_rows].sum())
         if num_rows == 0:
             st.running_rows = held if held is not None else rows
             return None
     new_block_ids = st.kv.allocate(total)
+    seq_lens = np.empty(num_rows, dtype=np.int32)
+    state_slots = np.empty(num_rows, dtype=np.int32)
+    last_token_ids = np.empty(num_rows, dtype=np.int32)
     width = core.commit_decode(
-        rows, buffers.need, new_block_ids, query_len,
-        table.seq_len, table.num_inflight, table.pending_steps, table.num_blocks, table.block_table,
-        table.state_slot, table.last_token,
-        buffers.seq_lens, buffers.state_slots, buffers.last_tokens, buffers.block_tables,
+        rows, need, new_block_ids, query_len,
+        table.seq_len, table.num_inflight, table.pending_steps, table.num_blocks,
+        table.block_table, table.state_slot, table.last_token,
+        seq_lens, state_slots, last_token_ids,
     )
+    block_tables = np.empty((num_rows, width), dtype=np.int32)
+    core.gather_block_tables(rows, table.block_table, block_tables)
     st.running_rows = rows if held is None or not len(held) else np.concatenate([rows, held])
-    return _emit(st, rows, width, buffers, verify_policy)
-
-
-def _check_lengths(st: SchedState) -> None:
-    """Refuses (before any change) a step that would grow a sequence past its block-table row."""
-    rows = st.running_rows
-    if not len(rows):
-        return
-    limit = st.config.max_blocks_per_seq * st.config.block_size - st.config.max_query_len
-    too_long = np.flatnonzero(st.table.seq_len[rows] > limit)
-    if len(too_long):
-        row = int(rows[too_long[0]])
-        raise RuntimeError(
-            f"sequence {st.table.ids[row]!r} holds {int(st.table.seq_len[row])} KV positions; one more "
-            f"decode step would pass max_model_len={st.config.max_model_len} plus two in-flight "
-            "steps: the engine must finish it (reason 'length') first"
-        )
-
-
-def _emit(
-    st: SchedState, rows: np.ndarray, width: int, buffers: DecodeBuffers,
-    verify_policy: VerifyLengthPolicy | None,
-) -> DecodeBatch:
-    num_rows = len(rows)
-    seq_ids = tuple(st.table.ids[rows].tolist())
-    seq_lens = _read_only(buffers.seq_lens[:num_rows])
-    query_lens = buffers.query_lens[:num_rows]
+    seq_ids = scratch.seq_ids(table, rows)
+    query_lens = np.full(num_rows, query_len, dtype=np.int32)
     if verify_policy is not None:
         query_lens = checked_query_lens(
-            verify_policy.query_lens(seq_ids, seq_lens, st.config.max_query_len), num_rows,
-            st.config.max_query_len,
+            verify_policy.query_lens(seq_ids, seq_lens.copy(), query_len), num_rows, query_len
         )
     return DecodeBatch(
         seq_ids=seq_ids,
-        rows=_read_only(rows),
-        query_lens=_read_only(query_lens),
-        seq_lens=_read_only(seq_lens),
-        block_tables=_read_only(buffers.block_tables[: num_rows * width].reshape(num_rows, width)),
-        state_slots=_read_only(buffers.state_slots[:num_rows]),
-        last_token_ids=_read_only(buffers.last_tokens[:num_rows]),
+        rows=rows.copy(),         # running_rows is re-sorted in place by the next step
+        query_lens=query_lens,
+        seq_lens=seq_lens,
+        block_tables=block_tables,
+        state_slots=state_slots,
+        last_token_ids=last_token_ids,
     )
 
 
-def _read_only(array: np.ndarray) -> np.ndarray:
-    view = array.view()
-    view.flags.writeable = False
-    return view
+def _refuse_too_long(st: SchedState, row: int) -> None:
+    raise RuntimeError(
+        f"sequence {st.table.ids[row]!r} holds {int(st.table.seq_len[row])} KV positions; one more "
+        f"decode step would pass max_model_len={st.config.max_model_len} plus two in-flight "
+        "steps: the engine must finish it (reason 'length') first"
+    )

@@ -86,5 +86,5 @@ def copy_on_write(st: SchedState, branch: Sequence) -> bool:
     branch.uncopied = False
     branch.parent = None
     st.num_uncopied -= 1
-    table.ids[row] = branch.seq_id
+    table.rename(row, branch.seq_id)
     return True

@@ -172,3 +172,60 @@ def view(st: SchedState, seq: Sequence) -> SeqView:
         block_ids=block_ids,
         state_slot=slot,
     )
+
+
+def append_decode_tokens(
+    st: SchedState, seq_ids: tuple[str, ...], token_ids: np.ndarray, num_accepted: np.ndarray
+) -> int:
+    """Batched `append_tokens` for one decode step's sequences; see Scheduler.append_decode_tokens."""
+    tokens = np.asarray(token_ids)
+    accepted = np.asarray(num_accepted)
+    num_seqs = len(seq_ids)
+    query_len = st.config.max_query_len
+    if tokens.ndim != 2 or tokens.shape[0] != num_seqs or not 1 <= tokens.shape[1] <= query_len \
+            or tokens.dtype.kind not in "iu":
+        raise ValueError(
+            f"token_ids has shape {tokens.shape} dtype {tokens.dtype}; expected [{num_seqs}, k] "
+            f"integers with k in [1, {query_len}]"
+        )
+    if accepted.shape != (num_seqs,) or accepted.dtype.kind not in "iu":
+        raise ValueError(f"num_accepted has shape {accepted.shape} dtype {accepted.dtype}; expected [{num_seqs}] ints")
+    if num_seqs == 0:
+        return 0
+    if int(accepted.min()) < 1 or int(accepted.max()) > tokens.shape[1]:
+        raise ValueError(f"num_accepted holds values outside [1, {tokens.shape[1]}]")
+    if int(tokens.min()) < 0 or int(tokens.max()) >= _TOKEN_LIMIT:
+        raise ValueError(f"token_ids holds ids outside [0, {_TOKEN_LIMIT})")
+    table = st.table
+    seqs = st.seqs
+    kept: list[int] = []
+    targets: list[Sequence] = []
+    running = SeqStatus.RUNNING
+    for index, seq_id in enumerate(seq_ids):
+        seq = seqs.get(seq_id)
+        if seq is None or seq.status is not running:   # finished or preempted since: dropped
+            continue
+        if seq.awaiting_first_token or table.pending_steps[seq.row] == 0:
+            raise ValueError(f"seq_id={seq_id!r} has no decode step in flight")
+        kept.append(index)
+        targets.append(seq)
+    rows = [seq.row for seq in targets]
+    if len(set(rows)) != len(rows):
+        raise ValueError("seq_ids lists a sequence twice")
+    if tokens.shape[1] == 1:   # one token each (nextn = 0): no per-sequence lists to build
+        for seq, token in zip(targets, tokens[kept, 0].tolist()):
+            seq.token_ids.append(token)
+    else:
+        token_lists = tokens[kept].tolist()
+        for seq, row_tokens, count in zip(targets, token_lists, accepted[kept].tolist()):
+            seq.token_ids.extend(row_tokens[:count])
+    row_array = np.array(rows, dtype=np.int32)
+    kept_counts = accepted[kept].astype(np.int32)
+    table.pending_steps[row_array] -= 1
+    table.num_inflight[row_array] -= query_len
+    table.seq_len[row_array] -= query_len - kept_counts
+    table.num_output[row_array] += kept_counts
+    table.last_token[row_array] = tokens[kept, kept_counts - 1]
+    for row in row_array[kept_counts < query_len].tolist():
+        _trim_blocks(st, row)
+    return len(rows)

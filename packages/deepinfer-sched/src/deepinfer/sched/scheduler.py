@@ -9,9 +9,11 @@ from __future__ import annotations
 from collections.abc import Iterable
 from types import ModuleType
 
+import numpy as np
+
 from . import admission, requests
 from .config import EngineType, SchedulerConfig
-from .decode import DecodeBuffers, schedule_decode
+from .decode import DecodeScratch, schedule_decode
 from .fork import fork_seq
 from .integrity import check_integrity
 from .output import DecodeBatch, PrefillChunk, PrefilledSeq, SchedulerOutput, StepKind
@@ -80,7 +82,7 @@ class Scheduler:
         self._group: StepVoteGroup = vote_group if vote_group is not None else SingleRankVoteGroup()
         self._verify_policy = verify_policy
         self._core = load_decode_core(native)
-        self._buffers = DecodeBuffers(config.max_num_seqs, config.max_blocks_per_seq, config.max_query_len)
+        self._scratch = DecodeScratch(config.max_num_seqs)
 
     @property
     def config(self) -> SchedulerConfig:
@@ -150,6 +152,27 @@ class Scheduler:
         """
         requests.append_tokens(self._st, seq_id, token_ids)
 
+    def append_decode_tokens(
+        self, seq_ids: tuple[str, ...], token_ids: np.ndarray, num_accepted: np.ndarray
+    ) -> int:
+        """`append_tokens` for a whole decode step at once (the engine's fast path).
+
+        Args:
+            seq_ids: [num_seqs] the step's `DecodeBatch.seq_ids`. Sequences finished or preempted
+                since the step was scheduled are skipped: their results are dropped.
+            token_ids: [num_seqs, k] integer token ids, k in [1, nextn + 1]; row i holds the
+                tokens of seq_ids[i], of which the first num_accepted[i] are kept.
+            num_accepted: [num_seqs] integers in [1, k].
+
+        Returns:
+            The number of sequences that took tokens.
+
+        Raises:
+            ValueError: bad shapes or values, a repeated sequence, or a sequence with no decode
+                step in flight (nothing is changed for any shape or value error).
+        """
+        return requests.append_decode_tokens(self._st, seq_ids, token_ids, num_accepted)
+
     def fork_seq(self, parent_id: str, num_branches: int) -> tuple[str, ...]:
         """Makes `num_branches` copies of a prefilled sequence that share its KV blocks and state
         slot (copy-on-write at their first decode step).
@@ -198,7 +221,8 @@ class Scheduler:
         """Decides and reserves this rank's next step (one vote round, two if prefill is chosen).
 
         Returns:
-            The `SchedulerOutput`; its arrays stay valid until the next call.
+            The `SchedulerOutput`. Its arrays are its own (the scheduler keeps no reference), so
+            a ZOS engine may hold a step's output past the next call.
         """
         st = self._st
         st.reset_step()
@@ -231,5 +255,5 @@ class Scheduler:
         if vote.none_running:
             return StepKind.IDLE, (), None
         st.num_decode_steps += 1
-        batch = schedule_decode(st, self._core, self._buffers, self._verify_policy)
+        batch = schedule_decode(st, self._core, self._scratch, self._verify_policy)
         return (StepKind.DECODE if batch is not None else StepKind.EMPTY_DECODE), (), batch

@@ -33,6 +33,7 @@ class SeqTable:
             setattr(self, name, np.zeros(0, dtype=np.int32))
         self.seqs: list[Sequence | None] = []
         self.ids = np.empty(0, dtype=object)   # row -> current seq id (for fast id gathers)
+        self.ids_version = 0                   # bumped whenever a row's id changes
         self._free_rows: list[int] = []
         self._grow(max(capacity, 1))
 
@@ -55,9 +56,13 @@ class SeqTable:
             self._grow(2 * self.capacity)
         row = self._free_rows.pop()
         self.seqs[row] = seq
-        self.ids[row] = seq.seq_id
+        self.rename(row, seq.seq_id)
         seq.row = row
         return row
+
+    def rename(self, row: int, seq_id: str | None) -> None:
+        self.ids[row] = seq_id
+        self.ids_version += 1
 
     def release(self, seq: Sequence) -> None:
         """Zeroes `seq`'s row (block ids must already be freed) and returns it to the pool."""
@@ -66,7 +71,7 @@ class SeqTable:
         for name in _COUNTERS:
             getattr(self, name)[row] = 0
         self.seqs[row] = None
-        self.ids[row] = None
+        self.rename(row, None)
         self._free_rows.append(row)
         seq.row = -1
 

@@ -10,12 +10,14 @@ def indexer_scores(q: Tensor, keys: Tensor, head_weights: Tensor, softmax_scale:
     """score[i, t] = Σ_h head_weights[i, h] · ReLU(q[i, h] · keys[t]) · softmax_scale.
 
     Args:
-        q: [num_queries, num_heads, index_dim]; keys: [num_keys, index_dim];
+        q: [num_queries, num_heads, index_dim]; keys: [num_keys, index_dim] shared by every query,
+            or [num_queries, num_keys, index_dim] per query (batched decode);
         head_weights: [num_queries, num_heads] (already scaled by num_heads^-0.5).
     Returns:
         [num_queries, num_keys] float32.
     """
-    dots = torch.einsum("qhd,td->qht", q.float(), keys.float())
+    pattern = "qhd,td->qht" if keys.dim() == 2 else "qhd,qtd->qht"
+    dots = torch.einsum(pattern, q.float(), keys.float())
     return (torch.relu(dots) * softmax_scale * head_weights.float().unsqueeze(-1)).sum(dim=1)
 
 

@@ -16,6 +16,7 @@ from deepinfer.kernels import KernelSet
 from ..batch import ForwardBatch
 from ..cache import ModelCache
 from ..config import CSA, HCA, DeepseekV4Config
+from . import batched_decode
 from .common import RMSNorm, hadamard, linear, paged_rows
 from .compressor import Compressor
 
@@ -73,15 +74,36 @@ class Attention(nn.Module):
             index_q = ops.apply_rope(index_q, pos, inv_freq)
             index_w = (x @ ix.weights_proj.weight.t()).float() * ix.num_heads**-0.5
             if kv_quant:
-                index_q = ops.fake_quant_fp4(index_q @ hadamard(ix.head_dim, x.device), 32)
+                index_q = self._quant_index(index_q, ops)
+        if batch.uniform_decode:
+            out = self._decode_attention(x, q, kv, index_q, index_w, batch, cache, ops, inv_freq, kv_quant)
+        else:
+            out = self._prefill_attention(x, q, kv, index_q, index_w, batch, cache, ops, inv_freq, kv_quant)
+        out = ops.apply_rope(out, pos, inv_freq, inverse=True)
+        grouped = ops.grouped_linear(out.reshape(num_tokens, cfg.o_groups, -1), self.wo_a.weight)
+        return grouped.flatten(1) @ self.wo_b.weight.t()
+
+    def _decode_attention(self, x, q, kv, index_q, index_w, batch, cache, ops, inv_freq, kv_quant) -> Tensor:
+        """One query per sequence: every sequence at once (batched_decode)."""
+        rows, valid = batched_decode.window_rows(self, kv, batch, cache)
+        if self.compressor is not None:
+            comp, comp_valid = batched_decode.compressed_rows(self, x, index_q, index_w, batch, cache, ops,
+                                                              inv_freq, kv_quant)
+            rows, valid = torch.cat((rows, comp), dim=1), torch.cat((valid, comp_valid), dim=1)
+        return ops.sparse_attention(q, rows, valid, self.attn_sink, self.cfg.head_dim**-0.5)
+
+    def _prefill_attention(self, x, q, kv, index_q, index_w, batch, cache, ops, inv_freq, kv_quant) -> Tensor:
+        """Any query lengths: one sequence at a time."""
         out = torch.empty_like(q)
         for i in range(batch.num_seqs):
             a, b = batch.cu_seqlens[i], batch.cu_seqlens[i + 1]
             rows, valid = self._gather_rows(i, a, b, x, kv, index_q, index_w, batch, cache, ops, inv_freq, kv_quant)
-            out[a:b] = ops.sparse_attention(q[a:b], rows, valid, self.attn_sink, cfg.head_dim**-0.5)
-        out = ops.apply_rope(out, pos, inv_freq, inverse=True)
-        grouped = ops.grouped_linear(out.reshape(num_tokens, cfg.o_groups, -1), self.wo_a.weight)
-        return grouped.flatten(1) @ self.wo_b.weight.t()
+            out[a:b] = ops.sparse_attention(q[a:b], rows, valid, self.attn_sink, self.cfg.head_dim**-0.5)
+        return out
+
+    def _quant_index(self, x: Tensor, ops: KernelSet) -> Tensor:
+        """Official V4 numerics of index queries and keys: Hadamard rotation, then FP4 (block 32)."""
+        return ops.fake_quant_fp4(x @ hadamard(x.shape[-1], x.device).to(x.dtype), 32)
 
     def _quant_kv(self, kv: Tensor, ops: KernelSet) -> Tensor:
         """Official V4 numerics: FP8 (block 64, ue8m0) on the nope dims; rope dims untouched."""
@@ -149,7 +171,7 @@ class Attention(nn.Module):
         ring_ig = cache.state[f"layers.{layer}.indexer.gate"][slot]
         iids, new_keys = ix.compressor.compress(ik, ig, start, ring_ik, ring_ig, ops, inv_freq, eps)
         if kv_quant and len(iids):
-            new_keys = ops.fake_quant_fp4(new_keys @ hadamard(ix.head_dim, x.device), 32)
+            new_keys = self._quant_index(new_keys, ops)
         blocks, rows = paged_rows(table, iids, r, block_size)
         paged_ik[blocks, rows] = new_keys.to(paged_ik.dtype)
         blocks, rows = paged_rows(table, all_ids, r, block_size)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -22,8 +23,9 @@ def linear(dim_in: int, dim_out: int) -> nn.Linear:
     return nn.Linear(dim_in, dim_out, bias=False)
 
 
+@functools.cache
 def hadamard(dim: int, device: torch.device | str = "cpu") -> Tensor:
-    """Orthonormal Sylvester–Hadamard matrix [dim, dim] (dim a power of two), float32."""
+    """Orthonormal Sylvester–Hadamard matrix [dim, dim] (dim a power of two), float32 (cached)."""
     if dim & (dim - 1):
         raise ValueError(f"hadamard dim={dim} must be a power of two")
     h = torch.ones(1, 1)

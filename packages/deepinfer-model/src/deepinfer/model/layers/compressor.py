@@ -93,3 +93,45 @@ class Compressor(nn.Module):
         ring_k[write % ring] = k[write - start]
         ring_g[write % ring] = g[write - start]
         return entries, rows
+
+    def decode_step(
+        self,
+        k: Tensor,
+        g: Tensor,
+        positions: Tensor,
+        ring_k: Tensor,
+        ring_g: Tensor,
+        ops: KernelSet,
+        inv_freq: Tensor,
+        eps: float,
+    ) -> tuple[Tensor, Tensor, Tensor]:
+        """One token per sequence, all sequences at once, with static shapes (CUDA-graph friendly).
+
+        Args:
+            k, g: [num_seqs, mult·width] the tokens' projections at `positions` [num_seqs].
+            ring_k, ring_g: [num_seqs, ring, mult·width] the sequences' rings, this token already
+                written at position mod ring.
+        Returns:
+            (entry ids [num_seqs] int64, rows [num_seqs, width] float32, done [num_seqs] bool): the
+            window each token belongs to, its pooled row, and whether that window closed with this
+            token (rows of open windows are computed but meaningless).
+        """
+        r, w = self.ratio, self.width
+        ring = ring_k.shape[1]
+        entries = positions // r
+        lo = (entries - 1) * r if self.overlap else entries * r
+        span = 2 * r if self.overlap else r
+        pos = lo[:, None] + torch.arange(span, device=k.device)[None, :]           # [B, span]
+        idx = pos.clamp(min=0) % ring
+        rows_k = ring_k.gather(1, idx[..., None].expand(-1, -1, ring_k.shape[-1]))
+        rows_g = ring_g.gather(1, idx[..., None].expand(-1, -1, ring_g.shape[-1]))
+        missing = (pos < 0)[..., None]
+        rows_k, rows_g = rows_k.masked_fill(missing, 0.0), rows_g.masked_fill(missing, float("-inf"))
+        if self.overlap:
+            slot_k = torch.cat((rows_k[:, :r, :w], rows_k[:, r:, w:]), dim=1)
+            slot_g = torch.cat((rows_g[:, :r, :w], rows_g[:, r:, w:]), dim=1)
+        else:
+            slot_k, slot_g = rows_k, rows_g
+        pooled = ops.rms_norm(ops.compress_pool(slot_k, slot_g), self.norm.weight, eps)
+        rows = ops.apply_rope(pooled, entries * r, inv_freq)
+        return entries, rows, (positions + 1) % r == 0

@@ -46,15 +46,13 @@ def commit_decode(
     out_seq_lens: np.ndarray,
     out_state_slots: np.ndarray,
     out_last_tokens: np.ndarray,
-    out_block_tables: np.ndarray,
 ) -> int:
-    """Reserves one decode step for every row and fills the output buffers.
+    """Reserves one decode step for every row and fills the per-row outputs.
 
     Appends new_block_ids (consumed in row order, need[i] for rows[i]) to the block-table rows,
     sorts `rows` in place by seq_len descending (stable), then per row in that order emits the
     last token (-1 while a step is in flight), adds query_len to seq_len and num_inflight, one to
-    pending_steps, and emits seq_len, state slot and the 0-padded block table into
-    out_block_tables viewed as [len(rows), width]. Returns width (the most blocks of any row).
+    pending_steps, and emits seq_len and state slot. Returns the most blocks of any row.
     """
     num_rows = len(rows)
     offset = 0
@@ -73,7 +71,9 @@ def commit_decode(
     pending_steps[rows] += 1
     out_seq_lens[:num_rows] = seq_len[rows]
     out_state_slots[:num_rows] = state_slot[rows]
-    width = int(num_blocks[rows].max()) if num_rows else 0
-    tables = out_block_tables[: num_rows * width].reshape(num_rows, width)
-    tables[:] = block_table[rows, :width]
-    return width
+    return int(num_blocks[rows].max()) if num_rows else 0
+
+
+def gather_block_tables(rows: np.ndarray, block_table: np.ndarray, out: np.ndarray) -> None:
+    """out[i] = block_table[rows[i], :out.shape[1]] for out of shape [len(rows), width]."""
+    out[:] = block_table[rows, : out.shape[1]]
