@@ -41,7 +41,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--lr", type=float, default=2e-3)
     p.add_argument("--weight-decay", type=float, default=0.1)
     p.add_argument("--warmup", type=int, default=100)
-    p.add_argument("--max-steps", default="auto", help="an int, or 'auto' (fit --budget-s)")
+    p.add_argument("--max-steps", default="auto", help="an int, or 'auto' (fit --budget-s and --max-epochs)")
+    p.add_argument("--max-epochs", type=int, default=20, help="cap of the `auto` step count, in train-split passes")
     p.add_argument("--budget-s", type=float, default=330.0, help="wall-clock limit of the training loop")
     p.add_argument("--dense-frac", type=float, default=0.1, help="fraction of steps with a dense indexer")
     p.add_argument("--balance-rate", type=float, default=1e-3)
@@ -156,7 +157,8 @@ def main() -> None:
     max_steps = None if args.max_steps == "auto" else int(args.max_steps)
     log: dict = {"args": {k: str(v) for k, v in vars(args).items()}, "num_params": num_params,
                  "torch": torch.__version__, "transformers": transformers.__version__, "experts": experts,
-                 "python": sys.version.split()[0], "train": [], "eval": []}
+                 "python": sys.version.split()[0], "train": [], "eval": [],
+                 "device": torch.cuda.get_device_name() if device == "cuda" else "cpu"}
     best = (float("inf"), -1, None)
     t0 = time.perf_counter()
     step, t_first = 0, 0.0
@@ -169,7 +171,8 @@ def main() -> None:
             t_first = elapsed                     # steps 10..40 time the loop, past CUDA warm-up
         if max_steps is None and step == 40:
             per_step = (elapsed - t_first) / 30.0
-            max_steps = int(40 + (args.budget_s - elapsed) / per_step * 0.92)
+            epoch_steps = data["train"].numel() // (args.batch * CONTEXT_LEN)
+            max_steps = min(int(40 + (args.budget_s - elapsed) / per_step * 0.92), args.max_epochs * epoch_steps)
             log["ms_per_step"] = round(per_step * 1e3, 2)
             print(f"auto: {per_step * 1e3:.1f} ms/step -> max_steps={max_steps}", flush=True)
         planned = max_steps or 10 ** 9
@@ -224,7 +227,8 @@ def main() -> None:
                      "heldout_unigram_loss": unigram_nll(counts, data["heldout"]),
                      "heldout_tokens": int(tiled_starts(data["heldout"].numel()).numel() * CONTEXT_LEN),
                      "tokens_seen": step * args.batch * CONTEXT_LEN, "safetensors_bytes": size,
-                     "num_params": num_params}
+                     "num_params": num_params,
+                     "peak_gpu_mib": torch.cuda.max_memory_allocated() >> 20 if device == "cuda" else 0}
     (args.out / "log.json").write_text(json.dumps(log, indent=1))
     print(json.dumps(log["result"], indent=1), flush=True)
 

@@ -6,19 +6,29 @@
 
 `LLMEngine` exposes the step loop (add_request / abort_request / step / has_unfinished_requests);
 `EngineArgs` holds every engine knob, validated; `deepinfer generate` and `deepinfer bench` are the CLI.
+Names are imported on first use, so a submodule (e.g. `deepinfer.engine.cuda_graphs`) can be used
+without loading the whole engine.
 """
 
+from __future__ import annotations
+
+import importlib
 from importlib.metadata import version as _version
-
-from deepinfer.sched import EngineType
-
-from .engine_args import EngineArgs, InvalidEngineArgs
-from .llm import LLM
-from .llm_engine import LLMEngine
-from .outputs import CompletionOutput, RequestOutput
-from .sampling_params import InvalidSamplingParams, SamplingParams
+from typing import TYPE_CHECKING, Any
 
 __version__ = _version("deepinfer-engine")
+
+_EXPORTS = {
+    "LLM": ".llm",
+    "CompletionOutput": ".outputs",
+    "EngineArgs": ".engine_args",
+    "EngineType": "deepinfer.sched",
+    "InvalidEngineArgs": ".engine_args",
+    "InvalidSamplingParams": ".sampling_params",
+    "LLMEngine": ".llm_engine",
+    "RequestOutput": ".outputs",
+    "SamplingParams": ".sampling_params",
+}
 __all__ = [
     "LLM",
     "CompletionOutput",
@@ -30,3 +40,20 @@ __all__ = [
     "RequestOutput",
     "SamplingParams",
 ]
+
+if TYPE_CHECKING:
+    from deepinfer.sched import EngineType
+
+    from .engine_args import EngineArgs, InvalidEngineArgs
+    from .llm import LLM
+    from .llm_engine import LLMEngine
+    from .outputs import CompletionOutput, RequestOutput
+    from .sampling_params import InvalidSamplingParams, SamplingParams
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _EXPORTS:
+        raise AttributeError(f"module 'deepinfer.engine' has no attribute {name!r}")
+    value = getattr(importlib.import_module(_EXPORTS[name], __name__), name)
+    globals()[name] = value
+    return value

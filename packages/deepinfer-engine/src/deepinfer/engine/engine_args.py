@@ -37,6 +37,7 @@ class EngineArgs:
         stop_preempted_request: finish a preempted request as "preempted" (True) or recompute it.
         engine_type: NORMAL / PROMPT / COMPLETION.
         kv_quant: official FP8/FP4 fake-quantisation of cached KV (off = transformers' numerics).
+        enforce_eager: never capture CUDA graphs (decode on CUDA replays graphs keyed by batch size otherwise).
     """
 
     model: str | None = None
@@ -55,6 +56,7 @@ class EngineArgs:
     stop_preempted_request: bool = True
     engine_type: EngineType = EngineType.NORMAL
     kv_quant: bool = False
+    enforce_eager: bool = False
 
     def __post_init__(self) -> None:
         if self.model is not None and not isinstance(self.model, str):
@@ -78,7 +80,7 @@ class EngineArgs:
             _fail(f"kv_cache_memory_mb={self.kv_cache_memory_mb!r} must be > 0")
         if not isinstance(self.chunk_checkpoints, tuple):
             _fail(f"chunk_checkpoints={self.chunk_checkpoints!r} must be a tuple of positions")
-        for name in ("stop_preempted_request", "kv_quant"):
+        for name in ("stop_preempted_request", "kv_quant", "enforce_eager"):
             if not isinstance(getattr(self, name), bool):
                 _fail(f"{name}={getattr(self, name)!r} must be a bool")
         if not isinstance(self.engine_type, EngineType):

@@ -13,6 +13,8 @@ from deepinfer.cache import PagedStream, StateRegion, plan_paged_layout, plan_st
 from deepinfer.model import DeepseekV4ForCausalLM, ForwardBatch, ModelCache
 from deepinfer.sched import SchedulerOutput, StepKind
 
+from .cuda_graphs import DecodeGraphs
+
 
 @dataclass(frozen=True, slots=True)
 class CachePlan:
@@ -50,6 +52,9 @@ class ModelRunner:
         num_kv_blocks / budget_bytes: size the paged buffer by block count or by bytes (one of them).
         num_state_slots: state slots (slot 0 the dummy).
         max_backtracking: spare ring slots for rejected draft tokens.
+        graph_max_seqs: capture decode CUDA graphs up to this many sequences (CUDA only; None = eager).
+        max_blocks_per_seq / max_model_len: the block-table width and context bound the graphs capture.
+        graph_interval: spacing of graph sizes past the first powers of two.
     """
 
     def __init__(
@@ -61,6 +66,10 @@ class ModelRunner:
         budget_bytes: int | None,
         num_state_slots: int,
         max_backtracking: int,
+        graph_max_seqs: int | None = None,
+        max_blocks_per_seq: int = 0,
+        max_model_len: int = 0,
+        graph_interval: int = 8,
     ) -> None:
         self.model = model
         self.device = model.embed.weight.device
@@ -84,6 +93,10 @@ class ModelRunner:
         )
         self.plan = CachePlan(block_size, num_blocks, num_state_slots, paged_bytes, state.total_bytes,
                               state.state_size_to_disk)
+        self.graphs = None
+        if graph_max_seqs and self.device.type == "cuda":
+            self.graphs = DecodeGraphs(model, self.cache, max_seqs=graph_max_seqs, max_blocks=max_blocks_per_seq,
+                                       max_context_len=max_model_len, interval=graph_interval)
 
     def apply_cache_ops(self, out: SchedulerOutput) -> None:
         """Copy-on-write clones and zeroing the scheduler asked for (before the forward)."""
@@ -123,6 +136,11 @@ class ModelRunner:
 
     @torch.no_grad()
     def forward(self, step: StepBatch) -> Tensor:
-        """Run the model; returns float32 logits [len(step.sample_seq_ids), vocab]."""
-        logits = self.model(step.batch, self.cache)
+        """Run the model (a CUDA-graph replay for decode steps that fit one); returns float32 logits
+        [len(step.sample_seq_ids), vocab]."""
+        batch = step.batch
+        if self.graphs is not None and batch.uniform_decode and self.graphs.bucket(batch.num_seqs) is not None:
+            logits = self.graphs.run(batch)
+        else:
+            logits = self.model(batch, self.cache)
         return logits[step.logits_rows]

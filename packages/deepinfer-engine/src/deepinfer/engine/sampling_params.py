@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 import numbers
 from collections.abc import Sequence
@@ -17,6 +18,63 @@ MAX_SEED = 2**64 - 1
 
 class InvalidSamplingParams(ValueError):
     """A `SamplingParams` field is out of its allowed range; the message names the field."""
+
+
+@dataclass(frozen=True, slots=True)
+class StructuredOutput:
+    """A constraint on a request's output text; exactly one field is set.
+
+    The output is decoded under the constraint (a token bitmask per step) and ends with EOS once the
+    constraint is satisfied and nothing more may follow. A request that hits `max_tokens` or a stop
+    string first ends there, possibly incomplete.
+
+    Attributes:
+        json: a JSON schema, as a dict or JSON text; normalised to compact JSON text (key order kept).
+            Must be a JSON object or a boolean. The output is one JSON value valid against it,
+            written with ", " and ": " separators and no other whitespace.
+        regex: the whole output matches this regular expression (xgrammar's dialect, close to
+            ECMAScript; implicitly anchored at both ends).
+        grammar: an EBNF grammar in the GBNF form of llama.cpp, with a `root` rule.
+        choice: the output is exactly one of these strings (a non-empty sequence of non-empty str;
+            normalised to a tuple).
+
+    Raises:
+        InvalidSamplingParams: not exactly one field set, or a field of the wrong type or empty;
+            the message names the field (e.g. "structured.json").
+    """
+
+    json: dict | str | None = None
+    regex: str | None = None
+    grammar: str | None = None
+    choice: Sequence[str] | None = None
+
+    def __post_init__(self) -> None:
+        given = [name for name in STRUCTURED_KINDS if getattr(self, name) is not None]
+        if len(given) != 1:
+            _fail(f"structured: exactly one of json, regex, grammar, choice must be set, got {given or 'none'}")
+        if self.json is not None:
+            object.__setattr__(self, "json", _normalise_schema(self.json))
+        for name in ("regex", "grammar"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, str) or not value):
+                _fail(f"structured.{name}={value!r} must be a non-empty str")
+        if self.choice is not None:
+            object.__setattr__(self, "choice", _normalise_choice(self.choice))
+
+    @property
+    def kind(self) -> str:
+        """Which field is set: "json", "regex", "grammar" or "choice"."""
+        return next(name for name in STRUCTURED_KINDS if getattr(self, name) is not None)
+
+    @property
+    def key(self) -> tuple[str, str]:
+        """(kind, text): equal keys compile to the same grammar (the compile cache's key)."""
+        kind = self.kind
+        value = getattr(self, kind)
+        return kind, json.dumps(list(value)) if kind == "choice" else value
+
+
+STRUCTURED_KINDS = ("json", "regex", "grammar", "choice")
 
 
 @dataclass(frozen=True, slots=True)
@@ -43,6 +101,9 @@ class SamplingParams:
         logprobs: None = no logprobs; an int in [0, 20] = for every output token return its logprob
             plus the logprobs of this many most likely alternatives.
         include_stop_str_in_output: keep the matched stop string at the end of the text.
+        structured: None, or a `StructuredOutput` the output must follow (JSON schema, regex, EBNF
+            grammar or choice). Needs a tokenizer and the xgrammar package; cannot be combined with
+            ignore_eos (a constrained output ends with EOS).
     """
 
     temperature: float = 1.0
@@ -57,6 +118,7 @@ class SamplingParams:
     seed: int | None = None
     logprobs: int | None = None
     include_stop_str_in_output: bool = False
+    structured: StructuredOutput | None = None
 
     def __post_init__(self) -> None:
         temperature = _real("temperature", self.temperature)
@@ -87,6 +149,10 @@ class SamplingParams:
             _fail(f"logprobs={logprobs} must be None or in [0, {MAX_LOGPROBS}]")
         _check_bool("ignore_eos", self.ignore_eos)
         _check_bool("include_stop_str_in_output", self.include_stop_str_in_output)
+        if self.structured is not None and not isinstance(self.structured, StructuredOutput):
+            _fail(f"structured={self.structured!r} must be None or a StructuredOutput")
+        if self.structured is not None and self.ignore_eos:
+            _fail("ignore_eos=True cannot be combined with structured: a constrained output ends with EOS")
         normalised = {
             "temperature": temperature, "top_k": top_k, "top_p": top_p, "min_p": min_p,
             "max_tokens": max_tokens, "min_tokens": min_tokens, "seed": seed, "logprobs": logprobs,
@@ -155,3 +221,27 @@ def _normalise_stop_token_ids(ids: object) -> tuple[int, ...]:
         if isinstance(item, bool) or not isinstance(item, numbers.Integral) or item < 0:
             _fail(f"stop_token_ids[{i}]={item!r} must be an int >= 0")
     return tuple(int(item) for item in result)
+
+
+def _normalise_schema(schema: object) -> str:
+    if isinstance(schema, str):
+        try:
+            schema = json.loads(schema)
+        except json.JSONDecodeError as error:
+            _fail(f"structured.json is not valid JSON text: {error}")
+    if not isinstance(schema, dict | bool):
+        _fail(f"structured.json must be a JSON schema (an object or a boolean), got {type(schema).__name__}")
+    try:
+        return json.dumps(schema, separators=(",", ":"), ensure_ascii=False, allow_nan=False)
+    except (TypeError, ValueError) as error:
+        _fail(f"structured.json cannot be written as JSON: {error}")
+
+
+def _normalise_choice(choice: object) -> tuple[str, ...]:
+    if isinstance(choice, str | bytes) or not isinstance(choice, Sequence) or not choice:
+        _fail(f"structured.choice={choice!r} must be a non-empty sequence of str")
+    result = tuple(choice)  # type: ignore[arg-type]
+    for i, item in enumerate(result):
+        if not isinstance(item, str) or not item:
+            _fail(f"structured.choice[{i}]={item!r} must be a non-empty str")
+    return result

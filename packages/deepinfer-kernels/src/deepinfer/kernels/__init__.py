@@ -2,13 +2,17 @@
 
 `deepinfer.kernels.reference` holds the pure-PyTorch twin of each op (the specification that
 GPU kernels must match); `kernels_for(device)` resolves, per op, a registered device kernel or
-the reference. Only the reference implementations exist so far.
+the reference. Registered so far: CUDA `moe_experts` → `torch_ops.moe_experts_grouped` (grouped
+GEMMs over the active experts, CUDA-graph safe); every other op runs its reference.
 """
 
 from importlib.metadata import version as _version
 
 from . import reference
+from .backends import register_builtin_backends
 from .registry import OP_NAMES, KernelSet, kernels_for, register
+
+register_builtin_backends()
 
 __version__ = _version("deepinfer-kernels")
 __all__ = ["OP_NAMES", "KernelSet", "kernels_for", "reference", "register"]

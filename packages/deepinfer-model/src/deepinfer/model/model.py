@@ -87,7 +87,7 @@ class DeepseekV4ForCausalLM(nn.Module):
     def init_weights(self, seed: int, std: float = 0.02) -> None:
         """Random initialisation (normal(0, std) matrices, unit norms, zero biases/sinks, hash table
         drawn uniformly), deterministic for a seed. Used by tests and the tiny-model recipe."""
-        gen = torch.Generator().manual_seed(seed)
+        gen = torch.Generator(device=self.embed.weight.device).manual_seed(seed)
         for name, p in self.named_parameters():
             leaf = name.rsplit(".", 1)[-1]
             if "norm" in name:
@@ -97,10 +97,10 @@ class DeepseekV4ForCausalLM(nn.Module):
             elif name.endswith("_scale"):
                 p.fill_(1.0)
             else:
-                p.copy_(torch.randn(p.shape, generator=gen) * std)
+                p.normal_(0.0, std, generator=gen)
         for name, b in self.named_buffers():
             if name.endswith("tid2eid"):
-                b.copy_(torch.randint(0, self.cfg.n_routed_experts, b.shape, generator=gen))
+                b.random_(0, self.cfg.n_routed_experts, generator=gen)
 
     def cache_spec(self, block_size: int, max_backtracking: int = 0, dtype: torch.dtype | None = None) -> CacheSpec:
         """What this model keeps per sequence (see deepinfer.model.cache).
@@ -153,3 +153,35 @@ class DeepseekV4ForCausalLM(nn.Module):
                         norm_eps=cfg.rms_norm_eps)
         x = ops.rms_norm(x, self.norm.weight, cfg.rms_norm_eps)
         return (x.float() @ self.head.weight.float().t())
+
+
+def keeps_fp32(name: str) -> bool:
+    """Parameters and buffers the model keeps in float32 whatever its compute dtype (norm weights,
+    mHC, sinks, compressor position bias, router bias) — or int64 (the hash table)."""
+    leaf = name.rsplit(".", 1)[-1]
+    return leaf in ("ape", "attn_sink", "bias", "tid2eid") or "norm" in name or name.startswith("hc_head_") \
+        or ".hc_" in name
+
+
+def build_model(cfg: DeepseekV4Config, *, device: torch.device | str, dtype: torch.dtype,
+                kv_quant: bool = False) -> DeepseekV4ForCausalLM:
+    """An uninitialised model allocated directly on `device`: matrices in `dtype`, `keeps_fp32`
+    tensors in float32 (the hash table int64). Fill it with `load_state_dict(..., assign=True)` or
+    `init_weights`."""
+    with torch.device("meta"):
+        model = DeepseekV4ForCausalLM(cfg, kv_quant=kv_quant)
+    for module_name, module in model.named_modules():
+        prefix = f"{module_name}." if module_name else ""
+        for name, p in list(module._parameters.items()):
+            if p is None:
+                continue
+            target = torch.float32 if keeps_fp32(prefix + name) else dtype
+            module._parameters[name] = nn.Parameter(torch.empty(p.shape, dtype=target, device=device),
+                                                    requires_grad=p.requires_grad)
+        for name, b in list(module._buffers.items()):
+            if b is None:
+                continue
+            target = b.dtype if (b.dtype == torch.int64 or name.endswith("inv_freq")) else dtype
+            module._buffers[name] = torch.empty(b.shape, dtype=target, device=device)
+    model.reset_rope()
+    return model

@@ -20,7 +20,7 @@ from torch import Tensor
 from deepinfer.kernels.reference import dequant_fp8_block, dequant_mxfp4
 
 from .config import DeepseekV4Config
-from .model import DeepseekV4ForCausalLM
+from .model import DeepseekV4ForCausalLM, build_model
 from .names import expert_part, is_draft_key, to_official
 
 _SCALE_SUFFIXES = (".scale", ".weight_scale_inv")
@@ -171,8 +171,7 @@ def load_model(
     cfg = cfg or DeepseekV4Config.from_model_dir(model_dir)
     weights = load_weights(model_dir, cfg)
     with torch.device("meta"):
-        model = DeepseekV4ForCausalLM(cfg, kv_quant=kv_quant)
-    expected = model.state_dict()
+        expected = DeepseekV4ForCausalLM(cfg, kv_quant=kv_quant).state_dict()
     missing = sorted(set(expected) - set(weights.backbone))
     if missing:
         k = missing[0]
@@ -184,20 +183,9 @@ def load_model(
     for key, t in weights.backbone.items():
         if tuple(t.shape) != tuple(expected[key].shape):
             raise WeightError(f"{key}: shape {tuple(t.shape)} != expected {tuple(expected[key].shape)}")
-    model = model.to_empty(device=device)
-    state = {}
-    for key, t in weights.backbone.items():
-        keep_fp32 = expected[key].dtype == torch.float32 and _is_fp32_param(key)
-        target = torch.int64 if key.endswith("tid2eid") else (torch.float32 if keep_fp32 else dtype)
-        state[key] = t.to(device=device, dtype=target)
+    model = build_model(cfg, device=device, dtype=dtype, kv_quant=kv_quant)
+    target = model.state_dict()
+    state = {key: t.to(device=device, dtype=target[key].dtype) for key, t in weights.backbone.items()}
     model.load_state_dict(state, strict=True, assign=True)
-    model.reset_rope()
     model.draft_weights = weights.draft
     return model.eval()
-
-
-def _is_fp32_param(key: str) -> bool:
-    """Parameters the model keeps in float32 whatever the compute dtype (norms, mHC, sinks, biases)."""
-    leaf = key.rsplit(".", 1)[-1]
-    return (leaf in ("ape", "attn_sink", "bias") or "norm" in key or key.startswith("hc_head_")
-            or ".hc_" in key)

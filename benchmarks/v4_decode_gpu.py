@@ -1,0 +1,228 @@
+"""Decode step time of a V4-Flash-shaped model on one GPU, against the memory roofline and
+transformers' DeepseekV4ForCausalLM on the same GPU.
+
+    python benchmarks/v4_decode_gpu.py --layers 4 --batches 1,8,32,128,256 --context 1024 \
+        --hf-batches 1,32 --out results.json
+
+The model has the real V4-Flash dimensions (hidden 4096, 64 heads × 512, q_lora 1024, 256 experts ×
+2048, top-6, hc 4, window 128, CSA ratio 4 / HCA ratio 128) and random bf16 weights; `--layers`
+of them, layer 0 window-only, then CSA / HCA alternating with one extra CSA (4 layers = 1 sliding,
+2 CSA, 1 HCA). Decode runs at context `--context` with the cache filled with random values (the
+step's work and bytes do not depend on them) — eager and CUDA-graph replay. The roofline of a step
+is (weights touched + KV bytes read) / copy bandwidth measured in the same run; weights touched =
+attention + mHC + shared expert of every layer + the expected number of distinct routed experts
+for the batch (uniform routing: E·(1 − (1 − k/E)^B)) + the LM head.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import math
+import time
+
+import torch
+
+from deepinfer.engine.cuda_graphs import DecodeGraphs
+from deepinfer.model import DeepseekV4Config, ForwardBatch, ModelCache
+from deepinfer.model.model import build_model
+
+FLASH = dict(
+    vocab_size=129280, hidden_size=4096, num_attention_heads=64, head_dim=512, qk_rope_head_dim=64,
+    q_lora_rank=1024, o_groups=8, o_lora_rank=1024, sliding_window=128, n_routed_experts=256,
+    num_experts_per_tok=6, n_shared_experts=1, moe_intermediate_size=2048, hc_mult=4, hc_sinkhorn_iters=20,
+    index_n_heads=64, index_head_dim=128, index_topk=512, rope_theta=10000, compress_rope_theta=160000,
+    rope_scaling={"type": "yarn", "factor": 16, "beta_fast": 32, "beta_slow": 1,
+                  "original_max_position_embeddings": 65536},
+    max_position_embeddings=1048576, routed_scaling_factor=1.5, swiglu_limit=10.0, rms_norm_eps=1e-6,
+)
+
+
+def layer_schedule(n: int) -> list[int]:
+    """Layer 0 window-only, then CSA (ratio 4) and HCA (ratio 128) alternating."""
+    return [0] + [4 if i % 2 == 0 else 128 for i in range(n - 1)]
+
+
+def copy_bandwidth(gib: float = 4.0) -> float:
+    """Bytes per second of a device-to-device copy (read + write counted)."""
+    n = int(gib * 2**30) // 2
+    a = torch.empty(n, dtype=torch.bfloat16, device="cuda")
+    b = torch.empty_like(a)
+    for _ in range(3):
+        b.copy_(a)
+    torch.cuda.synchronize()
+    start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    times = []
+    for _ in range(10):
+        start.record()
+        b.copy_(a)
+        stop.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(stop) / 1000)
+    del a, b
+    return 2 * n * 2 / sorted(times)[len(times) // 2]
+
+
+def roofline_bytes(model, cfg: DeepseekV4Config, batch: int, context: int) -> dict[str, float]:
+    elem = 2
+    expert = (3 * cfg.moe_intermediate_size * cfg.hidden_size) * elem
+    distinct = cfg.n_routed_experts * (1 - (1 - cfg.num_experts_per_tok / cfg.n_routed_experts) ** batch)
+    dense = 0
+    for name, p in model.named_parameters():
+        if ".ffn.experts." in name or name == "embed.weight":
+            continue
+        dense += p.numel() * p.element_size()
+    kv = 0
+    for kind, r in zip(cfg.attention_types, cfg.compress_ratios):
+        kv += cfg.sliding_window * cfg.head_dim * elem
+        if kind == "csa":
+            visible = context // r
+            kv += visible * cfg.index_head_dim * elem + min(cfg.index_topk, visible) * cfg.head_dim * elem
+        elif kind == "hca":
+            kv += (context // r) * cfg.head_dim * elem
+    layers = cfg.num_hidden_layers
+    routed = layers * distinct * expert
+    return {"dense_weights": dense, "routed_weights": routed, "kv": batch * kv,
+            "total": dense + routed + batch * kv, "distinct_experts_per_layer": distinct}
+
+
+def time_steps(fn, steps: int) -> float:
+    start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    times = []
+    for _ in range(steps):
+        start.record()
+        fn()
+        stop.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(stop))
+    times.sort()
+    return times[len(times) // 2]
+
+
+class DecodeFeed:
+    """Decode batches of `num_seqs` sequences advancing from position `context`."""
+
+    def __init__(self, cfg: DeepseekV4Config, num_seqs: int, context: int, tables: list[list[int]]) -> None:
+        self.cfg, self.num_seqs, self.tables = cfg, num_seqs, tables
+        self.positions = [context] * num_seqs
+        self.gen = torch.Generator().manual_seed(num_seqs)
+
+    def next(self) -> ForwardBatch:
+        toks = torch.randint(0, self.cfg.vocab_size, (self.num_seqs,), generator=self.gen).tolist()
+        batch = ForwardBatch.build([[t] for t in toks], self.positions, self.tables,
+                                   list(range(1, self.num_seqs + 1)), device="cuda")
+        self.positions = [p + 1 for p in self.positions]
+        return batch
+
+
+@torch.no_grad()
+def bench_batch(model, cfg: DeepseekV4Config, b: int, context: int, steps: int, bandwidth: float) -> dict:
+    block_size = 128
+    max_context = context + 2 * steps + 8
+    blocks_per_seq = math.ceil(max_context / block_size)
+    cache = ModelCache.allocate(model.cache_spec(block_size), b * blocks_per_seq + 1, b + 1, "cuda")
+    for t in list(cache.paged.values()) + list(cache.state.values()):
+        t.normal_()
+    feed = DecodeFeed(cfg, b, context, [[1 + i * blocks_per_seq + j for j in range(blocks_per_seq)] for i in range(b)])
+    row: dict = {"batch": b}
+    model(feed.next(), cache)
+    torch.cuda.synchronize()
+    row["eager_ms"] = time_steps(lambda: model(feed.next(), cache), max(3, steps // 4))
+    try:
+        t0 = time.perf_counter()
+        graphs = DecodeGraphs(model, cache, max_seqs=b, max_blocks=blocks_per_seq, max_context_len=max_context,
+                              interval=b)
+        row["capture_s"] = round(time.perf_counter() - t0, 2)
+        pending = iter([feed.next() for _ in range(steps)])
+        row["graph_ms"] = time_steps(lambda: graphs.run(next(pending)), steps)
+    except Exception as err:                      # report, keep going
+        row["graph_error"] = f"{type(err).__name__}: {err}"[:300]
+    step_ms = row.get("graph_ms", row["eager_ms"])
+    need = roofline_bytes(model, cfg, b, context)
+    row["roofline_ms"] = need["total"] / bandwidth * 1000
+    row["step_over_roofline"] = step_ms / row["roofline_ms"]
+    row["output_tokens_per_s"] = b / step_ms * 1000
+    row["bytes"] = need
+    return row
+
+
+def bench_ours(cfg: DeepseekV4Config, batches: list[int], context: int, steps: int, bandwidth: float) -> list[dict]:
+    model = build_model(cfg, device="cuda", dtype=torch.bfloat16)
+    model.init_weights(seed=0, std=0.02)
+    model.eval()
+    results = []
+    for b in batches:
+        try:
+            row = bench_batch(model, cfg, b, context, steps, bandwidth)
+        except Exception as err:                  # e.g. out of memory at a large batch
+            row = {"batch": b, "error": f"{type(err).__name__}: {err}"[:300]}
+        results.append(row)
+        print(json.dumps({k: v for k, v in row.items() if k != "bytes"}), flush=True)
+        gc.collect()
+        torch.cuda.empty_cache()
+    del model
+    gc.collect()
+    torch.cuda.empty_cache()
+    return results
+
+
+@torch.no_grad()
+def bench_hf(raw, batches, context, new_tokens) -> list[dict]:
+    from transformers import DeepseekV4Config as HFConfig
+    from transformers import DeepseekV4ForCausalLM as HFModel
+
+    hf_raw = {k: v for k, v in raw.items() if k not in ("compress_ratios", "rope_scaling")}
+    kinds = {0: "sliding_attention", 4: "compressed_sparse_attention", 128: "heavily_compressed_attention"}
+    hf_raw["layer_types"] = [kinds[r] for r in raw["compress_ratios"]]
+    hf_raw["rope_parameters"] = {"rope_type": "yarn", **{k: v for k, v in raw["rope_scaling"].items() if k != "type"}}
+    torch.set_default_dtype(torch.bfloat16)
+    with torch.device("cuda"):
+        model = HFModel(HFConfig(**hf_raw)).eval()
+    torch.set_default_dtype(torch.float32)
+    results = []
+    for b in batches:
+        ids = torch.randint(0, raw["vocab_size"], (b, context), device="cuda")
+        timings = []
+        for n in (2, 1, 1 + new_tokens):       # the first call warms up
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            model.generate(ids, max_new_tokens=n, min_new_tokens=n, do_sample=False, pad_token_id=0)
+            torch.cuda.synchronize()
+            timings.append(time.perf_counter() - t0)
+        step_ms = (timings[2] - timings[1]) / new_tokens * 1000
+        row = {"batch": b, "hf_step_ms": step_ms, "hf_output_tokens_per_s": b / step_ms * 1000}
+        print(json.dumps(row), flush=True)
+        results.append(row)
+    return results
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--batches", default="1,8,32,128,256")
+    ap.add_argument("--hf-batches", default="1,32")
+    ap.add_argument("--context", type=int, default=1024)
+    ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--out", default="decode_results.json")
+    args = ap.parse_args()
+    raw = dict(FLASH, num_hidden_layers=args.layers, compress_ratios=layer_schedule(args.layers),
+               num_hash_layers=1)
+    cfg = DeepseekV4Config.from_dict(raw)
+    bandwidth = copy_bandwidth()
+    print(json.dumps({"copy_bandwidth_GBps": bandwidth / 1e9, "layers": cfg.compress_ratios}), flush=True)
+    report = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "layers": list(cfg.compress_ratios),
+              "context": args.context, "copy_bandwidth_Bps": bandwidth,
+              "ours": bench_ours(cfg, [int(x) for x in args.batches.split(",")], args.context, args.steps, bandwidth)}
+    if args.hf_batches:
+        try:
+            report["transformers"] = bench_hf(raw, [int(x) for x in args.hf_batches.split(",")], args.context, 8)
+        except Exception as err:
+            report["transformers_error"] = f"{type(err).__name__}: {err}"[:500]
+            print(report["transformers_error"], flush=True)
+    with open(args.out, "w") as f:
+        json.dump(report, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

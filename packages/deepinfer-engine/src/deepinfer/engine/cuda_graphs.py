@@ -1,0 +1,109 @@
+"""Decode CUDA graphs keyed by the number of query tokens (DESIGN.md §6).
+
+Sizes 1, 2, 4, … up to `interval`, then every `interval` up to the maximum. A step of n sequences
+replays the smallest graph ≥ n; padding rows feed token 0 at position 0 with an all-zero block table
+and state slot 0, so whatever they write lands in the reserved block 0 / dummy slot 0.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from deepinfer.model import DeepseekV4ForCausalLM, ForwardBatch, ModelCache
+
+
+def graph_sizes(max_size: int, interval: int = 8) -> tuple[int, ...]:
+    """1, 2, 4, … < interval, then interval, 2·interval, … up to max_size (max_size itself included)."""
+    if max_size < 1 or interval < 1:
+        raise ValueError(f"max_size={max_size} and interval={interval} must be >= 1")
+    sizes, s = [], 1
+    while s < min(interval, max_size):
+        sizes.append(s)
+        s *= 2
+    s = interval
+    while s < max_size:
+        sizes.append(s)
+        s += interval
+    sizes.append(max_size)
+    return tuple(sorted(set(sizes)))
+
+
+class DecodeGraphs:
+    """Captured decode forwards over static input buffers.
+
+    Args:
+        model, cache: the model and the cache its graphs read and write.
+        max_seqs: largest batch; max_blocks: block-table width; max_context_len: the context bound
+            every graph gathers compressed entries for (the engine's max_model_len).
+        interval: `DEEPINFER_CUDAGRAPH_BATCH_SIZE_INTERVAL`.
+    """
+
+    def __init__(self, model: DeepseekV4ForCausalLM, cache: ModelCache, *, max_seqs: int, max_blocks: int,
+                 max_context_len: int, interval: int = 8) -> None:
+        device = model.embed.weight.device
+        if device.type != "cuda":
+            raise ValueError(f"CUDA graphs need a CUDA model, got device {device}")
+        self.model, self.cache = model, cache
+        self.sizes = graph_sizes(max_seqs, interval)
+        self.max_context_len = max_context_len
+        self.token_ids = torch.zeros(max_seqs, dtype=torch.int64, device=device)
+        self.positions = torch.zeros(max_seqs, dtype=torch.int64, device=device)
+        self.block_tables = torch.zeros(max_seqs, max_blocks, dtype=torch.int32, device=device)
+        self.state_slots = torch.zeros(max_seqs, dtype=torch.int64, device=device)
+        self.rows = torch.arange(max_seqs, dtype=torch.int64, device=device)
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.outputs: dict[int, Tensor] = {}
+        self.pool = None
+        for size in reversed(self.sizes):          # largest first, so smaller graphs reuse its pool
+            self._capture(size)
+
+    def _batch(self, size: int) -> ForwardBatch:
+        return ForwardBatch(
+            token_ids=self.token_ids[:size], positions=self.positions[:size],
+            cu_seqlens=tuple(range(size + 1)), start_positions=(0,) * size,
+            block_tables=self.block_tables[:size], state_slots=self.state_slots[:size],
+            logits_indices=self.rows[:size], max_context_len=self.max_context_len, uniform_decode=True,
+        )
+
+    @torch.no_grad()
+    def _capture(self, size: int) -> None:
+        batch = self._batch(size)
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):            # warm up (allocations, lazy inits) off the graph
+            for _ in range(2):
+                self.model(batch, self.cache)
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool):
+            self.outputs[size] = self.model(batch, self.cache)
+        self.pool = graph.pool()
+        self.graphs[size] = graph
+
+    def bucket(self, num_seqs: int) -> int | None:
+        """The graph size a step of num_seqs sequences replays (None: larger than every graph)."""
+        return next((s for s in self.sizes if s >= num_seqs), None)
+
+    @torch.no_grad()
+    def run(self, batch: ForwardBatch) -> Tensor:
+        """Replay for a uniform decode batch; returns logits [num_seqs, vocab] (a fresh tensor)."""
+        n = batch.num_seqs
+        size = self.bucket(n)
+        if size is None or not batch.uniform_decode:
+            raise ValueError(f"no graph for a batch of {n} sequences (uniform_decode={batch.uniform_decode})")
+        width = batch.block_tables.shape[1]
+        if width > self.block_tables.shape[1]:
+            raise ValueError(f"block tables of width {width} exceed the captured {self.block_tables.shape[1]}")
+        self.token_ids[:n].copy_(batch.token_ids, non_blocking=True)
+        self.positions[:n].copy_(batch.positions, non_blocking=True)
+        self.state_slots[:n].copy_(batch.state_slots, non_blocking=True)
+        self.block_tables[:n].zero_()
+        self.block_tables[:n, :width].copy_(batch.block_tables, non_blocking=True)
+        if size > n:                                # padding rows → dummy block 0 / slot 0
+            self.token_ids[n:size].zero_()
+            self.positions[n:size].zero_()
+            self.state_slots[n:size].zero_()
+            self.block_tables[n:size].zero_()
+        self.graphs[size].replay()
+        return self.outputs[size][:n].clone()

@@ -1,0 +1,52 @@
+"""CUDA-graph sizes (CPU) and graph replay against the eager decode (GPU only)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from deepinfer.engine.cuda_graphs import graph_sizes
+
+
+def test_graph_sizes_follow_the_design() -> None:
+    assert graph_sizes(1) == (1,)
+    assert graph_sizes(8) == (1, 2, 4, 8)
+    assert graph_sizes(30) == (1, 2, 4, 8, 16, 24, 30)
+    assert graph_sizes(64, 16) == (1, 2, 4, 8, 16, 32, 48, 64)
+    with pytest.raises(ValueError, match="max_size=0"):
+        graph_sizes(0)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_graph_replay_equals_eager_decode() -> None:
+    from deepinfer.engine.cuda_graphs import DecodeGraphs
+    from deepinfer.model import DeepseekV4Config, DeepseekV4ForCausalLM, ForwardBatch, ModelCache
+
+    cfg = DeepseekV4Config.from_dict(dict(
+        vocab_size=96, hidden_size=64, num_hidden_layers=3, num_attention_heads=4, head_dim=32,
+        qk_rope_head_dim=8, q_lora_rank=32, o_groups=2, o_lora_rank=16, n_routed_experts=8,
+        num_experts_per_tok=2, moe_intermediate_size=48, num_hash_layers=1, sliding_window=8, hc_mult=2,
+        hc_sinkhorn_iters=3, index_n_heads=4, index_head_dim=16, index_topk=3, max_position_embeddings=256,
+        layer_types=["sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention"],
+        compress_rates={"compressed_sparse_attention": 4, "heavily_compressed_attention": 8}))
+    model = DeepseekV4ForCausalLM(cfg)
+    model.init_weights(seed=0, std=0.2)
+    model = model.cuda().eval()
+    model.reset_rope()
+    spec = model.cache_spec(16)
+    eager_cache = ModelCache.allocate(spec, 40, 8, "cuda")
+    graph_cache = ModelCache.allocate(spec, 40, 8, "cuda")
+    graphs = DecodeGraphs(model, graph_cache, max_seqs=6, max_blocks=8, max_context_len=128, interval=4)
+    gen = torch.Generator().manual_seed(1)
+    tables = [[1 + 8 * i + j for j in range(8)] for i in range(5)]
+    lengths = [3, 17, 9, 30, 1]
+    for cache in (eager_cache, graph_cache):       # same prefill into both caches
+        prompts = [torch.randint(0, 96, (n,), generator=torch.Generator().manual_seed(n)).tolist() for n in lengths]
+        model(ForwardBatch.build(prompts, [0] * 5, tables, [1, 2, 3, 4, 5], device="cuda"), cache)
+    for step in range(12):
+        toks = torch.randint(0, 96, (5,), generator=gen).tolist()
+        batch = ForwardBatch.build([[t] for t in toks], [n + step for n in lengths], tables, [1, 2, 3, 4, 5],
+                                   device="cuda")
+        eager = model(batch, eager_cache)
+        torch.testing.assert_close(graphs.run(batch), eager, atol=1e-4, rtol=1e-4)
