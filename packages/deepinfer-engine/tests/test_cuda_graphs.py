@@ -21,7 +21,8 @@ def test_graph_sizes_follow_the_design() -> None:
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_graph_replay_equals_eager_decode() -> None:
     from deepinfer.engine.cuda_graphs import DecodeGraphs
-    from deepinfer.model import DeepseekV4Config, DeepseekV4ForCausalLM, ForwardBatch, ModelCache
+    from deepinfer.model import DeepseekV4Config, ForwardBatch, ModelCache
+    from deepinfer.model.model import build_model
 
     cfg = DeepseekV4Config.from_dict(dict(
         vocab_size=96, hidden_size=64, num_hidden_layers=3, num_attention_heads=4, head_dim=32,
@@ -30,10 +31,9 @@ def test_graph_replay_equals_eager_decode() -> None:
         hc_sinkhorn_iters=3, index_n_heads=4, index_head_dim=16, index_topk=3, max_position_embeddings=256,
         layer_types=["sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention"],
         compress_rates={"compressed_sparse_attention": 4, "heavily_compressed_attention": 8}))
-    model = DeepseekV4ForCausalLM(cfg)
+    model = build_model(cfg, device="cuda", dtype=torch.bfloat16)   # CUDA grouped-GEMM MoE: bf16
     model.init_weights(seed=0, std=0.2)
-    model = model.cuda().eval()
-    model.reset_rope()
+    model.eval()
     spec = model.cache_spec(16)
     eager_cache = ModelCache.allocate(spec, 40, 8, "cuda")
     graph_cache = ModelCache.allocate(spec, 40, 8, "cuda")
@@ -49,4 +49,4 @@ def test_graph_replay_equals_eager_decode() -> None:
         batch = ForwardBatch.build([[t] for t in toks], [n + step for n in lengths], tables, [1, 2, 3, 4, 5],
                                    device="cuda")
         eager = model(batch, eager_cache)
-        torch.testing.assert_close(graphs.run(batch), eager, atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(graphs.run(batch), eager, atol=2e-2, rtol=2e-2)

@@ -13,7 +13,7 @@ from deepinfer.engine.outputs import (
 
 
 def test_finish_reason_vocabulary() -> None:
-    assert FINISH_REASONS == {"stop", "length", "abort", "preempted", "ignored"}
+    assert FINISH_REASONS == {"stop", "length", "abort", "preempted", "ignored", "error"}
 
 
 def test_running_and_finished_outputs() -> None:
@@ -28,7 +28,9 @@ def test_running_and_finished_outputs() -> None:
 @pytest.mark.parametrize(
     ("kwargs", "message"),
     [
-        ({"finish_reason": "done"}, r"finish_reason='done' must be None or one of abort, ignored"),
+        ({"finish_reason": "done"}, r"finish_reason='done' must be None or one of abort, error, ignored"),
+        ({"finish_reason": "error"}, r"error_reason=None must be set exactly when finish_reason is 'error'"),
+        ({"finish_reason": "stop", "error_reason": "x"}, r"error_reason='x' must be set exactly"),
         ({"finish_reason": "ignored"}, r"ignored_reason=None must be set exactly when finish_reason"),
         ({"finish_reason": "length", "ignored_reason": "x"}, r"ignored_reason='x' must be set exactly"),
         ({"finish_reason": "length", "stop_reason": 3}, r"stop_reason=3 must be None unless"),

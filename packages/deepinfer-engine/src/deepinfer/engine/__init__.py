@@ -7,7 +7,9 @@
 `LLMEngine` exposes the step loop (add_request / abort_request / step / has_unfinished_requests);
 `EngineArgs` holds every engine knob, validated; `deepinfer generate` and `deepinfer bench` are the CLI.
 Names are imported on first use, so a submodule (e.g. `deepinfer.engine.cuda_graphs`) can be used
-without loading the whole engine.
+without loading the whole engine. `SamplingParams(structured=StructuredOutput(json=schema))`
+constrains an output (JSON schema, regex, EBNF grammar or choice) through xgrammar (the `structured`
+extra).
 """
 
 from __future__ import annotations
@@ -28,6 +30,8 @@ _EXPORTS = {
     "LLMEngine": ".llm_engine",
     "RequestOutput": ".outputs",
     "SamplingParams": ".sampling_params",
+    "StructuredOutput": ".sampling_params",
+    "StructuredOutputUnavailable": ".grammar_backend",
 }
 __all__ = [
     "LLM",
@@ -39,16 +43,19 @@ __all__ = [
     "LLMEngine",
     "RequestOutput",
     "SamplingParams",
+    "StructuredOutput",
+    "StructuredOutputUnavailable",
 ]
 
 if TYPE_CHECKING:
     from deepinfer.sched import EngineType
 
     from .engine_args import EngineArgs, InvalidEngineArgs
+    from .grammar_backend import StructuredOutputUnavailable
     from .llm import LLM
     from .llm_engine import LLMEngine
     from .outputs import CompletionOutput, RequestOutput
-    from .sampling_params import InvalidSamplingParams, SamplingParams
+    from .sampling_params import InvalidSamplingParams, SamplingParams, StructuredOutput
 
 
 def __getattr__(name: str) -> Any:

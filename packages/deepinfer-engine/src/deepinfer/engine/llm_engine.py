@@ -13,8 +13,10 @@ from deepinfer.sched import EngineType, FinishReason, Scheduler, SchedulerConfig
 
 from .engine_args import EngineArgs, InvalidEngineArgs
 from .env import EngineEnv, read_env
+from .grammar_backend import StructuredOutputUnavailable, XGrammarBackend
+from .grammar_compiler import GrammarCompilePool
 from .model_runner import ModelRunner, default_block_size
-from .outputs import RequestOutput
+from .outputs import FINISH_ERROR, RequestOutput
 from .request import Request
 from .sampler import Sampler
 from .sampling_params import SamplingParams
@@ -22,6 +24,9 @@ from .tokenizer import Tokenizer, load_tokenizer, require_tokenizer
 from .worker import RowParams, Worker
 
 PromptInput = str | dict[str, Any]
+
+# With nothing to run but requests waiting for their grammar, `step()` waits this long for a compile.
+IDLE_GRAMMAR_WAIT_S = 0.05
 
 
 def resolve_model_dir(model: str | None) -> Path:
@@ -88,6 +93,12 @@ class LLMEngine:
                              self.eos_token_ids, cfg.vocab_size)
         self._requests: dict[str, Request] = {}
         self._ids = itertools.count()
+        # Structured output (DESIGN.md §8): requests wait here, outside the scheduler, until the
+        # pool has compiled their grammar; `_pump_grammars` (pre_sampler_sync) hands them over.
+        self.grammars: GrammarCompilePool | None = None     # made at the first constrained request
+        self._awaiting_grammar: dict[str, Request] = {}
+        self._grammar_outputs: list[Request] = []
+        self.worker.pre_sampler_sync_hooks.append(self._pump_grammars)
         self.init_pd_split()
 
     # ------------------------------------------------------------------ requests
@@ -101,8 +112,9 @@ class LLMEngine:
                 "prompt"), or a list of token ids.
         Raises:
             ValueError: duplicate id, text without a tokenizer, or token ids outside the vocabulary.
+            StructuredOutputUnavailable: params.structured without xgrammar, a tokenizer or an EOS id.
             An empty prompt or one longer than max_model_len is not an error: the request finishes
-            as "ignored" with its reason at the next step.
+            as "ignored" with its reason at the next step; so does a grammar that fails to compile.
         """
         params = params or SamplingParams()
         if not isinstance(params, SamplingParams):
@@ -117,11 +129,40 @@ class LLMEngine:
             raise ValueError(f"prompt_token_ids contain {bad[:3]}: ids must be in [0, {vocab})")
         if params.stop and self.tokenizer is None:
             raise ValueError("SamplingParams.stop needs a tokenizer; this model folder has no tokenizer.json")
+        grammars = self._grammar_pool() if params.structured is not None else None
         req = Request(request_id, text, token_ids, params, self.tokenizer, eos_token_ids=self.eos_token_ids,
                       max_model_len=self.max_model_len, device=self.args.device)
         self._requests[request_id] = req
-        self.scheduler.add_seq(request_id, token_ids, req.max_tokens)
+        if grammars is not None and params.structured is not None:
+            self._awaiting_grammar[request_id] = req
+            grammars.submit(request_id, params.structured)
+        else:
+            self.scheduler.add_seq(request_id, token_ids, req.max_tokens)
         return request_id
+
+    def _grammar_pool(self) -> GrammarCompilePool:
+        if self.grammars is None:
+            if self.tokenizer is None:
+                raise StructuredOutputUnavailable(
+                    f"SamplingParams.structured needs a tokenizer; {str(self.model_dir)!r} has no tokenizer.json")
+            backend = XGrammarBackend(self.tokenizer, self.model.cfg.vocab_size, self.eos_token_ids)
+            self.grammars = GrammarCompilePool(backend)
+        return self.grammars
+
+    def _pump_grammars(self) -> None:
+        """pre_sampler_sync hook: queue requests whose grammar compiled; fail those whose did not."""
+        if self.grammars is None:
+            return
+        for done in self.grammars.pop_completed():
+            req = self._awaiting_grammar.pop(done.request_id, None)
+            if req is None or req.finished:          # aborted while compiling
+                continue
+            if done.error is not None:
+                req.ignore(f"grammar compile failed: {done.error}")
+                self._grammar_outputs.append(req)
+            else:
+                req.grammar = self.grammars.backend.new_state(done.compiled)
+                self.scheduler.add_seq(req.request_id, req.prompt_token_ids, req.max_tokens)
 
     def _tokenize(self, prompt: PromptInput | Sequence[int]) -> tuple[str | None, list[int]]:
         if isinstance(prompt, str):
@@ -142,7 +183,8 @@ class LLMEngine:
         req = self._requests.get(request_id)
         if req is None or req.finished:
             return
-        self.scheduler.abort_seq(request_id)
+        if self._awaiting_grammar.pop(request_id, None) is None:
+            self.scheduler.abort_seq(request_id)
         req.abort()
 
     def has_unfinished_requests(self) -> bool:
@@ -152,6 +194,8 @@ class LLMEngine:
 
     def step(self) -> list[RequestOutput]:
         """Schedule and run one step; returns the outputs of every request that changed."""
+        if self.grammars is not None and self._awaiting_grammar and not self.scheduler.has_unfinished():
+            self.grammars.wait(IDLE_GRAMMAR_WAIT_S)      # nothing else to run: do not spin
         out = self.scheduler.schedule()
         changed: dict[str, Request] = {}
         for ignored in out.ignored:
@@ -173,12 +217,19 @@ class LLMEngine:
             req = self._requests.get(token.seq_id)
             if req is None or req.finished:
                 continue
-            req.add_token(token.token_id, token.logprobs)
+            if token.grammar_error is not None:
+                req.fail(token.grammar_error)
+            else:
+                req.add_token(token.token_id, token.logprobs)
             if req.finished:
-                self.scheduler.finish_seq(token.seq_id, FinishReason(req.finish_reason))
+                reason = FinishReason.ABORT if req.finish_reason == FINISH_ERROR else FinishReason(req.finish_reason)
+                self.scheduler.finish_seq(token.seq_id, reason)
             else:
                 self.scheduler.append_tokens(token.seq_id, [token.token_id])
             changed[req.request_id] = req
+        for req in self._grammar_outputs:
+            changed[req.request_id] = req
+        self._grammar_outputs.clear()
         outputs = [r.to_output() for r in changed.values()]
         for req in changed.values():
             if req.finished:
@@ -187,7 +238,7 @@ class LLMEngine:
 
     def _row_params(self, seq_id: str) -> RowParams:
         req = self._requests[seq_id]
-        return RowParams(req.params, req.rng, len(req.output_token_ids))
+        return RowParams(req.params, req.rng, len(req.output_token_ids), req.grammar, req.needs_previous_result)
 
     # ------------------------------------------------------------------ disaggregation hooks
     # No-ops in NORMAL engines. A prefill/decode-disaggregated deployment overrides them

@@ -94,7 +94,8 @@ class ModelRunner:
         self.plan = CachePlan(block_size, num_blocks, num_state_slots, paged_bytes, state.total_bytes,
                               state.state_size_to_disk)
         self.graphs = None
-        if graph_max_seqs and self.device.type == "cuda":
+        # CUDA graphs need the graph-safe kernels, which run in bfloat16 (grouped-GEMM MoE).
+        if graph_max_seqs and self.device.type == "cuda" and model.embed.weight.dtype == torch.bfloat16:
             self.graphs = DecodeGraphs(model, self.cache, max_seqs=graph_max_seqs, max_blocks=max_blocks_per_seq,
                                        max_context_len=max_model_len, interval=graph_interval)
 

@@ -1,6 +1,6 @@
 """What a request gives back: `RequestOutput` holding one `CompletionOutput` per sample.
 
-Finish reasons are plain strings (the OpenAI vocabulary plus three of ours):
+Finish reasons are plain strings (the OpenAI vocabulary plus four of ours):
 
 - ``"stop"``: EOS, a stop token id or a stop string ended the output (`stop_reason` says which).
 - ``"length"``: `max_tokens` or the model's max_model_len was reached.
@@ -10,6 +10,10 @@ Finish reasons are plain strings (the OpenAI vocabulary plus three of ours):
 - ``"ignored"``: the request was never run (prompt too long, grammar failed to compile, ...). The
   reason is a separate field, `ignored_reason`, rather than a suffix of the finish reason, so that a
   client can compare finish reasons with ``==`` against the constants below and still read why.
+  A constrained request whose grammar fails to compile ends this way ("grammar compile failed: ...").
+- ``"error"``: the request ran but could not go on (its grammar reached a dead end: no token is
+  allowed); `error_reason` says why. The tokens produced before stay in the output; the other
+  requests of the batch are unaffected.
 """
 
 from __future__ import annotations
@@ -21,7 +25,8 @@ FINISH_LENGTH = "length"
 FINISH_ABORT = "abort"
 FINISH_PREEMPTED = "preempted"
 FINISH_IGNORED = "ignored"
-FINISH_REASONS = frozenset({FINISH_STOP, FINISH_LENGTH, FINISH_ABORT, FINISH_PREEMPTED, FINISH_IGNORED})
+FINISH_ERROR = "error"
+FINISH_REASONS = frozenset({FINISH_STOP, FINISH_LENGTH, FINISH_ABORT, FINISH_PREEMPTED, FINISH_IGNORED, FINISH_ERROR})
 
 
 class InvalidOutput(ValueError):
@@ -43,6 +48,7 @@ class CompletionOutput:
         stop_reason: for finish_reason "stop", the stop string (str) or the stop token id (int) that
             ended the output; None when EOS ended it or the output did not stop.
         ignored_reason: for finish_reason "ignored", why the request was not run; else None.
+        error_reason: for finish_reason "error", why the request could not go on; else None.
     """
 
     index: int
@@ -52,6 +58,7 @@ class CompletionOutput:
     logprobs: list[dict[int, float]] | None = None
     stop_reason: str | int | None = None
     ignored_reason: str | None = None
+    error_reason: str | None = None
 
     def __post_init__(self) -> None:
         if self.index < 0:
@@ -63,6 +70,11 @@ class CompletionOutput:
             raise InvalidOutput(
                 f"ignored_reason={self.ignored_reason!r} must be set exactly when finish_reason is "
                 f"'ignored' (finish_reason={self.finish_reason!r})"
+            )
+        if (self.finish_reason == FINISH_ERROR) != (self.error_reason is not None):
+            raise InvalidOutput(
+                f"error_reason={self.error_reason!r} must be set exactly when finish_reason is "
+                f"'error' (finish_reason={self.finish_reason!r})"
             )
         if self.stop_reason is not None and self.finish_reason != FINISH_STOP:
             raise InvalidOutput(

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+from .grammar_backend import GrammarState
 from .outputs import (
     FINISH_ABORT,
+    FINISH_ERROR,
     FINISH_IGNORED,
     FINISH_LENGTH,
     FINISH_PREEMPTED,
@@ -22,6 +24,11 @@ class Request:
     Stop conditions, checked after each sampled token in this order: a stop string in the text
     (once min_tokens outputs exist), EOS (unless ignore_eos), a stop token id, then the length
     limits (max_tokens, or max_model_len counting the prompt).
+
+    A structured-output request gets its `grammar` state from the engine once compiled; every token
+    is first fed to it, and a token the grammar rejects fails the request ("error"). Such a request
+    `needs_previous_result`: its step N must be post-processed (the grammar advanced) before its
+    step N + 1 is scheduled (DESIGN.md §9).
     """
 
     def __init__(
@@ -50,6 +57,9 @@ class Request:
         self.finish_reason: str | None = None
         self.stop_reason: str | int | None = None
         self.ignored_reason: str | None = None
+        self.error_reason: str | None = None
+        self.grammar: GrammarState | None = None
+        self.needs_previous_result = params.structured is not None
 
     @property
     def max_tokens(self) -> int:
@@ -63,6 +73,9 @@ class Request:
 
     def add_token(self, token_id: int, logprobs: dict[int, float] | None) -> None:
         """Record one sampled token and decide whether the request is done."""
+        if self.grammar is not None and self.grammar.accept_tokens([token_id]) != 1:
+            self.fail(f"grammar rejected token {token_id} after {len(self.output_token_ids)} output tokens")
+            return
         self.output_token_ids.append(token_id)
         if self.logprobs is not None and logprobs is not None:
             self.logprobs.append(logprobs)
@@ -90,6 +103,12 @@ class Request:
         self.ignored_reason = reason
         self._finish(FINISH_IGNORED, None)
 
+    def fail(self, reason: str) -> None:
+        """End the request with finish reason "error" (e.g. its grammar reached a dead end)."""
+        if not self.finished:
+            self.error_reason = reason
+        self._finish(FINISH_ERROR, None)
+
     def _finish(self, reason: str, stop_reason: str | int | None) -> None:
         if self.finished:
             return
@@ -108,5 +127,6 @@ class Request:
             logprobs=None if self.logprobs is None else list(self.logprobs),
             stop_reason=self.stop_reason,
             ignored_reason=self.ignored_reason,
+            error_reason=self.error_reason,
         )
         return RequestOutput(self.request_id, self.prompt, list(self.prompt_token_ids), [completion], self.finished)

@@ -21,6 +21,7 @@ import torch
 from torch import Tensor
 
 from deepinfer.engine.sampling_params import MAX_SEED, SamplingParams
+from deepinfer.engine.token_bitmask import apply_token_bitmask, bitmask_width
 
 # When every random row has top_k <= this, top-k/top-p use one topk(max top_k) instead of a sort.
 _TOPK_INSTEAD_OF_SORT = 1024
@@ -79,6 +80,8 @@ class SamplingBatch:
     max_top_k: int               # largest top_k of the random rows (vocab_size if any is off)
     use_top_p: bool              # some random row has top_p < 1
     use_min_p: bool              # some random row has min_p > 0
+    token_bitmask: Tensor | None = None   # [num_constrained, ceil(vocab_size / 32)] int32 grammar masks
+    bitmask_rows: Tensor | None = None    # [num_constrained] int64, the logits row of each mask row
 
     def __post_init__(self) -> None:
         num_random = self.random_rows.shape[0]
@@ -98,6 +101,15 @@ class SamplingBatch:
             )
         if self.banned_rows.shape != self.banned_token_ids.shape:
             raise InvalidSamplingBatch("banned_rows and banned_token_ids must have the same shape")
+        if (self.token_bitmask is None) != (self.bitmask_rows is None):
+            raise InvalidSamplingBatch("token_bitmask and bitmask_rows must be given together")
+        if self.token_bitmask is not None and self.bitmask_rows is not None:
+            shape = (self.bitmask_rows.shape[0], bitmask_width(self.vocab_size))
+            if self.token_bitmask.dtype != torch.int32 or tuple(self.token_bitmask.shape) != shape:
+                raise InvalidSamplingBatch(
+                    f"token_bitmask must be int32 {list(shape)} (one row per bitmask_rows entry), "
+                    f"got {self.token_bitmask.dtype} {list(self.token_bitmask.shape)}"
+                )
 
     @property
     def num_top_logprobs(self) -> int:
@@ -113,6 +125,8 @@ def build_sampling_batch(
     eos_token_ids: Sequence[int],
     vocab_size: int,
     device: torch.device | str = "cpu",
+    token_bitmask: Tensor | None = None,
+    bitmask_rows: Sequence[int] = (),
 ) -> SamplingBatch:
     """Turn the rows' `SamplingParams` into a `SamplingBatch` (host work, one small copy per tensor).
 
@@ -124,6 +138,9 @@ def build_sampling_batch(
         eos_token_ids: the model's EOS token ids.
         vocab_size: logits width; banned ids >= vocab_size cannot be sampled and are skipped.
         device: where the logits live.
+        token_bitmask: None, or int32 [len(bitmask_rows), ceil(vocab_size / 32)] on the host: the
+            grammar mask of each constrained row (`token_bitmask.fill_token_bitmask`).
+        bitmask_rows: the logits row of each token_bitmask row.
 
     Raises:
         InvalidSamplingBatch: lengths differ, or rngs do not match the seeds.
@@ -146,11 +163,9 @@ def build_sampling_batch(
                 f"rngs[{row}] must be a RequestRng exactly when params[{row}].seed is set"
             )
         (greedy_rows if p.is_greedy else random_rows).append(row)
-        if num_out < p.min_tokens:
-            banned = set(p.stop_token_ids) | (set() if p.ignore_eos else set(eos_token_ids))
-            kept = sorted(t for t in banned if t < vocab_size)
-            banned_rows += [row] * len(kept)
-            banned_ids += kept
+        kept = banned_token_ids(p, num_out, eos_token_ids, vocab_size)
+        banned_rows += [row] * len(kept)
+        banned_ids += kept
     chosen = [params[row] for row in random_rows]
     top_k = [p.top_k if 1 <= p.top_k < vocab_size else vocab_size for p in chosen]
 
@@ -178,7 +193,20 @@ def build_sampling_batch(
         max_top_k=max(top_k, default=vocab_size),
         use_top_p=any(p.top_p < 1 for p in chosen),
         use_min_p=any(p.min_p > 0 for p in chosen),
+        token_bitmask=None if token_bitmask is None else token_bitmask.to(device, non_blocking=True),
+        bitmask_rows=None if token_bitmask is None else ints(list(bitmask_rows)),
     )
+
+
+def banned_token_ids(
+    params: SamplingParams, num_output_tokens: int, eos_token_ids: Sequence[int], vocab_size: int
+) -> list[int]:
+    """Ids a row may not sample now, ascending: EOS (unless ignore_eos) and stop_token_ids while the
+    request has fewer than min_tokens outputs; ids >= vocab_size are left out."""
+    if num_output_tokens >= params.min_tokens:
+        return []
+    banned = set(params.stop_token_ids) | (set() if params.ignore_eos else set(eos_token_ids))
+    return sorted(t for t in banned if t < vocab_size)
 
 
 @dataclass(frozen=True, slots=True)
@@ -198,7 +226,7 @@ class Sampler:
     softmax, keep top-k (ties at the k-th place -> lowest ids kept), then top-p on the renormalised
     top-k distribution (the smallest prefix whose probability is >= top_p; always >= 1 token), then
     min-p (drop p < min_p * p_max), and sample the rest. EOS / stop ids of rows below min_tokens are
-    masked first, for greedy rows too.
+    masked first, for greedy rows too, and so are tokens a row's grammar bitmask disallows.
 
     Args:
         seed: seeds the generator shared by unseeded rows (one per device); None = torch's default
@@ -227,7 +255,7 @@ class Sampler:
 
         Returns:
             SamplerOutput; its logprobs are log_softmax of the unprocessed `logits` (before
-            temperature, top-k/p, min-p and min_tokens masking), for the sampled token and, when
+            temperature, top-k/p, min-p, min_tokens and grammar masking), for the sampled token and, when
             some row asked for logprobs, the batch's `num_top_logprobs` most likely tokens.
         """
         if logits.dtype != torch.float32 or logits.shape != (batch.num_seqs, batch.vocab_size):
@@ -241,6 +269,8 @@ class Sampler:
         if batch.banned_rows.shape[0]:
             minus_inf = logits.new_full((), -torch.inf)
             masked = logits.index_put((batch.banned_rows, batch.banned_token_ids), minus_inf)
+        if batch.token_bitmask is not None and batch.bitmask_rows is not None:
+            masked = apply_token_bitmask(masked, batch.token_bitmask, batch.bitmask_rows)
         num_greedy = batch.greedy_rows.shape[0]
         if num_greedy == batch.num_seqs:
             token_ids = masked.argmax(dim=-1)

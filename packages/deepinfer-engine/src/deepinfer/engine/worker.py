@@ -5,6 +5,12 @@ now waiting for its sampling), (3) launches sampling of step N, (4) runs the `pr
 then post-processes N at once (prefill steps, or ZOS off) or keeps it for the next call (ZOS decode).
 ZOS is off in this version, so step N is always post-processed in the same call; the N / N−1 split is
 already in place so ZOS slots in without a rewrite.
+
+Grammar rows (DESIGN.md §9): a row whose request `needs_previous_result` gets its token mask from a
+grammar state that must already hold every earlier token of the request (checked when the mask is
+filled: `StaleGrammarError`). The worker honours the flag by never keeping a step with such a row in
+flight: it is post-processed in the same call even when `keep_in_flight` is asked for, so the engine
+advances the grammar before it schedules the request again.
 """
 
 from __future__ import annotations
@@ -14,9 +20,19 @@ from dataclasses import dataclass
 
 import torch
 
+from .grammar_backend import GrammarState
 from .model_runner import ModelRunner, StepBatch
-from .sampler import RequestRng, Sampler, SamplerOutput, SamplingBatch, build_sampling_batch, logprob_dicts
+from .sampler import (
+    RequestRng,
+    Sampler,
+    SamplerOutput,
+    SamplingBatch,
+    banned_token_ids,
+    build_sampling_batch,
+    logprob_dicts,
+)
 from .sampling_params import SamplingParams
+from .token_bitmask import fill_token_bitmask
 
 
 @dataclass(frozen=True, slots=True)
@@ -26,6 +42,7 @@ class SampledToken:
     seq_id: str
     token_id: int
     logprobs: dict[int, float] | None
+    grammar_error: str | None = None   # set when the row's grammar allowed no token: discard token_id
 
 
 @dataclass(frozen=True, slots=True)
@@ -35,6 +52,8 @@ class RowParams:
     params: SamplingParams
     rng: RequestRng | None
     num_output_tokens: int
+    grammar: GrammarState | None = None      # the request's grammar state (structured output)
+    needs_previous_result: bool = False      # post-process this row's step before scheduling it again
 
 
 @dataclass(frozen=True, slots=True)
@@ -42,6 +61,8 @@ class _InFlight:
     seq_ids: tuple[str, ...]
     batch: SamplingBatch
     sampled: SamplerOutput
+    dead_rows: dict[int, str]          # row -> why its grammar allowed no token
+    needs_previous_result: bool        # some row's request needs this step before its next one
 
 
 class Worker:
@@ -65,7 +86,7 @@ class Worker:
         current = self._launch_sampling(step, logits, row_params)                  # (3) sample N
         for hook in self.pre_sampler_sync_hooks:                                   # (4) pre_sampler_sync
             hook()
-        if keep_in_flight:
+        if keep_in_flight and current is not None and not current.needs_previous_result:
             self._pending = current
         else:
             done.extend(self._post_process(current))
@@ -83,13 +104,20 @@ class Worker:
         if step is None or logits is None or not step.sample_seq_ids:
             return None
         rows = [row_params(seq_id) for seq_id in step.sample_seq_ids]
+        num_output_tokens = [r.num_output_tokens for r in rows]
+        masks = None
+        if any(r.grammar is not None for r in rows):
+            banned = [banned_token_ids(r.params, r.num_output_tokens, self.eos_token_ids, self.vocab_size)
+                      if r.grammar is not None else () for r in rows]
+            masks = fill_token_bitmask([r.grammar for r in rows], num_output_tokens, banned, self.vocab_size)
         batch = build_sampling_batch(
-            [r.params for r in rows], rngs=[r.rng for r in rows],
-            num_output_tokens=[r.num_output_tokens for r in rows], eos_token_ids=self.eos_token_ids,
-            vocab_size=self.vocab_size, device=logits.device,
+            [r.params for r in rows], rngs=[r.rng for r in rows], num_output_tokens=num_output_tokens,
+            eos_token_ids=self.eos_token_ids, vocab_size=self.vocab_size, device=logits.device,
+            token_bitmask=None if masks is None else masks.bitmask, bitmask_rows=() if masks is None else masks.rows,
         )
         sampled = self.sampler(logits.float(), batch)
-        return _InFlight(step.sample_seq_ids, batch, sampled)
+        dead_rows = {} if masks is None else dict(zip(masks.dead_rows, masks.dead_reasons))
+        return _InFlight(step.sample_seq_ids, batch, sampled, dead_rows, any(r.needs_previous_result for r in rows))
 
     @staticmethod
     def _post_process(flight: _InFlight | None) -> list[SampledToken]:
@@ -97,4 +125,5 @@ class Worker:
             return []
         token_ids = flight.sampled.token_ids.tolist()
         logprobs = logprob_dicts(flight.sampled, flight.batch)
-        return [SampledToken(seq_id, token_ids[i], logprobs[i]) for i, seq_id in enumerate(flight.seq_ids)]
+        return [SampledToken(seq_id, token_ids[i], logprobs[i], flight.dead_rows.get(i))
+                for i, seq_id in enumerate(flight.seq_ids)]

@@ -7,6 +7,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from .. import reference
+
 
 def moe_experts_grouped(
     x: Tensor, expert_ids: Tensor, weights: Tensor, w13: Tensor, w2: Tensor, limit: float
@@ -15,7 +17,8 @@ def moe_experts_grouped(
 
     The (token, expert) pairs are sorted by expert (stable), each expert's rows form one group of
     the grouped GEMMs, and each token's top-k results are summed in slot order (deterministic,
-    no atomics). No `.item()`, no data-dependent shapes: capturable in a CUDA graph.
+    no atomics). No `.item()`, no data-dependent shapes: capturable in a CUDA graph. CUDA's grouped
+    GEMM takes bfloat16 only: other dtypes on CUDA run the reference (not graph-safe).
 
     Args:
         x: [num_tokens, hidden]; expert_ids, weights: [num_tokens, top_k];
@@ -23,6 +26,8 @@ def moe_experts_grouped(
     Returns:
         [num_tokens, hidden] in x's dtype.
     """
+    if x.is_cuda and x.dtype != torch.bfloat16:
+        return reference.moe_experts(x, expert_ids, weights, w13, w2, limit)
     num_tokens, top_k = expert_ids.shape
     num_experts, inter = w13.shape[0], w2.shape[-1]
     flat = expert_ids.reshape(-1)
