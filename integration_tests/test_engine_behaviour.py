@@ -115,6 +115,7 @@ def test_abort_finishes_a_running_request(tiny) -> None:
             if out.finished:
                 finished[out.request_id] = out.outputs[0]
     assert finished[b].finish_reason == "length" and len(finished[b].token_ids) == 50
+    assert finished[a].finish_reason == "abort" and 0 < len(finished[a].token_ids) < 50
     assert engine.scheduler.num_running == 0
     with pytest.raises(ValueError, match="already in use"):
         engine.add_request("b", [3, 4], params)

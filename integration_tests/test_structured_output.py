@@ -225,6 +225,8 @@ def test_abort_while_compiling(tiny_text) -> None:
         assert not engine.has_unfinished_requests()
         backend.release.set()
         assert engine.grammars.wait(30)
+        outputs = engine.step()                      # the abort is reported once, then forgotten
+        assert [(o.request_id, o.outputs[0].finish_reason) for o in outputs] == [("a", "abort")]
         assert engine.step() == [] and not engine.has_unfinished_requests()
     finally:
         backend.release.set()

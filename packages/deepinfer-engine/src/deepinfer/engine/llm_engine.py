@@ -7,6 +7,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from deepinfer.cache import BlockManager
 from deepinfer.model import ConfigError, DeepseekV4Config, WeightError, load_model
 from deepinfer.sched import EngineType, FinishReason, Scheduler, SchedulerConfig, StepKind, StepVoteGroup
@@ -74,11 +76,6 @@ class LLMEngine:
                                     f"max_position_embeddings={cfg.max_position_embeddings}")
         block_size = args.block_size or default_block_size(self.model)
         state_slots = BlockManager.for_state_slots(args.max_num_seqs, self.env.num_state_slots_ratio)
-        self.runner = ModelRunner(
-            self.model, block_size=block_size, num_kv_blocks=args.num_kv_blocks,
-            budget_bytes=int(args.kv_cache_memory_mb * 2**20), num_state_slots=state_slots.num_blocks,
-            max_backtracking=self.env.max_backtracking_tokens,
-        )
         sched_cfg = SchedulerConfig(
             block_size=block_size, max_model_len=self.max_model_len, max_num_seqs=args.max_num_seqs,
             max_num_batched_tokens=args.max_num_batched_tokens, max_num_prompts=args.max_num_prompts,
@@ -86,6 +83,14 @@ class LLMEngine:
             chunk_checkpoints=args.chunk_checkpoints, stop_preempted_request=args.stop_preempted_request,
             prefill_attempt_interval=self.env.prefill_attempt_interval,
             prefill_any_attempt_interval=self.env.prefill_any_attempt_interval, engine_type=args.engine_type,
+        )
+        self.runner = ModelRunner(
+            self.model, block_size=block_size, num_kv_blocks=args.num_kv_blocks,
+            budget_bytes=int(args.kv_cache_memory_mb * 2**20), num_state_slots=state_slots.num_blocks,
+            max_backtracking=self.env.max_backtracking_tokens,
+            graph_max_seqs=None if args.enforce_eager else args.max_num_seqs,
+            max_blocks_per_seq=sched_cfg.max_blocks_per_seq, max_model_len=sched_cfg.max_blocks_per_seq * block_size,
+            graph_interval=self.env.cudagraph_batch_size_interval,
         )
         self.scheduler = Scheduler(sched_cfg, BlockManager(self.runner.plan.num_kv_blocks), state_slots,
                                    vote_group=vote_group)
@@ -97,7 +102,7 @@ class LLMEngine:
         # pool has compiled their grammar; `_pump_grammars` (pre_sampler_sync) hands them over.
         self.grammars: GrammarCompilePool | None = None     # made at the first constrained request
         self._awaiting_grammar: dict[str, Request] = {}
-        self._grammar_outputs: list[Request] = []
+        self._finished_between_steps: list[Request] = []   # reported by the next step()
         self.worker.pre_sampler_sync_hooks.append(self._pump_grammars)
         self.init_pd_split()
 
@@ -159,7 +164,7 @@ class LLMEngine:
                 continue
             if done.error is not None:
                 req.ignore(f"grammar compile failed: {done.error}")
-                self._grammar_outputs.append(req)
+                self._finished_between_steps.append(req)
             else:
                 req.grammar = self.grammars.backend.new_state(done.compiled)
                 self.scheduler.add_seq(req.request_id, req.prompt_token_ids, req.max_tokens)
@@ -186,6 +191,7 @@ class LLMEngine:
         if self._awaiting_grammar.pop(request_id, None) is None:
             self.scheduler.abort_seq(request_id)
         req.abort()
+        self._finished_between_steps.append(req)
 
     def has_unfinished_requests(self) -> bool:
         return any(not r.finished for r in self._requests.values()) or self.scheduler.has_unfinished()
@@ -213,6 +219,7 @@ class LLMEngine:
         sampled = self.worker.execute_model_step(step, self._row_params)
         if out.kind is StepKind.PREFILL and self.args.engine_type is EngineType.PROMPT:
             self.send_processed_prompts(out)
+        continuing: list[tuple[str, int]] = []
         for token in sampled:
             req = self._requests.get(token.seq_id)
             if req is None or req.finished:
@@ -225,16 +232,29 @@ class LLMEngine:
                 reason = FinishReason.ABORT if req.finish_reason == FINISH_ERROR else FinishReason(req.finish_reason)
                 self.scheduler.finish_seq(token.seq_id, reason)
             else:
-                self.scheduler.append_tokens(token.seq_id, [token.token_id])
+                continuing.append((token.seq_id, token.token_id))
             changed[req.request_id] = req
-        for req in self._grammar_outputs:
+        self._record_tokens(out.kind, continuing)
+        for req in self._finished_between_steps:
             changed[req.request_id] = req
-        self._grammar_outputs.clear()
+        self._finished_between_steps.clear()
         outputs = [r.to_output() for r in changed.values()]
         for req in changed.values():
             if req.finished:
                 del self._requests[req.request_id]
         return outputs
+
+    def _record_tokens(self, kind: StepKind, continuing: list[tuple[str, int]]) -> None:
+        """Hand the scheduler the tokens of sequences that go on (one batched call for decode)."""
+        if not continuing:
+            return
+        if kind is StepKind.DECODE:
+            ids = tuple(seq_id for seq_id, _ in continuing)
+            tokens = np.array([[token] for _, token in continuing], dtype=np.int64)
+            self.scheduler.append_decode_tokens(ids, tokens, np.ones(len(ids), dtype=np.int64))
+        else:
+            for seq_id, token in continuing:
+                self.scheduler.append_tokens(seq_id, [token])
 
     def _row_params(self, seq_id: str) -> RowParams:
         req = self._requests[seq_id]

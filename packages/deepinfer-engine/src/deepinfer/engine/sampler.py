@@ -81,7 +81,8 @@ class SamplingBatch:
     use_top_p: bool              # some random row has top_p < 1
     use_min_p: bool              # some random row has min_p > 0
     token_bitmask: Tensor | None = None   # [num_constrained, ceil(vocab_size / 32)] int32 grammar masks
-    bitmask_rows: Tensor | None = None    # [num_constrained] int64, the logits row of each mask row
+    bitmask_rows: Tensor | None = None    # [num_constrained] int64, the logits row of each mask row;
+                                          # None with a bitmask: every row, mask row i = logits row i
 
     def __post_init__(self) -> None:
         num_random = self.random_rows.shape[0]
@@ -101,10 +102,11 @@ class SamplingBatch:
             )
         if self.banned_rows.shape != self.banned_token_ids.shape:
             raise InvalidSamplingBatch("banned_rows and banned_token_ids must have the same shape")
-        if (self.token_bitmask is None) != (self.bitmask_rows is None):
-            raise InvalidSamplingBatch("token_bitmask and bitmask_rows must be given together")
-        if self.token_bitmask is not None and self.bitmask_rows is not None:
-            shape = (self.bitmask_rows.shape[0], bitmask_width(self.vocab_size))
+        if self.token_bitmask is None and self.bitmask_rows is not None:
+            raise InvalidSamplingBatch("bitmask_rows must be None without a token_bitmask")
+        if self.token_bitmask is not None:
+            num_rows = self.num_seqs if self.bitmask_rows is None else self.bitmask_rows.shape[0]
+            shape = (num_rows, bitmask_width(self.vocab_size))
             if self.token_bitmask.dtype != torch.int32 or tuple(self.token_bitmask.shape) != shape:
                 raise InvalidSamplingBatch(
                     f"token_bitmask must be int32 {list(shape)} (one row per bitmask_rows entry), "
@@ -194,7 +196,8 @@ def build_sampling_batch(
         use_top_p=any(p.top_p < 1 for p in chosen),
         use_min_p=any(p.min_p > 0 for p in chosen),
         token_bitmask=None if token_bitmask is None else token_bitmask.to(device, non_blocking=True),
-        bitmask_rows=None if token_bitmask is None else ints(list(bitmask_rows)),
+        bitmask_rows=None if token_bitmask is None or list(bitmask_rows) == list(range(num_seqs))
+        else ints(list(bitmask_rows)),
     )
 
 
@@ -269,7 +272,7 @@ class Sampler:
         if batch.banned_rows.shape[0]:
             minus_inf = logits.new_full((), -torch.inf)
             masked = logits.index_put((batch.banned_rows, batch.banned_token_ids), minus_inf)
-        if batch.token_bitmask is not None and batch.bitmask_rows is not None:
+        if batch.token_bitmask is not None:
             masked = apply_token_bitmask(masked, batch.token_bitmask, batch.bitmask_rows)
         num_greedy = batch.greedy_rows.shape[0]
         if num_greedy == batch.num_seqs:

@@ -44,25 +44,27 @@ def unpack_token_bitmask(bitmask: Tensor, vocab_size: int) -> Tensor:
     return (bits & 1).reshape(num_rows, width * 32)[:, :vocab_size].bool()
 
 
-def apply_token_bitmask(logits: Tensor, bitmask: Tensor, rows: Tensor) -> Tensor:
+def apply_token_bitmask(logits: Tensor, bitmask: Tensor, rows: Tensor | None) -> Tensor:
     """Set disallowed tokens of the constrained rows to -inf (out of place).
 
     Args:
         logits: [num_seqs, vocab_size] float32.
         bitmask: [num_constrained, ceil(vocab_size / 32)] int32, same device as logits.
-        rows: [num_constrained] int64, the logits row of each bitmask row (distinct).
+        rows: [num_constrained] int64, the logits row of each bitmask row (distinct); None = every
+            row is constrained, bitmask row i being logits row i (no gather / scatter).
     Returns:
-        A new [num_seqs, vocab_size] tensor; rows not in `rows` are unchanged.
+        A new [num_seqs, vocab_size] tensor (`logits` itself when no row is constrained); rows not
+        in `rows` are unchanged.
     """
-    if rows.shape[0] == 0:
+    if bitmask.shape[0] == 0:
         return logits
-    selected = logits.index_select(0, rows)
+    selected = logits.clone() if rows is None else logits.index_select(0, rows)
     kernel = _xgrammar_cuda_kernel() if logits.device.type == "cuda" else None
     if kernel is not None:
         kernel(selected, bitmask, vocab_size=logits.shape[1])
     else:
-        selected = selected.masked_fill_(~unpack_token_bitmask(bitmask, logits.shape[1]), -torch.inf)
-    return logits.index_copy(0, rows, selected)
+        selected.masked_fill_(~unpack_token_bitmask(bitmask, logits.shape[1]), -torch.inf)
+    return selected if rows is None else logits.index_copy(0, rows, selected)
 
 
 @dataclass(frozen=True, slots=True)

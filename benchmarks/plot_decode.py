@@ -1,0 +1,43 @@
+"""Plot the JSON of v4_decode_gpu.py: decode step time against batch size, with the roofline.
+
+    python benchmarks/plot_decode.py decode.json docs/benchmarks/decode_h200.png
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+
+
+def main(src: str, dst: str) -> None:
+    with open(src) as f:
+        report = json.load(f)
+    ours = [r for r in report["ours"] if "eager_ms" in r]
+    batches = [r["batch"] for r in ours]
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    ax.plot(batches, [r["roofline_ms"] for r in ours], "k--", label="memory roofline")
+    ax.plot(batches, [r["eager_ms"] for r in ours], "o-", label="DeepInfer eager")
+    graphed = [r for r in ours if "graph_ms" in r]
+    if graphed:
+        ax.plot([r["batch"] for r in graphed], [r["graph_ms"] for r in graphed], "s-", label="DeepInfer CUDA graph")
+    hf = report.get("transformers", [])
+    if hf:
+        ax.plot([r["batch"] for r in hf], [r["hf_step_ms"] for r in hf], "^-", label="transformers")
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xlabel("concurrent sequences (decode batch)")
+    ax.set_ylabel("decode step time (ms)")
+    ax.set_title(f"{report['gpu']}: {len(report['layers'])} V4-Flash layers, context {report['context']}")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(dst, dpi=120)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], sys.argv[2])
