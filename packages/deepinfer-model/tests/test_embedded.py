@@ -7,6 +7,7 @@ import hashlib
 import importlib.metadata
 import json
 import math
+import os
 import subprocess
 import sys
 import zipfile
@@ -31,6 +32,15 @@ MARGIN_NATS = 1.5                  # model loss must beat the sample's own unigr
 EXPECTED_SAMPLE_LOSS = 3.10487     # tools/train_tiny/evaluate.py on the shipped weights, 2026-11-29
 BLOCK_SIZE = 16
 PACKAGE_SOURCE = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """This model's ops are tiny: one intra-op thread is as fast, and does not stall on a busy CPU."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
 
 
 @pytest.fixture(scope="module")
@@ -86,8 +96,8 @@ def test_wheel_ships_the_model_and_loads_from_it(tmp_path: Path, model: Deepseek
     site = tmp_path / "site"
     with zipfile.ZipFile(wheel) as archive:
         for name in SHIPPED:
-            shipped = archive.read(f"deepinfer/model/embedded/{name}")
-            assert hashlib.sha256(shipped).digest() == hashlib.sha256((embedded_model_dir() / name).read_bytes()).digest()
+            shipped = hashlib.sha256(archive.read(f"deepinfer/model/embedded/{name}")).hexdigest()
+            assert shipped == hashlib.sha256((embedded_model_dir() / name).read_bytes()).hexdigest(), name
         archive.extractall(site)
     probe = (
         "import sys, torch; sys.path.insert(0, sys.argv[1])\n"
@@ -99,7 +109,8 @@ def test_wheel_ships_the_model_and_loads_from_it(tmp_path: Path, model: Deepseek
         "out = m(ForwardBatch.build([list(range(8, 40))], [0], [[1, 2]], [1]), cache)\n"
         "print(out[0].argmax().item(), round(out[0].max().item(), 4))\n"
     )
-    run = subprocess.run([sys.executable, "-c", probe, str(site)], capture_output=True, text=True, timeout=120)
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    run = subprocess.run([sys.executable, "-c", probe, str(site)], capture_output=True, text=True, timeout=120, env=env)
     assert run.returncode == 0, run.stderr[-2000:]
     logits = _prefill_logits(model, list(range(8, 40)))[-1]
     assert run.stdout.split() == [str(logits.argmax().item()), str(round(logits.max().item(), 4))]
@@ -126,7 +137,7 @@ def test_config_turns_every_mechanism_on(tokenizer: Tokenizer) -> None:
 def test_no_mechanism_is_left_at_its_inert_default() -> None:
     cfg = deepinfer.model.DeepseekV4Config.from_dict(_config())
     with safe_open(str(embedded_model_dir() / "model.safetensors"), "pt") as f:
-        tensors = {k: f.get_tensor(k) for k in f.keys()}   # noqa: SIM118 (safe_open has no __iter__)
+        tensors = {k: f.get_tensor(k) for k in f.keys()}
     tails = ("sinks", "position_bias", "attn_hc.base", "ffn_hc.base", "hc_head.hc_base", "e_score_correction_bias")
     for tail in tails:
         found = [k for k in tensors if k.endswith(tail)]
