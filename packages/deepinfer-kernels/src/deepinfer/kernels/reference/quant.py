@@ -9,6 +9,8 @@ Formats (reference/deepseek-v4-spec.md §4.3):
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import Tensor
 
@@ -69,6 +71,14 @@ def _pow2_scale(amax: Tensor, qmax: float) -> Tensor:
     return torch.exp2(torch.ceil(torch.log2(ratio)))
 
 
+def _fake_quant(x: Tensor, block: int, qmax: float, round_scaled: Callable[[Tensor], Tensor]) -> Tensor:
+    """Scale each `block` channels by a power of two so their max magnitude is ≤ qmax, round, scale back."""
+    shape = x.shape
+    blocks = x.float().reshape(*shape[:-1], shape[-1] // block, block)
+    scale = _pow2_scale(blocks.abs().amax(-1, keepdim=True), qmax)
+    return (round_scaled((blocks / scale).clamp(-qmax, qmax)) * scale).reshape(shape).to(x.dtype)
+
+
 def fake_quant_fp8(x: Tensor, block: int) -> Tensor:
     """Round x to FP8 e4m3 with one power-of-two scale per `block` channels, then back.
 
@@ -77,11 +87,7 @@ def fake_quant_fp8(x: Tensor, block: int) -> Tensor:
     Returns:
         Tensor like x holding FP8-representable values times their block scales.
     """
-    shape = x.shape
-    blocks = x.float().reshape(*shape[:-1], shape[-1] // block, block)
-    scale = _pow2_scale(blocks.abs().amax(-1, keepdim=True), FP8_E4M3_MAX)
-    q = (blocks / scale).clamp(-FP8_E4M3_MAX, FP8_E4M3_MAX).to(torch.float8_e4m3fn).float()
-    return (q * scale).reshape(shape).to(x.dtype)
+    return _fake_quant(x, block, FP8_E4M3_MAX, lambda v: v.to(torch.float8_e4m3fn).float())
 
 
 def fake_quant_fp4(x: Tensor, block: int = 32) -> Tensor:
@@ -94,11 +100,9 @@ def fake_quant_fp4(x: Tensor, block: int = 32) -> Tensor:
     Returns:
         Tensor like x holding FP4-representable values times their block scales.
     """
-    shape = x.shape
-    blocks = x.float().reshape(*shape[:-1], shape[-1] // block, block)
-    scale = _pow2_scale(blocks.abs().amax(-1, keepdim=True), FP4_E2M1_MAX)
-    scaled = (blocks / scale).clamp(-FP4_E2M1_MAX, FP4_E2M1_MAX)
     grid = torch.tensor(E2M1_VALUES, dtype=torch.float32, device=x.device)
-    nearest = (scaled.abs().unsqueeze(-1) - grid).abs().argmin(-1)
-    q = grid[nearest] * torch.sign(scaled)
-    return (q * scale).reshape(shape).to(x.dtype)
+
+    def nearest(v: Tensor) -> Tensor:
+        return grid[(v.abs().unsqueeze(-1) - grid).abs().argmin(-1)] * torch.sign(v)
+
+    return _fake_quant(x, block, FP4_E2M1_MAX, nearest)

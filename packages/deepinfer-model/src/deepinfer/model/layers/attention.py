@@ -8,6 +8,8 @@ rope dims are rotated back at the query position before the grouped low-rank out
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import Tensor, nn
 
@@ -19,6 +21,8 @@ from ..config import CSA, HCA, DeepseekV4Config
 from . import batched_decode
 from .common import RMSNorm, hadamard, linear, paged_rows
 from .compressor import Compressor
+
+RowPost = Callable[[Tensor, KernelSet], Tensor]   # quantisation applied to freshly compressed rows
 
 
 class Indexer(nn.Module):
@@ -140,43 +144,41 @@ class Attention(nn.Module):
         )
         return torch.cat((win_rows, comp_rows), dim=1), torch.cat((win_valid, comp_valid), dim=1)
 
+    def _compress_chunk(
+        self, comp: Compressor, stream: str, state: str, x: Tensor, pos: Tensor, start: int, slot: Tensor,
+        table: Tensor, cache: ModelCache, ops: KernelSet, inv_freq: Tensor, post: RowPost | None,
+    ) -> Tensor:
+        """Run one compressor over a sequence's chunk, write the windows it closes into the paged
+        `stream`, and return every compressed row of the sequence so far [entries, width]."""
+        r, block_size = self.ratio, cache.spec.block_size
+        paged = cache.paged[stream]
+        k, g = comp.project(x, pos)
+        ring_k, ring_g = cache.state[f"{state}.kv"][slot], cache.state[f"{state}.gate"][slot]
+        ids, new_rows = comp.compress(k, g, start, ring_k, ring_g, ops, inv_freq, self.cfg.rms_norm_eps)
+        if post is not None and len(ids):
+            new_rows = post(new_rows, ops)
+        blocks, rows = paged_rows(table, ids, r, block_size)
+        paged[blocks, rows] = new_rows.to(paged.dtype)
+        all_ids = torch.arange((start + x.shape[0]) // r, device=x.device)
+        blocks, rows = paged_rows(table, all_ids, r, block_size)
+        return paged[blocks, rows]
+
     def _compressed_rows(
         self, i: int, a: int, b: int, x: Tensor, index_q: Tensor | None, index_w: Tensor | None, table: Tensor,
         slot: Tensor, start: int, pos: Tensor, cache: ModelCache, ops: KernelSet, inv_freq: Tensor, kv_quant: bool,
     ) -> tuple[Tensor, Tensor]:
-        eps, r, layer = self.cfg.rms_norm_eps, self.ratio, self.layer
-        block_size = cache.spec.block_size
-        end = start + (b - a)
-        paged_kv = cache.paged[f"layers.{layer}.kv"]
-        k, g = self.compressor.project(x[a:b], pos)
-        ring_k = cache.state[f"layers.{layer}.compressor.kv"][slot]
-        ring_g = cache.state[f"layers.{layer}.compressor.gate"][slot]
-        ids, new_rows = self.compressor.compress(k, g, start, ring_k, ring_g, ops, inv_freq, eps)
-        if kv_quant and len(ids):
-            new_rows = self._quant_kv(new_rows, ops)
-        blocks, rows = paged_rows(table, ids, r, block_size)
-        paged_kv[blocks, rows] = new_rows.to(paged_kv.dtype)
-        num_entries = end // r
-        all_ids = torch.arange(num_entries, device=x.device)
-        blocks, rows = paged_rows(table, all_ids, r, block_size)
-        entries = paged_kv[blocks, rows]                                   # [num_entries, head_dim]
-        visible = (pos + 1) // r                                           # entries usable per query
+        layer = self.layer
+        entries = self._compress_chunk(self.compressor, f"layers.{layer}.kv", f"layers.{layer}.compressor", x[a:b],
+                                       pos, start, slot, table, cache, ops, inv_freq,
+                                       self._quant_kv if kv_quant else None)
+        visible = (pos + 1) // self.ratio                                  # entries usable per query
         if self.kind == HCA:
-            valid = all_ids[None, :] < visible[:, None]
-            return entries.unsqueeze(0).expand(b - a, -1, -1), valid
+            ids = torch.arange(entries.shape[0], device=x.device)
+            return entries.unsqueeze(0).expand(b - a, -1, -1), ids[None, :] < visible[:, None]
         ix = self.indexer
-        paged_ik = cache.paged[f"layers.{layer}.index_k"]
-        ik, ig = ix.compressor.project(x[a:b], pos)
-        ring_ik = cache.state[f"layers.{layer}.indexer.kv"][slot]
-        ring_ig = cache.state[f"layers.{layer}.indexer.gate"][slot]
-        iids, new_keys = ix.compressor.compress(ik, ig, start, ring_ik, ring_ig, ops, inv_freq, eps)
-        if kv_quant and len(iids):
-            new_keys = self._quant_index(new_keys, ops)
-        blocks, rows = paged_rows(table, iids, r, block_size)
-        paged_ik[blocks, rows] = new_keys.to(paged_ik.dtype)
-        blocks, rows = paged_rows(table, all_ids, r, block_size)
-        keys = paged_ik[blocks, rows]
+        keys = self._compress_chunk(ix.compressor, f"layers.{layer}.index_k", f"layers.{layer}.indexer", x[a:b],
+                                    pos, start, slot, table, cache, ops, inv_freq,
+                                    self._quant_index if kv_quant else None)
         scores = ops.indexer_scores(index_q[a:b], keys, index_w[a:b], ix.head_dim**-0.5)
         picks = ops.topk_lowest_index(scores, visible, ix.topk)            # [q, k], −1 = none
-        valid = picks >= 0
-        return entries[picks.clamp(min=0)], valid
+        return entries[picks.clamp(min=0)], picks >= 0
