@@ -17,7 +17,7 @@ import matplotlib.pyplot as plt
 def main(src: str, dst: str) -> None:
     with open(src) as f:
         report = json.load(f)
-    ours = [r for r in report["ours"] if "eager_ms" in r]
+    ours = [r for r in report["ours"] if "eager_ms" in r]      # profile rows have no timings
     batches = [r["batch"] for r in ours]
     fig, ax = plt.subplots(figsize=(7, 4.5))
     ax.plot(batches, [r["roofline_ms"] for r in ours], "k--", label="memory roofline")

@@ -147,7 +147,34 @@ def bench_batch(model, cfg: DeepseekV4Config, b: int, context: int, steps: int, 
     return row
 
 
-def bench_ours(cfg: DeepseekV4Config, batches: list[int], context: int, steps: int, bandwidth: float) -> list[dict]:
+@torch.no_grad()
+def profile_batch(model, cfg: DeepseekV4Config, b: int, context: int, steps: int = 3) -> dict:
+    """Kernels per decode step and the ops that take the GPU time (torch.profiler, eager)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    block_size = 128
+    blocks_per_seq = math.ceil((context + steps + 8) / block_size)
+    cache = ModelCache.allocate(model.cache_spec(block_size), b * blocks_per_seq + 1, b + 1, "cuda")
+    feed = DecodeFeed(cfg, b, context, [[1 + i * blocks_per_seq + j for j in range(blocks_per_seq)] for i in range(b)])
+    model(feed.next(), cache)
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            model(feed.next(), cache)
+        torch.cuda.synchronize()
+    events = [e for e in prof.key_averages() if e.device_type.name == "CUDA"] if hasattr(prof, "key_averages") else []
+    kernels = sum(e.count for e in events)
+    total_us = sum(e.self_device_time_total for e in events)
+    top = sorted(events, key=lambda e: e.self_device_time_total, reverse=True)[:15]
+    return {
+        "batch": b, "kernels_per_step": kernels / steps, "gpu_busy_ms_per_step": total_us / steps / 1000,
+        "top_kernels": [{"name": e.key[:90], "calls_per_step": e.count / steps,
+                         "ms_per_step": e.self_device_time_total / steps / 1000} for e in top],
+    }
+
+
+def bench_ours(cfg: DeepseekV4Config, batches: list[int], context: int, steps: int, bandwidth: float,
+               profile_batches: list[int] | None = None) -> list[dict]:
     model = build_model(cfg, device="cuda", dtype=torch.bfloat16)
     model.init_weights(seed=0, std=0.02)
     model.eval()
@@ -159,6 +186,15 @@ def bench_ours(cfg: DeepseekV4Config, batches: list[int], context: int, steps: i
             row = {"batch": b, "error": f"{type(err).__name__}: {err}"[:300]}
         results.append(row)
         print(json.dumps({k: v for k, v in row.items() if k != "bytes"}), flush=True)
+        gc.collect()
+        torch.cuda.empty_cache()
+    for b in profile_batches or []:
+        try:
+            prof = profile_batch(model, cfg, b, context)
+        except Exception as err:
+            prof = {"batch": b, "error": f"{type(err).__name__}: {err}"[:300]}
+        results.append({"profile": prof})
+        print(json.dumps(prof)[:3000], flush=True)
         gc.collect()
         torch.cuda.empty_cache()
     del model
@@ -204,6 +240,7 @@ def main() -> None:
     ap.add_argument("--hf-batches", default="1,32")
     ap.add_argument("--context", type=int, default=1024)
     ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--profile-batches", default="", help="also profile eager decode at these batch sizes")
     ap.add_argument("--out", default="decode_results.json")
     args = ap.parse_args()
     raw = dict(FLASH, num_hidden_layers=args.layers, compress_ratios=layer_schedule(args.layers),
@@ -213,7 +250,8 @@ def main() -> None:
     print(json.dumps({"copy_bandwidth_GBps": bandwidth / 1e9, "layers": cfg.compress_ratios}), flush=True)
     report = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "layers": list(cfg.compress_ratios),
               "context": args.context, "copy_bandwidth_Bps": bandwidth,
-              "ours": bench_ours(cfg, [int(x) for x in args.batches.split(",")], args.context, args.steps, bandwidth)}
+              "ours": bench_ours(cfg, [int(x) for x in args.batches.split(",") if x], args.context, args.steps,
+                                 bandwidth, [int(x) for x in args.profile_batches.split(",") if x])}
     if args.hf_batches:
         try:
             report["transformers"] = bench_hf(raw, [int(x) for x in args.hf_batches.split(",")], args.context, 8)

@@ -152,7 +152,7 @@ class DeepseekV4ForCausalLM(nn.Module):
         x = ops.hc_head(h, self.hc_head_fn, self.hc_head_scale, self.hc_head_base, hc_eps=cfg.hc_eps,
                         norm_eps=cfg.rms_norm_eps)
         x = ops.rms_norm(x, self.norm.weight, cfg.rms_norm_eps)
-        return (x.float() @ self.head.weight.float().t())
+        return (x @ self.head.weight.t()).float()        # model-dtype GEMM, float32 logits
 
 
 def keeps_fp32(name: str) -> bool:

@@ -38,9 +38,10 @@ class Compressor(nn.Module):
         return (2 if self.overlap else 1) * self.ratio
 
     def project(self, x: Tensor, positions: Tensor) -> tuple[Tensor, Tensor]:
-        """x [num_tokens, hidden] → (k, g) each [num_tokens, mult·width] float32."""
-        k = x.float() @ self.wkv.weight.float().t()
-        g = x.float() @ self.wgate.weight.float().t() + self.ape[positions % self.ratio]
+        """x [num_tokens, hidden] → (k, g) each [num_tokens, mult·width] float32 (GEMMs in the model
+        dtype, as transformers does; the pooling that follows runs in float32)."""
+        k = (x @ self.wkv.weight.t()).float()
+        g = (x @ self.wgate.weight.t()).float() + self.ape[positions % self.ratio]
         return k, g
 
     def compress(
