@@ -3,8 +3,8 @@
 `deepinfer.kernels.reference` holds the pure-PyTorch twin of each op (the specification that
 GPU kernels must match); `kernels_for(device)` resolves, per op, a registered device kernel or
 the reference. Registered so far, for CUDA: `moe_experts` → `torch_ops.moe_experts_grouped` (grouped
-GEMMs over the active experts, CUDA-graph safe) and `hc_pre` → `triton_ops.hc_pre_fused` (one Triton
-kernel for the mHC weights and Sinkhorn); every other op runs its reference.
+GEMMs over the active experts, CUDA-graph safe); `hc_pre`, `rms_norm`, `apply_rope` → Triton kernels
+(`triton_ops`); every other op runs its reference.
 """
 
 from importlib.metadata import version as _version

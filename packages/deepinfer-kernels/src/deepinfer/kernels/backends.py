@@ -10,17 +10,22 @@ def _moe_grouped():
     return moe_experts_grouped
 
 
-def _hc_pre_triton():
-    try:
-        from .triton_ops import hc_pre_fused
-    except ImportError:                     # CUDA without triton: the reference
-        from .reference import hc_pre
-        return hc_pre
-    return hc_pre_fused
+def _triton(name: str, fused: str):
+    """A factory returning triton_ops.<fused>, or reference.<name> where triton is missing."""
+    def factory():
+        try:
+            from . import triton_ops
+        except ImportError:                 # CUDA without triton: the reference
+            from . import reference
+            return getattr(reference, name)
+        return getattr(triton_ops, fused)
+    return factory
 
 
 def register_builtin_backends() -> None:
-    """CUDA: grouped-GEMM MoE (static shapes, CUDA-graph safe) and the fused mHC mixing kernel
-    (Triton). Everything else: the reference."""
+    """CUDA: grouped-GEMM MoE (static shapes, CUDA-graph safe); Triton kernels for the mHC mixing
+    weights, RMSNorm and RoPE. Everything else: the reference."""
     register("moe_experts", "cuda", _moe_grouped)
-    register("hc_pre", "cuda", _hc_pre_triton)
+    register("hc_pre", "cuda", _triton("hc_pre", "hc_pre_fused"))
+    register("rms_norm", "cuda", _triton("rms_norm", "rms_norm_fused"))
+    register("apply_rope", "cuda", _triton("apply_rope", "apply_rope_fused"))
