@@ -25,7 +25,7 @@ def main(src: str, dst: str) -> None:
     graphed = [r for r in ours if "graph_ms" in r]
     if graphed:
         ax.plot([r["batch"] for r in graphed], [r["graph_ms"] for r in graphed], "s-", label="DeepInfer CUDA graph")
-    hf = report.get("transformers", [])
+    hf = [r for r in report.get("transformers", []) if "hf_step_ms" in r]
     if hf:
         ax.plot([r["batch"] for r in hf], [r["hf_step_ms"] for r in hf], "^-", label="transformers")
     ax.set_xscale("log", base=2)

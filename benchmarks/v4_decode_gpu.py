@@ -173,8 +173,41 @@ def profile_batch(model, cfg: DeepseekV4Config, b: int, context: int, steps: int
     }
 
 
+@torch.no_grad()
+def bench_prefill(model, cfg: DeepseekV4Config, prompt_len: int) -> dict:
+    """One prompt of prompt_len tokens in one eager forward (after a 1024-token warm-up)."""
+    block_size = 128
+    blocks = math.ceil(prompt_len / block_size)
+    cache = ModelCache.allocate(model.cache_spec(block_size), 2 * blocks + 1, 3, "cuda")
+    gen = torch.Generator().manual_seed(prompt_len)
+    tables = [list(range(1, blocks + 1)), list(range(blocks + 1, 2 * blocks + 1))]
+    warm = torch.randint(0, cfg.vocab_size, (1024,), generator=gen).tolist()
+    model(ForwardBatch.build([warm], [0], [tables[0]], [1], device="cuda"), cache)
+    ids = torch.randint(0, cfg.vocab_size, (prompt_len,), generator=gen).tolist()
+    batch = ForwardBatch.build([ids], [0], [tables[1]], [2], device="cuda")
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    model(batch, cache)
+    torch.cuda.synchronize()
+    seconds = time.perf_counter() - t0
+    return {"prompt_len": prompt_len, "prefill_s": seconds, "prefill_tokens_per_s": prompt_len / seconds,
+            "peak_memory_GB": torch.cuda.max_memory_allocated() / 1e9}
+
+
+@torch.no_grad()
+def bench_hf_prefill(model, vocab_size: int, prompt_len: int) -> dict:
+    ids = torch.randint(0, vocab_size, (1, prompt_len), device="cuda")
+    model(ids[:, :1024], use_cache=True)
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    model(ids, use_cache=True)
+    torch.cuda.synchronize()
+    seconds = time.perf_counter() - t0
+    return {"prompt_len": prompt_len, "hf_prefill_s": seconds, "hf_prefill_tokens_per_s": prompt_len / seconds}
+
+
 def bench_ours(cfg: DeepseekV4Config, batches: list[int], context: int, steps: int, bandwidth: float,
-               profile_batches: list[int] | None = None) -> list[dict]:
+               profile_batches: list[int] | None = None, prefill_len: int = 0) -> list[dict]:
     model = build_model(cfg, device="cuda", dtype=torch.bfloat16)
     model.init_weights(seed=0, std=0.02)
     model.eval()
@@ -186,6 +219,15 @@ def bench_ours(cfg: DeepseekV4Config, batches: list[int], context: int, steps: i
             row = {"batch": b, "error": f"{type(err).__name__}: {err}"[:300]}
         results.append(row)
         print(json.dumps({k: v for k, v in row.items() if k != "bytes"}), flush=True)
+        gc.collect()
+        torch.cuda.empty_cache()
+    if prefill_len:
+        try:
+            row = {"prefill": bench_prefill(model, cfg, prefill_len)}
+        except Exception as err:
+            row = {"prefill": {"error": f"{type(err).__name__}: {err}"[:300]}}
+        results.append(row)
+        print(json.dumps(row), flush=True)
         gc.collect()
         torch.cuda.empty_cache()
     for b in profile_batches or []:
@@ -204,7 +246,7 @@ def bench_ours(cfg: DeepseekV4Config, batches: list[int], context: int, steps: i
 
 
 @torch.no_grad()
-def bench_hf(raw, batches, context, new_tokens) -> list[dict]:
+def bench_hf(raw, batches, context, new_tokens, prefill_len: int = 0) -> list[dict]:
     from transformers import DeepseekV4Config as HFConfig
     from transformers import DeepseekV4ForCausalLM as HFModel
 
@@ -230,6 +272,10 @@ def bench_hf(raw, batches, context, new_tokens) -> list[dict]:
         row = {"batch": b, "hf_step_ms": step_ms, "hf_output_tokens_per_s": b / step_ms * 1000}
         print(json.dumps(row), flush=True)
         results.append(row)
+    if prefill_len:
+        row = bench_hf_prefill(model, raw["vocab_size"], prefill_len)
+        print(json.dumps(row), flush=True)
+        results.append(row)
     return results
 
 
@@ -241,6 +287,7 @@ def main() -> None:
     ap.add_argument("--context", type=int, default=1024)
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--profile-batches", default="", help="also profile eager decode at these batch sizes")
+    ap.add_argument("--prefill-len", type=int, default=0, help="also time one prompt of this length (both engines)")
     ap.add_argument("--out", default="decode_results.json")
     args = ap.parse_args()
     raw = dict(FLASH, num_hidden_layers=args.layers, compress_ratios=layer_schedule(args.layers),
@@ -251,10 +298,11 @@ def main() -> None:
     report = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "layers": list(cfg.compress_ratios),
               "context": args.context, "copy_bandwidth_Bps": bandwidth,
               "ours": bench_ours(cfg, [int(x) for x in args.batches.split(",") if x], args.context, args.steps,
-                                 bandwidth, [int(x) for x in args.profile_batches.split(",") if x])}
-    if args.hf_batches:
+                                 bandwidth, [int(x) for x in args.profile_batches.split(",") if x], args.prefill_len)}
+    if args.hf_batches or args.prefill_len:
         try:
-            report["transformers"] = bench_hf(raw, [int(x) for x in args.hf_batches.split(",")], args.context, 8)
+            report["transformers"] = bench_hf(raw, [int(x) for x in args.hf_batches.split(",") if x], args.context, 8,
+                                              args.prefill_len)
         except Exception as err:
             report["transformers_error"] = f"{type(err).__name__}: {err}"[:500]
             print(report["transformers_error"], flush=True)

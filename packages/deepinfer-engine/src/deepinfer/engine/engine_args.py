@@ -27,8 +27,11 @@ class EngineArgs:
         seed: seeds the sampler's shared generator (requests without their own seed).
         max_model_len: longest sequence (prompt + output); None = min(model limit, 4096).
         block_size: tokens per paged KV block; None = the smallest multiple of every compress ratio ≥ 64.
-        num_kv_blocks: paged KV blocks (block 0 included); None = as many as `kv_cache_memory_mb` holds.
-        kv_cache_memory_mb: byte budget of the paged KV buffer when num_kv_blocks is None.
+        num_kv_blocks: paged KV blocks (block 0 included); None = as many as the memory budget holds.
+        kv_cache_memory_mb: budget of the cache (paged KV blocks + state slots) when num_kv_blocks is None
+            (CPU, or CUDA without gpu_memory_utilization).
+        gpu_memory_utilization: on CUDA, size the cache so that weights + cache take this fraction of the
+            GPU's memory (activations come out of the rest; None = use kv_cache_memory_mb).
         max_num_seqs: sequences holding cache at once (one state slot each, × the slot ratio).
         max_num_batched_tokens: prefill tokens per step; longer prompts are chunked.
         max_num_prompts: sequences per prefill step; None = max_num_seqs.
@@ -48,6 +51,7 @@ class EngineArgs:
     block_size: int | None = None
     num_kv_blocks: int | None = None
     kv_cache_memory_mb: float = 256.0
+    gpu_memory_utilization: float | None = None
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
     max_num_prompts: int | None = None
@@ -78,6 +82,9 @@ class EngineArgs:
         _int("max_num_batched_tokens", self.max_num_batched_tokens, 1, 2**31 - 1)
         if not (isinstance(self.kv_cache_memory_mb, int | float) and self.kv_cache_memory_mb > 0):
             _fail(f"kv_cache_memory_mb={self.kv_cache_memory_mb!r} must be > 0")
+        util = self.gpu_memory_utilization
+        if util is not None and not (isinstance(util, int | float) and 0 < util < 1):
+            _fail(f"gpu_memory_utilization={util!r} must be in (0, 1)")
         if not isinstance(self.chunk_checkpoints, tuple):
             _fail(f"chunk_checkpoints={self.chunk_checkpoints!r} must be a tuple of positions")
         for name in ("stop_preempted_request", "kv_quant", "enforce_eager"):

@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import torch
 
 from deepinfer.cache import BlockManager
 from deepinfer.model import ConfigError, DeepseekV4Config, WeightError, load_model
@@ -86,7 +87,7 @@ class LLMEngine:
         )
         self.runner = ModelRunner(
             self.model, block_size=block_size, num_kv_blocks=args.num_kv_blocks,
-            budget_bytes=int(args.kv_cache_memory_mb * 2**20), num_state_slots=state_slots.num_blocks,
+            budget_bytes=self._kv_budget_bytes(), num_state_slots=state_slots.num_blocks,
             max_backtracking=self.env.max_backtracking_tokens,
             graph_max_seqs=None if args.enforce_eager else args.max_num_seqs,
             max_blocks_per_seq=sched_cfg.max_blocks_per_seq, max_model_len=sched_cfg.max_blocks_per_seq * block_size,
@@ -105,6 +106,20 @@ class LLMEngine:
         self._finished_between_steps: list[Request] = []   # reported by the next step()
         self.worker.pre_sampler_sync_hooks.append(self._pump_grammars)
         self.init_pd_split()
+
+    def _kv_budget_bytes(self) -> int:
+        """Cache byte budget (paged KV + state slots): a fraction of the GPU minus the weights, or
+        kv_cache_memory_mb."""
+        args = self.args
+        if args.gpu_memory_utilization is None or torch.device(args.device).type != "cuda":
+            return int(args.kv_cache_memory_mb * 2**20)
+        device = torch.device(args.device)
+        total = torch.cuda.get_device_properties(device).total_memory
+        budget = int(total * args.gpu_memory_utilization) - torch.cuda.memory_allocated(device)
+        if budget <= 0:
+            raise InvalidEngineArgs(f"gpu_memory_utilization={args.gpu_memory_utilization} leaves no memory for the "
+                                    f"KV cache: the weights already take {torch.cuda.memory_allocated(device)} B")
+        return budget
 
     # ------------------------------------------------------------------ requests
 

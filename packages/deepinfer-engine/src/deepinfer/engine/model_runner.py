@@ -49,7 +49,8 @@ class ModelRunner:
     Args:
         model: the loaded model (on its device).
         block_size: tokens per paged block.
-        num_kv_blocks / budget_bytes: size the paged buffer by block count or by bytes (one of them).
+        num_kv_blocks / budget_bytes: size the paged buffer by block count, or fit paged buffer + state
+            slots into budget_bytes.
         num_state_slots: state slots (slot 0 the dummy).
         max_backtracking: spare ring slots for rejected draft tokens.
         graph_max_seqs: capture decode CUDA graphs up to this many sequences (CUDA only; None = eager).
@@ -74,17 +75,20 @@ class ModelRunner:
         self.model = model
         self.device = model.embed.weight.device
         spec = model.cache_spec(block_size, max_backtracking)
+        state = plan_state_layout([StateRegion(r.name, r.num_bytes, r.stored) for r in spec.states], num_state_slots)
         streams = [PagedStream(s.name, s.bytes_per_row, s.tokens_per_row) for s in spec.streams]
+        paged_budget = None if num_kv_blocks or budget_bytes is None else budget_bytes - state.total_bytes
+        if paged_budget is not None and paged_budget <= 0:
+            raise ValueError(f"the cache budget of {budget_bytes} B does not even hold the {num_state_slots} state "
+                             f"slots ({state.total_bytes} B)")
         if streams:
-            paged = plan_paged_layout(streams, block_size, num_blocks=num_kv_blocks,
-                                      budget_bytes=None if num_kv_blocks else budget_bytes)
+            paged = plan_paged_layout(streams, block_size, num_blocks=num_kv_blocks, budget_bytes=paged_budget)
             num_blocks, paged_bytes = paged.num_blocks, paged.total_bytes
             offsets = {name: p.offset for name, p in paged.streams.items()}
         else:                      # a model of sliding-window layers only has no paged stream
             num_blocks, paged_bytes, offsets = num_kv_blocks or 2, 0, {}
         if num_blocks < 2:
             raise ValueError(f"the KV budget holds {num_blocks} block(s); at least 2 are needed (block 0 is reserved)")
-        state = plan_state_layout([StateRegion(r.name, r.num_bytes, r.stored) for r in spec.states], num_state_slots)
         paged_buffer = torch.zeros(paged_bytes, dtype=torch.uint8, device=self.device)
         state_buffer = torch.zeros(state.total_bytes, dtype=torch.uint8, device=self.device)
         self.cache = ModelCache.from_buffers(

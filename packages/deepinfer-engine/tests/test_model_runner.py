@@ -1,0 +1,46 @@
+"""ModelRunner: cache memory sized through deepinfer-cache's planner."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from deepinfer.engine.model_runner import ModelRunner, default_block_size
+from deepinfer.model import DeepseekV4Config
+from deepinfer.model.model import build_model
+
+
+@pytest.fixture(scope="module")
+def model():
+    cfg = DeepseekV4Config.from_dict(dict(
+        vocab_size=64, hidden_size=32, num_hidden_layers=3, num_attention_heads=2, head_dim=16,
+        qk_rope_head_dim=8, q_lora_rank=16, o_groups=1, o_lora_rank=8, n_routed_experts=4,
+        num_experts_per_tok=2, moe_intermediate_size=16, num_hash_layers=1, sliding_window=4, hc_mult=2,
+        index_n_heads=2, index_head_dim=8, index_topk=2,
+        layer_types=["sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention"],
+        compress_rates={"compressed_sparse_attention": 4, "heavily_compressed_attention": 8}))
+    m = build_model(cfg, device="cpu", dtype=torch.float32)
+    m.init_weights(seed=0)
+    return m
+
+
+def test_budget_covers_paged_blocks_and_state_slots(model) -> None:
+    assert default_block_size(model) == 64
+    runner = ModelRunner(model, block_size=16, num_kv_blocks=None, budget_bytes=200_000, num_state_slots=5,
+                         max_backtracking=2)
+    plan = runner.plan
+    assert plan.paged_bytes + plan.state_bytes <= 200_000
+    assert plan.num_kv_blocks >= 2 and plan.num_state_slots == 5
+    bigger = ModelRunner(model, block_size=16, num_kv_blocks=None, budget_bytes=400_000, num_state_slots=5,
+                         max_backtracking=2)
+    assert bigger.plan.num_kv_blocks > plan.num_kv_blocks
+    # the views land in one buffer each; a stream's block rows follow the planner's stride
+    assert runner.cache.paged["layers.1.kv"].shape == (plan.num_kv_blocks, 4, 16)
+    assert runner.cache.state["layers.0.window"].shape == (5, 4 + 2, 16)
+    assert plan.state_size_to_disk == 3 * 6 * 16 * 4               # three window rings, stored first
+
+
+def test_budget_smaller_than_the_state_slots_is_an_error(model) -> None:
+    with pytest.raises(ValueError, match="does not even hold the 5 state slots"):
+        ModelRunner(model, block_size=16, num_kv_blocks=None, budget_bytes=1000, num_state_slots=5,
+                    max_backtracking=0)
