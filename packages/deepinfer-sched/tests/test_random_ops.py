@@ -114,7 +114,8 @@ def check_blocks_match_needs(sched: Scheduler, kv: BlockManager) -> None:
     assert total_held == sum(kv.ref_count(block) for block in range(1, kv.num_blocks))
 
 
-@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=300, deadline=None, derandomize=True,
+          suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(
     ops=OPS,
     seed=st.integers(0, 2**16),
