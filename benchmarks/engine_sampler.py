@@ -16,7 +16,8 @@ import time
 
 import torch
 
-from deepinfer.engine.sampler import RequestRng, Sampler, build_sampling_batch
+from deepinfer.engine.sampler import Sampler
+from deepinfer.engine.sampling_batch import RequestRng, build_sampling_batch
 from deepinfer.engine.sampling_params import SamplingParams
 
 MIXES = {

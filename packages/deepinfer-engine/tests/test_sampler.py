@@ -6,14 +6,8 @@ from collections.abc import Sequence
 import pytest
 import torch
 
-from deepinfer.engine.sampler import (
-    InvalidSamplingBatch,
-    RequestRng,
-    Sampler,
-    SamplingBatch,
-    build_sampling_batch,
-    logprob_dicts,
-)
+from deepinfer.engine.sampler import Sampler, logprob_dicts
+from deepinfer.engine.sampling_batch import InvalidSamplingBatch, RequestRng, SamplingBatch, build_sampling_batch
 from deepinfer.engine.sampling_params import SamplingParams
 
 EOS = 2

@@ -12,7 +12,8 @@ import xgrammar
 from deepinfer.engine import SamplingParams
 from deepinfer.engine.grammar_backend import GrammarState
 from deepinfer.engine.model_runner import StepBatch
-from deepinfer.engine.sampler import InvalidSamplingBatch, RequestRng, Sampler, build_sampling_batch
+from deepinfer.engine.sampler import Sampler
+from deepinfer.engine.sampling_batch import InvalidSamplingBatch, RequestRng, build_sampling_batch
 from deepinfer.engine.token_bitmask import (
     allocate_token_bitmask,
     apply_token_bitmask,

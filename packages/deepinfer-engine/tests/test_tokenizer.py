@@ -11,10 +11,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from tokenizers import decoders, models, pre_tokenizers, trainers
 
+from deepinfer.engine.detokenizer import IncrementalDetokenizer, StopStringChecker
 from deepinfer.engine.tokenizer import (
-    IncrementalDetokenizer,
     NoTokenizerError,
-    StopStringChecker,
     Tokenizer,
     TokenizerLoadError,
     load_tokenizer,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from .detokenizer import IncrementalDetokenizer, StopStringChecker
 from .grammar_backend import GrammarState
 from .outputs import (
     FINISH_ABORT,
@@ -13,9 +14,9 @@ from .outputs import (
     CompletionOutput,
     RequestOutput,
 )
-from .sampler import RequestRng
+from .sampling_batch import RequestRng
 from .sampling_params import SamplingParams
-from .tokenizer import IncrementalDetokenizer, StopStringChecker, Tokenizer
+from .tokenizer import Tokenizer
 
 
 class Request:

@@ -22,15 +22,8 @@ import torch
 
 from .grammar_backend import GrammarState
 from .model_runner import ModelRunner, StepBatch
-from .sampler import (
-    RequestRng,
-    Sampler,
-    SamplerOutput,
-    SamplingBatch,
-    banned_token_ids,
-    build_sampling_batch,
-    logprob_dicts,
-)
+from .sampler import Sampler, SamplerOutput, logprob_dicts
+from .sampling_batch import RequestRng, SamplingBatch, banned_token_ids, build_sampling_batch
 from .sampling_params import SamplingParams
 from .token_bitmask import fill_token_bitmask
 
