@@ -53,7 +53,7 @@ class LLM:
         for i, item in enumerate(items):
             if not isinstance(item, str | dict):
                 raise ValueError(f"prompts[{i}] must be a str or a {{'prompt_token_ids': [...]}} dict")
-            self.engine._tokenize(item)
+            self.engine.tokenize_prompt(item)
         ids = [self.engine.add_request(None, item, p) for item, p in zip(items, params)]
         order = {rid: i for i, rid in enumerate(ids)}
         results: list[RequestOutput | None] = [None] * len(ids)

@@ -142,7 +142,7 @@ class LLMEngine:
         request_id = str(next(self._ids)) if request_id is None else str(request_id)
         if request_id in self._requests:
             raise ValueError(f"request_id={request_id!r} is already in use")
-        text, token_ids = self._tokenize(prompt)
+        text, token_ids = self.tokenize_prompt(prompt)
         vocab = self.model.cfg.vocab_size
         bad = [t for t in token_ids if not 0 <= t < vocab]
         if bad:
@@ -184,7 +184,12 @@ class LLMEngine:
                 req.grammar = self.grammars.backend.new_state(done.compiled)
                 self.scheduler.add_seq(req.request_id, req.prompt_token_ids, req.max_tokens)
 
-    def _tokenize(self, prompt: PromptInput | Sequence[int]) -> tuple[str | None, list[int]]:
+    def tokenize_prompt(self, prompt: PromptInput | Sequence[int]) -> tuple[str | None, list[int]]:
+        """(prompt text or None, prompt token ids) of a prompt in any accepted form.
+
+        Raises:
+            ValueError: malformed token ids; NoTokenizerError: text without a tokenizer.
+        """
         if isinstance(prompt, str):
             return prompt, require_tokenizer(self.tokenizer, self.model_dir).encode(prompt)
         if isinstance(prompt, dict):
