@@ -4,19 +4,25 @@
 per-sequence state slots, from an array-backed doubly linked free list with a refcount per block;
 id 0 is reserved. `plan_paged_layout` / `plan_state_layout` decide where every paged KV stream and
 every per-sequence state region live inside one uint8 buffer each. No torch: the engine allocates
-the buffers. The only environment variable read here is DEEPINFER_NUM_STATE_SLOTS_RATIO (by
-`BlockManager.for_state_slots` when given no ratio).
+the buffers. Environment variables read here: DEEPINFER_NUM_STATE_SLOTS_RATIO (by
+`BlockManager.for_state_slots` when given no ratio) and, at import, DEEPINFER_CACHE_PURE_PYTHON=1,
+which lets a source tree whose Cython module was never built (a machine without a compiler or
+without Cython) run the pure-Python twin — same behaviour, slower — instead of failing.
 """
 
+import os
 from importlib.metadata import PackageNotFoundError, version
 
 try:
     from ._block_pool import BlockManager
-except ImportError as error:  # pragma: no cover - only on a source tree that was never built
-    raise ImportError(
-        "deepinfer.cache._block_pool (Cython) is not built; install the package with "
-        "`pip install packages/deepinfer-cache` or `pip install -e packages/deepinfer-cache`"
-    ) from error
+except ImportError as error:
+    if os.environ.get("DEEPINFER_CACHE_PURE_PYTHON") != "1":
+        raise ImportError(
+            "deepinfer.cache._block_pool (Cython) is not built; install the package with "
+            "`pip install packages/deepinfer-cache` or `pip install -e packages/deepinfer-cache` "
+            "(or set DEEPINFER_CACHE_PURE_PYTHON=1 to run the slower pure-Python twin)"
+        ) from error
+    from ._pure.block_pool import BlockManager
 from .layout import (
     PagedLayout,
     PagedStream,
