@@ -128,3 +128,43 @@ def test_cli_generate_prints_text(tiny_text, capsys) -> None:
     out = capsys.readouterr()
     assert out.out.startswith("def fibonacci(") and "finish_reason=" in out.err
     assert cli_main(["generate", "x", "--model", str(model_dir / "missing")]) == 2
+
+
+class _RecordingPromptEngine(LLMEngine):
+    """A PROMPT engine whose disaggregation hooks record what they were given."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        self.calls: list[tuple[str, object]] = []
+        super().__init__(*args, **kwargs)
+
+    def pe_prepare_save_kvcache(self, seq_ids) -> None:
+        self.calls.append(("prepare", tuple(seq_ids)))
+
+    def pe_do_save_kvcache(self, seq_ids) -> None:
+        self.calls.append(("save", tuple(seq_ids)))
+
+    def send_processed_prompts(self, out) -> None:
+        self.calls.append(("send", out.kind.value))
+
+
+def test_prompt_engine_hands_requests_over_after_prefill(tiny) -> None:
+    from deepinfer.engine import EngineType
+
+    hf, model_dir = tiny
+    engine = _RecordingPromptEngine(EngineArgs(model=str(model_dir), engine_type=EngineType.PROMPT))
+    prompts = random_prompts([6, 11], seed=9)
+    for i, p in enumerate(prompts):
+        engine.add_request(f"r{i}", p, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
+    outs = {o.request_id: o.outputs[0] for o in engine.step()}
+    assert {k: (v.finish_reason, v.token_ids) for k, v in outs.items()} == {
+        f"r{i}": ("prefilled", hf_greedy(hf, p, 1)) for i, p in enumerate(prompts)}
+    assert engine.calls == [("prepare", ("r0", "r1")), ("save", ("r0", "r1")), ("send", "prefill")]
+    assert not engine.has_unfinished_requests() and engine.scheduler.num_running == 0
+
+
+def test_completion_engine_takes_no_fresh_requests(tiny) -> None:
+    from deepinfer.engine import EngineType
+
+    engine = LLMEngine(EngineArgs(model=str(tiny[1]), engine_type=EngineType.COMPLETION))
+    with pytest.raises(ValueError, match="COMPLETION engine only decodes requests prefilled"):
+        engine.add_request(None, [3, 4, 5])

@@ -13,7 +13,7 @@ from deepinfer.engine.outputs import (
 
 
 def test_finish_reason_vocabulary() -> None:
-    assert FINISH_REASONS == {"stop", "length", "abort", "preempted", "ignored", "error"}
+    assert FINISH_REASONS == {"stop", "length", "abort", "preempted", "ignored", "error", "prefilled"}
 
 
 def test_running_and_finished_outputs() -> None:

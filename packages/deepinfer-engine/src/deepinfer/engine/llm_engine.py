@@ -19,7 +19,7 @@ from .env import EngineEnv, read_env
 from .grammar_backend import StructuredOutputUnavailable, XGrammarBackend
 from .grammar_compiler import GrammarCompilePool
 from .model_runner import ModelRunner, default_block_size
-from .outputs import FINISH_ERROR, RequestOutput
+from .outputs import FINISH_ABORT, FINISH_ERROR, FINISH_LENGTH, FINISH_PREEMPTED, FINISH_PREFILLED, RequestOutput
 from .request import Request
 from .sampler import Sampler
 from .sampling_params import SamplingParams
@@ -27,6 +27,9 @@ from .tokenizer import Tokenizer, load_tokenizer, require_tokenizer
 from .worker import RowParams, Worker
 
 PromptInput = str | dict[str, Any]
+# What the scheduler is told when a request ends (it only frees the sequence's blocks and slot).
+_SCHED_REASON = {FINISH_LENGTH: FinishReason.LENGTH, FINISH_ABORT: FinishReason.ABORT,
+                 FINISH_PREEMPTED: FinishReason.PREEMPTED, FINISH_ERROR: FinishReason.ABORT}
 
 # With nothing to run but requests waiting for their grammar, `step()` waits this long for a compile.
 IDLE_GRAMMAR_WAIT_S = 0.05
@@ -131,11 +134,15 @@ class LLMEngine:
             prompt: text (needs a tokenizer), `{"prompt_token_ids": [...]}` (optionally with
                 "prompt"), or a list of token ids.
         Raises:
-            ValueError: duplicate id, text without a tokenizer, or token ids outside the vocabulary.
+            ValueError: duplicate id, text without a tokenizer, token ids outside the vocabulary, or a
+                COMPLETION engine (it only takes requests handed over by a PROMPT engine).
             StructuredOutputUnavailable: params.structured without xgrammar, a tokenizer or an EOS id.
             An empty prompt or one longer than max_model_len is not an error: the request finishes
             as "ignored" with its reason at the next step; so does a grammar that fails to compile.
         """
+        if self.args.engine_type is EngineType.COMPLETION:
+            raise ValueError("a COMPLETION engine only decodes requests prefilled by a PROMPT engine; the KV "
+                             "transfer that hands them over is not implemented, so it takes no add_request")
         params = params or SamplingParams()
         if not isinstance(params, SamplingParams):
             raise TypeError(f"params must be SamplingParams, got {type(params).__name__}")
@@ -237,8 +244,6 @@ class LLMEngine:
         self.runner.apply_cache_ops(out)
         step = self.runner.prepare(out)
         sampled = self.worker.execute_model_step(step, self._row_params)
-        if out.kind is StepKind.PREFILL and self.args.engine_type is EngineType.PROMPT:
-            self.send_processed_prompts(out)
         continuing: list[tuple[str, int]] = []
         for token in sampled:
             req = self._requests.get(token.seq_id)
@@ -248,13 +253,19 @@ class LLMEngine:
                 req.fail(token.grammar_error)
             else:
                 req.add_token(token.token_id, token.logprobs)
+            if not req.finished and self.args.engine_type is EngineType.PROMPT:
+                req.hand_over()
             if req.finished:
-                reason = FinishReason.ABORT if req.finish_reason == FINISH_ERROR else FinishReason(req.finish_reason)
-                self.scheduler.finish_seq(token.seq_id, reason)
+                self.scheduler.finish_seq(token.seq_id, _SCHED_REASON.get(req.finish_reason, FinishReason.STOP))
             else:
                 continuing.append((token.seq_id, token.token_id))
             changed[req.request_id] = req
         self._record_tokens(out.kind, continuing)
+        handed = [r.request_id for r in changed.values() if r.finish_reason == FINISH_PREFILLED]
+        if handed:
+            self.pe_prepare_save_kvcache(handed)
+            self.pe_do_save_kvcache(handed)
+            self.send_processed_prompts(out)
         for req in self._finished_between_steps:
             changed[req.request_id] = req
         self._finished_between_steps.clear()

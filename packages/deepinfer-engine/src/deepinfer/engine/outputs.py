@@ -1,6 +1,6 @@
 """What a request gives back: `RequestOutput` holding one `CompletionOutput` per sample.
 
-Finish reasons are plain strings (the OpenAI vocabulary plus four of ours):
+Finish reasons are plain strings (the OpenAI vocabulary plus five of ours):
 
 - ``"stop"``: EOS, a stop token id or a stop string ended the output (`stop_reason` says which).
 - ``"length"``: `max_tokens` or the model's max_model_len was reached.
@@ -14,6 +14,8 @@ Finish reasons are plain strings (the OpenAI vocabulary plus four of ours):
 - ``"error"``: the request ran but could not go on (its grammar reached a dead end: no token is
   allowed); `error_reason` says why. The tokens produced before stay in the output; the other
   requests of the batch are unaffected.
+- ``"prefilled"``: a PROMPT engine (disaggregated prefill) finished the prompt and sampled the first
+  token; the request continues on a COMPLETION engine through the disaggregation hooks.
 """
 
 from __future__ import annotations
@@ -26,7 +28,9 @@ FINISH_ABORT = "abort"
 FINISH_PREEMPTED = "preempted"
 FINISH_IGNORED = "ignored"
 FINISH_ERROR = "error"
-FINISH_REASONS = frozenset({FINISH_STOP, FINISH_LENGTH, FINISH_ABORT, FINISH_PREEMPTED, FINISH_IGNORED, FINISH_ERROR})
+FINISH_PREFILLED = "prefilled"
+FINISH_REASONS = frozenset({FINISH_STOP, FINISH_LENGTH, FINISH_ABORT, FINISH_PREEMPTED, FINISH_IGNORED, FINISH_ERROR,
+                            FINISH_PREFILLED})
 
 
 class InvalidOutput(ValueError):

@@ -10,6 +10,7 @@ from .outputs import (
     FINISH_IGNORED,
     FINISH_LENGTH,
     FINISH_PREEMPTED,
+    FINISH_PREFILLED,
     FINISH_STOP,
     CompletionOutput,
     RequestOutput,
@@ -96,6 +97,10 @@ class Request:
 
     def abort(self) -> None:
         self._finish(FINISH_ABORT, None)
+
+    def hand_over(self) -> None:
+        """PROMPT engine: prefill done, first token sampled; the request goes on elsewhere."""
+        self._finish(FINISH_PREFILLED, None)
 
     def preempt(self) -> None:
         self._finish(FINISH_PREEMPTED, None)
