@@ -23,11 +23,18 @@ def _engine_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-num-seqs", type=int, default=64)
     parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--block-size", type=int, default=None, help="tokens per KV block")
+    parser.add_argument("--kv-cache-memory-mb", type=float, default=256.0, help="cache budget (CPU)")
+    parser.add_argument("--gpu-memory-utilization", type=float, default=None,
+                        help="on CUDA: weights + cache take this fraction of the GPU")
+    parser.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
 
 
 def _args(ns: argparse.Namespace) -> dict:
     return dict(model=ns.model, device=ns.device, dtype=ns.dtype, max_model_len=ns.max_model_len,
-                max_num_seqs=ns.max_num_seqs, max_num_batched_tokens=ns.max_num_batched_tokens, seed=ns.seed)
+                max_num_seqs=ns.max_num_seqs, max_num_batched_tokens=ns.max_num_batched_tokens, seed=ns.seed,
+                block_size=ns.block_size, kv_cache_memory_mb=ns.kv_cache_memory_mb,
+                gpu_memory_utilization=ns.gpu_memory_utilization, enforce_eager=ns.enforce_eager)
 
 
 def _generate(ns: argparse.Namespace) -> int:
