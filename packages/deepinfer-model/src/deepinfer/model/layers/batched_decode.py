@@ -15,15 +15,7 @@ from deepinfer.kernels import KernelSet
 
 from ..batch import ForwardBatch
 from ..cache import ModelCache
-
-
-def table_rows(tables: Tensor, entries: Tensor, tokens_per_row: int, block_size: int) -> tuple[Tensor, Tensor, Tensor]:
-    """(block ids, row-in-block, in-table) of compressed entries [B, n] through block tables [B, max_blocks]."""
-    first = entries * tokens_per_row
-    col = first // block_size
-    inside = col < tables.shape[1]
-    blocks = tables.gather(1, col.clamp(max=tables.shape[1] - 1)).long()
-    return torch.where(inside, blocks, 0), (first % block_size) // tokens_per_row, inside
+from .common import table_rows
 
 
 def window_rows(attn, kv: Tensor, batch: ForwardBatch, cache: ModelCache) -> tuple[Tensor, Tensor]:
