@@ -10,6 +10,7 @@ from .indexer import indexer_scores, topk_lowest_index
 from .mhc import hc_head, hc_post, hc_pre
 from .moe import clamped_swiglu, moe_experts, router_scores, routing_weights, select_experts
 from .norm import rms_norm
+from .paged import compress_decode, paged_decode_attention, paged_indexer_scores
 from .quant import dequant_fp8_block, dequant_mxfp4, fake_quant_fp4, fake_quant_fp8, scale_to_float
 from .rope import YarnScaling, apply_rope, rope_inv_freq
 
@@ -17,6 +18,7 @@ __all__ = [
     "YarnScaling",
     "apply_rope",
     "clamped_swiglu",
+    "compress_decode",
     "compress_pool",
     "dequant_fp8_block",
     "dequant_mxfp4",
@@ -28,6 +30,8 @@ __all__ = [
     "hc_pre",
     "indexer_scores",
     "moe_experts",
+    "paged_decode_attention",
+    "paged_indexer_scores",
     "rms_norm",
     "rope_inv_freq",
     "router_scores",

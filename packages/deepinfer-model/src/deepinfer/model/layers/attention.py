@@ -80,21 +80,12 @@ class Attention(nn.Module):
             if kv_quant:
                 index_q = self._quant_index(index_q, ops)
         if batch.uniform_decode:
-            out = self._decode_attention(x, q, kv, index_q, index_w, batch, cache, ops, inv_freq, kv_quant)
+            out = batched_decode.attention(self, x, q, kv, index_q, index_w, batch, cache, ops, inv_freq, kv_quant)
         else:
             out = self._prefill_attention(x, q, kv, index_q, index_w, batch, cache, ops, inv_freq, kv_quant)
         out = ops.apply_rope(out, pos, inv_freq, inverse=True)
         grouped = ops.grouped_linear(out.reshape(num_tokens, cfg.o_groups, -1), self.wo_a.weight)
         return grouped.flatten(1) @ self.wo_b.weight.t()
-
-    def _decode_attention(self, x, q, kv, index_q, index_w, batch, cache, ops, inv_freq, kv_quant) -> Tensor:
-        """One query per sequence: every sequence at once (batched_decode)."""
-        rows, valid = batched_decode.window_rows(self, kv, batch, cache)
-        if self.compressor is not None:
-            comp, comp_valid = batched_decode.compressed_rows(self, x, index_q, index_w, batch, cache, ops,
-                                                              inv_freq, kv_quant)
-            rows, valid = torch.cat((rows, comp), dim=1), torch.cat((valid, comp_valid), dim=1)
-        return ops.sparse_attention(q, rows, valid, self.attn_sink, self.cfg.head_dim**-0.5)
 
     def _prefill_attention(self, x, q, kv, index_q, index_w, batch, cache, ops, inv_freq, kv_quant) -> Tensor:
         """Any query lengths: one sequence at a time."""

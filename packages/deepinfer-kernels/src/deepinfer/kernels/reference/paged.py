@@ -1,0 +1,132 @@
+"""Batched-decode ops that read the cache in place: one query token per sequence.
+
+Each sequence b has a state slot `slots[b]` (its window ring and compressor rings, indexed by
+position mod ring length) and a block table row `block_tables[b]`. Compressed entry e of a stream
+with `ratio` tokens per entry covers tokens e·ratio …; it lives in the block holding its first token,
+at row `(e·ratio mod block_size) // ratio` of that block. Entries whose block lies past the table's
+width are not readable (attention skips them; scoring reads the reserved block 0 instead).
+
+Static shapes throughout, no host synchronisation: these ops may be captured in a CUDA graph.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from .attention import sparse_attention
+from .compressor import compress_pool
+from .indexer import indexer_scores
+from .norm import rms_norm
+from .rope import apply_rope
+
+
+def _entry_location(block_tables: Tensor, entries: Tensor, ratio: int, block_size: int) -> tuple[Tensor, ...]:
+    """(block id, row in block, inside the table) of entries [num_seqs, n] (clamped to ≥ 0)."""
+    first = entries.clamp(min=0) * ratio
+    col = first // block_size
+    inside = col < block_tables.shape[1]
+    blocks = block_tables.gather(1, col.clamp(max=block_tables.shape[1] - 1)).long()
+    return torch.where(inside, blocks, 0), (first % block_size) // ratio, inside
+
+
+def compress_decode(
+    kv: Tensor, gate: Tensor, ape: Tensor, positions: Tensor, slots: Tensor, ring_kv: Tensor, ring_gate: Tensor,
+    norm_weight: Tensor, inv_freq: Tensor, eps: float, *, overlap: bool, paged: Tensor | None = None,
+    block_tables: Tensor | None = None,
+) -> Tensor:
+    """Advance a compressor by one token per sequence; pool, normalise and rotate its window.
+
+    The token's float32 projections (gate + `ape[position mod ratio]`) are written to the rings at
+    position mod ring. The window the token belongs to (entry `position // ratio`) is then pooled
+    (`compress_pool`; overlapping: the first-half channels of the previous window's tokens and the
+    second-half channels of this one's), RMS-normalised with `norm_weight` and rotated at position
+    entry·ratio. The row is complete only when the token closes the window ((position + 1) mod
+    ratio == 0); then, if `paged` is given, it is stored at the entry's row (cast to paged's dtype).
+
+    Args:
+        kv, gate: [num_seqs, mult·width] projections (any float dtype), mult = 2 when overlapping.
+        ape: [ratio, mult·width] float32 position bias of the gate.
+        positions, slots: [num_seqs] int64.
+        ring_kv, ring_gate: [num_slots, ring, mult·width] float32 (updated in place).
+        norm_weight: [width]; inv_freq: [rope_dim // 2] float32 (the compress RoPE).
+        paged: [num_blocks, block_size // ratio, width] or None; block_tables: [num_seqs, max_blocks].
+    Returns:
+        [num_seqs, width] float32 rows (meaningless where the window is still open).
+    """
+    ratio, ring = ape.shape[0], ring_kv.shape[1]
+    width = norm_weight.shape[0]
+    k = kv.float()
+    g = gate.float() + ape[positions % ratio]
+    ring_kv[slots, positions % ring] = k
+    ring_gate[slots, positions % ring] = g
+    entries = positions // ratio
+    lo = (entries - 1) * ratio if overlap else entries * ratio
+    span = 2 * ratio if overlap else ratio
+    pos = lo[:, None] + torch.arange(span, device=kv.device)[None, :]          # [B, span]
+    rows_k = ring_kv[slots[:, None], pos.clamp(min=0) % ring]
+    rows_g = ring_gate[slots[:, None], pos.clamp(min=0) % ring]
+    missing = (pos < 0)[..., None]
+    rows_k, rows_g = rows_k.masked_fill(missing, 0.0), rows_g.masked_fill(missing, float("-inf"))
+    if overlap:
+        rows_k = torch.cat((rows_k[:, :ratio, :width], rows_k[:, ratio:, width:]), dim=1)
+        rows_g = torch.cat((rows_g[:, :ratio, :width], rows_g[:, ratio:, width:]), dim=1)
+    pooled = rms_norm(compress_pool(rows_k, rows_g), norm_weight, eps)
+    rows = apply_rope(pooled, entries * ratio, inv_freq)
+    if paged is not None:
+        block_size = paged.shape[1] * ratio
+        blocks, in_block, inside = _entry_location(block_tables, entries[:, None], ratio, block_size)
+        keep = ((positions + 1) % ratio == 0) & inside[:, 0]
+        # Rows that must not land go to the reserved block 0 (static shapes, no synchronisation).
+        paged[torch.where(keep, blocks[:, 0], 0), torch.where(keep, in_block[:, 0], 0)] = rows.to(paged.dtype)
+    return rows
+
+
+def paged_decode_attention(
+    q: Tensor, ring: Tensor, slots: Tensor, positions: Tensor, window: int, sink: Tensor, scale: float,
+    paged: Tensor | None = None, block_tables: Tensor | None = None, entry_ids: Tensor | None = None,
+    ratio: int = 1,
+) -> Tensor:
+    """`sparse_attention` of each sequence's query over its window ring ∪ chosen compressed entries.
+
+    Window rows: positions p − window + 1 … p (those ≥ 0) read from `ring[slots[b], position mod
+    ring]`; the token at p must already be in the ring. Compressed rows: `entry_ids[b]` (−1 = none)
+    read from `paged` through the block table.
+
+    Args:
+        q: [num_seqs, num_heads, head_dim]; ring: [num_slots, ring, head_dim];
+        slots, positions: [num_seqs] int64; window: rows of the sliding window;
+        sink: [num_heads] float32; scale: softmax scale.
+        paged: [num_blocks, block_size // ratio, head_dim] or None (window-only layer);
+        block_tables: [num_seqs, max_blocks]; entry_ids: [num_seqs, n] int64.
+    Returns:
+        [num_seqs, num_heads, head_dim] in q's dtype.
+    """
+    ring_len = ring.shape[1]
+    key_pos = positions[:, None] - window + 1 + torch.arange(window, device=q.device)[None, :]
+    rows = ring[slots[:, None], key_pos.clamp(min=0) % ring_len].to(q.dtype)
+    valid = key_pos >= 0
+    if paged is not None:
+        block_size = paged.shape[1] * ratio
+        blocks, in_block, inside = _entry_location(block_tables, entry_ids, ratio, block_size)
+        rows = torch.cat((rows, paged[blocks, in_block].to(q.dtype)), dim=1)
+        valid = torch.cat((valid, (entry_ids >= 0) & inside), dim=1)
+    return sparse_attention(q, rows, valid, sink, scale)
+
+
+def paged_indexer_scores(
+    q: Tensor, paged_keys: Tensor, block_tables: Tensor, num_entries: int, head_weights: Tensor,
+    softmax_scale: float, ratio: int,
+) -> Tensor:
+    """`indexer_scores` of each sequence's query against its entries 0 … num_entries − 1, read from
+    the paged index keys through the block table (entries past the table read block 0).
+
+    Args:
+        q: [num_seqs, num_heads, index_dim]; paged_keys: [num_blocks, block_size // ratio, index_dim];
+        block_tables: [num_seqs, max_blocks]; head_weights: [num_seqs, num_heads].
+    Returns:
+        [num_seqs, num_entries] float32.
+    """
+    ids = torch.arange(num_entries, device=q.device)[None, :].expand(q.shape[0], -1)
+    blocks, in_block, _ = _entry_location(block_tables, ids, ratio, paged_keys.shape[1] * ratio)
+    return indexer_scores(q, paged_keys[blocks, in_block], head_weights, softmax_scale)
