@@ -1,62 +1,217 @@
-"""Triton kernels against their reference twins (GPU only; skipped without CUDA or triton)."""
+"""Triton kernels against their reference twins, on fresh random inputs at several shapes.
+
+Runs on a CUDA device; without one, under Triton's CPU interpreter when TRITON_INTERPRET=1 (float32
+only, small shapes); otherwise skipped. Outputs are poisoned first: the caching allocator is filled
+with NaN before each call, and cache tensors the kernels write in place start as NaN wherever the
+reference does not write, so a kernel that skips or strays from an element fails.
+"""
 
 from __future__ import annotations
+
+import os
 
 import pytest
 import torch
 
 from deepinfer.kernels import reference
 
-pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+CUDA = torch.cuda.is_available()
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+DEVICE = "cuda" if CUDA else "cpu"
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not (CUDA or INTERPRET), reason="needs CUDA or TRITON_INTERPRET=1")]
+DTYPES = [torch.bfloat16, torch.float32] if CUDA else [torch.float32]
+BIG = CUDA                      # the real V4-Flash shapes only on the GPU (the interpreter is slow)
 
 
-@pytest.mark.parametrize(("num_tokens", "hc", "iters"), [(1, 4, 20), (7, 2, 3), (33, 4, 1), (300, 4, 20), (65, 8, 5)])
-def test_fused_hc_pre_matches_reference(num_tokens, hc, iters) -> None:
+@pytest.fixture(autouse=True)
+def _triton():
     pytest.importorskip("triton")
+
+
+def poison_allocator() -> None:
+    """Leave NaN in the memory the next allocations will reuse (both of the allocator's pools)."""
+    if CUDA:
+        held = [torch.full((n,), float("nan"), device="cuda") for n in [1 << 16] * 16 + [1 << 24] * 4]
+        del held
+
+
+def randn(gen: torch.Generator, *shape: int, dtype=torch.float32, scale: float = 1.0) -> torch.Tensor:
+    return (torch.randn(*shape, generator=gen) * scale).to(DEVICE, dtype)
+
+
+def close(got: torch.Tensor, want: torch.Tensor, dtype: torch.dtype) -> None:
+    assert got.shape == want.shape and got.dtype == want.dtype and not torch.isnan(got).any()
+    tol = 3e-2 if dtype == torch.bfloat16 else 1e-4
+    torch.testing.assert_close(got.float(), want.float(), atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize(("num_tokens", "hc", "dim", "iters"),
+                         [(1, 4, 64, 20), (7, 2, 48, 3), (33, 4, 96, 1)] + ([(300, 4, 4096, 20)] if BIG else []))
+def test_fused_hc_pre_matches_reference(num_tokens, hc, dim, iters) -> None:
     from deepinfer.kernels.triton_ops import hc_pre_fused
 
     gen = torch.Generator().manual_seed(num_tokens + hc)
-    dim = 64
-    streams = torch.randn(num_tokens, hc, dim, generator=gen).cuda().bfloat16()
-    fn = (torch.randn((2 + hc) * hc, hc * dim, generator=gen) * 0.2).cuda()
-    scale = (1 + torch.randn(3, generator=gen) * 0.3).cuda()
-    base = torch.randn((2 + hc) * hc, generator=gen).cuda()
+    dtype = torch.bfloat16 if CUDA else torch.float32
+    streams = randn(gen, num_tokens, hc, dim, dtype=dtype)
+    fn, scale = randn(gen, (2 + hc) * hc, hc * dim, scale=0.2), 1 + randn(gen, 3, scale=0.3)
+    base = randn(gen, (2 + hc) * hc)
     kwargs = dict(sinkhorn_iters=iters, hc_eps=1e-6, norm_eps=1e-6)
+    poison_allocator()
     got = hc_pre_fused(streams, fn, scale, base, **kwargs)
     want = reference.hc_pre(streams, fn, scale, base, **kwargs)
     for g, w in zip(got, want):
-        assert g.shape == w.shape and g.dtype == w.dtype and not torch.isnan(g).any()
-        torch.testing.assert_close(g.float(), w.float(), atol=2e-3, rtol=2e-3)
+        close(g, w, torch.bfloat16 if g.dtype == torch.bfloat16 else torch.float32)
+
+
+POST_CASES = [(1, 4, 64), (5, 2, 100), (3, 4, 700)] + ([(64, 4, 4096)] if BIG else [])
+
+
+@pytest.mark.parametrize(("num_tokens", "hc", "dim"), POST_CASES)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_fused_hc_post_matches_reference(num_tokens, hc, dim, dtype) -> None:
+    from deepinfer.kernels.triton_ops import hc_post_fused
+
+    gen = torch.Generator().manual_seed(num_tokens * dim)
+    x, res = randn(gen, num_tokens, dim, dtype=dtype), randn(gen, num_tokens, hc, dim, dtype=dtype)
+    post, comb = randn(gen, num_tokens, hc).sigmoid() * 2, randn(gen, num_tokens, hc, hc).softmax(-1)
+    poison_allocator()
+    close(hc_post_fused(x, res, post, comb), reference.hc_post(x, res, post, comb), dtype)
 
 
 NORM_CASES = [((1, 64), True, torch.bfloat16), ((37, 4, 512), False, torch.bfloat16),
               ((5, 16384), False, torch.float32), ((9, 1024), True, torch.float32)]
 
 
-@pytest.mark.parametrize(("shape", "weighted", "dtype"), NORM_CASES)
+@pytest.mark.parametrize(("shape", "weighted", "dtype"), [c for c in NORM_CASES if c[2] in DTYPES])
 def test_fused_rms_norm_matches_reference(shape, weighted, dtype) -> None:
-    pytest.importorskip("triton")
     from deepinfer.kernels.triton_ops import rms_norm_fused
 
     gen = torch.Generator().manual_seed(shape[0])
-    x = (torch.randn(shape, generator=gen) * 3).cuda().to(dtype)
-    w = (1 + torch.randn(shape[-1], generator=gen) * 0.1).cuda() if weighted else None
+    x = randn(gen, *shape, dtype=dtype, scale=3)
+    w = 1 + randn(gen, shape[-1], scale=0.1) if weighted else None
+    poison_allocator()
     got = rms_norm_fused(x, w, 1e-6)
-    assert got.dtype == dtype and got.shape == x.shape
-    torch.testing.assert_close(got.float(), reference.rms_norm(x, w, 1e-6).float(), atol=2e-2, rtol=1e-2)
+    close(got, reference.rms_norm(x, w, 1e-6), torch.bfloat16 if dtype == torch.bfloat16 else torch.float32)
 
 
 @pytest.mark.parametrize(("shape", "rope_dim", "inverse"), [((3, 512), 64, False), ((6, 8, 512), 64, True),
                                                             ((11, 4, 128), 64, False), ((2, 16), 16, True)])
 def test_fused_rope_matches_reference(shape, rope_dim, inverse) -> None:
-    pytest.importorskip("triton")
     from deepinfer.kernels.triton_ops import apply_rope_fused
 
     gen = torch.Generator().manual_seed(shape[-1])
-    x = torch.randn(shape, generator=gen).cuda().bfloat16()
-    pos = torch.randint(0, 100000, (shape[0],), generator=gen).cuda()
-    inv = reference.rope_inv_freq(rope_dim, 160000.0, reference.YarnScaling(16.0, 65536)).cuda()
+    dtype = DTYPES[0]
+    x = randn(gen, *shape, dtype=dtype)
+    pos = torch.randint(0, 100000, (shape[0],), generator=gen).to(DEVICE)
+    inv = reference.rope_inv_freq(rope_dim, 160000.0, reference.YarnScaling(16.0, 65536)).to(DEVICE)
+    poison_allocator()
     got = apply_rope_fused(x, pos, inv, inverse=inverse)
-    want = reference.apply_rope(x, pos, inv, inverse=inverse)
     assert torch.equal(got[..., :-rope_dim], x[..., :-rope_dim])
-    torch.testing.assert_close(got.float(), want.float(), atol=2e-2, rtol=1e-2)
+    close(got, reference.apply_rope(x, pos, inv, inverse=inverse), dtype)
+
+
+def _tables(gen: torch.Generator, num_seqs: int, max_blocks: int) -> torch.Tensor:
+    """Disjoint random block ids ≥ 1 per sequence (block 0 is the reserved dummy)."""
+    ids = torch.randperm(num_seqs * max_blocks, generator=gen) + 1
+    return ids.view(num_seqs, max_blocks).to(DEVICE)
+
+
+COMPRESS_CASES = [  # (num_seqs, ratio, overlap, width, block_size)
+    (5, 4, True, 64, 16), (6, 8, False, 32, 64), (3, 4, True, 48, 8)] + (
+    [(32, 4, True, 512, 128), (8, 128, False, 512, 128), (16, 4, True, 128, 128)] if BIG
+    else [(2, 128, False, 16, 128)])
+
+
+@pytest.mark.parametrize(("num_seqs", "ratio", "overlap", "width", "block_size"), COMPRESS_CASES)
+def test_fused_compress_decode_matches_reference(num_seqs, ratio, overlap, width, block_size) -> None:
+    from deepinfer.kernels.triton_ops import compress_decode_fused
+
+    gen = torch.Generator().manual_seed(num_seqs * ratio + width)
+    mult, max_blocks = (2 if overlap else 1), 6
+    ring = mult * ratio + 3                                                  # with backtracking room
+    num_slots, num_blocks = num_seqs + 2, num_seqs * max_blocks + 1
+    slots = (torch.randperm(num_slots - 1, generator=gen)[:num_seqs] + 1).to(DEVICE)
+    # Half the sequences close a window with this token; a few sit in the first window.
+    entries = torch.randint(0, max_blocks * block_size // ratio, (num_seqs,), generator=gen)
+    entries[: num_seqs // 3] = 0
+    offset = torch.randint(0, ratio, (num_seqs,), generator=gen)
+    offset[::2] = ratio - 1
+    positions = (entries * ratio + offset).to(DEVICE)
+    tables = _tables(gen, num_seqs, max_blocks)
+    kv, gate = randn(gen, num_seqs, mult * width, dtype=torch.bfloat16), randn(gen, num_seqs, mult * width)
+    ape, norm_w = randn(gen, ratio, mult * width, scale=0.5), 1 + randn(gen, width, scale=0.1)
+    inv = reference.rope_inv_freq(min(width, 64), 160000.0).to(DEVICE)
+    ring_kv, ring_gate = randn(gen, num_slots, ring, mult * width), randn(gen, num_slots, ring, mult * width)
+    paged = torch.full((num_blocks, block_size // ratio, width), float("nan"), device=DEVICE)
+    state = [t.clone() for t in (ring_kv, ring_gate, paged)]
+    poison_allocator()
+    got = compress_decode_fused(kv, gate, ape, positions, slots, ring_kv, ring_gate, norm_w, inv, 1e-6,
+                                overlap=overlap, paged=paged, block_tables=tables)
+    want = reference.compress_decode(kv, gate, ape, positions, slots, *state[:2], norm_w, inv, 1e-6,
+                                     overlap=overlap, paged=state[2], block_tables=tables)
+    done = (positions + 1) % ratio == 0
+    close(got[done], want[done], torch.float32)
+    assert not torch.isnan(got).any()
+    torch.testing.assert_close(ring_kv, state[0], rtol=0, atol=0)
+    torch.testing.assert_close(ring_gate, state[1], rtol=0, atol=0)
+    # Every paged row but the reserved block 0 matches, NaN (never written) included.
+    torch.testing.assert_close(paged[1:], state[2][1:], atol=1e-4, rtol=1e-4, equal_nan=True)
+    assert (~torch.isnan(paged[1:]).all(-1)).sum() == done.sum()
+
+
+ATTENTION_CASES = [  # (num_seqs, heads, head_dim, window, ratio, num_ids, block_size)
+    (3, 4, 64, 16, 4, 20, 16), (4, 16, 32, 8, 0, 0, 16), (2, 8, 48, 24, 128, 5, 128), (5, 20, 64, 16, 4, 40, 32)] + (
+    [(8, 64, 512, 128, 4, 512, 128), (32, 64, 512, 128, 128, 8, 128), (1, 64, 512, 128, 0, 0, 128)] if BIG else [])
+
+
+@pytest.mark.parametrize(("num_seqs", "heads", "head_dim", "window", "ratio", "num_ids", "block_size"),
+                         ATTENTION_CASES)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_fused_paged_decode_attention_matches_reference(num_seqs, heads, head_dim, window, ratio, num_ids,
+                                                         block_size, dtype) -> None:
+    from deepinfer.kernels.triton_ops import paged_decode_attention_fused
+
+    gen = torch.Generator().manual_seed(num_seqs * heads + head_dim + ratio)
+    ring_len, max_blocks = window + 2, 4
+    q = randn(gen, num_seqs, heads, head_dim, dtype=dtype)
+    ring = randn(gen, num_seqs + 1, ring_len, head_dim, dtype=dtype)
+    slots = (torch.randperm(num_seqs, generator=gen) + 1).to(DEVICE)
+    positions = torch.randint(0, 3 * window, (num_seqs,), generator=gen).to(DEVICE)   # some windows not yet full
+    sink = randn(gen, heads, scale=2.0)
+    args = {}
+    if ratio:
+        rows = block_size // ratio
+        paged = randn(gen, num_seqs * max_blocks + 1, rows, head_dim, dtype=dtype)
+        paged[0] = float("nan")                                   # never read: entries past the table are skipped
+        ids = torch.randint(0, (max_blocks + 1) * rows, (num_seqs, num_ids), generator=gen)   # some past the table
+        ids[torch.rand(num_seqs, num_ids, generator=gen) < 0.3] = -1
+        args = dict(paged=paged, block_tables=_tables(gen, num_seqs, max_blocks), entry_ids=ids.to(DEVICE),
+                    ratio=ratio)
+    poison_allocator()
+    got = paged_decode_attention_fused(q, ring, slots, positions, window, sink, head_dim**-0.5, **args)
+    if ratio:
+        args["paged"] = args["paged"].nan_to_num()              # the reference multiplies masked rows by 0
+    want = reference.paged_decode_attention(q, ring, slots, positions, window, sink, head_dim**-0.5, **args)
+    close(got, want, dtype)
+
+
+INDEX_CASES = [(3, 4, 32, 4, 16, 37), (2, 16, 64, 4, 64, 20), (4, 20, 48, 8, 32, 9)] + (
+    [(8, 64, 128, 4, 128, 256), (64, 64, 128, 4, 128, 1024)] if BIG else [])
+
+
+@pytest.mark.parametrize(("num_seqs", "heads", "dim", "ratio", "block_size", "num_entries"), INDEX_CASES)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_fused_paged_indexer_scores_matches_reference(num_seqs, heads, dim, ratio, block_size, num_entries,
+                                                      dtype) -> None:
+    from deepinfer.kernels.triton_ops import paged_indexer_scores_fused
+
+    gen = torch.Generator().manual_seed(num_seqs * heads + num_entries)
+    max_blocks = max(1, num_entries * ratio // block_size - 1)            # the last entries fall past the table
+    q = randn(gen, num_seqs, heads, dim, dtype=dtype)
+    keys = randn(gen, num_seqs * max_blocks + 1, block_size // ratio, dim, dtype=dtype)
+    weights = randn(gen, num_seqs, heads) * heads**-0.5
+    tables = _tables(gen, num_seqs, max_blocks)
+    poison_allocator()
+    got = paged_indexer_scores_fused(q, keys, tables, num_entries, weights, dim**-0.5, ratio)
+    want = reference.paged_indexer_scores(q, keys, tables, num_entries, weights, dim**-0.5, ratio)
+    close(got, want, torch.float32 if dtype == torch.float32 else torch.bfloat16)

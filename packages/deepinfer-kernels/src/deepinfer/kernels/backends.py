@@ -23,9 +23,10 @@ def _triton(name: str, fused: str):
 
 
 def register_builtin_backends() -> None:
-    """CUDA: grouped-GEMM MoE (static shapes, CUDA-graph safe); Triton kernels for the mHC mixing
-    weights, RMSNorm and RoPE. Everything else: the reference."""
+    """CUDA: grouped-GEMM MoE (static shapes, CUDA-graph safe); Triton kernels for mHC, RMSNorm,
+    RoPE and the batched-decode ops that read the cache in place. Everything else: the reference."""
     register("moe_experts", "cuda", _moe_grouped)
-    register("hc_pre", "cuda", _triton("hc_pre", "hc_pre_fused"))
+    for name in ("hc_pre", "hc_post", "compress_decode", "paged_decode_attention", "paged_indexer_scores"):
+        register(name, "cuda", _triton(name, f"{name}_fused"))
     register("rms_norm", "cuda", _triton("rms_norm", "rms_norm_fused"))
     register("apply_rope", "cuda", _triton("apply_rope", "apply_rope_fused"))

@@ -1,7 +1,10 @@
-"""mHC mixing weights in one kernel: sigmoid pre/post and the Sinkhorn-normalised comb matrix.
+"""mHC in two launches per site: the mixing weights + collapse, and the expansion.
 
-The reference `hc_pre` spends ~4 small kernels per Sinkhorn iteration (20 iterations, 2 sites per
-layer); here one program handles BLOCK_T tokens' (2 + hc)·hc mixes end to end in registers.
+`hc_pre_fused`: the projection GEMM runs on the raw streams (the RMS normalisation has no weight, so
+it is a per-token scale applied after the GEMM); then one program per token computes that scale,
+sigmoid pre/post, the Sinkhorn-normalised comb matrix, and the collapsed stream — instead of ~90
+small ops. `hc_post_fused`: one program per (token, channel block) expands the block output and adds
+the comb-mixed residual.
 """
 
 from __future__ import annotations
@@ -12,54 +15,88 @@ import triton.language as tl
 from torch import Tensor
 
 from .. import reference
+from ._launch import on_triton
 
 
 @triton.jit
-def _hc_mix_kernel(mix_ptr, base_ptr, scale_ptr, pre_ptr, post_ptr, comb_ptr, num_tokens, iters, hc_eps,
-                   HC: tl.constexpr, BLOCK_T: tl.constexpr):
-    WIDTH: tl.constexpr = (2 + HC) * HC
-    rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
-    live = rows < num_tokens
+def _hc_pre_kernel(streams_ptr, mix_ptr, base_ptr, scale_ptr, collapsed_ptr, post_ptr, comb_ptr, dim, iters, hc_eps,
+                   norm_eps, HC: tl.constexpr, BLOCK_D: tl.constexpr):
+    t = tl.program_id(0).to(tl.int64)
     h = tl.arange(0, HC)
+    row = streams_ptr + t * HC * dim
+    squares = tl.zeros([HC, BLOCK_D], tl.float32)
+    for d0 in range(0, dim, BLOCK_D):
+        d = d0 + tl.arange(0, BLOCK_D)
+        x = tl.load(row + h[:, None] * dim + d[None, :], mask=(d < dim)[None, :], other=0.0).to(tl.float32)
+        squares += x * x
+    inv_rms = tl.rsqrt(tl.sum(tl.sum(squares, axis=1), axis=0) / (HC * dim) + norm_eps)
+    width = (2 + HC) * HC
+    mix = mix_ptr + t * width
+    pre = tl.sigmoid(tl.load(mix + h) * inv_rms * tl.load(scale_ptr) + tl.load(base_ptr + h)) + hc_eps
+    post = 2.0 * tl.sigmoid(tl.load(mix + HC + h) * inv_rms * tl.load(scale_ptr + 1) + tl.load(base_ptr + HC + h))
+    tl.store(post_ptr + t * HC + h, post)
     c = tl.arange(0, HC * HC)
-    s_pre = tl.load(scale_ptr)
-    s_post = tl.load(scale_ptr + 1)
-    s_comb = tl.load(scale_ptr + 2)
-    pre_w = tl.load(mix_ptr + rows[:, None] * WIDTH + h[None, :], mask=live[:, None], other=0.0)
-    post_w = tl.load(mix_ptr + rows[:, None] * WIDTH + HC + h[None, :], mask=live[:, None], other=0.0)
-    pre = tl.sigmoid(pre_w * s_pre + tl.load(base_ptr + h)[None, :]) + hc_eps
-    post = 2.0 * tl.sigmoid(post_w * s_post + tl.load(base_ptr + HC + h)[None, :])
-    tl.store(pre_ptr + rows[:, None] * HC + h[None, :], pre, mask=live[:, None])
-    tl.store(post_ptr + rows[:, None] * HC + h[None, :], post, mask=live[:, None])
-    comb_w = tl.load(mix_ptr + rows[:, None] * WIDTH + 2 * HC + c[None, :], mask=live[:, None], other=0.0)
-    logits = tl.reshape(comb_w * s_comb + tl.load(base_ptr + 2 * HC + c)[None, :], (BLOCK_T, HC, HC))
-    e = tl.exp(logits - tl.max(logits, axis=2)[:, :, None])
-    comb = e / tl.sum(e, axis=2)[:, :, None] + hc_eps                 # softmax over k, + eps
-    comb = comb / (tl.sum(comb, axis=1)[:, None, :] + hc_eps)          # columns (sum over j)
+    logits = tl.load(mix + 2 * HC + c) * inv_rms * tl.load(scale_ptr + 2) + tl.load(base_ptr + 2 * HC + c)
+    logits = tl.reshape(logits, (HC, HC))
+    e = tl.exp(logits - tl.max(logits, axis=1)[:, None])
+    comb = e / tl.sum(e, axis=1)[:, None] + hc_eps                # softmax over k, + eps
+    comb = comb / (tl.sum(comb, axis=0)[None, :] + hc_eps)         # columns (sum over j)
     for _ in range(iters - 1):
-        comb = comb / (tl.sum(comb, axis=2)[:, :, None] + hc_eps)      # rows
-        comb = comb / (tl.sum(comb, axis=1)[:, None, :] + hc_eps)      # columns
-    tl.store(comb_ptr + rows[:, None] * (HC * HC) + c[None, :], tl.reshape(comb, (BLOCK_T, HC * HC)),
-             mask=live[:, None])
+        comb = comb / (tl.sum(comb, axis=1)[:, None] + hc_eps)     # rows
+        comb = comb / (tl.sum(comb, axis=0)[None, :] + hc_eps)     # columns
+    tl.store(comb_ptr + t * HC * HC + c, tl.reshape(comb, (HC * HC,)))
+    for d0 in range(0, dim, BLOCK_D):
+        d = d0 + tl.arange(0, BLOCK_D)
+        x = tl.load(row + h[:, None] * dim + d[None, :], mask=(d < dim)[None, :], other=0.0).to(tl.float32)
+        out = tl.sum(pre[:, None] * x, axis=0)
+        tl.store(collapsed_ptr + t * dim + d, out.to(collapsed_ptr.dtype.element_ty), mask=d < dim)
 
 
 def hc_pre_fused(
     streams: Tensor, fn: Tensor, scale: Tensor, base: Tensor, *, sinkhorn_iters: int, hc_eps: float, norm_eps: float
 ) -> tuple[Tensor, Tensor, Tensor]:
-    """Same contract as `deepinfer.kernels.reference.hc_pre` (CUDA tensors; hc a power of two,
-    else the reference runs)."""
-    num_tokens, hc, _ = streams.shape
-    if not streams.is_cuda or hc & (hc - 1) or num_tokens == 0:
+    """Same contract as `deepinfer.kernels.reference.hc_pre` (hc a power of two, else the reference)."""
+    num_tokens, hc, dim = streams.shape
+    if not on_triton(streams) or hc & (hc - 1) or num_tokens == 0:
         return reference.hc_pre(streams, fn, scale, base, sinkhorn_iters=sinkhorn_iters, hc_eps=hc_eps,
                                 norm_eps=norm_eps)
-    mixes = (reference.rms_norm(streams.reshape(num_tokens, -1).float(), None, norm_eps) @ fn.float().t()).contiguous()
-    pre = torch.empty(num_tokens, hc, dtype=torch.float32, device=streams.device)
-    post = torch.empty_like(pre)
+    src = streams.contiguous()
+    mixes = (src.view(num_tokens, -1).float() @ fn.float().t()).contiguous()   # scaled by 1/rms in the kernel
+    collapsed = torch.empty(num_tokens, dim, dtype=streams.dtype, device=streams.device)
+    post = torch.empty(num_tokens, hc, dtype=torch.float32, device=streams.device)
     comb = torch.empty(num_tokens, hc, hc, dtype=torch.float32, device=streams.device)
-    block_t = 32
-    _hc_mix_kernel[(triton.cdiv(num_tokens, block_t),)](
-        mixes, base.float().contiguous(), scale.float().contiguous(), pre, post, comb, num_tokens,
-        sinkhorn_iters, hc_eps, HC=hc, BLOCK_T=block_t,
+    _hc_pre_kernel[(num_tokens,)](
+        src, mixes, base.float().contiguous(), scale.float().contiguous(), collapsed, post, comb, dim,
+        sinkhorn_iters, hc_eps, norm_eps, HC=hc, BLOCK_D=min(triton.next_power_of_2(dim), 1024), num_warps=4,
     )
-    collapsed = (pre.unsqueeze(-1) * streams).sum(dim=1).to(streams.dtype)
     return collapsed, post, comb
+
+
+@triton.jit
+def _hc_post_kernel(x_ptr, res_ptr, post_ptr, comb_ptr, out_ptr, dim, HC: tl.constexpr, BLOCK_D: tl.constexpr):
+    t = tl.program_id(0).to(tl.int64)
+    d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
+    dm = d < dim
+    h = tl.arange(0, HC)
+    x = tl.load(x_ptr + t * dim + d, mask=dm, other=0.0).to(tl.float32)
+    res = tl.load(res_ptr + t * HC * dim + h[:, None] * dim + d[None, :], mask=dm[None, :], other=0.0).to(tl.float32)
+    comb = tl.load(comb_ptr + t * HC * HC + h[:, None] * HC + h[None, :])               # [j, k]
+    post = tl.load(post_ptr + t * HC + h)
+    out = post[:, None] * x[None, :] + tl.sum(comb[:, :, None] * res[:, None, :], axis=0)
+    tl.store(out_ptr + t * HC * dim + h[:, None] * dim + d[None, :], out.to(out_ptr.dtype.element_ty),
+             mask=dm[None, :])
+
+
+def hc_post_fused(block_out: Tensor, residual: Tensor, post: Tensor, comb: Tensor) -> Tensor:
+    """Same contract as `deepinfer.kernels.reference.hc_post` (float32 arithmetic, one rounding)."""
+    num_tokens, hc, dim = residual.shape
+    if not on_triton(residual) or hc & (hc - 1) or num_tokens == 0:
+        return reference.hc_post(block_out, residual, post, comb)
+    res = residual.contiguous()
+    out = torch.empty_like(res)
+    block_d = min(triton.next_power_of_2(dim), 512)
+    _hc_post_kernel[(num_tokens, triton.cdiv(dim, block_d))](
+        block_out.contiguous(), res, post.float().contiguous(), comb.float().contiguous(), out, dim,
+        HC=hc, BLOCK_D=block_d, num_warps=4,
+    )
+    return out

@@ -12,6 +12,7 @@ import triton.language as tl
 from torch import Tensor
 
 from .. import reference
+from ._launch import on_triton
 
 
 @triton.jit
@@ -28,7 +29,7 @@ def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, dim, eps, HAS_WEIGHT: tl.constexpr, 
 
 def rms_norm_fused(x: Tensor, weight: Tensor | None, eps: float) -> Tensor:
     """Same contract as `reference.rms_norm` (CUDA; other devices run the reference)."""
-    if not x.is_cuda or x.numel() == 0:
+    if not on_triton(x) or x.numel() == 0:
         return reference.rms_norm(x, weight, eps)
     dim = x.shape[-1]
     src = x.contiguous()
@@ -59,7 +60,7 @@ def _rope_kernel(x_ptr, pos_ptr, freq_ptr, out_ptr, dim, rows_per_token, rope_st
 
 def apply_rope_fused(x: Tensor, positions: Tensor, inv_freq: Tensor, *, inverse: bool = False) -> Tensor:
     """Same contract as `reference.apply_rope` (CUDA; other devices run the reference)."""
-    if not x.is_cuda or x.numel() == 0:
+    if not on_triton(x) or x.numel() == 0:
         return reference.apply_rope(x, positions, inv_freq, inverse=inverse)
     dim = x.shape[-1]
     rope_dim = 2 * inv_freq.shape[0]

@@ -1,0 +1,18 @@
+"""When the Triton kernels run, and at which dot-product precision."""
+
+from __future__ import annotations
+
+import os
+
+from torch import Tensor
+
+
+def on_triton(t: Tensor) -> bool:
+    """Whether a kernel launch can take `t`: CUDA tensors, or any tensor under Triton's CPU
+    interpreter (TRITON_INTERPRET=1, used to check the kernels without a GPU)."""
+    return t.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def precision(t: Tensor) -> str:
+    """`tl.dot` input precision: exact float32 products for float32 inputs (not TF32)."""
+    return "ieee" if t.dtype.is_floating_point and t.element_size() == 4 else "tf32"

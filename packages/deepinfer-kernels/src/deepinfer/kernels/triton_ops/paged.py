@@ -1,0 +1,270 @@
+"""Fused batched-decode kernels that read the cache in place: twins of `reference.paged`.
+
+- `compress_decode_fused`: one program per sequence writes the token into the compressor rings,
+  pools its window with an online per-channel softmax, RMS-normalises, rotates and (when the window
+  closes) stores the row in the paged stream — one launch instead of ~50 small ops.
+- `paged_decode_attention_fused`: flash-decoding over the window ring and the chosen compressed
+  entries, read through the block table (no gathered copy), with the per-head sink folded into the
+  final normaliser. One program per (sequence, block of heads); K = V (single latent).
+- `paged_indexer_scores_fused`: the lightning indexer's ReLU-weighted dot products against index
+  keys read through the block table. One program per (sequence, block of entries).
+
+Every wrapper keeps its reference twin's signature and falls back to it for inputs the kernels do
+not cover (non-CUDA tensors, a last dimension that is not contiguous).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+from .. import reference
+from ._launch import on_triton, precision
+
+
+@triton.jit
+def _compress_decode_kernel(
+    kv_ptr, gate_ptr, ape_ptr, pos_ptr, slot_ptr, rk_ptr, rg_ptr, norm_ptr, freq_ptr, rows_ptr, paged_ptr, table_ptr,
+    kv_stride, gate_stride, rk_slot, rk_row, rg_slot, rg_row, paged_block, paged_row, table_stride, table_width,
+    ratio, ring, width, rope_half, eps,
+    OVERLAP: tl.constexpr, WRITE: tl.constexpr, BLOCK_W: tl.constexpr, BLOCK_S: tl.constexpr,
+):
+    b = tl.program_id(0)
+    pos = tl.load(pos_ptr + b)
+    slot = tl.load(slot_ptr + b)
+    c = tl.arange(0, BLOCK_W)
+    cm = c < width
+    mult = 2 if OVERLAP else 1
+    entry = pos // ratio
+    ring_row = pos % ring
+    ape_row = ape_ptr + (pos % ratio) * (mult * width)
+    # This token's rows into the rings (both halves when overlapping); keep the half it pools.
+    k0 = tl.load(kv_ptr + b * kv_stride + c, mask=cm, other=0.0).to(tl.float32)
+    g0 = tl.load(gate_ptr + b * gate_stride + c, mask=cm, other=0.0).to(tl.float32) + tl.load(ape_row + c, mask=cm)
+    tl.store(rk_ptr + slot * rk_slot + ring_row * rk_row + c, k0, mask=cm)
+    tl.store(rg_ptr + slot * rg_slot + ring_row * rg_row + c, g0, mask=cm)
+    k_cur, g_cur = k0, g0
+    if OVERLAP:
+        k1 = tl.load(kv_ptr + b * kv_stride + width + c, mask=cm, other=0.0).to(tl.float32)
+        g1 = tl.load(gate_ptr + b * gate_stride + width + c, mask=cm, other=0.0).to(tl.float32) \
+            + tl.load(ape_row + width + c, mask=cm)
+        tl.store(rk_ptr + slot * rk_slot + ring_row * rk_row + width + c, k1, mask=cm)
+        tl.store(rg_ptr + slot * rg_slot + ring_row * rg_row + width + c, g1, mask=cm)
+        k_cur, g_cur = k1, g1
+    # Online softmax over the window's slots, seeded with this token (read from registers).
+    m = tl.where(cm, g_cur, 0.0)
+    s = tl.full([BLOCK_W], 1.0, tl.float32)
+    acc = tl.where(cm, k_cur, 0.0)
+    off = width if OVERLAP else 0
+    for part in tl.static_range(2 if OVERLAP else 1):
+        # part 0: this window's tokens before pos (channels off…); part 1: the previous window (channels 0…)
+        base = entry * ratio if part == 0 else (entry - 1) * ratio
+        ch = off + c if part == 0 else c
+        stop = pos if part == 0 else entry * ratio
+        for i0 in range(0, ratio, BLOCK_S):
+            p = base + i0 + tl.arange(0, BLOCK_S)
+            live = (p >= 0) & (p < stop)
+            r = tl.where(p >= 0, p, 0) % ring
+            mask = live[:, None] & cm[None, :]
+            g = tl.load(rg_ptr + slot * rg_slot + r[:, None] * rg_row + ch[None, :], mask=mask, other=float("-inf"))
+            k = tl.load(rk_ptr + slot * rk_slot + r[:, None] * rk_row + ch[None, :], mask=mask, other=0.0)
+            m_new = tl.maximum(m, tl.max(g, axis=0))
+            e = tl.exp(g - m_new[None, :])
+            alpha = tl.exp(m - m_new)
+            s = s * alpha + tl.sum(e, axis=0)
+            acc = acc * alpha + tl.sum(e * k, axis=0)
+            m = m_new
+    pooled = tl.where(cm, acc / s, 0.0)
+    normed = pooled * tl.rsqrt(tl.sum(pooled * pooled, axis=0) / width + eps)
+    normed = normed * tl.load(norm_ptr + c, mask=cm, other=0.0).to(tl.float32)
+    # Interleaved RoPE on the trailing 2·rope_half channels, at the window's first position.
+    even, odd = tl.split(tl.reshape(normed, (BLOCK_W // 2, 2)))
+    j = tl.arange(0, BLOCK_W // 2) - (width // 2 - rope_half)
+    in_rope = (j >= 0) & (j < rope_half)
+    angle = (entry * ratio).to(tl.float32) * tl.load(freq_ptr + tl.where(in_rope, j, 0), mask=in_rope, other=0.0)
+    cos, sin = tl.cos(angle), tl.sin(angle)
+    even, odd = tl.where(in_rope, even * cos - odd * sin, even), tl.where(in_rope, odd * cos + even * sin, odd)
+    row = tl.reshape(tl.join(even, odd), (BLOCK_W,))
+    tl.store(rows_ptr + b * width + c, row, mask=cm)
+    if WRITE:
+        first = entry * ratio
+        block_size = paged_block // paged_row * ratio
+        col = first // block_size
+        keep = ((pos + 1) % ratio == 0) & (col < table_width)
+        blk = tl.load(table_ptr + b * table_stride + col, mask=keep, other=0)
+        dst = paged_ptr + blk * paged_block + ((first % block_size) // ratio) * paged_row + c
+        tl.store(dst, row.to(paged_ptr.dtype.element_ty), mask=cm & keep)
+
+
+def compress_decode_fused(
+    kv: Tensor, gate: Tensor, ape: Tensor, positions: Tensor, slots: Tensor, ring_kv: Tensor, ring_gate: Tensor,
+    norm_weight: Tensor, inv_freq: Tensor, eps: float, *, overlap: bool, paged: Tensor | None = None,
+    block_tables: Tensor | None = None,
+) -> Tensor:
+    """Same contract as `reference.compress_decode` (the paged stream must be contiguous; the
+    rings' last dimension contiguous; width even)."""
+    width = norm_weight.shape[0]
+    tensors = (kv, gate, ring_kv, ring_gate)
+    if (not on_triton(kv) or width % 2 or any(t.stride(-1) != 1 for t in tensors)
+            or (paged is not None and not paged.is_contiguous())):
+        return reference.compress_decode(kv, gate, ape, positions, slots, ring_kv, ring_gate, norm_weight, inv_freq,
+                                         eps, overlap=overlap, paged=paged, block_tables=block_tables)
+    num_seqs = kv.shape[0]
+    rows = torch.empty(num_seqs, width, dtype=torch.float32, device=kv.device)
+    if num_seqs == 0:
+        return rows
+    write = paged is not None
+    target = paged if write else rows
+    table = block_tables if write else positions
+    _compress_decode_kernel[(num_seqs,)](
+        kv, gate, ape.contiguous(), positions, slots, ring_kv, ring_gate, norm_weight.contiguous(),
+        inv_freq.float().contiguous(), rows, target, table,
+        kv.stride(0), gate.stride(0), ring_kv.stride(0), ring_kv.stride(1), ring_gate.stride(0), ring_gate.stride(1),
+        target.stride(0) if write else 0, target.stride(1) if write else 1, table.stride(0) if write else 0,
+        table.shape[1] if write else 0, ape.shape[0], ring_kv.shape[1], width, inv_freq.shape[0], eps,
+        OVERLAP=overlap, WRITE=write, BLOCK_W=triton.next_power_of_2(width), BLOCK_S=16, num_warps=4,
+    )
+    return rows
+
+
+@triton.jit
+def _attend(q, k, valid, m, l, acc, scale, PRECISION: tl.constexpr):
+    """One online-softmax step of a block of heads over a block of key rows (K = V)."""
+    logits = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
+    logits = tl.where(valid[None, :], logits, float("-inf"))
+    m_new = tl.maximum(m, tl.max(logits, axis=1))
+    p = tl.exp(logits - m_new[:, None])
+    alpha = tl.exp(m - m_new)
+    acc = acc * alpha[:, None] + tl.dot(p.to(k.dtype), k, input_precision=PRECISION)
+    return m_new, l * alpha + tl.sum(p, axis=1), acc
+
+
+@triton.jit
+def _paged_attention_kernel(
+    q_ptr, ring_ptr, slot_ptr, pos_ptr, sink_ptr, out_ptr, paged_ptr, table_ptr, ids_ptr,
+    q_seq, q_head, ring_slot, ring_row, paged_block, paged_row, table_stride, ids_stride, out_seq, out_head,
+    num_heads, head_dim, ring_len, window, num_ids, table_width, ratio, scale,
+    HAS_PAGED: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
+    b = tl.program_id(0)
+    h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    hm = h < num_heads
+    d = tl.arange(0, BLOCK_D)
+    dm = d < head_dim
+    q = tl.load(q_ptr + b * q_seq + h[:, None] * q_head + d[None, :], mask=hm[:, None] & dm[None, :], other=0.0)
+    pos = tl.load(pos_ptr + b)
+    slot = tl.load(slot_ptr + b)
+    m = tl.full([BLOCK_H], -1e30, tl.float32)
+    l = tl.zeros([BLOCK_H], tl.float32)
+    acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
+    n = tl.arange(0, BLOCK_N)
+    for j0 in range(0, window, BLOCK_N):
+        key_pos = pos - window + 1 + j0 + n
+        valid = (j0 + n < window) & (key_pos >= 0)
+        r = tl.where(valid, key_pos, 0) % ring_len
+        k = tl.load(ring_ptr + slot * ring_slot + r[:, None] * ring_row + d[None, :],
+                    mask=valid[:, None] & dm[None, :], other=0.0).to(q.dtype)
+        m, l, acc = _attend(q, k, valid, m, l, acc, scale, PRECISION)
+    if HAS_PAGED:
+        block_size = paged_block // paged_row * ratio
+        for j0 in range(0, num_ids, BLOCK_N):
+            e = tl.load(ids_ptr + b * ids_stride + j0 + n, mask=j0 + n < num_ids, other=-1)
+            first = tl.where(e >= 0, e, 0) * ratio
+            col = first // block_size
+            valid = (e >= 0) & (col < table_width)
+            blk = tl.load(table_ptr + b * table_stride + col, mask=valid, other=0)
+            rows = paged_ptr + blk[:, None] * paged_block + ((first % block_size) // ratio)[:, None] * paged_row
+            k = tl.load(rows + d[None, :], mask=valid[:, None] & dm[None, :], other=0.0).to(q.dtype)
+            m, l, acc = _attend(q, k, valid, m, l, acc, scale, PRECISION)
+    sink = tl.load(sink_ptr + h, mask=hm, other=0.0)
+    m_final = tl.maximum(m, sink)
+    alpha = tl.exp(m - m_final)
+    out = acc * alpha[:, None] / (l * alpha + tl.exp(sink - m_final))[:, None]
+    tl.store(out_ptr + b * out_seq + h[:, None] * out_head + d[None, :], out.to(out_ptr.dtype.element_ty),
+             mask=hm[:, None] & dm[None, :])
+
+
+def paged_decode_attention_fused(
+    q: Tensor, ring: Tensor, slots: Tensor, positions: Tensor, window: int, sink: Tensor, scale: float,
+    paged: Tensor | None = None, block_tables: Tensor | None = None, entry_ids: Tensor | None = None,
+    ratio: int = 1,
+) -> Tensor:
+    """Same contract as `reference.paged_decode_attention` (the paged stream must be contiguous)."""
+    if (not on_triton(q) or ring.stride(-1) != 1 or q.stride(-1) != 1
+            or (paged is not None and not paged.is_contiguous())):
+        return reference.paged_decode_attention(q, ring, slots, positions, window, sink, scale, paged, block_tables,
+                                                entry_ids, ratio)
+    num_seqs, num_heads, head_dim = q.shape
+    out = torch.empty_like(q)
+    if num_seqs == 0:
+        return out
+    has_paged = paged is not None
+    ids = entry_ids.contiguous() if has_paged else positions
+    block_h = 16
+    _paged_attention_kernel[(num_seqs, triton.cdiv(num_heads, block_h))](
+        q, ring, slots, positions, sink.float().contiguous(), out, paged if has_paged else ring,
+        block_tables if has_paged else positions, ids,
+        q.stride(0), q.stride(1), ring.stride(0), ring.stride(1), paged.stride(0) if has_paged else 1,
+        paged.stride(1) if has_paged else 1, block_tables.stride(0) if has_paged else 0,
+        ids.stride(0) if has_paged else 0, out.stride(0), out.stride(1),
+        num_heads, head_dim, ring.shape[1], window, ids.shape[1] if has_paged else 0,
+        block_tables.shape[1] if has_paged else 0, ratio, scale,
+        HAS_PAGED=has_paged, BLOCK_H=block_h, BLOCK_N=32, BLOCK_D=max(triton.next_power_of_2(head_dim), 16),
+        PRECISION=precision(q), num_warps=4,
+    )
+    return out
+
+
+@triton.jit
+def _paged_index_kernel(
+    q_ptr, keys_ptr, table_ptr, w_ptr, out_ptr, q_seq, q_head, keys_block, keys_row, table_stride, w_seq,
+    num_heads, dim, num_entries, table_width, ratio, scale,
+    BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, PRECISION: tl.constexpr,
+):
+    b = tl.program_id(0)
+    n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    nm = n < num_entries
+    d = tl.arange(0, BLOCK_D)
+    dm = d < dim
+    block_size = keys_block // keys_row * ratio
+    first = n * ratio
+    col = first // block_size
+    blk = tl.load(table_ptr + b * table_stride + col, mask=nm & (col < table_width), other=0)
+    rows = keys_ptr + blk[:, None] * keys_block + ((first % block_size) // ratio)[:, None] * keys_row
+    k = tl.load(rows + d[None, :], mask=nm[:, None] & dm[None, :], other=0.0)
+    total = tl.zeros([BLOCK_N], tl.float32)
+    for h0 in range(0, num_heads, BLOCK_H):
+        h = h0 + tl.arange(0, BLOCK_H)
+        hm = h < num_heads
+        q = tl.load(q_ptr + b * q_seq + h[:, None] * q_head + d[None, :], mask=hm[:, None] & dm[None, :], other=0.0)
+        w = tl.load(w_ptr + b * w_seq + h, mask=hm, other=0.0).to(tl.float32)
+        dots = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=PRECISION)
+        total += tl.sum(tl.maximum(dots, 0.0) * scale * w[:, None], axis=0)
+    tl.store(out_ptr + b * num_entries + n, total, mask=nm)
+
+
+def paged_indexer_scores_fused(
+    q: Tensor, paged_keys: Tensor, block_tables: Tensor, num_entries: int, head_weights: Tensor,
+    softmax_scale: float, ratio: int,
+) -> Tensor:
+    """Same contract as `reference.paged_indexer_scores` (the paged keys must be contiguous)."""
+    if not on_triton(q) or q.stride(-1) != 1 or not paged_keys.is_contiguous():
+        return reference.paged_indexer_scores(q, paged_keys, block_tables, num_entries, head_weights, softmax_scale,
+                                              ratio)
+    num_seqs, num_heads, dim = q.shape
+    out = torch.empty(num_seqs, num_entries, dtype=torch.float32, device=q.device)
+    if num_seqs == 0 or num_entries == 0:
+        return out
+    weights = head_weights.contiguous()
+    block_n = 32
+    _paged_index_kernel[(num_seqs, triton.cdiv(num_entries, block_n))](
+        q, paged_keys, block_tables, weights, out, q.stride(0), q.stride(1), paged_keys.stride(0),
+        paged_keys.stride(1), block_tables.stride(0), weights.stride(0), num_heads, dim, num_entries,
+        block_tables.shape[1], ratio, softmax_scale,
+        BLOCK_H=16, BLOCK_N=block_n, BLOCK_D=max(triton.next_power_of_2(dim), 16), PRECISION=precision(q),
+        num_warps=4,
+    )
+    return out
