@@ -52,7 +52,8 @@ def compress_decode(
         norm_weight: [width]; inv_freq: [rope_dim // 2] float32 (the compress RoPE).
         paged: [num_blocks, block_size // ratio, width] or None; block_tables: [num_seqs, max_blocks].
     Returns:
-        [num_seqs, width] float32 rows (meaningless where the window is still open).
+        [num_seqs, width] float32 rows; unspecified where the window is still open (this twin
+        pools the partial window, the fused kernel returns zeros).
     """
     ratio, ring = ape.shape[0], ring_kv.shape[1]
     width = norm_weight.shape[0]

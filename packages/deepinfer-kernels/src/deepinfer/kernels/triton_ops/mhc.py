@@ -1,10 +1,10 @@
 """mHC in two launches per site: the mixing weights + collapse, and the expansion.
 
 `hc_pre_fused`: the projection GEMM runs on the raw streams (the RMS normalisation has no weight, so
-it is a per-token scale applied after the GEMM); then one program per token computes that scale,
-sigmoid pre/post, the Sinkhorn-normalised comb matrix, and the collapsed stream — instead of ~90
-small ops. `hc_post_fused`: one program per (token, channel block) expands the block output and adds
-the comb-mixed residual.
+it is a per-token scale applied after the GEMM); then programs per (token, channel chunk) compute
+that scale, sigmoid pre/post, the Sinkhorn-normalised comb matrix, and their chunk of the collapsed
+stream — instead of ~90 small ops. `hc_post_fused`: one program per (token, channel block)
+expands the block output and adds the comb-mixed residual.
 """
 
 from __future__ import annotations
@@ -21,7 +21,10 @@ from ._launch import on_triton
 @triton.jit
 def _hc_pre_kernel(streams_ptr, mix_ptr, base_ptr, scale_ptr, collapsed_ptr, post_ptr, comb_ptr, dim, iters, hc_eps,
                    norm_eps, HC: tl.constexpr, BLOCK_D: tl.constexpr):
+    """Program (token t, chunk) recomputes the token's weights (cheap, from L2) and collapses
+    channels chunk·BLOCK_D …; chunk 0 also stores post and comb."""
     t = tl.program_id(0).to(tl.int64)
+    chunk = tl.program_id(1)
     h = tl.arange(0, HC)
     row = streams_ptr + t * HC * dim
     squares = tl.zeros([HC, BLOCK_D], tl.float32)
@@ -34,7 +37,7 @@ def _hc_pre_kernel(streams_ptr, mix_ptr, base_ptr, scale_ptr, collapsed_ptr, pos
     mix = mix_ptr + t * width
     pre = tl.sigmoid(tl.load(mix + h) * inv_rms * tl.load(scale_ptr) + tl.load(base_ptr + h)) + hc_eps
     post = 2.0 * tl.sigmoid(tl.load(mix + HC + h) * inv_rms * tl.load(scale_ptr + 1) + tl.load(base_ptr + HC + h))
-    tl.store(post_ptr + t * HC + h, post)
+    tl.store(post_ptr + t * HC + h, post, mask=(h < HC) & (chunk == 0))
     c = tl.arange(0, HC * HC)
     logits = tl.load(mix + 2 * HC + c) * inv_rms * tl.load(scale_ptr + 2) + tl.load(base_ptr + 2 * HC + c)
     logits = tl.reshape(logits, (HC, HC))
@@ -44,12 +47,11 @@ def _hc_pre_kernel(streams_ptr, mix_ptr, base_ptr, scale_ptr, collapsed_ptr, pos
     for _ in range(iters - 1):
         comb = comb / (tl.sum(comb, axis=1)[:, None] + hc_eps)     # rows
         comb = comb / (tl.sum(comb, axis=0)[None, :] + hc_eps)     # columns
-    tl.store(comb_ptr + t * HC * HC + c, tl.reshape(comb, (HC * HC,)))
-    for d0 in range(0, dim, BLOCK_D):
-        d = d0 + tl.arange(0, BLOCK_D)
-        x = tl.load(row + h[:, None] * dim + d[None, :], mask=(d < dim)[None, :], other=0.0).to(tl.float32)
-        out = tl.sum(pre[:, None] * x, axis=0)
-        tl.store(collapsed_ptr + t * dim + d, out.to(collapsed_ptr.dtype.element_ty), mask=d < dim)
+    tl.store(comb_ptr + t * HC * HC + c, tl.reshape(comb, (HC * HC,)), mask=(c < HC * HC) & (chunk == 0))
+    d = chunk * BLOCK_D + tl.arange(0, BLOCK_D)
+    x = tl.load(row + h[:, None] * dim + d[None, :], mask=(d < dim)[None, :], other=0.0).to(tl.float32)
+    out = tl.sum(pre[:, None] * x, axis=0)
+    tl.store(collapsed_ptr + t * dim + d, out.to(collapsed_ptr.dtype.element_ty), mask=d < dim)
 
 
 def hc_pre_fused(
@@ -65,9 +67,10 @@ def hc_pre_fused(
     collapsed = torch.empty(num_tokens, dim, dtype=streams.dtype, device=streams.device)
     post = torch.empty(num_tokens, hc, dtype=torch.float32, device=streams.device)
     comb = torch.empty(num_tokens, hc, hc, dtype=torch.float32, device=streams.device)
-    _hc_pre_kernel[(num_tokens,)](
+    block_d = min(triton.next_power_of_2(dim), 512)
+    _hc_pre_kernel[(num_tokens, triton.cdiv(dim, block_d))](
         src, mixes, base.float().contiguous(), scale.float().contiguous(), collapsed, post, comb, dim,
-        sinkhorn_iters, hc_eps, norm_eps, HC=hc, BLOCK_D=min(triton.next_power_of_2(dim), 1024), num_warps=4,
+        sinkhorn_iters, hc_eps, norm_eps, HC=hc, BLOCK_D=block_d, num_warps=4,
     )
     return collapsed, post, comb
 

@@ -53,40 +53,43 @@ def _compress_decode_kernel(
         tl.store(rk_ptr + slot * rk_slot + ring_row * rk_row + width + c, k1, mask=cm)
         tl.store(rg_ptr + slot * rg_slot + ring_row * rg_row + width + c, g1, mask=cm)
         k_cur, g_cur = k1, g1
-    # Online softmax over the window's slots, seeded with this token (read from registers).
-    m = tl.where(cm, g_cur, 0.0)
-    s = tl.full([BLOCK_W], 1.0, tl.float32)
-    acc = tl.where(cm, k_cur, 0.0)
-    off = width if OVERLAP else 0
-    for part in tl.static_range(2 if OVERLAP else 1):
-        # part 0: this window's tokens before pos (channels off…); part 1: the previous window (channels 0…)
-        base = entry * ratio if part == 0 else (entry - 1) * ratio
-        ch = off + c if part == 0 else c
-        stop = pos if part == 0 else entry * ratio
-        for i0 in range(0, ratio, BLOCK_S):
-            p = base + i0 + tl.arange(0, BLOCK_S)
-            live = (p >= 0) & (p < stop)
-            r = tl.where(p >= 0, p, 0) % ring
-            mask = live[:, None] & cm[None, :]
-            g = tl.load(rg_ptr + slot * rg_slot + r[:, None] * rg_row + ch[None, :], mask=mask, other=float("-inf"))
-            k = tl.load(rk_ptr + slot * rk_slot + r[:, None] * rk_row + ch[None, :], mask=mask, other=0.0)
-            m_new = tl.maximum(m, tl.max(g, axis=0))
-            e = tl.exp(g - m_new[None, :])
-            alpha = tl.exp(m - m_new)
-            s = s * alpha + tl.sum(e, axis=0)
-            acc = acc * alpha + tl.sum(e * k, axis=0)
-            m = m_new
-    pooled = tl.where(cm, acc / s, 0.0)
-    normed = pooled * tl.rsqrt(tl.sum(pooled * pooled, axis=0) / width + eps)
-    normed = normed * tl.load(norm_ptr + c, mask=cm, other=0.0).to(tl.float32)
-    # Interleaved RoPE on the trailing 2·rope_half channels, at the window's first position.
-    even, odd = tl.split(tl.reshape(normed, (BLOCK_W // 2, 2)))
-    j = tl.arange(0, BLOCK_W // 2) - (width // 2 - rope_half)
-    in_rope = (j >= 0) & (j < rope_half)
-    angle = (entry * ratio).to(tl.float32) * tl.load(freq_ptr + tl.where(in_rope, j, 0), mask=in_rope, other=0.0)
-    cos, sin = tl.cos(angle), tl.sin(angle)
-    even, odd = tl.where(in_rope, even * cos - odd * sin, even), tl.where(in_rope, odd * cos + even * sin, odd)
-    row = tl.reshape(tl.join(even, odd), (BLOCK_W,))
+    # Only a token that closes its window pools it (an open window's row is returned as zeros).
+    row = tl.zeros([BLOCK_W], tl.float32)
+    if (pos + 1) % ratio == 0:
+        # Online softmax over the window's slots, seeded with this token (read from registers).
+        m = tl.where(cm, g_cur, 0.0)
+        s = tl.full([BLOCK_W], 1.0, tl.float32)
+        acc = tl.where(cm, k_cur, 0.0)
+        off = width if OVERLAP else 0
+        for part in tl.static_range(2 if OVERLAP else 1):
+            # part 0: this window's tokens before pos (channels off…); part 1: the previous window (channels 0…)
+            base = entry * ratio if part == 0 else (entry - 1) * ratio
+            ch = off + c if part == 0 else c
+            stop = pos if part == 0 else entry * ratio
+            for i0 in range(0, ratio, BLOCK_S):
+                p = base + i0 + tl.arange(0, BLOCK_S)
+                live = (p >= 0) & (p < stop)
+                r = tl.where(p >= 0, p, 0) % ring
+                mask = live[:, None] & cm[None, :]
+                g = tl.load(rg_ptr + slot * rg_slot + r[:, None] * rg_row + ch[None, :], mask=mask, other=float("-inf"))
+                k = tl.load(rk_ptr + slot * rk_slot + r[:, None] * rk_row + ch[None, :], mask=mask, other=0.0)
+                m_new = tl.maximum(m, tl.max(g, axis=0))
+                e = tl.exp(g - m_new[None, :])
+                alpha = tl.exp(m - m_new)
+                s = s * alpha + tl.sum(e, axis=0)
+                acc = acc * alpha + tl.sum(e * k, axis=0)
+                m = m_new
+        pooled = tl.where(cm, acc / s, 0.0)
+        normed = pooled * tl.rsqrt(tl.sum(pooled * pooled, axis=0) / width + eps)
+        normed = normed * tl.load(norm_ptr + c, mask=cm, other=0.0).to(tl.float32)
+        # Interleaved RoPE on the trailing 2·rope_half channels, at the window's first position.
+        even, odd = tl.split(tl.reshape(normed, (BLOCK_W // 2, 2)))
+        j = tl.arange(0, BLOCK_W // 2) - (width // 2 - rope_half)
+        in_rope = (j >= 0) & (j < rope_half)
+        angle = (entry * ratio).to(tl.float32) * tl.load(freq_ptr + tl.where(in_rope, j, 0), mask=in_rope, other=0.0)
+        cos, sin = tl.cos(angle), tl.sin(angle)
+        even, odd = tl.where(in_rope, even * cos - odd * sin, even), tl.where(in_rope, odd * cos + even * sin, odd)
+        row = tl.reshape(tl.join(even, odd), (BLOCK_W,))
     tl.store(rows_ptr + b * width + c, row, mask=cm)
     if WRITE:
         first = entry * ratio
@@ -143,14 +146,18 @@ def _attend(q, k, valid, m, l, acc, scale, PRECISION: tl.constexpr):
 
 @triton.jit
 def _paged_attention_kernel(
-    q_ptr, ring_ptr, slot_ptr, pos_ptr, sink_ptr, out_ptr, paged_ptr, table_ptr, ids_ptr,
+    q_ptr, ring_ptr, slot_ptr, pos_ptr, sink_ptr, out_ptr, part_ptr, paged_ptr, table_ptr, ids_ptr,
     q_seq, q_head, ring_slot, ring_row, paged_block, paged_row, table_stride, ids_stride, out_seq, out_head,
     num_heads, head_dim, ring_len, window, num_ids, table_width, ratio, scale,
-    HAS_PAGED: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-    PRECISION: tl.constexpr,
+    SPLITS: tl.constexpr, HAS_PAGED: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr, PRECISION: tl.constexpr,
 ):
+    """Program (b, head block, split s) takes key tiles s, s + SPLITS, …: first the window's tiles,
+    then the entries'. With one split it normalises (sink included) and writes the output; else it
+    writes its partial (max, sum, unnormalised acc) for `_combine_kernel`."""
     b = tl.program_id(0)
     h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    split = tl.program_id(2)
     hm = h < num_heads
     d = tl.arange(0, BLOCK_D)
     dm = d < head_dim
@@ -161,30 +168,68 @@ def _paged_attention_kernel(
     l = tl.zeros([BLOCK_H], tl.float32)
     acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
     n = tl.arange(0, BLOCK_N)
-    for j0 in range(0, window, BLOCK_N):
-        key_pos = pos - window + 1 + j0 + n
-        valid = (j0 + n < window) & (key_pos >= 0)
-        r = tl.where(valid, key_pos, 0) % ring_len
-        k = tl.load(ring_ptr + slot * ring_slot + r[:, None] * ring_row + d[None, :],
-                    mask=valid[:, None] & dm[None, :], other=0.0).to(q.dtype)
-        m, l, acc = _attend(q, k, valid, m, l, acc, scale, PRECISION)
-    if HAS_PAGED:
-        block_size = paged_block // paged_row * ratio
-        for j0 in range(0, num_ids, BLOCK_N):
-            e = tl.load(ids_ptr + b * ids_stride + j0 + n, mask=j0 + n < num_ids, other=-1)
+    window_tiles = tl.cdiv(window, BLOCK_N)
+    num_tiles = window_tiles + (tl.cdiv(num_ids, BLOCK_N) if HAS_PAGED else 0)
+    for t in range(split, num_tiles, SPLITS):
+        if t < window_tiles:
+            j = t * BLOCK_N + n
+            key_pos = pos - window + 1 + j
+            valid = (j < window) & (key_pos >= 0)
+            rows = ring_ptr + slot * ring_slot + (tl.where(valid, key_pos, 0) % ring_len)[:, None] * ring_row
+        else:
+            j = (t - window_tiles) * BLOCK_N + n
+            e = tl.load(ids_ptr + b * ids_stride + j, mask=j < num_ids, other=-1)
+            block_size = paged_block // paged_row * ratio
             first = tl.where(e >= 0, e, 0) * ratio
             col = first // block_size
             valid = (e >= 0) & (col < table_width)
             blk = tl.load(table_ptr + b * table_stride + col, mask=valid, other=0)
             rows = paged_ptr + blk[:, None] * paged_block + ((first % block_size) // ratio)[:, None] * paged_row
-            k = tl.load(rows + d[None, :], mask=valid[:, None] & dm[None, :], other=0.0).to(q.dtype)
-            m, l, acc = _attend(q, k, valid, m, l, acc, scale, PRECISION)
-    sink = tl.load(sink_ptr + h, mask=hm, other=0.0)
-    m_final = tl.maximum(m, sink)
-    alpha = tl.exp(m - m_final)
-    out = acc * alpha[:, None] / (l * alpha + tl.exp(sink - m_final))[:, None]
-    tl.store(out_ptr + b * out_seq + h[:, None] * out_head + d[None, :], out.to(out_ptr.dtype.element_ty),
-             mask=hm[:, None] & dm[None, :])
+        k = tl.load(rows + d[None, :], mask=valid[:, None] & dm[None, :], other=0.0).to(q.dtype)
+        m, l, acc = _attend(q, k, valid, m, l, acc, scale, PRECISION)
+    if SPLITS == 1:
+        sink = tl.load(sink_ptr + h, mask=hm, other=0.0)
+        m_final = tl.maximum(m, sink)
+        alpha = tl.exp(m - m_final)
+        out = acc * alpha[:, None] / (l * alpha + tl.exp(sink - m_final))[:, None]
+        tl.store(out_ptr + b * out_seq + h[:, None] * out_head + d[None, :], out.to(out_ptr.dtype.element_ty),
+                 mask=hm[:, None] & dm[None, :])
+    else:
+        # part: [num_seqs, num_heads, SPLITS, 2 + BLOCK_D] float32 = (max, sum, acc…)
+        row = part_ptr + ((b * num_heads + h) * SPLITS + split) * (2 + BLOCK_D)
+        tl.store(row, m, mask=hm)
+        tl.store(row + 1, l, mask=hm)
+        tl.store(row[:, None] + 2 + d[None, :], acc, mask=hm[:, None])
+
+
+@triton.jit
+def _combine_kernel(part_ptr, sink_ptr, out_ptr, out_seq, out_head, num_heads, head_dim,
+                    SPLITS: tl.constexpr, BLOCK_D: tl.constexpr):
+    """Merge one (sequence, head)'s split partials with the sink:
+    out = Σ e^(m_s−M) acc_s / (Σ e^(m_s−M) l_s + e^(sink−M))."""
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    s = tl.arange(0, SPLITS)
+    d = tl.arange(0, BLOCK_D)
+    rows = part_ptr + ((b * num_heads + h) * SPLITS + s) * (2 + BLOCK_D)
+    m = tl.load(rows)
+    l = tl.load(rows + 1)
+    acc = tl.load(rows[:, None] + 2 + d[None, :])
+    sink = tl.load(sink_ptr + h)
+    m_final = tl.maximum(tl.max(m, axis=0), sink)
+    w = tl.exp(m - m_final)
+    out = tl.sum(acc * w[:, None], axis=0) / (tl.sum(l * w, axis=0) + tl.exp(sink - m_final))
+    tl.store(out_ptr + b * out_seq + h * out_head + d, out.to(out_ptr.dtype.element_ty), mask=d < head_dim)
+
+
+def _num_splits(num_seqs: int, head_blocks: int, num_tiles: int) -> int:
+    """Key-tile splits per (sequence, head block): enough programs to fill the GPU (a power of two,
+    at most one tile each)."""
+    want = triton.next_power_of_2(triton.cdiv(2 * _SM_COUNT, num_seqs * head_blocks))
+    return min(want, 1 << (max(num_tiles, 1).bit_length() - 1), 64)
+
+
+_SM_COUNT = 132   # H200 / H100 SXM; only sizes the split count
 
 
 def paged_decode_attention_fused(
@@ -192,7 +237,8 @@ def paged_decode_attention_fused(
     paged: Tensor | None = None, block_tables: Tensor | None = None, entry_ids: Tensor | None = None,
     ratio: int = 1,
 ) -> Tensor:
-    """Same contract as `reference.paged_decode_attention` (the paged stream must be contiguous)."""
+    """Same contract as `reference.paged_decode_attention` (the paged stream must be contiguous).
+    Small batches split the key tiles over several programs (flash-decoding) and merge after."""
     if (not on_triton(q) or ring.stride(-1) != 1 or q.stride(-1) != 1
             or (paged is not None and not paged.is_contiguous())):
         return reference.paged_decode_attention(q, ring, slots, positions, window, sink, scale, paged, block_tables,
@@ -203,18 +249,26 @@ def paged_decode_attention_fused(
         return out
     has_paged = paged is not None
     ids = entry_ids.contiguous() if has_paged else positions
-    block_h = 16
-    _paged_attention_kernel[(num_seqs, triton.cdiv(num_heads, block_h))](
-        q, ring, slots, positions, sink.float().contiguous(), out, paged if has_paged else ring,
+    num_ids = ids.shape[1] if has_paged else 0
+    block_h, block_n, block_d = 16, 32, max(triton.next_power_of_2(head_dim), 16)
+    head_blocks = triton.cdiv(num_heads, block_h)
+    splits = _num_splits(num_seqs, head_blocks, triton.cdiv(window, block_n) + triton.cdiv(num_ids, block_n))
+    sink = sink.float().contiguous()
+    part = torch.empty(num_seqs, num_heads, splits, 2 + block_d, dtype=torch.float32, device=q.device) \
+        if splits > 1 else out
+    _paged_attention_kernel[(num_seqs, head_blocks, splits)](
+        q, ring, slots, positions, sink, out, part, paged if has_paged else ring,
         block_tables if has_paged else positions, ids,
         q.stride(0), q.stride(1), ring.stride(0), ring.stride(1), paged.stride(0) if has_paged else 1,
         paged.stride(1) if has_paged else 1, block_tables.stride(0) if has_paged else 0,
         ids.stride(0) if has_paged else 0, out.stride(0), out.stride(1),
-        num_heads, head_dim, ring.shape[1], window, ids.shape[1] if has_paged else 0,
-        block_tables.shape[1] if has_paged else 0, ratio, scale,
-        HAS_PAGED=has_paged, BLOCK_H=block_h, BLOCK_N=32, BLOCK_D=max(triton.next_power_of_2(head_dim), 16),
-        PRECISION=precision(q), num_warps=4,
+        num_heads, head_dim, ring.shape[1], window, num_ids, block_tables.shape[1] if has_paged else 0, ratio, scale,
+        SPLITS=splits, HAS_PAGED=has_paged, BLOCK_H=block_h, BLOCK_N=block_n, BLOCK_D=block_d,
+        PRECISION=precision(q), num_warps=8,
     )
+    if splits > 1:
+        _combine_kernel[(num_seqs, num_heads)](part, sink, out, out.stride(0), out.stride(1), num_heads, head_dim,
+                                               SPLITS=splits, BLOCK_D=block_d, num_warps=4)
     return out
 
 
