@@ -215,3 +215,63 @@ def test_fused_paged_indexer_scores_matches_reference(num_seqs, heads, dim, rati
     got = paged_indexer_scores_fused(q, keys, tables, num_entries, weights, dim**-0.5, ratio)
     want = reference.paged_indexer_scores(q, keys, tables, num_entries, weights, dim**-0.5, ratio)
     close(got, want, torch.float32 if dtype == torch.float32 else torch.bfloat16)
+
+
+ROUTE_CASES = [(5, 16, 4, "sqrtsoftplus", True), (3, 64, 6, "sigmoid", False), (4, 20, 3, "softmax", True)] + (
+    [(256, 256, 6, "sqrtsoftplus", True)] if BIG else [])
+
+
+@pytest.mark.parametrize(("num_tokens", "num_experts", "top_k", "scoring", "normalize"), ROUTE_CASES)
+def test_fused_route_matches_reference(num_tokens, num_experts, top_k, scoring, normalize) -> None:
+    from deepinfer.kernels.triton_ops import route_fused
+
+    gen = torch.Generator().manual_seed(num_tokens * num_experts)
+    logits = randn(gen, num_tokens, num_experts, scale=4.0)
+    logits[0, :4] = 30.0                                     # ties (and softplus' linear branch)
+    logits[-1, -3:] = -40.0
+    bias = (torch.randint(0, 3, (num_experts,), generator=gen).float() * 0.5).to(DEVICE)   # more ties
+    kwargs = dict(scoring_func=scoring, normalize=normalize, scaling=1.5)
+    poison_allocator()
+    ids, weights = route_fused(logits, bias, top_k, **kwargs)
+    want_ids, want_weights = reference.route(logits, bias, top_k, **kwargs)
+    assert torch.equal(ids, want_ids)
+    close(weights, want_weights, torch.float32)
+
+
+@pytest.mark.parametrize(("num_rows", "num_keys", "k"), [(4, 37, 8), (3, 300, 512), (2, 1000, 64)] + (
+    [(64, 4096, 512), (8, 8192, 2048)] if BIG else []))
+def test_fused_topk_matches_reference(num_rows, num_keys, k) -> None:
+    from deepinfer.kernels.triton_ops import topk_lowest_index_fused
+
+    gen = torch.Generator().manual_seed(num_rows * num_keys + k)
+    scores = torch.randint(-3, 4, (num_rows, num_keys), generator=gen).float() * 0.25     # many ties
+    scores[0, ::3] = -0.0
+    scores = scores.to(DEVICE)
+    visible = torch.randint(0, num_keys + 1, (num_rows,), generator=gen)
+    visible[0] = num_keys
+    poison_allocator()
+    got = topk_lowest_index_fused(scores, visible.to(DEVICE), k)
+    assert torch.equal(got, reference.topk_lowest_index(scores, visible.to(DEVICE), k))
+
+
+MOE_CASES = [(1, 8, 2, 64, 32), (5, 16, 4, 96, 48), (40, 8, 3, 64, 64)] + (
+    [(1, 256, 6, 4096, 2048), (32, 256, 6, 4096, 2048)] if BIG else [])
+
+
+@pytest.mark.parametrize(("num_tokens", "num_experts", "top_k", "hidden", "inter"), MOE_CASES)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_fused_moe_experts_matches_reference(num_tokens, num_experts, top_k, hidden, inter, dtype) -> None:
+    from deepinfer.kernels.triton_ops import clamped_swiglu_fused, moe_experts_fused
+
+    gen = torch.Generator().manual_seed(num_tokens * num_experts + hidden)
+    x = randn(gen, num_tokens, hidden, dtype=dtype)
+    ids = torch.stack([torch.randperm(num_experts, generator=gen)[:top_k] for _ in range(num_tokens)]).to(DEVICE)
+    weights = randn(gen, num_tokens, top_k).abs()
+    w13 = randn(gen, num_experts, 2 * inter, hidden, dtype=dtype, scale=hidden**-0.5)
+    w2 = randn(gen, num_experts, hidden, inter, dtype=dtype, scale=inter**-0.5)
+    poison_allocator()
+    got = moe_experts_fused(x, ids, weights, w13, w2, 0.5)
+    close(got, reference.moe_experts(x, ids, weights, w13, w2, 0.5), dtype)
+    w1, w3, w2s = w13[0, :inter], w13[0, inter:], w2[0]
+    poison_allocator()
+    close(clamped_swiglu_fused(x, w1, w3, w2s, 0.5), reference.clamped_swiglu(x, w1, w3, w2s, 0.5), dtype)

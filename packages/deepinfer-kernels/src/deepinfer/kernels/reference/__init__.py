@@ -8,7 +8,7 @@ from .attention import grouped_linear, sparse_attention
 from .compressor import compress_pool
 from .indexer import indexer_scores, topk_lowest_index
 from .mhc import hc_head, hc_post, hc_pre
-from .moe import clamped_swiglu, moe_experts, router_scores, routing_weights, select_experts
+from .moe import clamped_swiglu, moe_experts, route, router_scores, routing_weights, select_experts
 from .norm import rms_norm
 from .paged import compress_decode, paged_decode_attention, paged_indexer_scores
 from .quant import dequant_fp8_block, dequant_mxfp4, fake_quant_fp4, fake_quant_fp8, scale_to_float
@@ -34,6 +34,7 @@ __all__ = [
     "paged_indexer_scores",
     "rms_norm",
     "rope_inv_freq",
+    "route",
     "router_scores",
     "routing_weights",
     "scale_to_float",

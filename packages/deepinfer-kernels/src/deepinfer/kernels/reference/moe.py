@@ -44,6 +44,21 @@ def routing_weights(scores: Tensor, expert_ids: Tensor, *, normalize: bool, scal
     return weights * scaling
 
 
+def route(
+    logits: Tensor, bias: Tensor | None, top_k: int, *, scoring_func: str, normalize: bool, scaling: float
+) -> tuple[Tensor, Tensor]:
+    """Learned routing in one op: `router_scores`, `select_experts`, `routing_weights`.
+
+    Args:
+        logits: [num_tokens, num_experts] router logits; bias: [num_experts] float32 or None.
+    Returns:
+        (expert ids [num_tokens, top_k] int64, weights [num_tokens, top_k] float32).
+    """
+    scores = router_scores(logits, scoring_func)
+    ids = select_experts(scores, bias, top_k)
+    return ids, routing_weights(scores, ids, normalize=normalize, scaling=scaling)
+
+
 def clamped_swiglu(x: Tensor, w1: Tensor, w3: Tensor, w2: Tensor, limit: float) -> Tensor:
     """w2( silu(min(w1 x, limit)) · clamp(w3 x, −limit, limit) ).
 

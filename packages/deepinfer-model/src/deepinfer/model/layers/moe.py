@@ -55,13 +55,15 @@ class MoE(nn.Module):
     def forward(self, x: Tensor, token_ids: Tensor, ops: KernelSet) -> Tensor:
         """x [num_tokens, hidden] (normed), token_ids [num_tokens] int64 → [num_tokens, hidden]."""
         cfg = self.cfg
-        scores = ops.router_scores(x @ self.gate.weight.t(), cfg.scoring_func)
+        logits = x @ self.gate.weight.t()
         if self.gate.hashed:
             expert_ids = self.gate.tid2eid[token_ids].long()
+            weights = ops.routing_weights(ops.router_scores(logits, cfg.scoring_func), expert_ids,
+                                          normalize=cfg.norm_topk_prob, scaling=cfg.routed_scaling_factor)
         else:
-            expert_ids = ops.select_experts(scores, self.gate.bias, cfg.num_experts_per_tok)
-        weights = ops.routing_weights(scores, expert_ids, normalize=cfg.norm_topk_prob,
-                                      scaling=cfg.routed_scaling_factor)
+            expert_ids, weights = ops.route(logits, self.gate.bias, cfg.num_experts_per_tok,
+                                            scoring_func=cfg.scoring_func, normalize=cfg.norm_topk_prob,
+                                            scaling=cfg.routed_scaling_factor)
         out = ops.moe_experts(x, expert_ids, weights, self.experts.w13, self.experts.w2, cfg.swiglu_limit)
         if self.shared_experts is not None:
             s = self.shared_experts

@@ -1,0 +1,224 @@
+"""MoE kernels: routing in one launch, and the routed experts as two expert-grouped GEMM kernels.
+
+- `route_fused`: one program per token scores the experts, picks the top-k by score + bias (ties →
+  lowest expert id, k rounds of arg-max) and normalises the chosen scores.
+- `moe_experts_fused` (small batches, ≤ `FUSED_MAX_PAIRS` (token, expert) pairs): the pairs are
+  sorted by expert; program (a, n-block) of the first kernel finds the a-th active expert from the
+  per-expert counts, gathers its tokens' rows and computes the clamped SwiGLU of both halves of
+  `w13` for its block of intermediate channels; the second kernel applies `w2`, scales by the
+  routing weight and stores each pair's row at its original slot; a third sums each token's top-k
+  rows in slot order (deterministic, no atomics). Only the active experts' weights are read. Larger
+  batches use the cuBLAS grouped GEMMs of `torch_ops.moe_experts_grouped`.
+- `clamped_swiglu_fused` (the shared expert): cuBLAS GEMMs with the activation in one kernel.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+from torch import Tensor
+
+from .. import reference
+from ..torch_ops import moe_experts_grouped
+from ._launch import on_triton, precision
+
+FUSED_MAX_PAIRS = 2048
+_SCORING = {"sqrtsoftplus": 0, "sigmoid": 1, "softmax": 2}
+
+
+@triton.jit
+def _log1p(y):
+    """log(1 + y) for y ≥ 0, accurate for tiny y (series) and large y."""
+    return tl.where(y < 1e-4, y - 0.5 * y * y + y * y * y / 3.0, tl.log(1.0 + y))
+
+
+@triton.jit
+def _route_kernel(logits_ptr, bias_ptr, ids_ptr, weights_ptr, num_experts, logits_stride, scaling,
+                  TOP_K: tl.constexpr, SCORING: tl.constexpr, HAS_BIAS: tl.constexpr, NORMALIZE: tl.constexpr,
+                  BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr):
+    t = tl.program_id(0).to(tl.int64)
+    e = tl.arange(0, BLOCK_E)
+    em = e < num_experts
+    x = tl.load(logits_ptr + t * logits_stride + e, mask=em, other=0.0).to(tl.float32)
+    if SCORING == 0:     # sqrt(softplus(x)), softplus linear above 20 as torch's
+        scores = tl.sqrt(tl.where(x > 20.0, x, tl.maximum(x, 0.0) + _log1p(tl.exp(-tl.abs(x)))))
+    elif SCORING == 1:
+        scores = tl.sigmoid(x)
+    else:
+        z = tl.exp(tl.where(em, x, float("-inf")) - tl.max(tl.where(em, x, float("-inf")), axis=0))
+        scores = z / tl.sum(z, axis=0)
+    keys = scores
+    if HAS_BIAS:
+        keys = keys + tl.load(bias_ptr + e, mask=em, other=0.0).to(tl.float32)
+    keys = tl.where(em, keys, float("-inf"))
+    slot = tl.arange(0, BLOCK_K)
+    ids = tl.zeros([BLOCK_K], tl.int64)
+    chosen = tl.zeros([BLOCK_K], tl.float32)
+    for i in tl.static_range(TOP_K):
+        best = tl.max(keys, axis=0)
+        pick = tl.min(tl.where(keys == best, e, BLOCK_E), axis=0)
+        ids = tl.where(slot == i, pick, ids)
+        chosen = tl.where(slot == i, tl.sum(tl.where(e == pick, scores, 0.0), axis=0), chosen)
+        keys = tl.where(e == pick, float("-inf"), keys)
+    if NORMALIZE:
+        chosen = chosen / (tl.sum(chosen, axis=0) + 1e-20)
+    tl.store(ids_ptr + t * TOP_K + slot, ids, mask=slot < TOP_K)
+    tl.store(weights_ptr + t * TOP_K + slot, chosen * scaling, mask=slot < TOP_K)
+
+
+def route_fused(
+    logits: Tensor, bias: Tensor | None, top_k: int, *, scoring_func: str, normalize: bool, scaling: float
+) -> tuple[Tensor, Tensor]:
+    """Same contract as `reference.route`."""
+    num_tokens, num_experts = logits.shape
+    if not on_triton(logits) or scoring_func not in _SCORING or top_k > num_experts or logits.stride(-1) != 1:
+        return reference.route(logits, bias, top_k, scoring_func=scoring_func, normalize=normalize, scaling=scaling)
+    ids = torch.empty(num_tokens, top_k, dtype=torch.int64, device=logits.device)
+    weights = torch.empty(num_tokens, top_k, dtype=torch.float32, device=logits.device)
+    if num_tokens:
+        _route_kernel[(num_tokens,)](
+            logits, bias if bias is not None else logits, ids, weights, num_experts, logits.stride(0), scaling,
+            TOP_K=top_k, SCORING=_SCORING[scoring_func], HAS_BIAS=bias is not None, NORMALIZE=normalize,
+            BLOCK_E=triton.next_power_of_2(num_experts), BLOCK_K=triton.next_power_of_2(top_k), num_warps=4,
+        )
+    return ids, weights
+
+
+@triton.jit
+def _active_expert(counts_ptr, a, num_experts, BLOCK_E: tl.constexpr):
+    """(expert id, first sorted row, row count) of the a-th expert with a nonzero count (count 0
+    when there are fewer than a + 1 active experts)."""
+    e = tl.arange(0, BLOCK_E)
+    counts = tl.load(counts_ptr + e, mask=e < num_experts, other=0)
+    active = counts > 0
+    sel = active & (tl.cumsum(active.to(tl.int32), axis=0) == a + 1)
+    ends = tl.cumsum(counts, axis=0)
+    expert = tl.sum(tl.where(sel, e, 0), axis=0)
+    start = tl.sum(tl.where(sel, ends - counts, 0), axis=0)
+    return expert, start, tl.sum(tl.where(sel, counts, 0), axis=0)
+
+
+@triton.jit
+def _clamped_silu_mul(gate, up, limit):
+    gate = tl.minimum(gate, limit)
+    return gate / (1.0 + tl.exp(-gate)) * tl.minimum(tl.maximum(up, -limit), limit)
+
+
+@triton.jit
+def _expert_up_kernel(x_ptr, order_ptr, counts_ptr, w13_ptr, act_ptr, num_experts, hidden, inter, top_k, limit,
+                      w_expert, w_row, BLOCK_E: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                      BLOCK_K: tl.constexpr, PRECISION: tl.constexpr):
+    expert, start, count = _active_expert(counts_ptr, tl.program_id(0), num_experts, BLOCK_E)
+    n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    nm = n < inter
+    w1 = w13_ptr + expert.to(tl.int64) * w_expert + n[:, None] * w_row
+    w3 = w1 + inter * w_row
+    for m0 in range(0, count, BLOCK_M):
+        r = start + m0 + tl.arange(0, BLOCK_M)
+        rm = m0 + tl.arange(0, BLOCK_M) < count
+        tokens = tl.load(order_ptr + r, mask=rm, other=0) // top_k
+        gate = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+        up = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+        for k0 in range(0, hidden, BLOCK_K):
+            k = k0 + tl.arange(0, BLOCK_K)
+            km = k < hidden
+            xs = tl.load(x_ptr + tokens[:, None] * hidden + k[None, :], mask=rm[:, None] & km[None, :], other=0.0)
+            wmask = nm[:, None] & km[None, :]
+            gate = tl.dot(xs, tl.trans(tl.load(w1 + k[None, :], mask=wmask, other=0.0)), gate,
+                          input_precision=PRECISION)
+            up = tl.dot(xs, tl.trans(tl.load(w3 + k[None, :], mask=wmask, other=0.0)), up, input_precision=PRECISION)
+        act = _clamped_silu_mul(gate, up, limit)
+        tl.store(act_ptr + r[:, None] * inter + n[None, :], act.to(act_ptr.dtype.element_ty),
+                 mask=rm[:, None] & nm[None, :])
+
+
+@triton.jit
+def _expert_down_kernel(act_ptr, order_ptr, counts_ptr, weights_ptr, w2_ptr, y_ptr, num_experts, hidden, inter,
+                        w_expert, w_row, BLOCK_E: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                        BLOCK_K: tl.constexpr, PRECISION: tl.constexpr):
+    expert, start, count = _active_expert(counts_ptr, tl.program_id(0), num_experts, BLOCK_E)
+    n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    nm = n < hidden
+    w2 = w2_ptr + expert.to(tl.int64) * w_expert + n[:, None] * w_row
+    for m0 in range(0, count, BLOCK_M):
+        r = start + m0 + tl.arange(0, BLOCK_M)
+        rm = m0 + tl.arange(0, BLOCK_M) < count
+        pair = tl.load(order_ptr + r, mask=rm, other=0)
+        acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+        for k0 in range(0, inter, BLOCK_K):
+            k = k0 + tl.arange(0, BLOCK_K)
+            km = k < inter
+            a = tl.load(act_ptr + r[:, None] * inter + k[None, :], mask=rm[:, None] & km[None, :], other=0.0)
+            w = tl.load(w2 + k[None, :], mask=nm[:, None] & km[None, :], other=0.0)
+            acc = tl.dot(a, tl.trans(w), acc, input_precision=PRECISION)
+        acc = acc * tl.load(weights_ptr + pair, mask=rm, other=0.0)[:, None]
+        tl.store(y_ptr + pair[:, None] * hidden + n[None, :], acc, mask=rm[:, None] & nm[None, :])
+
+
+@triton.jit
+def _sum_slots_kernel(y_ptr, out_ptr, hidden, TOP_K: tl.constexpr, BLOCK: tl.constexpr):
+    t = tl.program_id(0).to(tl.int64)
+    d = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    dm = d < hidden
+    acc = tl.zeros([BLOCK], tl.float32)
+    for k in tl.static_range(TOP_K):
+        acc += tl.load(y_ptr + (t * TOP_K + k) * hidden + d, mask=dm, other=0.0)
+    tl.store(out_ptr + t * hidden + d, acc.to(out_ptr.dtype.element_ty), mask=dm)
+
+
+def moe_experts_fused(x: Tensor, expert_ids: Tensor, weights: Tensor, w13: Tensor, w2: Tensor, limit: float) -> Tensor:
+    """Same contract as `reference.moe_experts` (CUDA-graph safe: no host synchronisation)."""
+    num_tokens, top_k = expert_ids.shape
+    pairs = num_tokens * top_k
+    if (not on_triton(x) or pairs > FUSED_MAX_PAIRS or pairs == 0 or x.dtype != w13.dtype
+            or not (x.is_contiguous() and w13.is_contiguous() and w2.is_contiguous())):
+        return moe_experts_grouped(x, expert_ids, weights, w13, w2, limit)
+    num_experts, inter, hidden = w13.shape[0], w2.shape[-1], x.shape[1]
+    flat = expert_ids.reshape(-1)
+    order = torch.argsort(flat, stable=True)
+    counts = torch.zeros(num_experts, dtype=torch.int32, device=x.device)
+    counts.scatter_add_(0, flat, torch.ones_like(flat, dtype=torch.int32))
+    act = torch.empty(pairs, inter, dtype=x.dtype, device=x.device)
+    y = torch.empty(pairs, hidden, dtype=torch.float32, device=x.device)
+    slots = min(num_experts, pairs)              # at most this many experts are active
+    block_e, prec = triton.next_power_of_2(num_experts), precision(x)
+    block_m, block_n, block_k = 16, 64, 128
+    _expert_up_kernel[(slots, triton.cdiv(inter, block_n))](
+        x, order, counts, w13, act, num_experts, hidden, inter, top_k, limit, w13.stride(0), w13.stride(1),
+        BLOCK_E=block_e, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, PRECISION=prec, num_warps=4,
+        num_stages=4,
+    )
+    _expert_down_kernel[(slots, triton.cdiv(hidden, block_n))](
+        act, order, counts, weights.reshape(-1).float().contiguous(), w2, y, num_experts, hidden, inter,
+        w2.stride(0), w2.stride(1),
+        BLOCK_E=block_e, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, PRECISION=prec, num_warps=4,
+        num_stages=4,
+    )
+    out = torch.empty_like(x)
+    block = min(triton.next_power_of_2(hidden), 1024)
+    _sum_slots_kernel[(num_tokens, triton.cdiv(hidden, block))](y, out, hidden, TOP_K=top_k, BLOCK=block,
+                                                                  num_warps=4)
+    return out
+
+
+@triton.jit
+def _swiglu_kernel(gate_ptr, up_ptr, out_ptr, numel, limit, BLOCK: tl.constexpr):
+    i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    live = i < numel
+    gate = tl.load(gate_ptr + i, mask=live, other=0.0).to(tl.float32)
+    up = tl.load(up_ptr + i, mask=live, other=0.0).to(tl.float32)
+    tl.store(out_ptr + i, _clamped_silu_mul(gate, up, limit).to(out_ptr.dtype.element_ty), mask=live)
+
+
+def clamped_swiglu_fused(x: Tensor, w1: Tensor, w3: Tensor, w2: Tensor, limit: float) -> Tensor:
+    """Same contract as `reference.clamped_swiglu`: two GEMMs, one activation kernel, one GEMM."""
+    if not on_triton(x) or x.numel() == 0:
+        return reference.clamped_swiglu(x, w1, w3, w2, limit)
+    gate, up = F.linear(x, w1).contiguous(), F.linear(x, w3).contiguous()
+    act = torch.empty_like(gate)
+    block = 1024
+    _swiglu_kernel[(triton.cdiv(gate.numel(), block),)](gate, up, act, gate.numel(), limit, BLOCK=block,
+                                                          num_warps=4)
+    return F.linear(act, w2)
