@@ -6,8 +6,7 @@ transformers' DeepseekV4ForCausalLM on the same GPU.
 
 The model has the real V4-Flash dimensions (hidden 4096, 64 heads × 512, q_lora 1024, 256 experts ×
 2048, top-6, hc 4, window 128, CSA ratio 4 / HCA ratio 128) and random bf16 weights; `--layers`
-of them, layer 0 window-only, then CSA / HCA alternating with one extra CSA (4 layers = 1 sliding,
-2 CSA, 1 HCA). Decode runs at context `--context` with the cache filled with random values (the
+of them in the repeating pattern window-only, CSA, HCA, CSA (4 layers = 1 sliding, 2 CSA, 1 HCA). Decode runs at context `--context` with the cache filled with random values (the
 step's work and bytes do not depend on them) — eager and CUDA-graph replay. The roofline of a step
 is (weights touched + KV bytes read) / copy bandwidth measured in the same run; weights touched =
 attention + mHC + shared expert of every layer + the expected number of distinct routed experts
@@ -40,8 +39,9 @@ FLASH = dict(
 
 
 def layer_schedule(n: int) -> list[int]:
-    """Layer 0 window-only, then CSA (ratio 4) and HCA (ratio 128) alternating."""
-    return [0] + [4 if i % 2 == 0 else 128 for i in range(n - 1)]
+    """Compress ratios: window-only, CSA (4), HCA (128), CSA repeated — 1 : 2 : 1 like the 4-layer
+    model of the issue's transformers figures (8 layers = 2 window-only, 4 CSA, 2 HCA)."""
+    return [(0, 4, 128, 4)[i % 4] for i in range(n)]
 
 
 def copy_bandwidth(gib: float = 4.0) -> float:

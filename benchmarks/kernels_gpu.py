@@ -1,0 +1,138 @@
+"""Fused GPU kernels against their PyTorch reference twins at V4-Flash decode shapes.
+
+    python benchmarks/kernels_gpu.py --batches 1,8,32,128,256 --out kernels.json
+
+Each row: the kernel's median time (`triton.testing.do_bench`), the reference's, and for the MoE the
+Triton expert kernels against the cuBLAS grouped GEMMs (`torch_ops.moe_experts_grouped`) with the
+bytes of expert weights they must read. Shapes: 64 heads × 512, window 128, CSA ratio 4 with 512
+picks (context 4096) and a 64 × 128 indexer, hidden 4096, hc 4, 256 experts × 2048, top-6.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import torch
+import triton
+
+from deepinfer.kernels import reference, torch_ops, triton_ops
+
+
+def bench(fn) -> float:
+    return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
+
+
+def attention_rows(b: int, gen: torch.Generator) -> dict:
+    heads, dim, window, ratio, picks, block = 64, 512, 128, 4, 512, 128
+    context = 4096
+    blocks = context // block + 1
+    q = torch.randn(b, heads, dim, generator=gen).cuda().bfloat16()
+    ring = torch.randn(b + 1, window, dim, generator=gen).cuda().bfloat16()
+    paged = torch.randn(b * blocks + 1, block // ratio, dim, generator=gen).cuda().bfloat16()
+    tables = (torch.arange(b * blocks).view(b, blocks) + 1).cuda()
+    ids = torch.stack([torch.randperm(context // ratio, generator=gen)[:picks] for _ in range(b)]).cuda()
+    slots, pos = torch.arange(1, b + 1).cuda(), torch.full((b,), context, dtype=torch.int64).cuda()
+    sink = torch.randn(heads, generator=gen).cuda()
+    args = (q, ring, slots, pos, window, sink, dim**-0.5, paged, tables, ids, ratio)
+    kv_bytes = b * (window + picks) * dim * 2
+    fused = bench(lambda: triton_ops.paged_decode_attention_fused(*args))
+    return {"op": "paged_decode_attention (CSA, 128 + 512 rows)", "batch": b,
+            "fused_us": fused * 1000, "reference_us": bench(lambda: reference.paged_decode_attention(*args)) * 1000,
+            "kv_bytes": kv_bytes, "fused_GBps": kv_bytes / fused / 1e6}
+
+
+def indexer_rows(b: int, gen: torch.Generator) -> dict:
+    heads, dim, ratio, block, entries = 64, 128, 4, 128, 1024
+    blocks = entries * ratio // block
+    q = torch.randn(b, heads, dim, generator=gen).cuda().bfloat16()
+    keys = torch.randn(b * blocks + 1, block // ratio, dim, generator=gen).cuda().bfloat16()
+    tables = (torch.arange(b * blocks).view(b, blocks) + 1).cuda()
+    w = torch.randn(b, heads, generator=gen).cuda()
+    args = (q, keys, tables, entries, w, dim**-0.5, ratio)
+    scores = triton_ops.paged_indexer_scores_fused(*args)
+    visible = torch.full((b,), entries, dtype=torch.int64).cuda()
+    return {"op": "paged_indexer_scores + top-512 (1024 entries)", "batch": b,
+            "fused_us": (bench(lambda: triton_ops.paged_indexer_scores_fused(*args))
+                         + bench(lambda: triton_ops.topk_lowest_index_fused(scores, visible, 512))) * 1000,
+            "reference_us": (bench(lambda: reference.paged_indexer_scores(*args))
+                             + bench(lambda: reference.topk_lowest_index(scores, visible, 512))) * 1000}
+
+
+def compress_rows(b: int, gen: torch.Generator) -> dict:
+    width, ratio, block = 512, 4, 128
+    kv = torch.randn(b, 2 * width, generator=gen).cuda().bfloat16()
+    gate = torch.randn(b, 2 * width, generator=gen).cuda().bfloat16()
+    ape = torch.randn(ratio, 2 * width, generator=gen).cuda()
+    ring_kv = torch.randn(b + 1, 2 * ratio, 2 * width, generator=gen).cuda()
+    ring_g = torch.randn(b + 1, 2 * ratio, 2 * width, generator=gen).cuda()
+    paged = torch.zeros(b * 8 + 1, block // ratio, width, dtype=torch.bfloat16, device="cuda")
+    tables = (torch.arange(b * 8).view(b, 8) + 1).cuda()
+    pos = torch.full((b,), 4 * ratio - 1, dtype=torch.int64).cuda()      # every window closes
+    inv = reference.rope_inv_freq(64, 160000.0).cuda()
+    norm = torch.ones(width, device="cuda")
+    args = (kv, gate, ape, pos, torch.arange(1, b + 1).cuda(), ring_kv, ring_g, norm, inv, 1e-6)
+    kw = dict(overlap=True, paged=paged, block_tables=tables)
+    return {"op": "compress_decode (CSA KV, closing)", "batch": b,
+            "fused_us": bench(lambda: triton_ops.compress_decode_fused(*args, **kw)) * 1000,
+            "reference_us": bench(lambda: reference.compress_decode(*args, **kw)) * 1000}
+
+
+def mhc_rows(b: int, gen: torch.Generator) -> dict:
+    hc, dim = 4, 4096
+    streams = torch.randn(b, hc, dim, generator=gen).cuda().bfloat16()
+    fn = torch.randn((2 + hc) * hc, hc * dim, generator=gen).cuda() * 0.01
+    scale, base = torch.ones(3).cuda(), torch.zeros((2 + hc) * hc).cuda()
+    kw = dict(sinkhorn_iters=20, hc_eps=1e-6, norm_eps=1e-6)
+    x = torch.randn(b, dim, generator=gen).cuda().bfloat16()
+    _, post, comb = reference.hc_pre(streams, fn, scale, base, **kw)
+    return {"op": "hc_pre + hc_post", "batch": b,
+            "fused_us": (bench(lambda: triton_ops.hc_pre_fused(streams, fn, scale, base, **kw))
+                         + bench(lambda: triton_ops.hc_post_fused(x, streams, post, comb))) * 1000,
+            "reference_us": (bench(lambda: reference.hc_pre(streams, fn, scale, base, **kw))
+                             + bench(lambda: reference.hc_post(x, streams, post, comb))) * 1000}
+
+
+def moe_rows(b: int, gen: torch.Generator, w13: torch.Tensor, w2: torch.Tensor) -> dict:
+    experts, top_k = w13.shape[0], 6
+    x = torch.randn(b, w13.shape[2], generator=gen).cuda().bfloat16()
+    logits = torch.randn(b, experts, generator=gen).cuda()
+    ids, weights = reference.route(logits, None, top_k, scoring_func="sqrtsoftplus", normalize=True, scaling=1.5)
+    distinct = ids.unique().numel()
+    nbytes = distinct * (w13[0].numel() + w2[0].numel()) * 2
+    row = {"op": "moe_experts (256 × 2048, top-6)", "batch": b, "distinct_experts": distinct,
+           "weight_bytes": nbytes}
+    if b * top_k <= triton_ops.moe.FUSED_MAX_PAIRS:
+        t = bench(lambda: triton_ops.moe_experts_fused(x, ids, weights, w13, w2, 10.0))
+        row.update(fused_us=t * 1000, fused_GBps=nbytes / t / 1e6)
+    t = bench(lambda: torch_ops.moe_experts_grouped(x, ids, weights, w13, w2, 10.0))
+    row.update(cublas_grouped_us=t * 1000, cublas_grouped_GBps=nbytes / t / 1e6)
+    row["route_fused_us"] = bench(lambda: triton_ops.route_fused(
+        logits, None, top_k, scoring_func="sqrtsoftplus", normalize=True, scaling=1.5)) * 1000
+    row["route_reference_us"] = bench(lambda: reference.route(
+        logits, None, top_k, scoring_func="sqrtsoftplus", normalize=True, scaling=1.5)) * 1000
+    return row
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--batches", default="1,8,32,128,256")
+    ap.add_argument("--out", default="kernels.json")
+    args = ap.parse_args()
+    gen = torch.Generator().manual_seed(0)
+    w13 = (torch.randn(256, 4096, 4096, device="cuda", dtype=torch.bfloat16) * 0.02)
+    w2 = (torch.randn(256, 4096, 2048, device="cuda", dtype=torch.bfloat16) * 0.02)
+    rows = []
+    for b in [int(x) for x in args.batches.split(",") if x]:
+        for make in (attention_rows, indexer_rows, compress_rows, mhc_rows):
+            rows.append(make(b, gen))
+            print(json.dumps(rows[-1]), flush=True)
+        rows.append(moe_rows(b, gen, w13, w2))
+        print(json.dumps(rows[-1]), flush=True)
+    with open(args.out, "w") as f:
+        json.dump({"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
+                   "rows": rows}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
