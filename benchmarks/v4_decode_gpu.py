@@ -6,7 +6,8 @@ transformers' DeepseekV4ForCausalLM on the same GPU.
 
 The model has the real V4-Flash dimensions (hidden 4096, 64 heads × 512, q_lora 1024, 256 experts ×
 2048, top-6, hc 4, window 128, CSA ratio 4 / HCA ratio 128) and random bf16 weights; `--layers`
-of them in the repeating pattern window-only, CSA, HCA, CSA (4 layers = 1 sliding, 2 CSA, 1 HCA). Decode runs at context `--context` with the cache filled with random values (the
+of them in the repeating pattern window-only, CSA, HCA, CSA (4 layers = 1 sliding, 2 CSA, 1 HCA).
+Decode runs at context `--context` with the cache filled with random values (the
 step's work and bytes do not depend on them) — eager and CUDA-graph replay. The roofline of a step
 is (weights touched + KV bytes read) / copy bandwidth measured in the same run; weights touched =
 attention + mHC + shared expert of every layer + the expected number of distinct routed experts
