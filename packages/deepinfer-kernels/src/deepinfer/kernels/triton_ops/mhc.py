@@ -20,16 +20,16 @@ from ._launch import on_triton
 
 @triton.jit
 def _hc_pre_kernel(streams_ptr, mix_ptr, base_ptr, scale_ptr, collapsed_ptr, post_ptr, comb_ptr, dim, iters, hc_eps,
-                   norm_eps, HC: tl.constexpr, BLOCK_D: tl.constexpr):
+                   norm_eps, HC: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_SQ: tl.constexpr):
     """Program (token t, chunk) recomputes the token's weights (cheap, from L2) and collapses
     channels chunk·BLOCK_D …; chunk 0 also stores post and comb."""
     t = tl.program_id(0).to(tl.int64)
     chunk = tl.program_id(1)
     h = tl.arange(0, HC)
     row = streams_ptr + t * HC * dim
-    squares = tl.zeros([HC, BLOCK_D], tl.float32)
-    for d0 in range(0, dim, BLOCK_D):
-        d = d0 + tl.arange(0, BLOCK_D)
+    squares = tl.zeros([HC, BLOCK_SQ], tl.float32)
+    for d0 in range(0, dim, BLOCK_SQ):
+        d = d0 + tl.arange(0, BLOCK_SQ)
         x = tl.load(row + h[:, None] * dim + d[None, :], mask=(d < dim)[None, :], other=0.0).to(tl.float32)
         squares += x * x
     inv_rms = tl.rsqrt(tl.sum(tl.sum(squares, axis=1), axis=0) / (HC * dim) + norm_eps)
@@ -70,7 +70,8 @@ def hc_pre_fused(
     block_d = min(triton.next_power_of_2(dim), 512)
     _hc_pre_kernel[(num_tokens, triton.cdiv(dim, block_d))](
         src, mixes, base.float().contiguous(), scale.float().contiguous(), collapsed, post, comb, dim,
-        sinkhorn_iters, hc_eps, norm_eps, HC=hc, BLOCK_D=block_d, num_warps=4,
+        sinkhorn_iters, hc_eps, norm_eps, HC=hc, BLOCK_D=block_d,
+        BLOCK_SQ=min(triton.next_power_of_2(dim), 8192 // hc), num_warps=8,
     )
     return collapsed, post, comb
 

@@ -2,9 +2,9 @@
 
 - `route_fused`: one program per token scores the experts, picks the top-k by score + bias (ties →
   lowest expert id, k rounds of arg-max) and normalises the chosen scores.
-- `moe_experts_fused` (small batches, ≤ `FUSED_MAX_PAIRS` (token, expert) pairs): the pairs are
-  sorted by expert; program (a, n-block) of the first kernel finds the a-th active expert from the
-  per-expert counts, gathers its tokens' rows and computes the clamped SwiGLU of both halves of
+- `moe_experts_fused` (small batches, ≤ `FUSED_MAX_PAIRS` (token, expert) pairs): one program sorts
+  the pairs by expert and lists the active experts; program (a, n-block) of the next kernel takes
+  the a-th active expert, gathers its tokens' rows and computes the clamped SwiGLU of both halves of
   `w13` for its block of intermediate channels; the second kernel applies `w2`, scales by the
   routing weight and stores each pair's row at its original slot; a third sums each token's top-k
   rows in slot order (deterministic, no atomics). Only the active experts' weights are read. Larger
@@ -87,17 +87,38 @@ def route_fused(
 
 
 @triton.jit
-def _active_expert(counts_ptr, a, num_experts, BLOCK_E: tl.constexpr):
-    """(expert id, first sorted row, row count) of the a-th expert with a nonzero count (count 0
-    when there are fewer than a + 1 active experts)."""
-    e = tl.arange(0, BLOCK_E)
-    counts = tl.load(counts_ptr + e, mask=e < num_experts, other=0)
-    active = counts > 0
-    sel = active & (tl.cumsum(active.to(tl.int32), axis=0) == a + 1)
-    ends = tl.cumsum(counts, axis=0)
-    expert = tl.sum(tl.where(sel, e, 0), axis=0)
-    start = tl.sum(tl.where(sel, ends - counts, 0), axis=0)
-    return expert, start, tl.sum(tl.where(sel, counts, 0), axis=0)
+def _align_kernel(ids_ptr, order_ptr, scratch_ptr, meta_ptr, pairs, num_slots, BLOCK_P: tl.constexpr,
+                  BLOCK_S: tl.constexpr):
+    """Sort the (token, expert) pairs by expert, stably, in one program (packed (expert, pair) keys),
+    and describe each active expert: meta = [expert id; first sorted row; end row] per slot, slots in
+    increasing expert order, unused slots empty (0, 0, 0)."""
+    p = tl.arange(0, BLOCK_P)
+    pm = p < pairs
+    experts = tl.load(ids_ptr + p, mask=pm, other=0).to(tl.int64)
+    keys = tl.sort(tl.where(pm, (experts << 32) | p.to(tl.int64), 0x7FFFFFFFFFFFFFFF))
+    expert = keys >> 32
+    tl.store(order_ptr + p, keys & 0xFFFFFFFF, mask=pm)
+    tl.store(scratch_ptr + p, expert, mask=pm)
+    tl.debug_barrier()                                      # neighbours' sorted experts, via memory
+    prev = tl.load(scratch_ptr + p - 1, mask=pm & (p > 0), other=-1)
+    nxt = tl.load(scratch_ptr + p + 1, mask=p + 1 < pairs, other=-1)
+    first = pm & (expert != prev)
+    slot = tl.cumsum(first.to(tl.int32), axis=0) - 1
+    tl.store(meta_ptr + slot, expert.to(tl.int32), mask=first)
+    tl.store(meta_ptr + num_slots + slot, p, mask=first)
+    tl.store(meta_ptr + 2 * num_slots + slot, p + 1, mask=pm & (expert != nxt))
+    s = tl.arange(0, BLOCK_S)
+    unused = (s >= tl.sum(first.to(tl.int32), axis=0)) & (s < num_slots)
+    for part in tl.static_range(3):
+        tl.store(meta_ptr + part * num_slots + s, tl.zeros([BLOCK_S], tl.int32), mask=unused)
+
+
+@triton.jit
+def _slot(meta_ptr, num_slots):
+    """(expert id, first sorted row, row count) of this program's slot (axis 0)."""
+    a = tl.program_id(0)
+    start = tl.load(meta_ptr + num_slots + a)
+    return tl.load(meta_ptr + a), start, tl.load(meta_ptr + 2 * num_slots + a) - start
 
 
 @triton.jit
@@ -107,10 +128,10 @@ def _clamped_silu_mul(gate, up, limit):
 
 
 @triton.jit
-def _expert_up_kernel(x_ptr, order_ptr, counts_ptr, w13_ptr, act_ptr, num_experts, hidden, inter, top_k, limit,
-                      w_expert, w_row, BLOCK_E: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                      BLOCK_K: tl.constexpr, PRECISION: tl.constexpr):
-    expert, start, count = _active_expert(counts_ptr, tl.program_id(0), num_experts, BLOCK_E)
+def _expert_up_kernel(x_ptr, order_ptr, meta_ptr, w13_ptr, act_ptr, num_slots, hidden, inter, top_k, limit,
+                      w_expert, w_row, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                      PRECISION: tl.constexpr):
+    expert, start, count = _slot(meta_ptr, num_slots)
     n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     nm = n < inter
     w1 = w13_ptr + expert.to(tl.int64) * w_expert + n[:, None] * w_row
@@ -135,10 +156,10 @@ def _expert_up_kernel(x_ptr, order_ptr, counts_ptr, w13_ptr, act_ptr, num_expert
 
 
 @triton.jit
-def _expert_down_kernel(act_ptr, order_ptr, counts_ptr, weights_ptr, w2_ptr, y_ptr, num_experts, hidden, inter,
-                        w_expert, w_row, BLOCK_E: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                        BLOCK_K: tl.constexpr, PRECISION: tl.constexpr):
-    expert, start, count = _active_expert(counts_ptr, tl.program_id(0), num_experts, BLOCK_E)
+def _expert_down_kernel(act_ptr, order_ptr, meta_ptr, weights_ptr, w2_ptr, y_ptr, num_slots, hidden, inter,
+                        w_expert, w_row, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                        PRECISION: tl.constexpr):
+    expert, start, count = _slot(meta_ptr, num_slots)
     n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     nm = n < hidden
     w2 = w2_ptr + expert.to(tl.int64) * w_expert + n[:, None] * w_row
@@ -176,25 +197,25 @@ def moe_experts_fused(x: Tensor, expert_ids: Tensor, weights: Tensor, w13: Tenso
             or not (x.is_contiguous() and w13.is_contiguous() and w2.is_contiguous())):
         return moe_experts_grouped(x, expert_ids, weights, w13, w2, limit)
     num_experts, inter, hidden = w13.shape[0], w2.shape[-1], x.shape[1]
-    flat = expert_ids.reshape(-1)
-    order = torch.argsort(flat, stable=True)
-    counts = torch.zeros(num_experts, dtype=torch.int32, device=x.device)
-    counts.scatter_add_(0, flat, torch.ones_like(flat, dtype=torch.int32))
+    slots = min(num_experts, pairs)              # at most this many experts are active
+    order = torch.empty(pairs, dtype=torch.int64, device=x.device)
+    scratch = torch.empty(pairs, dtype=torch.int64, device=x.device)
+    meta = torch.empty(3, slots, dtype=torch.int32, device=x.device)
+    block_p = max(triton.next_power_of_2(pairs), 2)
+    _align_kernel[(1,)](expert_ids.contiguous(), order, scratch, meta, pairs, slots, BLOCK_P=block_p,
+                        BLOCK_S=triton.next_power_of_2(slots), num_warps=4 if block_p <= 512 else 8)
     act = torch.empty(pairs, inter, dtype=x.dtype, device=x.device)
     y = torch.empty(pairs, hidden, dtype=torch.float32, device=x.device)
-    slots = min(num_experts, pairs)              # at most this many experts are active
-    block_e, prec = triton.next_power_of_2(num_experts), precision(x)
+    prec = precision(x)
     block_m, block_n, block_k = 16, 64, 128
     _expert_up_kernel[(slots, triton.cdiv(inter, block_n))](
-        x, order, counts, w13, act, num_experts, hidden, inter, top_k, limit, w13.stride(0), w13.stride(1),
-        BLOCK_E=block_e, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, PRECISION=prec, num_warps=4,
-        num_stages=4,
+        x, order, meta, w13, act, slots, hidden, inter, top_k, limit, w13.stride(0), w13.stride(1),
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, PRECISION=prec, num_warps=4, num_stages=4,
     )
     _expert_down_kernel[(slots, triton.cdiv(hidden, block_n))](
-        act, order, counts, weights.reshape(-1).float().contiguous(), w2, y, num_experts, hidden, inter,
+        act, order, meta, weights.reshape(-1).float().contiguous(), w2, y, slots, hidden, inter,
         w2.stride(0), w2.stride(1),
-        BLOCK_E=block_e, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, PRECISION=prec, num_warps=4,
-        num_stages=4,
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, PRECISION=prec, num_warps=4, num_stages=4,
     )
     out = torch.empty_like(x)
     block = min(triton.next_power_of_2(hidden), 1024)

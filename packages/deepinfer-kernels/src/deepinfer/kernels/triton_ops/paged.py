@@ -133,10 +133,22 @@ def compress_decode_fused(
 
 
 @triton.jit
-def _attend(q, k, valid, m, l, acc, scale, PRECISION: tl.constexpr):
-    """One online-softmax step of a block of heads over a block of key rows (K = V)."""
-    logits = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
-    logits = tl.where(valid[None, :], logits, float("-inf"))
+def _attend(q_ptr, rows, valid, m, l, acc, scale, head_dim, BLOCK_D: tl.constexpr, CHUNK_D: tl.constexpr,
+            PRECISION: tl.constexpr):
+    """One online-softmax step of a block of heads (`q_ptr` [BLOCK_H, 1] row pointers) over a block
+    of key rows (`rows` [BLOCK_N, 1] row pointers; K = V). The logits are accumulated over CHUNK_D
+    channels at a time so no warp holds a whole 512-wide query tile as an MMA operand."""
+    logits = tl.zeros([q_ptr.shape[0], rows.shape[0]], tl.float32)
+    for c0 in tl.static_range(0, BLOCK_D, CHUNK_D):
+        dc = c0 + tl.arange(0, CHUNK_D)
+        dm = dc < head_dim
+        qc = tl.load(q_ptr + dc[None, :], mask=dm[None, :], other=0.0)
+        kc = tl.load(rows + dc[None, :], mask=valid[:, None] & dm[None, :], other=0.0).to(qc.dtype)
+        logits = tl.dot(qc, tl.trans(kc), logits, input_precision=PRECISION)
+    logits = tl.where(valid[None, :], logits * scale, float("-inf"))
+    d = tl.arange(0, BLOCK_D)
+    k = tl.load(rows + d[None, :], mask=valid[:, None] & (d < head_dim)[None, :], other=0.0)
+    k = k.to(q_ptr.dtype.element_ty)
     m_new = tl.maximum(m, tl.max(logits, axis=1))
     p = tl.exp(logits - m_new[:, None])
     alpha = tl.exp(m - m_new)
@@ -150,7 +162,7 @@ def _paged_attention_kernel(
     q_seq, q_head, ring_slot, ring_row, paged_block, paged_row, table_stride, ids_stride, out_seq, out_head,
     num_heads, head_dim, ring_len, window, num_ids, table_width, ratio, scale,
     SPLITS: tl.constexpr, HAS_PAGED: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_D: tl.constexpr, PRECISION: tl.constexpr,
+    BLOCK_D: tl.constexpr, CHUNK_D: tl.constexpr, PRECISION: tl.constexpr,
 ):
     """Program (b, head block, split s) takes key tiles s, s + SPLITS, …: first the window's tiles,
     then the entries'. With one split it normalises (sink included) and writes the output; else it
@@ -161,7 +173,7 @@ def _paged_attention_kernel(
     hm = h < num_heads
     d = tl.arange(0, BLOCK_D)
     dm = d < head_dim
-    q = tl.load(q_ptr + b * q_seq + h[:, None] * q_head + d[None, :], mask=hm[:, None] & dm[None, :], other=0.0)
+    q_rows = q_ptr + b * q_seq + tl.where(hm, h, 0)[:, None] * q_head
     pos = tl.load(pos_ptr + b)
     slot = tl.load(slot_ptr + b)
     m = tl.full([BLOCK_H], -1e30, tl.float32)
@@ -185,8 +197,7 @@ def _paged_attention_kernel(
             valid = (e >= 0) & (col < table_width)
             blk = tl.load(table_ptr + b * table_stride + col, mask=valid, other=0)
             rows = paged_ptr + blk[:, None] * paged_block + ((first % block_size) // ratio)[:, None] * paged_row
-        k = tl.load(rows + d[None, :], mask=valid[:, None] & dm[None, :], other=0.0).to(q.dtype)
-        m, l, acc = _attend(q, k, valid, m, l, acc, scale, PRECISION)
+        m, l, acc = _attend(q_rows, rows, valid, m, l, acc, scale, head_dim, BLOCK_D, CHUNK_D, PRECISION)
     if SPLITS == 1:
         sink = tl.load(sink_ptr + h, mask=hm, other=0.0)
         m_final = tl.maximum(m, sink)
@@ -264,7 +275,7 @@ def paged_decode_attention_fused(
         ids.stride(0) if has_paged else 0, out.stride(0), out.stride(1),
         num_heads, head_dim, ring.shape[1], window, num_ids, block_tables.shape[1] if has_paged else 0, ratio, scale,
         SPLITS=splits, HAS_PAGED=has_paged, BLOCK_H=block_h, BLOCK_N=block_n, BLOCK_D=block_d,
-        PRECISION=precision(q), num_warps=8,
+        CHUNK_D=min(block_d, 64), PRECISION=precision(q), num_warps=8,
     )
     if splits > 1:
         _combine_kernel[(num_seqs, num_heads)](part, sink, out, out.stride(0), out.stride(1), num_heads, head_dim,
