@@ -275,3 +275,19 @@ def test_fused_moe_experts_matches_reference(num_tokens, num_experts, top_k, hid
     w1, w3, w2s = w13[0, :inter], w13[0, inter:], w2[0]
     poison_allocator()
     close(clamped_swiglu_fused(x, w1, w3, w2s, 0.5), reference.clamped_swiglu(x, w1, w3, w2s, 0.5), dtype)
+
+
+GEMV_CASES = [((1, 256), 1000), ((3, 96), 64), ((2, 1, 512), 37), ((4, 1024), 4096)] + (
+    [((1, 4096), 1024), ((1, 1024), 32768), ((2, 8192), 4096), ((4, 4096), 512)] if BIG else [])
+
+
+@pytest.mark.parametrize(("x_shape", "n_out"), GEMV_CASES)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_fused_linear_matches_reference(x_shape, n_out, dtype) -> None:
+    from deepinfer.kernels.triton_ops import linear_fused
+
+    gen = torch.Generator().manual_seed(n_out + x_shape[-1])
+    x = randn(gen, *x_shape, dtype=dtype)
+    w = randn(gen, n_out, x_shape[-1], dtype=dtype, scale=x_shape[-1] ** -0.5)
+    poison_allocator()
+    close(linear_fused(x, w), reference.linear(x, w), dtype)

@@ -7,6 +7,7 @@ Each op is a small function documented with shapes and dtypes; GPU kernels regis
 from .attention import grouped_linear, sparse_attention
 from .compressor import compress_pool
 from .indexer import indexer_scores, topk_lowest_index
+from .linear import linear
 from .mhc import hc_head, hc_post, hc_pre
 from .moe import clamped_swiglu, moe_experts, route, router_scores, routing_weights, select_experts
 from .norm import rms_norm
@@ -29,6 +30,7 @@ __all__ = [
     "hc_post",
     "hc_pre",
     "indexer_scores",
+    "linear",
     "moe_experts",
     "paged_decode_attention",
     "paged_indexer_scores",

@@ -9,13 +9,13 @@
   routing weight and stores each pair's row at its original slot; a third sums each token's top-k
   rows in slot order (deterministic, no atomics). Only the active experts' weights are read. Larger
   batches use the cuBLAS grouped GEMMs of `torch_ops.moe_experts_grouped`.
-- `clamped_swiglu_fused` (the shared expert): cuBLAS GEMMs with the activation in one kernel.
+- `clamped_swiglu_fused` (the shared expert): three projections (`linear_fused`) with the activation
+  in one kernel.
 """
 
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 import triton
 import triton.language as tl
 from torch import Tensor
@@ -23,6 +23,7 @@ from torch import Tensor
 from .. import reference
 from ..torch_ops import moe_experts_grouped
 from ._launch import on_triton, precision
+from .gemv import linear_fused
 
 FUSED_MAX_PAIRS = 2048
 _SCORING = {"sqrtsoftplus": 0, "sigmoid": 1, "softmax": 2}
@@ -237,9 +238,9 @@ def clamped_swiglu_fused(x: Tensor, w1: Tensor, w3: Tensor, w2: Tensor, limit: f
     """Same contract as `reference.clamped_swiglu`: two GEMMs, one activation kernel, one GEMM."""
     if not on_triton(x) or x.numel() == 0:
         return reference.clamped_swiglu(x, w1, w3, w2, limit)
-    gate, up = F.linear(x, w1).contiguous(), F.linear(x, w3).contiguous()
+    gate, up = linear_fused(x, w1).contiguous(), linear_fused(x, w3).contiguous()
     act = torch.empty_like(gate)
     block = 1024
     _swiglu_kernel[(triton.cdiv(gate.numel(), block),)](gate, up, act, gate.numel(), limit, BLOCK=block,
                                                           num_warps=4)
-    return F.linear(act, w2)
+    return linear_fused(act, w2)

@@ -261,7 +261,8 @@ def paged_decode_attention_fused(
     has_paged = paged is not None
     ids = entry_ids.contiguous() if has_paged else positions
     num_ids = ids.shape[1] if has_paged else 0
-    block_h, block_n, block_d = 16, 32, max(triton.next_power_of_2(head_dim), 16)
+    wide = q.element_size() > 2            # float32 tiles: half the rows, no pipelining (shared memory)
+    block_h, block_n, block_d = 16, 16 if wide else 32, max(triton.next_power_of_2(head_dim), 16)
     head_blocks = triton.cdiv(num_heads, block_h)
     splits = _num_splits(num_seqs, head_blocks, triton.cdiv(window, block_n) + triton.cdiv(num_ids, block_n))
     sink = sink.float().contiguous()
@@ -275,7 +276,7 @@ def paged_decode_attention_fused(
         ids.stride(0) if has_paged else 0, out.stride(0), out.stride(1),
         num_heads, head_dim, ring.shape[1], window, num_ids, block_tables.shape[1] if has_paged else 0, ratio, scale,
         SPLITS=splits, HAS_PAGED=has_paged, BLOCK_H=block_h, BLOCK_N=block_n, BLOCK_D=block_d,
-        CHUNK_D=min(block_d, 64), PRECISION=precision(q), num_warps=8,
+        CHUNK_D=min(block_d, 64), PRECISION=precision(q), num_warps=8, num_stages=1 if wide else 2,
     )
     if splits > 1:
         _combine_kernel[(num_seqs, num_heads)](part, sink, out, out.stride(0), out.stride(1), num_heads, head_dim,

@@ -65,18 +65,18 @@ class Attention(nn.Module):
         cfg, eps = self.cfg, self.cfg.rms_norm_eps
         pos = batch.positions
         num_tokens = x.shape[0]
-        qr = ops.rms_norm(x @ self.wq_a.weight.t(), self.q_norm.weight, eps)
-        q = (qr @ self.wq_b.weight.t()).view(num_tokens, cfg.num_attention_heads, cfg.head_dim)
+        qr = ops.rms_norm(ops.linear(x, self.wq_a.weight), self.q_norm.weight, eps)
+        q = ops.linear(qr, self.wq_b.weight).view(num_tokens, cfg.num_attention_heads, cfg.head_dim)
         q = ops.apply_rope(ops.rms_norm(q, None, eps), pos, inv_freq)
-        kv = ops.apply_rope(ops.rms_norm(x @ self.wkv.weight.t(), self.kv_norm.weight, eps), pos, inv_freq)
+        kv = ops.apply_rope(ops.rms_norm(ops.linear(x, self.wkv.weight), self.kv_norm.weight, eps), pos, inv_freq)
         if kv_quant:
             kv = self._quant_kv(kv, ops)
         index_q = index_w = None
         if self.indexer is not None:
             ix = self.indexer
-            index_q = (qr @ ix.wq_b.weight.t()).view(num_tokens, ix.num_heads, ix.head_dim)
+            index_q = ops.linear(qr, ix.wq_b.weight).view(num_tokens, ix.num_heads, ix.head_dim)
             index_q = ops.apply_rope(index_q, pos, inv_freq)
-            index_w = (x @ ix.weights_proj.weight.t()).float() * ix.num_heads**-0.5
+            index_w = ops.linear(x, ix.weights_proj.weight).float() * ix.num_heads**-0.5
             if kv_quant:
                 index_q = self._quant_index(index_q, ops)
         if batch.uniform_decode:
@@ -85,7 +85,7 @@ class Attention(nn.Module):
             out = self._prefill_attention(x, q, kv, index_q, index_w, batch, cache, ops, inv_freq, kv_quant)
         out = ops.apply_rope(out, pos, inv_freq, inverse=True)
         grouped = ops.grouped_linear(out.reshape(num_tokens, cfg.o_groups, -1), self.wo_a.weight)
-        return grouped.flatten(1) @ self.wo_b.weight.t()
+        return ops.linear(grouped.flatten(1), self.wo_b.weight)
 
     def _prefill_attention(self, x, q, kv, index_q, index_w, batch, cache, ops, inv_freq, kv_quant) -> Tensor:
         """Any query lengths: one sequence at a time."""

@@ -24,7 +24,7 @@ def _compress(comp, x: Tensor, prefix: str, paged: Tensor, batch: ForwardBatch, 
     """Advance one compressor by one token per sequence; closed windows land in `paged` (after
     `post`, the KV quantisation, when given)."""
     pos = batch.positions
-    k, g = x @ comp.wkv.weight.t(), x @ comp.wgate.weight.t()
+    k, g = ops.linear(x, comp.wkv.weight), ops.linear(x, comp.wgate.weight)
     rows = ops.compress_decode(k, g, comp.ape, pos, batch.state_slots, cache.state[f"{prefix}.kv"],
                                cache.state[f"{prefix}.gate"], comp.norm.weight, inv_freq, eps, overlap=comp.overlap,
                                paged=None if post else paged, block_tables=None if post else batch.block_tables)

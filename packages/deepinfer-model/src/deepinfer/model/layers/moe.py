@@ -55,7 +55,7 @@ class MoE(nn.Module):
     def forward(self, x: Tensor, token_ids: Tensor, ops: KernelSet) -> Tensor:
         """x [num_tokens, hidden] (normed), token_ids [num_tokens] int64 → [num_tokens, hidden]."""
         cfg = self.cfg
-        logits = x @ self.gate.weight.t()
+        logits = ops.linear(x, self.gate.weight)
         if self.gate.hashed:
             expert_ids = self.gate.tid2eid[token_ids].long()
             weights = ops.routing_weights(ops.router_scores(logits, cfg.scoring_func), expert_ids,
