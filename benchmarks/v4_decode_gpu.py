@@ -25,6 +25,7 @@ import time
 import torch
 
 from deepinfer.engine.cuda_graphs import DecodeGraphs
+from deepinfer.kernels import kernels_for, reference
 from deepinfer.model import DeepseekV4Config, ForwardBatch, ModelCache
 from deepinfer.model.model import build_model
 
@@ -289,14 +290,20 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--profile-batches", default="", help="also profile eager decode at these batch sizes")
     ap.add_argument("--prefill-len", type=int, default=0, help="also time one prompt of this length (both engines)")
+    ap.add_argument("--reference-ops", default="", help="ablation: run these ops with their reference twins")
     ap.add_argument("--out", default="decode_results.json")
     args = ap.parse_args()
+    ops = kernels_for("cuda")                     # the cached set every forward uses
+    for name in [x for x in args.reference_ops.split(",") if x]:
+        setattr(ops, name, getattr(reference, name))
+        ops.sources[name] = "reference"
     raw = dict(FLASH, num_hidden_layers=args.layers, compress_ratios=layer_schedule(args.layers),
                num_hash_layers=1)
     cfg = DeepseekV4Config.from_dict(raw)
     bandwidth = copy_bandwidth()
     print(json.dumps({"copy_bandwidth_GBps": bandwidth / 1e9, "layers": cfg.compress_ratios}), flush=True)
     report = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "layers": list(cfg.compress_ratios),
+              "kernels": dict(ops.sources),
               "context": args.context, "copy_bandwidth_Bps": bandwidth,
               "ours": bench_ours(cfg, [int(x) for x in args.batches.split(",") if x], args.context, args.steps,
                                  bandwidth, [int(x) for x in args.profile_batches.split(",") if x], args.prefill_len)}

@@ -36,7 +36,7 @@ def register(op_name: str, device_type: str, factory: OpFactory) -> None:
     if key in _FACTORIES:
         raise ValueError(f"{op_name!r} already has an implementation for device type {device_type!r}")
     _FACTORIES[key] = factory
-    kernels_for.cache_clear()
+    _kernel_set.cache_clear()
 
 
 class KernelSet:
@@ -58,7 +58,11 @@ class KernelSet:
         raise AttributeError(f"no kernel named {name!r}; known: {', '.join(OP_NAMES)}")
 
 
-@functools.cache
 def kernels_for(device: torch.device | str) -> KernelSet:
     """The kernel set for `device` (by its type: every CUDA device shares one set)."""
-    return KernelSet(torch.device(device).type)
+    return _kernel_set(torch.device(device).type)
+
+
+@functools.cache
+def _kernel_set(device_type: str) -> KernelSet:
+    return KernelSet(device_type)
