@@ -275,7 +275,10 @@ def bench_hf(raw, batches, context, new_tokens, prefill_len: int = 0) -> list[di
         print(json.dumps(row), flush=True)
         results.append(row)
     if prefill_len:
-        row = bench_hf_prefill(model, raw["vocab_size"], prefill_len)
+        try:
+            row = bench_hf_prefill(model, raw["vocab_size"], prefill_len)
+        except Exception as err:                  # e.g. out of memory: keep the decode rows
+            row = {"prompt_len": prefill_len, "hf_prefill_error": f"{type(err).__name__}: {err}"[:300]}
         print(json.dumps(row), flush=True)
         results.append(row)
     return results

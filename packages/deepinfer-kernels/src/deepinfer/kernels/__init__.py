@@ -2,9 +2,9 @@
 
 `deepinfer.kernels.reference` holds the pure-PyTorch twin of each op (the specification that
 GPU kernels must match); `kernels_for(device)` resolves, per op, a registered device kernel or
-the reference. Registered so far, for CUDA: `moe_experts` → `torch_ops.moe_experts_grouped` (grouped
-GEMMs over the active experts, CUDA-graph safe); `hc_pre`, `rms_norm`, `apply_rope` → Triton kernels
-(`triton_ops`); every other op runs its reference.
+the reference. Registered for CUDA: Triton kernels (`triton_ops`, CUDA-graph safe) for the decode
+path — attention, indexer + top-k, compressor, mHC, RMSNorm, RoPE, routing, experts, GEMV; every
+other op runs its reference (see `backends.py`).
 """
 
 from importlib.metadata import version as _version
