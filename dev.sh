@@ -2,7 +2,8 @@
 # DeepInfer developer entry point. Sets up .venv on first use (CPU torch, every package editable),
 # then runs one job:
 #   ./dev.sh generate "def fibonacci("   generate text with the embedded default model
-#   ./dev.sh test                        lint (ruff, import-linter) + the whole CPU test suite
+#   ./dev.sh test                        lint (ruff, import-linter) + the whole CPU test suite (the
+#                                        Triton kernels' tests under Triton's CPU interpreter first)
 #   ./dev.sh bench ...                   `deepinfer bench` with the given arguments
 #   ./dev.sh shell                       a shell with .venv active
 set -euo pipefail
@@ -36,6 +37,8 @@ case "$job" in
     setup
     "$VENV/bin/ruff" check .
     "$VENV/bin/lint-imports"
+    TRITON_INTERPRET=1 "$VENV/bin/python" -m pytest -q -p no:cacheprovider -W ignore::DeprecationWarning \
+        packages/deepinfer-kernels/tests/test_triton_ops.py
     exec "$VENV/bin/python" -m pytest packages/*/tests integration_tests "$@" ;;
   shell)    setup; exec bash --rcfile <(echo "source $VENV/bin/activate") ;;
   *) sed -n '2,8p' "$0"; exit 2 ;;
