@@ -91,3 +91,12 @@ def test_last_token_logits_only(models) -> None:
     ids = _prompt(21, 8)
     last = Runner(ours).step({2: ids}, logits="last")[0]
     torch.testing.assert_close(last, hf_logits(hf, ids)[-1], atol=ATOL, rtol=0)
+
+
+def test_prefill_in_small_query_blocks(models, monkeypatch) -> None:
+    from deepinfer.model.layers import attention
+
+    hf, ours = models
+    monkeypatch.setattr(attention, "PREFILL_QUERY_BLOCK", 7)       # 53 queries in 8 blocks
+    ids = _prompt(53, 7)
+    torch.testing.assert_close(_run(ours, ids, [53]), hf_logits(hf, ids), atol=ATOL, rtol=0)

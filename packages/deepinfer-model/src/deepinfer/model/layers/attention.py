@@ -24,6 +24,10 @@ from .compressor import Compressor
 
 RowPost = Callable[[Tensor, KernelSet], Tensor]   # quantisation applied to freshly compressed rows
 
+# Prefill queries gathered at once: their [queries, window + picks, head_dim] rows (and float32
+# copies) are the prefill's largest transient, ≈ 3 MB per query at V4-Flash sizes (≈ 3 GB per block).
+PREFILL_QUERY_BLOCK = 1024
+
 
 class Indexer(nn.Module):
     """Lightning indexer of a CSA layer: `wq_b` [heads·dim, q_lora], `weights_proj` [heads, hidden],
@@ -88,12 +92,17 @@ class Attention(nn.Module):
         return ops.linear(grouped.flatten(1), self.wo_b.weight)
 
     def _prefill_attention(self, x, q, kv, index_q, index_w, batch, cache, ops, inv_freq, kv_quant) -> Tensor:
-        """Any query lengths: one sequence at a time."""
+        """Any query lengths: one sequence at a time, in blocks of at most PREFILL_QUERY_BLOCK queries
+        (each block is a prefill chunk of its own, so the gathered rows stay small)."""
         out = torch.empty_like(q)
         for i in range(batch.num_seqs):
             a, b = batch.cu_seqlens[i], batch.cu_seqlens[i + 1]
-            rows, valid = self._gather_rows(i, a, b, x, kv, index_q, index_w, batch, cache, ops, inv_freq, kv_quant)
-            out[a:b] = ops.sparse_attention(q[a:b], rows, valid, self.attn_sink, self.cfg.head_dim**-0.5)
+            for lo in range(a, b, PREFILL_QUERY_BLOCK):
+                hi = min(b, lo + PREFILL_QUERY_BLOCK)
+                start = batch.start_positions[i] + lo - a
+                rows, valid = self._gather_rows(i, lo, hi, start, x, kv, index_q, index_w, batch, cache, ops,
+                                                inv_freq, kv_quant)
+                out[lo:hi] = ops.sparse_attention(q[lo:hi], rows, valid, self.attn_sink, self.cfg.head_dim**-0.5)
         return out
 
     def _quant_index(self, x: Tensor, ops: KernelSet) -> Tensor:
@@ -106,12 +115,14 @@ class Attention(nn.Module):
         return torch.cat((ops.fake_quant_fp8(kv[..., :-rope], 64), kv[..., -rope:]), dim=-1)
 
     def _gather_rows(
-        self, i: int, a: int, b: int, x: Tensor, kv: Tensor, index_q: Tensor | None, index_w: Tensor | None,
-        batch: ForwardBatch, cache: ModelCache, ops: KernelSet, inv_freq: Tensor, kv_quant: bool,
+        self, i: int, a: int, b: int, start: int, x: Tensor, kv: Tensor, index_q: Tensor | None,
+        index_w: Tensor | None, batch: ForwardBatch, cache: ModelCache, ops: KernelSet, inv_freq: Tensor,
+        kv_quant: bool,
     ) -> tuple[Tensor, Tensor]:
-        """KV rows each query of sequence i attends to: [q, rows, head_dim] and a validity mask."""
+        """KV rows each query of rows a … b − 1 (sequence i, positions from `start`) attends to:
+        [q, rows, head_dim] and a validity mask."""
         window = self.cfg.sliding_window
-        start, q_len = batch.start_positions[i], b - a
+        q_len = b - a
         slot = batch.state_slots[i]
         pos = batch.positions[a:b]
         # Window: the ring holds positions < start; this chunk's rows come from kv directly.
