@@ -21,13 +21,33 @@ from .norm import rms_norm
 from .rope import apply_rope
 
 
-def _entry_location(block_tables: Tensor, entries: Tensor, ratio: int, block_size: int) -> tuple[Tensor, ...]:
-    """(block id, row in block, inside the table) of entries [num_seqs, n] (clamped to ≥ 0)."""
+def entry_location(block_tables: Tensor, entries: Tensor, ratio: int, block_size: int) -> tuple[Tensor, ...]:
+    """Where compressed entries live: (block ids, row in block, inside the table), each shaped like
+    `entries` (negative ids are read as entry 0).
+
+    Entry e covers tokens e·ratio …; it lives in the block holding its first token, looked up in the
+    matching row of `block_tables` ([max_blocks] for one sequence, [num_seqs, max_blocks] with entries
+    [num_seqs, n] for a batch). Entries past the table's width map to the reserved block 0.
+    """
     first = entries.clamp(min=0) * ratio
     col = first // block_size
-    inside = col < block_tables.shape[1]
-    blocks = block_tables.gather(1, col.clamp(max=block_tables.shape[1] - 1)).long()
+    inside = col < block_tables.shape[-1]
+    blocks = block_tables.gather(-1, col.clamp(max=block_tables.shape[-1] - 1)).long()
     return torch.where(inside, blocks, 0), (first % block_size) // ratio, inside
+
+
+def store_closed_rows(paged: Tensor, rows: Tensor, positions: Tensor, block_tables: Tensor, ratio: int) -> None:
+    """Store the row of each sequence whose token at `positions` closes its compression window.
+
+    Args:
+        paged: [num_blocks, block_size // ratio, width]; rows: [num_seqs, width] (cast to paged's dtype);
+        positions: [num_seqs] int64; block_tables: [num_seqs, max_blocks].
+    Rows that must not land go to the reserved block 0 (static shapes, no host synchronisation).
+    """
+    entries = (positions // ratio)[:, None]
+    blocks, in_block, inside = entry_location(block_tables, entries, ratio, paged.shape[1] * ratio)
+    keep = ((positions + 1) % ratio == 0) & inside[:, 0]
+    paged[torch.where(keep, blocks[:, 0], 0), torch.where(keep, in_block[:, 0], 0)] = rows.to(paged.dtype)
 
 
 def compress_decode(
@@ -75,11 +95,7 @@ def compress_decode(
     pooled = rms_norm(compress_pool(rows_k, rows_g), norm_weight, eps)
     rows = apply_rope(pooled, entries * ratio, inv_freq)
     if paged is not None:
-        block_size = paged.shape[1] * ratio
-        blocks, in_block, inside = _entry_location(block_tables, entries[:, None], ratio, block_size)
-        keep = ((positions + 1) % ratio == 0) & inside[:, 0]
-        # Rows that must not land go to the reserved block 0 (static shapes, no synchronisation).
-        paged[torch.where(keep, blocks[:, 0], 0), torch.where(keep, in_block[:, 0], 0)] = rows.to(paged.dtype)
+        store_closed_rows(paged, rows, positions, block_tables, ratio)
     return rows
 
 
@@ -109,7 +125,7 @@ def paged_decode_attention(
     valid = key_pos >= 0
     if paged is not None:
         block_size = paged.shape[1] * ratio
-        blocks, in_block, inside = _entry_location(block_tables, entry_ids, ratio, block_size)
+        blocks, in_block, inside = entry_location(block_tables, entry_ids, ratio, block_size)
         rows = torch.cat((rows, paged[blocks, in_block].to(q.dtype)), dim=1)
         valid = torch.cat((valid, (entry_ids >= 0) & inside), dim=1)
     return sparse_attention(q, rows, valid, sink, scale)
@@ -129,5 +145,5 @@ def paged_indexer_scores(
         [num_seqs, num_entries] float32.
     """
     ids = torch.arange(num_entries, device=q.device)[None, :].expand(q.shape[0], -1)
-    blocks, in_block, _ = _entry_location(block_tables, ids, ratio, paged_keys.shape[1] * ratio)
+    blocks, in_block, _ = entry_location(block_tables, ids, ratio, paged_keys.shape[1] * ratio)
     return indexer_scores(q, paged_keys[blocks, in_block], head_weights, softmax_scale)

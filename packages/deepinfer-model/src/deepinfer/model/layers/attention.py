@@ -14,12 +14,13 @@ import torch
 from torch import Tensor, nn
 
 from deepinfer.kernels import KernelSet
+from deepinfer.kernels.reference.paged import entry_location
 
 from ..batch import ForwardBatch
 from ..cache import ModelCache
 from ..config import CSA, HCA, DeepseekV4Config
 from . import batched_decode
-from .common import RMSNorm, hadamard, linear, table_rows
+from .common import RMSNorm, hadamard, linear
 from .compressor import Compressor
 
 RowPost = Callable[[Tensor, KernelSet], Tensor]   # quantisation applied to freshly compressed rows
@@ -159,10 +160,10 @@ class Attention(nn.Module):
         ids, new_rows = comp.compress(k, g, start, ring_k, ring_g, ops, inv_freq, self.cfg.rms_norm_eps)
         if post is not None and len(ids):
             new_rows = post(new_rows, ops)
-        blocks, rows, _ = table_rows(table, ids, r, block_size)
+        blocks, rows, _ = entry_location(table, ids, r, block_size)
         paged[blocks, rows] = new_rows.to(paged.dtype)
         all_ids = torch.arange((start + x.shape[0]) // r, device=x.device)
-        blocks, rows, _ = table_rows(table, all_ids, r, block_size)
+        blocks, rows, _ = entry_location(table, all_ids, r, block_size)
         return paged[blocks, rows]
 
     def _compressed_rows(

@@ -13,10 +13,10 @@ import torch
 from torch import Tensor
 
 from deepinfer.kernels import KernelSet
+from deepinfer.kernels.reference.paged import store_closed_rows
 
 from ..batch import ForwardBatch
 from ..cache import ModelCache
-from .common import table_rows
 
 
 def _compress(comp, x: Tensor, prefix: str, paged: Tensor, batch: ForwardBatch, cache: ModelCache, ops: KernelSet,
@@ -28,12 +28,8 @@ def _compress(comp, x: Tensor, prefix: str, paged: Tensor, batch: ForwardBatch, 
     rows = ops.compress_decode(k, g, comp.ape, pos, batch.state_slots, cache.state[f"{prefix}.kv"],
                                cache.state[f"{prefix}.gate"], comp.norm.weight, inv_freq, eps, overlap=comp.overlap,
                                paged=None if post else paged, block_tables=None if post else batch.block_tables)
-    if post is None:
-        return
-    entries = (pos // comp.ratio)[:, None]
-    blocks, in_block, inside = table_rows(batch.block_tables, entries, comp.ratio, cache.spec.block_size)
-    keep = ((pos + 1) % comp.ratio == 0) & inside[:, 0]
-    paged[torch.where(keep, blocks[:, 0], 0), torch.where(keep, in_block[:, 0], 0)] = post(rows).to(paged.dtype)
+    if post is not None:
+        store_closed_rows(paged, post(rows), pos, batch.block_tables, comp.ratio)
 
 
 def attention(attn, x: Tensor, q: Tensor, kv: Tensor, index_q: Tensor | None, index_w: Tensor | None,

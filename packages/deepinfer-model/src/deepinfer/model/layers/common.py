@@ -32,17 +32,3 @@ def hadamard(dim: int, device: torch.device | str = "cpu") -> Tensor:
     while h.shape[0] < dim:
         h = torch.cat((torch.cat((h, h), 1), torch.cat((h, -h), 1)), 0)
     return (h / math.sqrt(dim)).to(device)
-
-
-def table_rows(tables: Tensor, entries: Tensor, tokens_per_row: int, block_size: int) -> tuple[Tensor, Tensor, Tensor]:
-    """Where compressed entries live: (block ids, row in block, inside the table), each shaped like `entries`.
-
-    Entry w covers tokens w·tokens_per_row …; it lives in the block holding its first token, looked up
-    in the matching row of `tables` ([max_blocks] for one sequence, [num_seqs, max_blocks] with
-    entries [num_seqs, n] for a batch). Entries past the table's width map to the reserved block 0.
-    """
-    first = entries * tokens_per_row
-    col = first // block_size
-    inside = col < tables.shape[-1]
-    blocks = tables.gather(-1, col.clamp(max=tables.shape[-1] - 1)).long()
-    return torch.where(inside, blocks, 0), (first % block_size) // tokens_per_row, inside
