@@ -110,6 +110,26 @@ def test_fused_rope_matches_reference(shape, rope_dim, inverse) -> None:
     close(got, reference.apply_rope(x, pos, inv, inverse=inverse), dtype)
 
 
+@pytest.mark.parametrize(("tokens", "heads", "dim", "weighted"), [(3, 1, 512, True), (5, 8, 512, False),
+                                                                  (2, 4, 128, True)])
+def test_fused_norm_rope_reads_column_slices_in_place(tokens, heads, dim, weighted) -> None:
+    """RMSNorm + RoPE in one kernel, and each of them alone, on a column slice of a wider tensor (a
+    stacked projection's output), against the reference composition."""
+    from deepinfer.kernels.triton_ops import apply_rope_fused, norm_rope_fused, rms_norm_fused
+
+    gen = torch.Generator().manual_seed(tokens * heads)
+    dtype = DTYPES[0]
+    wide = randn(gen, tokens, 3 * heads * dim + 16, dtype=dtype, scale=3)
+    x = wide[:, 16:16 + heads * dim].view(tokens, heads, dim) if heads > 1 else wide[:, 16:16 + dim]
+    w = 1 + randn(gen, dim, scale=0.1) if weighted else None
+    pos = torch.randint(0, 100000, (tokens,), generator=gen).to(DEVICE)
+    inv = reference.rope_inv_freq(64, 10000.0).to(DEVICE)
+    poison_allocator()
+    close(norm_rope_fused(x, w, 1e-6, pos, inv), reference.norm_rope(x, w, 1e-6, pos, inv), dtype)
+    close(rms_norm_fused(x, w, 1e-6), reference.rms_norm(x, w, 1e-6), dtype)
+    close(apply_rope_fused(x, pos, inv), reference.apply_rope(x, pos, inv), dtype)
+
+
 def _tables(gen: torch.Generator, num_seqs: int, max_blocks: int) -> torch.Tensor:
     """Disjoint random block ids ≥ 1 per sequence (block 0 is the reserved dummy)."""
     ids = torch.randperm(num_seqs * max_blocks, generator=gen) + 1
@@ -277,17 +297,39 @@ def test_fused_moe_experts_matches_reference(num_tokens, num_experts, top_k, hid
     close(clamped_swiglu_fused(x, w1, w3, w2s, 0.5), reference.clamped_swiglu(x, w1, w3, w2s, 0.5), dtype)
 
 
-GEMV_CASES = [((1, 256), 1000), ((3, 96), 64), ((2, 1, 512), 37), ((4, 1024), 4096)] + (
-    [((1, 4096), 1024), ((1, 1024), 32768), ((2, 8192), 4096), ((4, 4096), 512)] if BIG else [])
+GEMV_CASES = [((1, 256), 1000), ((3, 96), 64), ((2, 1, 512), 37), ((4, 1024), 4096), ((1, 512), 4100),
+              ((2, 300), 2050)] + (
+    [((1, 4096), 1024), ((1, 1024), 32768), ((2, 8192), 4096), ((4, 4096), 512), ((1, 4096), 4160)] if BIG else [])
+# float16 reaches the tensor-core kernel under the interpreter too (its bfloat16 dot is wrong there).
+GEMV_DTYPES = [torch.bfloat16, torch.float16, torch.float32] if CUDA else [torch.float16, torch.float32]
 
 
 @pytest.mark.parametrize(("x_shape", "n_out"), GEMV_CASES)
-@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("dtype", GEMV_DTYPES)
 def test_fused_linear_matches_reference(x_shape, n_out, dtype) -> None:
+    """Both GEMV kernels (one row / narrow outputs, and the tensor-core one), on strided inputs:
+    x a column slice of a wider tensor, the weight a block of rows of a taller one."""
     from deepinfer.kernels.triton_ops import linear_fused
 
     gen = torch.Generator().manual_seed(n_out + x_shape[-1])
-    x = randn(gen, *x_shape, dtype=dtype)
-    w = randn(gen, n_out, x_shape[-1], dtype=dtype, scale=x_shape[-1] ** -0.5)
+    k_in = x_shape[-1]
+    x = randn(gen, *x_shape[:-1], k_in + 8, dtype=dtype)[..., 8:]
+    w = randn(gen, n_out + 5, k_in, dtype=dtype, scale=k_in**-0.5)[3:n_out + 3]
     poison_allocator()
-    close(linear_fused(x, w), reference.linear(x, w), dtype)
+    got, want = linear_fused(x, w), reference.linear(x, w)
+    assert got.shape == want.shape and got.dtype == want.dtype and not torch.isnan(got).any()
+    tol = {torch.bfloat16: 3e-2, torch.float16: 3e-3, torch.float32: 1e-4}[dtype]
+    torch.testing.assert_close(got.float(), want.float(), atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("rows", [1, 3])
+def test_gemv_takes_float32_weights_for_low_precision_rows(rows) -> None:
+    """`gemv` of bfloat16 rows with a float32 weight (the mHC projection) equals the float32 product."""
+    from deepinfer.kernels.triton_ops.gemv import gemv
+
+    gen = torch.Generator().manual_seed(rows)
+    dtype = torch.bfloat16 if CUDA else torch.float16
+    x, w = randn(gen, rows, 640, dtype=dtype), randn(gen, 24, 640)
+    poison_allocator()
+    got = gemv(x, w, torch.float32)
+    close(got, x.float() @ w.t(), torch.float32)

@@ -19,9 +19,10 @@ def _triton(name: str):
 
 
 def register_builtin_backends() -> None:
-    """CUDA: Triton kernels (static shapes, CUDA-graph safe) for mHC, RMSNorm, RoPE, the batched-decode
+    """CUDA: Triton kernels (static shapes, CUDA-graph safe) for mHC, RMSNorm, RoPE (alone or fused), the batched-decode
     ops that read the cache in place, top-k, routing, the experts (grouped GEMMs: Triton for small
     batches, cuBLAS beyond) and the projections of 1–4 rows (GEMV). Everything else: the reference."""
-    for name in ("hc_pre", "hc_post", "rms_norm", "apply_rope", "compress_decode", "paged_decode_attention",
-                 "paged_indexer_scores", "topk_lowest_index", "route", "moe_experts", "clamped_swiglu", "linear"):
+    for name in ("hc_pre", "hc_post", "rms_norm", "apply_rope", "norm_rope", "compress_decode",
+                 "paged_decode_attention", "paged_indexer_scores", "topk_lowest_index", "route", "moe_experts",
+                 "clamped_swiglu", "linear"):
         register(name, "cuda", _triton(name))

@@ -13,7 +13,7 @@ from .moe import clamped_swiglu, moe_experts, route, router_scores, routing_weig
 from .norm import rms_norm
 from .paged import compress_decode, paged_decode_attention, paged_indexer_scores
 from .quant import dequant_fp8_block, dequant_mxfp4, fake_quant_fp4, fake_quant_fp8, scale_to_float
-from .rope import YarnScaling, apply_rope, rope_inv_freq
+from .rope import YarnScaling, apply_rope, norm_rope, rope_inv_freq
 
 __all__ = [
     "YarnScaling",
@@ -32,6 +32,7 @@ __all__ = [
     "indexer_scores",
     "linear",
     "moe_experts",
+    "norm_rope",
     "paged_decode_attention",
     "paged_indexer_scores",
     "rms_norm",

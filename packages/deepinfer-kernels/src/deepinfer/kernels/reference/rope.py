@@ -8,6 +8,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from .norm import rms_norm
+
 
 @dataclass(frozen=True, slots=True)
 class YarnScaling:
@@ -65,3 +67,17 @@ def apply_rope(x: Tensor, positions: Tensor, inv_freq: Tensor, *, inverse: bool 
     even, odd = rope[..., 0::2], rope[..., 1::2]
     rotated = torch.stack((even * cos - odd * sin, odd * cos + even * sin), dim=-1).flatten(-2)
     return torch.cat((x[..., :-rope_dim], rotated.to(x.dtype)), dim=-1)
+
+
+def norm_rope(x: Tensor, weight: Tensor | None, eps: float, positions: Tensor, inv_freq: Tensor) -> Tensor:
+    """RMSNorm then RoPE, as the attention applies them to queries and keys: exactly
+    `apply_rope(rms_norm(x, weight, eps), positions, inv_freq)` (the normalised values are rounded to
+    x's dtype before the rotation).
+
+    Args:
+        x: [num_tokens, ..., dim]; weight: [dim] float32 or None; positions: [num_tokens] int64;
+        inv_freq: [rope_dim // 2] float32.
+    Returns:
+        Tensor like x (same dtype).
+    """
+    return apply_rope(rms_norm(x, weight, eps), positions, inv_freq)

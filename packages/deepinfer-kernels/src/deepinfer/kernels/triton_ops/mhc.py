@@ -16,6 +16,7 @@ from torch import Tensor
 
 from .. import reference
 from ._launch import on_triton
+from .gemv import MAX_ROWS, gemv
 
 
 @triton.jit
@@ -63,7 +64,11 @@ def hc_pre_fused(
         return reference.hc_pre(streams, fn, scale, base, sinkhorn_iters=sinkhorn_iters, hc_eps=hc_eps,
                                 norm_eps=norm_eps)
     src = streams.contiguous()
-    mixes = (src.view(num_tokens, -1).float() @ fn.float().t()).contiguous()   # scaled by 1/rms in the kernel
+    flat, fn = src.view(num_tokens, -1), fn.float().contiguous()
+    if num_tokens <= MAX_ROWS:                      # float32 products of the raw rows, no cast kernel
+        mixes = gemv(flat, fn, torch.float32)      # (scaled by 1/rms in the kernel)
+    else:
+        mixes = (flat.float() @ fn.t()).contiguous()
     collapsed = torch.empty(num_tokens, dim, dtype=streams.dtype, device=streams.device)
     post = torch.empty(num_tokens, hc, dtype=torch.float32, device=streams.device)
     comb = torch.empty(num_tokens, hc, hc, dtype=torch.float32, device=streams.device)

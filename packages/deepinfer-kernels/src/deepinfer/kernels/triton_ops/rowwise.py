@@ -1,7 +1,10 @@
-"""Row-wise Triton kernels: RMSNorm and the interleaved partial RoPE, one launch each.
+"""Row-wise Triton kernel: RMSNorm, the interleaved partial RoPE, or both, in one launch.
 
-Twins of `reference.rms_norm` and `reference.apply_rope` (same signatures; float32 arithmetic,
-output in the input's dtype). Each program handles one row of the last dimension.
+Twins of `reference.rms_norm`, `reference.apply_rope` and `reference.norm_rope` (same signatures;
+float32 arithmetic, output in the input's dtype, contiguous). Each program handles one row of the
+last dimension. The input may be a strided view: rows [tokens, dim] with any token stride, or
+[tokens, heads, dim] with contiguous heads — the column slices of a stacked projection's output are
+read in place, without a copy kernel.
 """
 
 from __future__ import annotations
@@ -16,59 +19,76 @@ from ._launch import on_triton
 
 
 @triton.jit
-def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, dim, eps, HAS_WEIGHT: tl.constexpr, BLOCK: tl.constexpr):
+def _row_kernel(x_ptr, w_ptr, pos_ptr, freq_ptr, out_ptr, dim, heads, token_stride, rope_start, eps, sign,
+                NORM: tl.constexpr, HAS_WEIGHT: tl.constexpr, ROPE: tl.constexpr, BLOCK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
+    token = row // heads
+    src = x_ptr + token * token_stride + (row % heads) * dim
     d = tl.arange(0, BLOCK)
     live = d < dim
-    x = tl.load(x_ptr + row * dim + d, mask=live, other=0.0).to(tl.float32)
-    out = x * tl.rsqrt(tl.sum(x * x, axis=0) / dim + eps)
-    if HAS_WEIGHT:
-        out = tl.load(w_ptr + d, mask=live, other=0.0).to(tl.float32) * out
-    tl.store(out_ptr + row * dim + d, out.to(out_ptr.dtype.element_ty), mask=live)
+    x = tl.load(src + d, mask=live, other=0.0).to(tl.float32)
+    if ROPE:
+        in_rope = live & (d >= rope_start)
+        partner = tl.load(src + (d ^ 1), mask=in_rope, other=0.0).to(tl.float32)
+    if NORM:
+        inv_rms = tl.rsqrt(tl.sum(x * x, axis=0) / dim + eps)
+        x = x * inv_rms
+        if HAS_WEIGHT:
+            x = tl.load(w_ptr + d, mask=live, other=0.0).to(tl.float32) * x
+        x = x.to(out_ptr.dtype.element_ty).to(tl.float32)           # the norm's output, as stored
+        if ROPE:
+            partner = partner * inv_rms
+            if HAS_WEIGHT:
+                partner = tl.load(w_ptr + (d ^ 1), mask=in_rope, other=0.0).to(tl.float32) * partner
+            partner = partner.to(out_ptr.dtype.element_ty).to(tl.float32)
+    if ROPE:
+        pair = tl.where(in_rope, (d - rope_start) // 2, 0)
+        angle = tl.load(pos_ptr + token).to(tl.float32) * tl.load(freq_ptr + pair, mask=in_rope, other=0.0)
+        sin = tl.sin(angle) * sign
+        rotated = x * tl.cos(angle) + tl.where((d % 2) == 1, partner * sin, -partner * sin)
+        x = tl.where(in_rope, rotated, x)
+    tl.store(out_ptr + row * dim + d, x.to(out_ptr.dtype.element_ty), mask=live)
+
+
+def _launch(x: Tensor, weight: Tensor | None, eps: float, positions: Tensor | None, inv_freq: Tensor | None,
+            *, norm: bool, inverse: bool = False) -> Tensor:
+    dim = x.shape[-1]
+    if x.dim() == 2 and x.stride(-1) == 1:
+        src, heads = x, 1
+    elif x.dim() == 3 and x.stride(-1) == 1 and x.stride(1) == dim:
+        src, heads = x, x.shape[1]
+    else:
+        src = x.contiguous()
+        heads = src.numel() // (dim * src.shape[0]) if src.dim() > 1 else 1
+    rows = src.numel() // dim
+    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    rope = inv_freq is not None
+    _row_kernel[(rows,)](
+        src, weight if weight is not None else src, positions.contiguous() if rope else src,
+        inv_freq.float().contiguous() if rope else src, out, dim, heads, src.stride(0) if src.dim() > 1 else dim,
+        dim - 2 * inv_freq.shape[0] if rope else dim, eps, -1.0 if inverse else 1.0,
+        NORM=norm, HAS_WEIGHT=weight is not None, ROPE=rope, BLOCK=triton.next_power_of_2(dim),
+        num_warps=4 if dim <= 4096 else 8,
+    )
+    return out
 
 
 def rms_norm_fused(x: Tensor, weight: Tensor | None, eps: float) -> Tensor:
     """Same contract as `reference.rms_norm` (CUDA; other devices run the reference)."""
     if not on_triton(x) or x.numel() == 0:
         return reference.rms_norm(x, weight, eps)
-    dim = x.shape[-1]
-    src = x.contiguous()
-    out = torch.empty_like(src)
-    _rms_norm_kernel[(src.numel() // dim,)](
-        src, weight if weight is not None else src, out, dim, eps,
-        HAS_WEIGHT=weight is not None, BLOCK=triton.next_power_of_2(dim), num_warps=4 if dim <= 4096 else 8,
-    )
-    return out
-
-
-@triton.jit
-def _rope_kernel(x_ptr, pos_ptr, freq_ptr, out_ptr, dim, rows_per_token, rope_start, sign,
-                 BLOCK: tl.constexpr):
-    row = tl.program_id(0).to(tl.int64)
-    d = tl.arange(0, BLOCK)
-    live = d < dim
-    x = tl.load(x_ptr + row * dim + d, mask=live, other=0.0).to(tl.float32)
-    in_rope = live & (d >= rope_start)
-    partner = tl.load(x_ptr + row * dim + (d ^ 1), mask=in_rope, other=0.0).to(tl.float32)
-    pair = tl.where(in_rope, (d - rope_start) // 2, 0)
-    angle = tl.load(pos_ptr + row // rows_per_token).to(tl.float32) * tl.load(freq_ptr + pair, mask=in_rope, other=0.0)
-    sin = tl.sin(angle) * sign
-    odd = (d % 2) == 1
-    rotated = x * tl.cos(angle) + tl.where(odd, partner * sin, -partner * sin)
-    tl.store(out_ptr + row * dim + d, tl.where(in_rope, rotated, x).to(out_ptr.dtype.element_ty), mask=live)
+    return _launch(x, weight, eps, None, None, norm=True)
 
 
 def apply_rope_fused(x: Tensor, positions: Tensor, inv_freq: Tensor, *, inverse: bool = False) -> Tensor:
     """Same contract as `reference.apply_rope` (CUDA; other devices run the reference)."""
     if not on_triton(x) or x.numel() == 0:
         return reference.apply_rope(x, positions, inv_freq, inverse=inverse)
-    dim = x.shape[-1]
-    rope_dim = 2 * inv_freq.shape[0]
-    src = x.contiguous()
-    out = torch.empty_like(src)
-    rows = src.numel() // dim
-    _rope_kernel[(rows,)](
-        src, positions.contiguous(), inv_freq.float().contiguous(), out, dim, rows // x.shape[0], dim - rope_dim,
-        -1.0 if inverse else 1.0, BLOCK=triton.next_power_of_2(dim), num_warps=4,
-    )
-    return out
+    return _launch(x, None, 0.0, positions, inv_freq, norm=False, inverse=inverse)
+
+
+def norm_rope_fused(x: Tensor, weight: Tensor | None, eps: float, positions: Tensor, inv_freq: Tensor) -> Tensor:
+    """Same contract as `reference.norm_rope` (CUDA; other devices run the reference)."""
+    if not on_triton(x) or x.numel() == 0:
+        return reference.norm_rope(x, weight, eps, positions, inv_freq)
+    return _launch(x, weight, eps, positions, inv_freq, norm=True)

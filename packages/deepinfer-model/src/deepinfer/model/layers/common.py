@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import math
+from collections.abc import Sequence
 
 import torch
 from torch import Tensor, nn
@@ -21,6 +22,36 @@ class RMSNorm(nn.Module):
 def linear(dim_in: int, dim_out: int) -> nn.Linear:
     """A bias-free projection (weights stored [out, in])."""
     return nn.Linear(dim_in, dim_out, bias=False)
+
+
+def stacked_weight(owner: nn.Module, name: str, projections: Sequence[nn.Linear]) -> Tensor:
+    """One [Σ out, in] weight whose row blocks are the weights of `projections` (all reading the same
+    input), so that a single GEMM / GEMV computes them all; split its output with
+    `[p.out_features for p in projections]`.
+
+    The first call concatenates the weights and makes each projection's weight a view of its block
+    (no second copy); later calls return the cached tensor while those views are intact, and rebuild
+    it after a weight was replaced (e.g. by `load_state_dict(assign=True)`). Cached as the plain
+    attribute `name` of `owner` (not a parameter or buffer: checkpoints keep the official names).
+    """
+    cached = owner.__dict__.get(name)
+    if cached is not None:
+        offset = 0
+        for p in projections:
+            w = p.weight
+            if w.data_ptr() != cached[offset:].data_ptr() or w.shape[0] != p.out_features:
+                break
+            offset += p.out_features
+        else:
+            return cached
+    with torch.no_grad():
+        weight = torch.cat([p.weight for p in projections])
+    offset = 0
+    for p in projections:
+        p.weight = nn.Parameter(weight[offset:offset + p.out_features], requires_grad=p.weight.requires_grad)
+        offset += p.out_features
+    owner.__dict__[name] = weight
+    return weight
 
 
 @functools.cache

@@ -37,12 +37,10 @@ class Compressor(nn.Module):
         """Raw rows a sequence must keep: the open window (and the previous one when overlapping)."""
         return (2 if self.overlap else 1) * self.ratio
 
-    def project(self, x: Tensor, positions: Tensor) -> tuple[Tensor, Tensor]:
-        """x [num_tokens, hidden] → (k, g) each [num_tokens, mult·width] float32 (GEMMs in the model
-        dtype, as transformers does; the pooling that follows runs in float32)."""
-        k = (x @ self.wkv.weight.t()).float()
-        g = (x @ self.wgate.weight.t()).float() + self.ape[positions % self.ratio]
-        return k, g
+    def pool_inputs(self, kv: Tensor, gate: Tensor, positions: Tensor) -> tuple[Tensor, Tensor]:
+        """The projections `wkv(x)`, `wgate(x)` [num_tokens, mult·width] (model dtype, as transformers
+        computes them) → (k, g) float32, the gate with its position bias: the pooling runs in float32."""
+        return kv.float(), gate.float() + self.ape[positions % self.ratio]
 
     def compress(
         self,
