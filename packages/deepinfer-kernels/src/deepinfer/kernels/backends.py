@@ -18,11 +18,23 @@ def _triton(name: str):
     return factory
 
 
+def _linear():
+    """The projection on CUDA: TileLang's one-row GEMV where TileLang is installed (else Triton's GEMV
+    for 1–4 rows, else the reference); both hand larger batches to cuBLAS."""
+    try:
+        from .tilelang_ops import linear_tilelang
+    except ImportError:
+        return _triton("linear")()
+    return linear_tilelang
+
+
 def register_builtin_backends() -> None:
-    """CUDA: Triton kernels (static shapes, CUDA-graph safe) for mHC, RMSNorm, RoPE (alone or fused), the batched-decode
-    ops that read the cache in place, top-k, routing, the experts (grouped GEMMs: Triton for small
-    batches, cuBLAS beyond) and the projections of 1–4 rows (GEMV). Everything else: the reference."""
+    """CUDA: Triton kernels (static shapes, CUDA-graph safe) for mHC, RMSNorm, RoPE (alone or fused),
+    the batched-decode ops that read the cache in place, top-k, routing, the experts (grouped GEMMs: Triton for small
+    batches, cuBLAS beyond) and the projections of 1–4 rows (GEMV; TileLang's for one row where
+    installed). Everything else: the reference."""
     for name in ("hc_pre", "hc_post", "rms_norm", "apply_rope", "norm_rope", "compress_decode",
                  "paged_decode_attention", "paged_indexer_scores", "topk_lowest_index", "route", "moe_experts",
-                 "clamped_swiglu", "linear"):
+                 "clamped_swiglu"):
         register(name, "cuda", _triton(name))
+    register("linear", "cuda", _linear)
