@@ -76,7 +76,7 @@ def hc_pre_fused(
     _hc_pre_kernel[(num_tokens, triton.cdiv(dim, block_d))](
         src, mixes, base.float().contiguous(), scale.float().contiguous(), collapsed, post, comb, dim,
         sinkhorn_iters, hc_eps, norm_eps, HC=hc, BLOCK_D=block_d,
-        BLOCK_SQ=min(triton.next_power_of_2(dim), 8192 // hc), num_warps=8,
+        BLOCK_SQ=min(triton.next_power_of_2(dim), 8192 // hc), num_warps=2,   # H200: 5.6 µs vs 8.2 with 8 warps
     )
     return collapsed, post, comb
 
