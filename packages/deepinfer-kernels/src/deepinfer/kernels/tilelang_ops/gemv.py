@@ -28,30 +28,34 @@ _DTYPES = {torch.bfloat16: "bfloat16", torch.float16: "float16"}
 
 
 @functools.cache
-def _kernel(n_out: int, k_in: int, dtype: str):
-    """The compiled kernel for x [1, k_in] @ W[n_out, k_in]ᵀ → [1, n_out] (all `dtype`)."""
+def _kernel(n_out: int, k_in: int, dtype: str, block_n: int = BLOCK_N, threads_k: int = THREADS_K,
+            unroll: int = UNROLL):
+    """The compiled kernel for x [1, k_in] @ W[n_out, k_in]ᵀ → [1, n_out] (all `dtype`); the block
+    shape is tunable for `benchmarks/gemv_sweep.py` (n_out % block_n == 0, k_in % (threads_k · 8 ·
+    unroll) == 0)."""
+    block_k = threads_k * VEC * unroll
 
     @tilelang.jit(out_idx=[-1])
     def build():
         @T.prim_func
         def gemv(x: T.Tensor((1, k_in), dtype), w: T.Tensor((n_out, k_in), dtype), y: T.Tensor((1, n_out), dtype)):
-            with T.Kernel(n_out // BLOCK_N, threads=(THREADS_K, BLOCK_N)) as block:
+            with T.Kernel(n_out // block_n, threads=(threads_k, block_n)) as block:
                 tk = T.get_thread_binding(0)
                 tn = T.get_thread_binding(1)
-                row = block * BLOCK_N + tn
-                w_reg = T.alloc_local((UNROLL * VEC,), dtype)
-                x_reg = T.alloc_local((UNROLL * VEC,), dtype)
+                row = block * block_n + tn
+                w_reg = T.alloc_local((unroll * VEC,), dtype)
+                x_reg = T.alloc_local((unroll * VEC,), dtype)
                 partial = T.alloc_local((1,), "float32")
                 total = T.alloc_local((1,), "float32")
                 T.clear(partial)
-                for step in T.serial(k_in // BLOCK_K):
-                    for u in T.unroll(UNROLL):
+                for step in T.serial(k_in // block_k):
+                    for u in T.unroll(unroll):
                         for v in T.vectorized(VEC):
-                            w_reg[u * VEC + v] = w[row, step * BLOCK_K + (u * THREADS_K + tk) * VEC + v]
-                    for u in T.unroll(UNROLL):
+                            w_reg[u * VEC + v] = w[row, step * block_k + (u * threads_k + tk) * VEC + v]
+                    for u in T.unroll(unroll):
                         for v in T.vectorized(VEC):
-                            x_reg[u * VEC + v] = x[0, step * BLOCK_K + (u * THREADS_K + tk) * VEC + v]
-                    for i in T.unroll(UNROLL * VEC):
+                            x_reg[u * VEC + v] = x[0, step * block_k + (u * threads_k + tk) * VEC + v]
+                    for i in T.unroll(unroll * VEC):
                         partial[0] += x_reg[i].astype("float32") * w_reg[i].astype("float32")
                 with T.attr(T.comm_reducer(lambda a, b: a + b, [T.Cast("float32", 0)]), "reduce_scope",
                             T.reinterpret(T.uint64(0), dtype="handle")):
