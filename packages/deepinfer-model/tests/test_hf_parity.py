@@ -100,3 +100,23 @@ def test_prefill_in_small_query_blocks(models, monkeypatch) -> None:
     monkeypatch.setattr(attention, "PREFILL_QUERY_BLOCK", 7)       # 53 queries in 8 blocks
     ids = _prompt(53, 7)
     torch.testing.assert_close(_run(ours, ids, [53]), hf_logits(hf, ids), atol=ATOL, rtol=0)
+
+
+def test_stacked_projections_follow_reloaded_weights() -> None:
+    """The stacked projection weights are views shared with the checkpoint parameters, and are
+    rebuilt when `load_state_dict(assign=True)` replaces those parameters."""
+    from deepinfer.model.names import to_official
+
+    hf, raw = hf_model(seed=3)
+    ours = twin(hf, raw)
+    ids = _prompt(19, 3)
+    torch.testing.assert_close(_run(ours, ids, [19]), hf_logits(hf, ids), atol=ATOL, rtol=0)
+    attn = ours.layers[1].attn
+    stacked = attn.__dict__["_x_weight"]
+    assert attn.wq_a.weight.data_ptr() == stacked.data_ptr()
+    assert attn.wkv.weight.data_ptr() == stacked[attn.wq_a.out_features:].data_ptr()
+    assert "_x_weight" not in dict(ours.named_buffers()) and len(ours.state_dict()) == len(hf.state_dict())
+
+    other, _ = hf_model(seed=4)
+    ours.load_state_dict({to_official(k): v for k, v in other.state_dict().items()}, strict=True, assign=True)
+    torch.testing.assert_close(_run(ours, ids, [19]), hf_logits(other, ids), atol=ATOL, rtol=0)
