@@ -104,7 +104,7 @@ def candidates(rows: int, n: int, k: int):
     yield "previous", {"bn": bn_prev, "bk": bk_prev}, launch(
         _reduce_every_tile, (triton.cdiv(n, bn_prev),), BLOCK_M=bm, BLOCK_N=bn_prev, BLOCK_K=bk_prev, num_warps=4,
         num_stages=3)
-    strides = (k, k, n)
+    strides = (k, k, n, k, 0)          # strides, then one K range (k_split = k)
     for bn in (1, 2, 4, 8, 16, 32):
         for bk in (256, 512, 1024, 2048, 4096):
             if bk > k or n // bn < 64 or not 1024 <= bn * bk <= 8192 or (rows > 1 and bn * bk > 4096):

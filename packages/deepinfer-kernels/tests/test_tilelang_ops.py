@@ -64,3 +64,21 @@ def test_tilelang_gemv_replays_in_a_cuda_graph() -> None:
         graph.replay()
         torch.cuda.synchronize()
         torch.testing.assert_close(y.float(), reference.linear(x, w).float(), atol=2e-2, rtol=2e-2)
+
+
+def test_registry_routes_projections_and_shared_expert_through_tilelang() -> None:
+    """On CUDA with TileLang, `linear` is the TileLang GEMV and the shared expert uses it for its
+    stacked gate + up projection and its down projection (V4-Flash shapes, one token)."""
+    from deepinfer.kernels import kernels_for
+    from deepinfer.kernels.tilelang_ops import linear_tilelang
+
+    ops = kernels_for("cuda")
+    assert ops.linear is linear_tilelang and ops.clamped_swiglu.keywords["linear"] is linear_tilelang
+    gen = torch.Generator().manual_seed(11)
+    x = torch.randn(1, 4096, generator=gen).to("cuda", torch.bfloat16)
+    w13 = (torch.randn(4096, 4096, generator=gen) * 4096**-0.5).to("cuda", torch.bfloat16)
+    w2 = (torch.randn(4096, 2048, generator=gen) * 2048**-0.5).to("cuda", torch.bfloat16)
+    w1, w3 = w13[:2048], w13[2048:]
+    got = ops.clamped_swiglu(x, w1, w3, w2, 10.0)
+    torch.testing.assert_close(got.float(), reference.clamped_swiglu(x, w1, w3, w2, 10.0).float(), atol=3e-2,
+                               rtol=3e-2)

@@ -292,7 +292,10 @@ def test_fused_moe_experts_matches_reference(num_tokens, num_experts, top_k, hid
     poison_allocator()
     got = moe_experts_fused(x, ids, weights, w13, w2, 0.5)
     close(got, reference.moe_experts(x, ids, weights, w13, w2, 0.5), dtype)
-    w1, w3, w2s = w13[0, :inter], w13[0, inter:], w2[0]
+    w1, w3, w2s = w13[0, :inter], w13[0, inter:], w2[0]          # w3's rows follow w1's: one GEMV
+    poison_allocator()
+    close(clamped_swiglu_fused(x, w1, w3, w2s, 0.5), reference.clamped_swiglu(x, w1, w3, w2s, 0.5), dtype)
+    w1, w3 = w1.clone(), w3.clone()                              # apart: two
     poison_allocator()
     close(clamped_swiglu_fused(x, w1, w3, w2s, 0.5), reference.clamped_swiglu(x, w1, w3, w2s, 0.5), dtype)
 
@@ -333,3 +336,17 @@ def test_gemv_takes_float32_weights_for_low_precision_rows(rows) -> None:
     poison_allocator()
     got = gemv(x, w, torch.float32)
     close(got, x.float() @ w.t(), torch.float32)
+
+
+@pytest.mark.parametrize(("rows", "k_in", "splits"), [(1, 16384, 8), (3, 1000, 8), (2, 96, 4)])
+def test_gemv_partials_sum_to_the_product(rows, k_in, splits) -> None:
+    """Split-K partials (the mHC projection's form): at most `splits` K ranges, summing to x @ wᵀ."""
+    from deepinfer.kernels.triton_ops.gemv import gemv_partials
+
+    gen = torch.Generator().manual_seed(k_in)
+    dtype = torch.bfloat16 if CUDA else torch.float16
+    x, w = randn(gen, rows, k_in, dtype=dtype), randn(gen, 24, k_in, scale=k_in**-0.5)
+    poison_allocator()
+    parts = gemv_partials(x, w, splits)
+    assert 1 < parts.shape[0] <= splits and parts.shape[1:] == (rows, 24) and not torch.isnan(parts).any()
+    close(parts.sum(0), x.float() @ w.t(), torch.float32)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+
 from .registry import register
 
 
@@ -28,13 +30,22 @@ def _linear():
     return linear_tilelang
 
 
+def _clamped_swiglu():
+    """The shared expert on CUDA: Triton's activation kernel around the projections of `_linear`."""
+    try:
+        from .triton_ops import clamped_swiglu_fused
+    except ImportError:
+        return _triton("clamped_swiglu")()
+    return functools.partial(clamped_swiglu_fused, linear=_linear())
+
+
 def register_builtin_backends() -> None:
     """CUDA: Triton kernels (static shapes, CUDA-graph safe) for mHC, RMSNorm, RoPE (alone or fused),
     the batched-decode ops that read the cache in place, top-k, routing, the experts (grouped GEMMs: Triton for small
     batches, cuBLAS beyond) and the projections of 1–4 rows (GEMV; TileLang's for one row where
     installed). Everything else: the reference."""
     for name in ("hc_pre", "hc_post", "rms_norm", "apply_rope", "norm_rope", "compress_decode",
-                 "paged_decode_attention", "paged_indexer_scores", "topk_lowest_index", "route", "moe_experts",
-                 "clamped_swiglu"):
+                 "paged_decode_attention", "paged_indexer_scores", "topk_lowest_index", "route", "moe_experts"):
         register(name, "cuda", _triton(name))
     register("linear", "cuda", _linear)
+    register("clamped_swiglu", "cuda", _clamped_swiglu)

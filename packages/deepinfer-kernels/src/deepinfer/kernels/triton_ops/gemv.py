@@ -29,22 +29,25 @@ MAX_ROWS = 4
 
 
 @triton.jit
-def _gemv_kernel(x_ptr, w_ptr, out_ptr, rows, n_out, k_in, x_stride, w_stride, out_stride,
+def _gemv_kernel(x_ptr, w_ptr, out_ptr, rows, n_out, k_in, x_stride, w_stride, out_stride, k_split, split_stride,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """Program (n-block, s) sums k in [s·k_split, (s+1)·k_split) into out + s·split_stride."""
     n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     rows_w = w_ptr + tl.minimum(n, n_out - 1)[:, None].to(tl.int64) * w_stride    # clamped: no row mask
     m = tl.arange(0, BLOCK_M)
     mm = m < rows
+    lo = tl.program_id(1) * k_split
+    hi = tl.minimum(lo + k_split, k_in)
     acc = tl.zeros([BLOCK_M, BLOCK_N, BLOCK_K], tl.float32)
-    for k0 in range(0, k_in, BLOCK_K):
+    for k0 in range(lo, hi, BLOCK_K):
         k = k0 + tl.arange(0, BLOCK_K)
-        km = k < k_in
+        km = k < hi
         w = tl.load(rows_w + k[None, :], mask=km[None, :], other=0.0)
         x = tl.load(x_ptr + m[:, None] * x_stride + k[None, :], mask=mm[:, None] & km[None, :], other=0.0)
         acc += x.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :]
     out = tl.sum(acc, axis=2)
-    tl.store(out_ptr + m[:, None] * out_stride + n[None, :], out.to(out_ptr.dtype.element_ty),
-             mask=mm[:, None] & (n < n_out)[None, :])
+    dst = out_ptr + tl.program_id(1) * split_stride + m[:, None] * out_stride + n[None, :]
+    tl.store(dst, out.to(out_ptr.dtype.element_ty), mask=mm[:, None] & (n < n_out)[None, :])
 
 
 @triton.jit
@@ -84,11 +87,41 @@ def gemv(x: Tensor, weight: Tensor, out_dtype: torch.dtype) -> Tensor:
         _gemv_mma_kernel[(triton.cdiv(n_out, block_n),)](
             *args, BLOCK_N=block_n, BLOCK_K=256 if long_k else 128, num_warps=4, num_stages=5 if long_k else 3)
     else:
-        block_m = triton.next_power_of_2(rows)
-        block_n = min(_prev_pow2(n_out // 384), 4)
-        block_k = min(triton.next_power_of_2(k_in), (4096 if rows == 1 else 2048) // block_n)
-        _gemv_kernel[(triton.cdiv(n_out, block_n),)](
-            *args, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=4, num_stages=1)
+        _register_gemv(x, weight, out, 1)
+    return out
+
+
+def _register_plan(rows: int, n_out: int, k_in: int, splits: int) -> tuple[int, int, int, int, int]:
+    """(BLOCK_M, BLOCK_N, BLOCK_K, k_split, ranges) of `_gemv_kernel` with K cut into at most
+    `splits` ranges of k_split (a multiple of BLOCK_K)."""
+    block_m = triton.next_power_of_2(rows)
+    block_n = min(_prev_pow2(n_out // 384), 4)
+    k_split = triton.cdiv(k_in, splits)
+    block_k = min(triton.next_power_of_2(k_split), (4096 if rows == 1 else 2048) // block_n)
+    k_split = triton.cdiv(k_split, block_k) * block_k
+    return block_m, block_n, block_k, k_split, triton.cdiv(k_in, k_split)
+
+
+def _register_gemv(x: Tensor, weight: Tensor, out: Tensor, splits: int) -> None:
+    """Launch `_gemv_kernel` with K range s into out[s] (out [ranges, rows, n] or, with one
+    split, [rows, n])."""
+    rows, k_in = x.shape
+    n_out = weight.shape[0]
+    block_m, block_n, block_k, k_split, ranges = _register_plan(rows, n_out, k_in, splits)
+    _gemv_kernel[(triton.cdiv(n_out, block_n), ranges)](
+        x, weight, out, rows, n_out, k_in, x.stride(0), weight.stride(0), out.stride(-2), k_split,
+        out.stride(0) if splits > 1 else 0, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=4,
+        num_stages=1)
+
+
+def gemv_partials(x: Tensor, weight: Tensor, splits: int) -> Tensor:
+    """Split-K form of `gemv` for very narrow outputs (too few programs otherwise): [ranges ≤ splits,
+    rows, out] float32 partial products over consecutive K ranges; their sum over dim 0 is
+    x @ weightᵀ. The consumer adds them in a fixed order, so the result is deterministic."""
+    rows, k_in = x.shape
+    ranges = _register_plan(rows, weight.shape[0], k_in, splits)[-1]
+    out = torch.empty(ranges, rows, weight.shape[0], dtype=torch.float32, device=x.device)
+    _register_gemv(x, weight, out, splits)
     return out
 
 

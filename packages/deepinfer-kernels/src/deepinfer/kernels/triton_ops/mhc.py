@@ -1,7 +1,8 @@
 """mHC in two launches per site: the mixing weights + collapse, and the expansion.
 
 `hc_pre_fused`: the projection GEMM runs on the raw streams (the RMS normalisation has no weight, so
-it is a per-token scale applied after the GEMM); then programs per (token, channel chunk) compute
+it is a per-token scale applied after the GEMM) — for ≤ 4 tokens as split-K partials of the GEMV,
+which the next kernel adds up; then programs per (token, channel chunk) compute
 that scale, sigmoid pre/post, the Sinkhorn-normalised comb matrix, and their chunk of the collapsed
 stream — instead of ~90 small ops. `hc_post_fused`: one program per (token, channel block)
 expands the block output and adds the comb-mixed residual.
@@ -16,14 +17,27 @@ from torch import Tensor
 
 from .. import reference
 from ._launch import on_triton
-from .gemv import MAX_ROWS, gemv
+from .gemv import MAX_ROWS, gemv_partials
+
+_SPLITS = 8     # K ranges of the mHC projection (hc·dim long) for ≤ MAX_ROWS tokens
+
+
+@triton.jit
+def _mix(mix_ptr, offsets, split_stride, SPLITS: tl.constexpr):
+    """Sum of the SPLITS partial projections at `offsets`."""
+    total = tl.load(mix_ptr + offsets)
+    for s in tl.static_range(1, SPLITS):
+        total += tl.load(mix_ptr + s * split_stride + offsets)
+    return total
 
 
 @triton.jit
 def _hc_pre_kernel(streams_ptr, mix_ptr, base_ptr, scale_ptr, collapsed_ptr, post_ptr, comb_ptr, dim, iters, hc_eps,
-                   norm_eps, HC: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_SQ: tl.constexpr):
+                   norm_eps, split_stride, HC: tl.constexpr, SPLITS: tl.constexpr, BLOCK_D: tl.constexpr,
+                   BLOCK_SQ: tl.constexpr):
     """Program (token t, chunk) recomputes the token's weights (cheap, from L2) and collapses
-    channels chunk·BLOCK_D …; chunk 0 also stores post and comb."""
+    channels chunk·BLOCK_D …; chunk 0 also stores post and comb. The projection comes as SPLITS
+    split-K partials (split_stride apart), added here in order."""
     t = tl.program_id(0).to(tl.int64)
     chunk = tl.program_id(1)
     h = tl.arange(0, HC)
@@ -36,11 +50,13 @@ def _hc_pre_kernel(streams_ptr, mix_ptr, base_ptr, scale_ptr, collapsed_ptr, pos
     inv_rms = tl.rsqrt(tl.sum(tl.sum(squares, axis=1), axis=0) / (HC * dim) + norm_eps)
     width = (2 + HC) * HC
     mix = mix_ptr + t * width
-    pre = tl.sigmoid(tl.load(mix + h) * inv_rms * tl.load(scale_ptr) + tl.load(base_ptr + h)) + hc_eps
-    post = 2.0 * tl.sigmoid(tl.load(mix + HC + h) * inv_rms * tl.load(scale_ptr + 1) + tl.load(base_ptr + HC + h))
+    pre = tl.sigmoid(_mix(mix, h, split_stride, SPLITS) * inv_rms * tl.load(scale_ptr) + tl.load(base_ptr + h)) + hc_eps
+    post = 2.0 * tl.sigmoid(_mix(mix, HC + h, split_stride, SPLITS) * inv_rms * tl.load(scale_ptr + 1)
+                            + tl.load(base_ptr + HC + h))
     tl.store(post_ptr + t * HC + h, post, mask=(h < HC) & (chunk == 0))
     c = tl.arange(0, HC * HC)
-    logits = tl.load(mix + 2 * HC + c) * inv_rms * tl.load(scale_ptr + 2) + tl.load(base_ptr + 2 * HC + c)
+    logits = (_mix(mix, 2 * HC + c, split_stride, SPLITS) * inv_rms * tl.load(scale_ptr + 2)
+              + tl.load(base_ptr + 2 * HC + c))
     logits = tl.reshape(logits, (HC, HC))
     e = tl.exp(logits - tl.max(logits, axis=1)[:, None])
     comb = e / tl.sum(e, axis=1)[:, None] + hc_eps                # softmax over k, + eps
@@ -65,17 +81,17 @@ def hc_pre_fused(
                                 norm_eps=norm_eps)
     src = streams.contiguous()
     flat, fn = src.view(num_tokens, -1), fn.float().contiguous()
-    if num_tokens <= MAX_ROWS:                      # float32 products of the raw rows, no cast kernel
-        mixes = gemv(flat, fn, torch.float32)      # (scaled by 1/rms in the kernel)
+    if num_tokens <= MAX_ROWS:      # split-K partials of the raw rows (24 outputs: too few programs)
+        mixes = gemv_partials(flat, fn, _SPLITS)
     else:
-        mixes = (flat.float() @ fn.t()).contiguous()
+        mixes = (flat.float() @ fn.t()).contiguous()[None]
     collapsed = torch.empty(num_tokens, dim, dtype=streams.dtype, device=streams.device)
     post = torch.empty(num_tokens, hc, dtype=torch.float32, device=streams.device)
     comb = torch.empty(num_tokens, hc, hc, dtype=torch.float32, device=streams.device)
     block_d = min(triton.next_power_of_2(dim), 512)
     _hc_pre_kernel[(num_tokens, triton.cdiv(dim, block_d))](
         src, mixes, base.float().contiguous(), scale.float().contiguous(), collapsed, post, comb, dim,
-        sinkhorn_iters, hc_eps, norm_eps, HC=hc, BLOCK_D=block_d,
+        sinkhorn_iters, hc_eps, norm_eps, mixes.stride(0), HC=hc, SPLITS=mixes.shape[0], BLOCK_D=block_d,
         BLOCK_SQ=min(triton.next_power_of_2(dim), 8192 // hc), num_warps=2,   # H200: 5.6 µs vs 8.2 with 8 warps
     )
     return collapsed, post, comb

@@ -9,11 +9,13 @@
   routing weight and stores each pair's row at its original slot; a third sums each token's top-k
   rows in slot order (deterministic, no atomics). Only the active experts' weights are read. Larger
   batches use the cuBLAS grouped GEMMs of `torch_ops.moe_experts_grouped`.
-- `clamped_swiglu_fused` (the shared expert): three projections (`linear_fused`) with the activation
-  in one kernel.
+- `clamped_swiglu_fused` (the shared expert): the gate + up projections (one GEMV over the stacked
+  w1; w3), the activation in one kernel, the down projection.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 import triton
@@ -226,21 +228,42 @@ def moe_experts_fused(x: Tensor, expert_ids: Tensor, weights: Tensor, w13: Tenso
 
 
 @triton.jit
-def _swiglu_kernel(gate_ptr, up_ptr, out_ptr, numel, limit, BLOCK: tl.constexpr):
-    i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    live = i < numel
-    gate = tl.load(gate_ptr + i, mask=live, other=0.0).to(tl.float32)
-    up = tl.load(up_ptr + i, mask=live, other=0.0).to(tl.float32)
-    tl.store(out_ptr + i, _clamped_silu_mul(gate, up, limit).to(out_ptr.dtype.element_ty), mask=live)
+def _swiglu_kernel(gate_ptr, up_ptr, out_ptr, width, gate_stride, up_stride, limit, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    i = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    live = i < width
+    gate = tl.load(gate_ptr + row * gate_stride + i, mask=live, other=0.0).to(tl.float32)
+    up = tl.load(up_ptr + row * up_stride + i, mask=live, other=0.0).to(tl.float32)
+    tl.store(out_ptr + row * width + i, _clamped_silu_mul(gate, up, limit).to(out_ptr.dtype.element_ty), mask=live)
 
 
-def clamped_swiglu_fused(x: Tensor, w1: Tensor, w3: Tensor, w2: Tensor, limit: float) -> Tensor:
-    """Same contract as `reference.clamped_swiglu`: two GEMMs, one activation kernel, one GEMM."""
+def _rows_together(a: Tensor, b: Tensor) -> Tensor | None:
+    """a and b as one [2n, k] tensor when b's rows directly follow a's in memory (the model stacks
+    the shared expert's w1 and w3 so), else None."""
+    if (a.dim() != 2 or a.shape != b.shape or a.dtype != b.dtype or not (a.is_contiguous() and b.is_contiguous())
+            or a.untyped_storage().data_ptr() != b.untyped_storage().data_ptr()
+            or b.storage_offset() != a.storage_offset() + a.numel()):
+        return None
+    return a.as_strided((2 * a.shape[0], a.shape[1]), (a.shape[1], 1))
+
+
+def clamped_swiglu_fused(x: Tensor, w1: Tensor, w3: Tensor, w2: Tensor, limit: float, *,
+                         linear: Callable[[Tensor, Tensor], Tensor] = linear_fused) -> Tensor:
+    """Same contract as `reference.clamped_swiglu`: the gate and up projections (one GEMM when w3's
+    rows follow w1's in memory), one activation kernel, the down projection; `linear` is the
+    projection kernel (the registry passes TileLang's GEMV where installed)."""
     if not on_triton(x) or x.numel() == 0:
         return reference.clamped_swiglu(x, w1, w3, w2, limit)
-    gate, up = linear_fused(x, w1).contiguous(), linear_fused(x, w3).contiguous()
-    act = torch.empty_like(gate)
+    x2 = x.reshape(-1, x.shape[-1])
+    inter = w1.shape[0]
+    w13 = _rows_together(w1, w3)
+    if w13 is not None:
+        gate_up = linear(x2, w13)
+        gate, up = gate_up[:, :inter], gate_up[:, inter:]
+    else:
+        gate, up = linear(x2, w1), linear(x2, w3)
+    act = torch.empty(x2.shape[0], inter, dtype=x.dtype, device=x.device)
     block = 1024
-    _swiglu_kernel[(triton.cdiv(gate.numel(), block),)](gate, up, act, gate.numel(), limit, BLOCK=block,
-                                                          num_warps=4)
-    return linear_fused(act, w2)
+    _swiglu_kernel[(x2.shape[0], triton.cdiv(inter, block))](gate, up, act, inter, gate.stride(0), up.stride(0),
+                                                             limit, BLOCK=block, num_warps=4)
+    return linear(act, w2).view(*x.shape[:-1], w2.shape[0])

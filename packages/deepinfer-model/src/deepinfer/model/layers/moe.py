@@ -8,7 +8,7 @@ from torch import Tensor, nn
 from deepinfer.kernels import KernelSet
 
 from ..config import DeepseekV4Config
-from .common import linear
+from .common import linear, stacked_weight
 
 
 class Gate(nn.Module):
@@ -67,5 +67,6 @@ class MoE(nn.Module):
         out = ops.moe_experts(x, expert_ids, weights, self.experts.w13, self.experts.w2, cfg.swiglu_limit)
         if self.shared_experts is not None:
             s = self.shared_experts
+            stacked_weight(s, "_w13", [s.w1, s.w3])        # w3's rows right after w1's: one GEMV on GPUs
             out = out + ops.clamped_swiglu(x, s.w1.weight, s.w3.weight, s.w2.weight, cfg.swiglu_limit)
         return out
