@@ -143,6 +143,28 @@ def test_dequant_fp8_block_and_mxfp4_known_values() -> None:
         ref.dequant_fp8_block(w, torch.ones(2, 2), 2)
 
 
+def test_quant_fp8_block_round_trips_and_fp8_experts_equal_dequantised_ones() -> None:
+    w = torch.randn(300, 260, generator=_gen(30)) * 0.1
+    w[:128, :128] = 0.0                                           # an all-zero block: scale 1
+    q, scale = ref.quant_fp8_block(w, 128)
+    assert q.dtype == torch.float8_e4m3fn and scale.shape == (3, 3) and scale[0, 0] == 1.0
+    back = ref.dequant_fp8_block(q, scale, 128)
+    assert (back - w).abs().max() <= w.abs().max() / 16             # e4m3: 3 mantissa bits
+    assert back[:128, :128].abs().max() == 0 and (q.float().abs().amax() <= 448)
+
+    experts, hidden, inter, block = 4, 64, 32, 32
+    quantised = [ref.quant_fp8_block(torch.randn(2 * inter, hidden, generator=_gen(31 + e)), block)
+                 for e in range(experts)]
+    down = [ref.quant_fp8_block(torch.randn(hidden, inter, generator=_gen(41 + e)), block) for e in range(experts)]
+    w13, s13 = torch.stack([q for q, _ in quantised]), torch.stack([s for _, s in quantised])
+    w2, s2 = torch.stack([q for q, _ in down]), torch.stack([s for _, s in down])
+    x = torch.randn(5, hidden, generator=_gen(50))
+    ids, weights = torch.tensor([[0, 2], [1, 2], [3, 0], [2, 1], [0, 3]]), torch.rand(5, 2, generator=_gen(51))
+    want = ref.moe_experts(x, ids, weights, torch.stack([ref.dequant_fp8_block(q, s, block) for q, s in quantised]),
+                           torch.stack([ref.dequant_fp8_block(q, s, block) for q, s in down]), 7.0)
+    torch.testing.assert_close(ref.moe_experts_fp8(x, ids, weights, w13, s13, w2, s2, 7.0, block), want)
+
+
 def test_fake_quant_values_are_representable() -> None:
     x = torch.randn(4, 128, generator=_gen(20)) * 3
     q8 = ref.fake_quant_fp8(x, 64)

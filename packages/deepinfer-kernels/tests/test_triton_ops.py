@@ -300,6 +300,36 @@ def test_fused_moe_experts_matches_reference(num_tokens, num_experts, top_k, hid
     close(clamped_swiglu_fused(x, w1, w3, w2s, 0.5), reference.clamped_swiglu(x, w1, w3, w2s, 0.5), dtype)
 
 
+FP8_MOE_CASES = [(3, 8, 2, 64, 64, 32), (40, 8, 3, 64, 96, 32)] + (
+    [(1, 256, 6, 4096, 2048, 128), (32, 256, 6, 4096, 2048, 128)] if BIG else [])
+
+
+@pytest.mark.parametrize(("num_tokens", "num_experts", "top_k", "hidden", "inter", "block"), FP8_MOE_CASES)
+@pytest.mark.parametrize("aligned_by", ["sort kernel", "torch ops"])
+def test_fused_fp8_experts_match_reference(num_tokens, num_experts, top_k, hidden, inter, block, aligned_by,
+                                           monkeypatch) -> None:
+    """FP8 block-scaled experts: the Triton kernels against the reference (which dequantises), with
+    the pairs aligned by the one-program sort (small batches) and by torch ops (large ones)."""
+    from deepinfer.kernels.triton_ops import moe as triton_moe
+
+    if aligned_by == "torch ops":
+        monkeypatch.setattr(triton_moe, "FUSED_MAX_PAIRS", 2)
+    gen = torch.Generator().manual_seed(num_tokens * hidden + block)
+    dtype = DTYPES[0]
+    x = randn(gen, num_tokens, hidden, dtype=dtype)
+    ids = torch.stack([torch.randperm(num_experts, generator=gen)[:top_k] for _ in range(num_tokens)]).to(DEVICE)
+    weights = torch.rand(num_tokens, top_k, generator=gen).to(DEVICE)
+    w13, s13 = zip(*(reference.quant_fp8_block(torch.randn(2 * inter, hidden, generator=gen) * hidden**-0.5, block)
+                     for _ in range(num_experts)), strict=True)
+    w2, s2 = zip(*(reference.quant_fp8_block(torch.randn(hidden, inter, generator=gen) * inter**-0.5, block)
+                   for _ in range(num_experts)), strict=True)
+    args = [torch.stack(t).to(DEVICE) for t in (w13, s13, w2, s2)]
+    poison_allocator()
+    got = triton_moe.moe_experts_fp8_fused(x, ids, weights, args[0], args[1], args[2], args[3], 0.5, block)
+    want = reference.moe_experts_fp8(x, ids, weights, args[0], args[1], args[2], args[3], 0.5, block)
+    close(got, want, dtype)
+
+
 GEMV_CASES = [((1, 256), 1000), ((3, 96), 64), ((2, 1, 512), 37), ((4, 1024), 4096), ((1, 512), 4100),
               ((2, 300), 2050)] + (
     [((1, 4096), 1024), ((1, 1024), 32768), ((2, 8192), 4096), ((4, 4096), 512), ((1, 4096), 4160)] if BIG else [])

@@ -6,6 +6,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from .quant import dequant_fp8_block
+
 SCORING_FUNCS = ("sqrtsoftplus", "sigmoid", "softmax")
 
 
@@ -91,5 +93,35 @@ def moe_experts(x: Tensor, expert_ids: Tensor, weights: Tensor, w13: Tensor, w2:
         tokens = token_of[rows]
         w = w13[expert]
         y = clamped_swiglu(x[tokens], w[:inter], w[inter:], w2[expert], limit)
+        out.index_add_(0, tokens, (y * flat_weights[rows, None].to(y.dtype)).to(out.dtype))
+    return out
+
+
+def moe_experts_fp8(
+    x: Tensor, expert_ids: Tensor, weights: Tensor, w13: Tensor, w13_scale: Tensor, w2: Tensor, w2_scale: Tensor,
+    limit: float, block: int,
+) -> Tensor:
+    """`moe_experts` with FP8 block-scaled expert weights (each active expert dequantised, then the
+    same computation in x's dtype).
+
+    Args:
+        x, expert_ids, weights, limit: as `moe_experts`.
+        w13: [num_experts, 2 * inter, hidden] float8_e4m3fn; w13_scale: [num_experts, 2 * inter / block,
+            hidden / block] float32; w2: [num_experts, hidden, inter] float8_e4m3fn; w2_scale: [num_experts,
+            hidden / block, inter / block] float32; block: the scale block edge (128 for V4).
+    Returns:
+        [num_tokens, hidden] in x's dtype.
+    """
+    out = torch.zeros_like(x)
+    inter = w2.shape[-1]
+    flat_ids = expert_ids.reshape(-1)
+    token_of = torch.arange(x.shape[0], device=x.device).repeat_interleave(expert_ids.shape[1])
+    flat_weights = weights.reshape(-1)
+    for expert in torch.unique(flat_ids).tolist():
+        rows = (flat_ids == expert).nonzero(as_tuple=True)[0]
+        tokens = token_of[rows]
+        w = dequant_fp8_block(w13[expert], w13_scale[expert], block).to(x.dtype)
+        down = dequant_fp8_block(w2[expert], w2_scale[expert], block).to(x.dtype)
+        y = clamped_swiglu(x[tokens], w[:inter], w[inter:], down, limit)
         out.index_add_(0, tokens, (y * flat_weights[rows, None].to(y.dtype)).to(out.dtype))
     return out

@@ -45,6 +45,25 @@ def dequant_fp8_block(weight: Tensor, scale: Tensor, block: int) -> Tensor:
     return weight.float() * full
 
 
+def quant_fp8_block(weight: Tensor, block: int) -> tuple[Tensor, Tensor]:
+    """A float weight → FP8 e4m3 block-scaled (the inverse of `dequant_fp8_block`, up to rounding):
+    each block's scale is its absolute maximum / 448 (1 for an all-zero block), float32.
+
+    Args:
+        weight: [out, in] float; block: block edge.
+    Returns:
+        ([out, in] float8_e4m3fn, [ceil(out / block), ceil(in / block)] float32).
+    """
+    out_dim, in_dim = weight.shape
+    rows, cols = -(-out_dim // block), -(-in_dim // block)
+    padded = torch.zeros(rows * block, cols * block, dtype=torch.float32, device=weight.device)
+    padded[:out_dim, :in_dim] = weight.float()
+    amax = padded.view(rows, block, cols, block).abs().amax(dim=(1, 3))
+    scale = torch.where(amax > 0, amax / FP8_E4M3_MAX, torch.ones_like(amax))
+    full = scale.repeat_interleave(block, 0)[:out_dim].repeat_interleave(block, 1)[:, :in_dim]
+    return (weight.float() / full).to(torch.float8_e4m3fn), scale
+
+
 def dequant_mxfp4(packed: Tensor, scale: Tensor, group: int = 32) -> Tensor:
     """MXFP4 packed weight → float32.
 

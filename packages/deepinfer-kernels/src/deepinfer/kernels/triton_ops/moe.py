@@ -9,6 +9,8 @@
   routing weight and stores each pair's row at its original slot; a third sums each token's top-k
   rows in slot order (deterministic, no atomics). Only the active experts' weights are read. Larger
   batches use the cuBLAS grouped GEMMs of `torch_ops.moe_experts_grouped`.
+- `moe_experts_fp8_fused`: the same kernels on FP8 block-scaled weights (each tile converted to the
+  activations' dtype, its partial product scaled), for any batch (large ones aligned with torch ops).
 - `clamped_swiglu_fused` (the shared expert): the gate + up projections (one GEMV over the stacked
   w1; w3), the activation in one kernel, the down projection.
 """
@@ -131,11 +133,20 @@ def _clamped_silu_mul(gate, up, limit):
 
 
 @triton.jit
-def _expert_up_kernel(x_ptr, order_ptr, meta_ptr, w13_ptr, act_ptr, num_slots, hidden, inter, top_k, limit,
-                      w_expert, w_row, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                      PRECISION: tl.constexpr):
+def _scale(scale_ptr, expert, row, col, s_expert, s_row, BLOCK_S: tl.constexpr):
+    """The FP8 block scale covering weight element (row, col) of `expert`."""
+    return tl.load(scale_ptr + expert.to(tl.int64) * s_expert + (row // BLOCK_S) * s_row + col // BLOCK_S)
+
+
+@triton.jit
+def _expert_up_kernel(x_ptr, order_ptr, meta_ptr, w13_ptr, s13_ptr, act_ptr, num_slots, hidden, inter, top_k, limit,
+                      w_expert, w_row, s_expert, s_row, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                      BLOCK_K: tl.constexpr, PRECISION: tl.constexpr, SCALED: tl.constexpr, BLOCK_S: tl.constexpr):
+    """SCALED: FP8 weights, one float32 scale per BLOCK_S × BLOCK_S block (BLOCK_N, BLOCK_K divide
+    BLOCK_S, so a weight tile has one scale per half)."""
     expert, start, count = _slot(meta_ptr, num_slots)
-    n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n0 = tl.program_id(1) * BLOCK_N
+    n = n0 + tl.arange(0, BLOCK_N)
     nm = n < inter
     w1 = w13_ptr + expert.to(tl.int64) * w_expert + n[:, None] * w_row
     w3 = w1 + inter * w_row
@@ -150,20 +161,29 @@ def _expert_up_kernel(x_ptr, order_ptr, meta_ptr, w13_ptr, act_ptr, num_slots, h
             km = k < hidden
             xs = tl.load(x_ptr + tokens[:, None] * hidden + k[None, :], mask=rm[:, None] & km[None, :], other=0.0)
             wmask = nm[:, None] & km[None, :]
-            gate = tl.dot(xs, tl.trans(tl.load(w1 + k[None, :], mask=wmask, other=0.0)), gate,
-                          input_precision=PRECISION)
-            up = tl.dot(xs, tl.trans(tl.load(w3 + k[None, :], mask=wmask, other=0.0)), up, input_precision=PRECISION)
+            g = tl.trans(tl.load(w1 + k[None, :], mask=wmask, other=0.0).to(xs.dtype))
+            u = tl.trans(tl.load(w3 + k[None, :], mask=wmask, other=0.0).to(xs.dtype))
+            if SCALED:
+                gate += tl.dot(xs, g, input_precision=PRECISION) * _scale(s13_ptr, expert, n0, k0, s_expert, s_row,
+                                                                          BLOCK_S)
+                up += tl.dot(xs, u, input_precision=PRECISION) * _scale(s13_ptr, expert, inter + n0, k0, s_expert,
+                                                                        s_row, BLOCK_S)
+            else:
+                gate = tl.dot(xs, g, gate, input_precision=PRECISION)
+                up = tl.dot(xs, u, up, input_precision=PRECISION)
         act = _clamped_silu_mul(gate, up, limit)
         tl.store(act_ptr + r[:, None] * inter + n[None, :], act.to(act_ptr.dtype.element_ty),
                  mask=rm[:, None] & nm[None, :])
 
 
 @triton.jit
-def _expert_down_kernel(act_ptr, order_ptr, meta_ptr, weights_ptr, w2_ptr, y_ptr, num_slots, hidden, inter,
-                        w_expert, w_row, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                        PRECISION: tl.constexpr):
+def _expert_down_kernel(act_ptr, order_ptr, meta_ptr, weights_ptr, w2_ptr, s2_ptr, y_ptr, num_slots, hidden, inter,
+                        w_expert, w_row, s_expert, s_row, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                        BLOCK_K: tl.constexpr, PRECISION: tl.constexpr, SCALED: tl.constexpr,
+                        BLOCK_S: tl.constexpr):
     expert, start, count = _slot(meta_ptr, num_slots)
-    n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n0 = tl.program_id(1) * BLOCK_N
+    n = n0 + tl.arange(0, BLOCK_N)
     nm = n < hidden
     w2 = w2_ptr + expert.to(tl.int64) * w_expert + n[:, None] * w_row
     for m0 in range(0, count, BLOCK_M):
@@ -175,8 +195,12 @@ def _expert_down_kernel(act_ptr, order_ptr, meta_ptr, weights_ptr, w2_ptr, y_ptr
             k = k0 + tl.arange(0, BLOCK_K)
             km = k < inter
             a = tl.load(act_ptr + r[:, None] * inter + k[None, :], mask=rm[:, None] & km[None, :], other=0.0)
-            w = tl.load(w2 + k[None, :], mask=nm[:, None] & km[None, :], other=0.0)
-            acc = tl.dot(a, tl.trans(w), acc, input_precision=PRECISION)
+            w = tl.trans(tl.load(w2 + k[None, :], mask=nm[:, None] & km[None, :], other=0.0).to(a.dtype))
+            if SCALED:
+                acc += tl.dot(a, w, input_precision=PRECISION) * _scale(s2_ptr, expert, n0, k0, s_expert, s_row,
+                                                                        BLOCK_S)
+            else:
+                acc = tl.dot(a, w, acc, input_precision=PRECISION)
         acc = acc * tl.load(weights_ptr + pair, mask=rm, other=0.0)[:, None]
         tl.store(y_ptr + pair[:, None] * hidden + n[None, :], acc, mask=rm[:, None] & nm[None, :])
 
@@ -194,31 +218,71 @@ def _sum_slots_kernel(y_ptr, out_ptr, hidden, TOP_K: tl.constexpr, BLOCK: tl.con
 
 def moe_experts_fused(x: Tensor, expert_ids: Tensor, weights: Tensor, w13: Tensor, w2: Tensor, limit: float) -> Tensor:
     """Same contract as `reference.moe_experts` (CUDA-graph safe: no host synchronisation)."""
-    num_tokens, top_k = expert_ids.shape
-    pairs = num_tokens * top_k
+    pairs = expert_ids.numel()
     if (not on_triton(x) or pairs > FUSED_MAX_PAIRS or pairs == 0 or x.dtype != w13.dtype
             or not (x.is_contiguous() and w13.is_contiguous() and w2.is_contiguous())):
         return moe_experts_grouped(x, expert_ids, weights, w13, w2, limit)
+    return _experts(x, expert_ids, weights, w13, w2, limit, None, None, 0)
+
+
+def moe_experts_fp8_fused(
+    x: Tensor, expert_ids: Tensor, weights: Tensor, w13: Tensor, w13_scale: Tensor, w2: Tensor, w2_scale: Tensor,
+    limit: float, block: int,
+) -> Tensor:
+    """Same contract as `reference.moe_experts_fp8`: the expert kernels read the FP8 weights and
+    apply each block's scale to the tile's partial product (any number of pairs; above
+    `FUSED_MAX_PAIRS` the pairs are aligned with torch ops over all experts). Needs block ≥ 16, a
+    power of two, dividing the intermediate size; else the reference."""
+    tensors = (x, w13, w13_scale, w2, w2_scale)
+    if (not on_triton(x) or expert_ids.numel() == 0 or block < 16 or block & (block - 1) or w2.shape[-1] % block
+            or not all(t.is_contiguous() for t in tensors)):
+        return reference.moe_experts_fp8(x, expert_ids, weights, w13, w13_scale, w2, w2_scale, limit, block)
+    return _experts(x, expert_ids, weights, w13, w2, limit, w13_scale, w2_scale, block)
+
+
+def _align(expert_ids: Tensor, num_experts: int) -> tuple[Tensor, Tensor, int]:
+    """(order [pairs] int64: pair ids sorted by expert, stably; meta [3, slots] int32: expert id,
+    first sorted row, end row per slot; slots). Small batches: the one-program sort kernel over the
+    active experts; larger: torch ops over every expert (idle experts get empty slots)."""
+    pairs = expert_ids.numel()
+    flat = expert_ids.reshape(-1)
+    if pairs <= FUSED_MAX_PAIRS:
+        slots = min(num_experts, pairs)              # at most this many experts are active
+        order = torch.empty(pairs, dtype=torch.int64, device=flat.device)
+        scratch = torch.empty(pairs, dtype=torch.int64, device=flat.device)
+        meta = torch.empty(3, slots, dtype=torch.int32, device=flat.device)
+        block_p = max(triton.next_power_of_2(pairs), 2)
+        _align_kernel[(1,)](flat.contiguous(), order, scratch, meta, pairs, slots, BLOCK_P=block_p,
+                            BLOCK_S=triton.next_power_of_2(slots), num_warps=4 if block_p <= 512 else 8)
+        return order, meta, slots
+    order = torch.argsort(flat, stable=True)
+    counts = torch.zeros(num_experts, dtype=torch.int64, device=flat.device)
+    counts.scatter_add_(0, flat.long(), torch.ones_like(flat, dtype=torch.int64))
+    ends = torch.cumsum(counts, 0)
+    meta = torch.stack((torch.arange(num_experts, device=flat.device), ends - counts, ends)).to(torch.int32)
+    return order, meta, num_experts
+
+
+def _experts(x: Tensor, expert_ids: Tensor, weights: Tensor, w13: Tensor, w2: Tensor, limit: float,
+             w13_scale: Tensor | None, w2_scale: Tensor | None, block: int) -> Tensor:
+    num_tokens, top_k = expert_ids.shape
+    pairs = num_tokens * top_k
     num_experts, inter, hidden = w13.shape[0], w2.shape[-1], x.shape[1]
-    slots = min(num_experts, pairs)              # at most this many experts are active
-    order = torch.empty(pairs, dtype=torch.int64, device=x.device)
-    scratch = torch.empty(pairs, dtype=torch.int64, device=x.device)
-    meta = torch.empty(3, slots, dtype=torch.int32, device=x.device)
-    block_p = max(triton.next_power_of_2(pairs), 2)
-    _align_kernel[(1,)](expert_ids.contiguous(), order, scratch, meta, pairs, slots, BLOCK_P=block_p,
-                        BLOCK_S=triton.next_power_of_2(slots), num_warps=4 if block_p <= 512 else 8)
+    order, meta, slots = _align(expert_ids, num_experts)
     act = torch.empty(pairs, inter, dtype=x.dtype, device=x.device)
     y = torch.empty(pairs, hidden, dtype=torch.float32, device=x.device)
-    prec = precision(x)
-    block_m, block_n, block_k = 16, 64, 128
+    scaled = w13_scale is not None
+    block_m, block_n, block_k = 16, min(64, block) if scaled else 64, min(128, block) if scaled else 128
+    meta_args = dict(PRECISION=precision(x), SCALED=scaled, BLOCK_S=block if scaled else 1, num_warps=4, num_stages=4)
+    s13, s2 = (w13_scale, w2_scale) if scaled else (w13, w2)       # unused pointers when not scaled
     _expert_up_kernel[(slots, triton.cdiv(inter, block_n))](
-        x, order, meta, w13, act, slots, hidden, inter, top_k, limit, w13.stride(0), w13.stride(1),
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, PRECISION=prec, num_warps=4, num_stages=4,
+        x, order, meta, w13, s13, act, slots, hidden, inter, top_k, limit, w13.stride(0), w13.stride(1),
+        s13.stride(0), s13.stride(1), BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, **meta_args,
     )
     _expert_down_kernel[(slots, triton.cdiv(hidden, block_n))](
-        act, order, meta, weights.reshape(-1).float().contiguous(), w2, y, slots, hidden, inter,
-        w2.stride(0), w2.stride(1),
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, PRECISION=prec, num_warps=4, num_stages=4,
+        act, order, meta, weights.reshape(-1).float().contiguous(), w2, s2, y, slots, hidden, inter,
+        w2.stride(0), w2.stride(1), s2.stride(0), s2.stride(1),
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, **meta_args,
     )
     out = torch.empty_like(x)
     block = min(triton.next_power_of_2(hidden), 1024)
