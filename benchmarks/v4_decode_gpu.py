@@ -11,7 +11,8 @@ Decode runs at context `--context` with the cache filled with random values (the
 step's work and bytes do not depend on them) — eager and CUDA-graph replay. The roofline of a step
 is (weights touched + KV bytes read) / copy bandwidth measured in the same run; weights touched =
 attention + mHC + shared expert of every layer + the expected number of distinct routed experts
-for the batch (uniform routing: E·(1 − (1 − k/E)^B)) + the LM head.
+for the batch (uniform routing: E·(1 − (1 − k/E)^B)) + the LM head. `--fp8-experts` keeps the
+routed experts in FP8 with block-128 scales (ours only; the roofline counts the bytes as stored).
 """
 
 from __future__ import annotations
@@ -74,7 +75,9 @@ def copy_bandwidth(gib: float = 4.0) -> float:
 
 def roofline_bytes(model, cfg: DeepseekV4Config, batch: int, context: int) -> dict[str, float]:
     elem = 2
-    expert = (3 * cfg.moe_intermediate_size * cfg.hidden_size) * elem
+    experts = model.layers[0].ffn.experts                # bytes of one expert as stored (FP8: + its scales)
+    expert = sum(getattr(experts, n)[0].numel() * getattr(experts, n).element_size()
+                 for n in ("w13", "w2", "w13_scale", "w2_scale") if hasattr(experts, n))
     distinct = cfg.n_routed_experts * (1 - (1 - cfg.num_experts_per_tok / cfg.n_routed_experts) ** batch)
     dense = 0
     for name, p in model.named_parameters():
@@ -215,8 +218,9 @@ def bench_hf_prefill(model, vocab_size: int, prompt_len: int) -> dict:
 
 
 def bench_ours(cfg: DeepseekV4Config, batches: list[int], context: int, steps: int, bandwidth: float,
-               profile_batches: list[int] | None = None, prefill_len: int = 0) -> list[dict]:
-    model = build_model(cfg, device="cuda", dtype=torch.bfloat16)
+               profile_batches: list[int] | None = None, prefill_len: int = 0,
+               fp8_experts: bool = False) -> list[dict]:
+    model = build_model(cfg, device="cuda", dtype=torch.bfloat16, fp8_experts=fp8_experts)
     model.init_weights(seed=0, std=0.02)
     model.eval()
     results = []
@@ -300,6 +304,7 @@ def main() -> None:
     ap.add_argument("--profile-batches", default="", help="also profile eager decode at these batch sizes")
     ap.add_argument("--prefill-len", type=int, default=0, help="also time one prompt of this length (both engines)")
     ap.add_argument("--reference-ops", default="", help="ablation: run these ops with their reference twins")
+    ap.add_argument("--fp8-experts", action="store_true", help="routed experts in FP8 (blocks of 128), ours only")
     ap.add_argument("--out", default="decode_results.json")
     args = ap.parse_args()
     ops = kernels_for("cuda")                     # the cached set every forward uses
@@ -315,7 +320,8 @@ def main() -> None:
               "kernels": dict(ops.sources),
               "context": args.context, "copy_bandwidth_Bps": bandwidth,
               "ours": bench_ours(cfg, [int(x) for x in args.batches.split(",") if x], args.context, args.steps,
-                                 bandwidth, [int(x) for x in args.profile_batches.split(",") if x], args.prefill_len)}
+                                 bandwidth, [int(x) for x in args.profile_batches.split(",") if x], args.prefill_len,
+                                 args.fp8_experts)}
     if args.hf_batches or args.prefill_len:
         try:
             report["transformers"] = bench_hf(raw, [int(x) for x in args.hf_batches.split(",") if x], args.context, 8,

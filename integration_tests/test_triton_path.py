@@ -21,7 +21,8 @@ from deepinfer.model import ForwardBatch, ModelCache
 
 pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="needs TRITON_INTERPRET=1")
 FUSED = ("apply_rope", "clamped_swiglu", "compress_decode", "hc_post", "hc_pre", "linear", "moe_experts",
-         "paged_decode_attention", "paged_indexer_scores", "rms_norm", "route", "topk_lowest_index")
+         "moe_experts_fp8", "norm_rope", "paged_decode_attention", "paged_indexer_scores", "rms_norm", "route",
+         "topk_lowest_index")
 
 
 def planned_cache(model, block_size: int, num_blocks: int, num_slots: int) -> ModelCache:
@@ -57,3 +58,37 @@ def test_cuda_kernel_set_matches_transformers_under_the_interpreter() -> None:
             batch = ForwardBatch.build([[t] for t in nxt], positions, tables, slots, logits="last")
             assert batch.uniform_decode
             logits = ours(batch, cache, ops)
+
+
+def test_fp8_experts_through_the_cuda_kernel_set_match_the_reference_ops() -> None:
+    """A model whose routed experts are FP8 (blocks of 16): the CUDA kernel set under the interpreter
+    against the reference ops, through packed prefill and batched decode steps."""
+    pytest.importorskip("triton")
+    from deepinfer.kernels import kernels_for
+    from deepinfer.kernels.reference import quant_fp8_block
+    from deepinfer.model import DeepseekV4Config, DeepseekV4ForCausalLM
+
+    hf, raw = hf_model(seed=7)
+    raw = {**raw, "quantization_config": {"quant_method": "fp8", "weight_block_size": [16, 16]}}
+    state = dict(twin(hf, raw).state_dict())
+    for key in [k for k in state if k.endswith((".experts.w13", ".experts.w2"))]:
+        pairs = [quant_fp8_block(w, 16) for w in state[key]]
+        state[key], state[key + "_scale"] = torch.stack([q for q, _ in pairs]), torch.stack([s for _, s in pairs])
+    ours = DeepseekV4ForCausalLM(DeepseekV4Config.from_dict(raw), fp8_experts=True)
+    ours.load_state_dict(state, strict=True)
+    ours.eval()
+    gen = torch.Generator().manual_seed(7)
+    seqs = [torch.randint(0, 96, (n,), generator=gen).tolist() for n in (13, 6)]
+    tables, slots = [[3, 1, 5], [2, 4, 6]], [2, 1]
+    caches = {name: planned_cache(ours, block_size=16, num_blocks=12, num_slots=4) for name in ("cuda", "ref")}
+    kernel_sets = {"cuda": KernelSet("cuda"), "ref": kernels_for("cpu")}
+    batch = ForwardBatch.build(seqs, [0, 0], tables, slots, logits="last")
+    with torch.no_grad():
+        for step in range(4):
+            logits = {n: ours(batch, caches[n], kernel_sets[n]) for n in caches}
+            torch.testing.assert_close(logits["cuda"], logits["ref"], atol=1e-4, rtol=0, msg=f"step {step}")
+            nxt = [int(row.argmax()) for row in logits["ref"]]
+            positions = [len(s) for s in seqs]
+            for seq, t in zip(seqs, nxt, strict=True):
+                seq.append(t)
+            batch = ForwardBatch.build([[t] for t in nxt], positions, tables, slots, logits="last")

@@ -175,3 +175,99 @@ def test_only_safetensors_are_read(tiny, tmp_path) -> None:
     (tmp_path / "model.safetensors.index.json").write_text(json.dumps(index))
     with pytest.raises(WeightError, match="shard 'gone.safetensors' does not exist"):
         load_model(tmp_path)
+
+
+def _fp8_expert_config(raw: dict) -> dict:
+    """`raw` with FP8 blocks of 16 (they divide hidden 64 and the intermediate size 48)."""
+    return {**raw, "quantization_config": {"quant_method": "fp8", "weight_block_size": [16, 16]}, "expert_dtype": "fp8"}
+
+
+def _dequantised_experts_twin(model, w13, s13, w2, s2):
+    """A float twin of `model` whose routed experts are the dequantised FP8 ones (per layer)."""
+    from deepinfer.kernels.reference import dequant_fp8_block
+
+    twin_model = type(model)(model.cfg)
+    state = {k: v for k, v in model.state_dict().items() if not k.endswith(("w13_scale", "w2_scale"))}
+    for key in list(state):
+        m = re.match(r"(layers\.\d+\.ffn\.experts)\.(w13|w2)$", key)
+        if m:
+            q, s = (w13, s13) if m.group(2) == "w13" else (w2, s2)
+            state[key] = torch.stack([dequant_fp8_block(q[key][e], s[key][e], 16) for e in range(q[key].shape[0])])
+    twin_model.load_state_dict(state)
+    return twin_model.eval()
+
+
+def test_fp8_experts_stay_fp8_from_an_fp8_checkpoint(tmp_path) -> None:
+    """Official per-expert FP8 weights with float32 block scales load unchanged (bytes and scales)
+    with `fp8_experts=True`, and the model computes what its dequantised twin does; without the
+    flag the same checkpoint loads dequantised."""
+    from deepinfer.kernels.reference import quant_fp8_block
+
+    hf, raw = hf_model(seed=5)
+    raw = _fp8_expert_config(raw)
+    ours = twin(hf, raw)
+    tensors, w13, s13, w2, s2 = {}, {}, {}, {}, {}
+    for key, t in ours.state_dict().items():
+        m = re.match(r"(layers\.\d+\.ffn\.experts)\.(w13|w2)$", key)
+        if not m:
+            tensors[key] = t.detach().clone()
+            continue
+        prefix, which = m.groups()
+        qs, ss = [], []
+        for e in range(t.shape[0]):
+            half = t.shape[1] // 2
+            parts = (("w1", t[e, :half]), ("w3", t[e, half:])) if which == "w13" else (("w2", t[e]),)
+            q_e, s_e = [], []
+            for name, w in parts:
+                q, s = quant_fp8_block(w.detach(), 16)
+                tensors[f"{prefix}.{e}.{name}.weight"], tensors[f"{prefix}.{e}.{name}.scale"] = q, s
+                q_e.append(q)
+                s_e.append(s)
+            qs.append(torch.cat(q_e))
+            ss.append(torch.cat(s_e))
+        (w13 if which == "w13" else w2)[key] = torch.stack(qs)
+        (s13 if which == "w13" else s2)[key] = torch.stack(ss)
+    _write_config(tmp_path, raw)
+    save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp_path / "model.safetensors"))
+
+    loaded = load_model(tmp_path, fp8_experts=True)
+    state = loaded.state_dict()
+    for key in w13:
+        assert state[key].dtype == torch.float8_e4m3fn
+        assert torch.equal(state[key].view(torch.uint8), w13[key].view(torch.uint8))
+        assert torch.equal(state[key + "_scale"], s13[key])
+    for key in w2:
+        assert torch.equal(state[key].view(torch.uint8), w2[key].view(torch.uint8))
+        assert torch.equal(state[key + "_scale"], s2[key])
+    reference_twin = _dequantised_experts_twin(loaded, w13, s13, w2, s2)
+    ids = list(range(4, 37))
+    want = Runner(reference_twin).step({1: ids})[0]
+    torch.testing.assert_close(Runner(loaded).step({1: ids})[0], want, atol=1e-5, rtol=0)
+    torch.testing.assert_close(Runner(load_model(tmp_path)).step({1: ids})[0], want, atol=1e-5, rtol=0)
+
+
+def test_fp8_experts_quantised_on_load_from_a_float_checkpoint(tmp_path) -> None:
+    """A checkpoint with float experts (transformers names) loads with `fp8_experts=True` as
+    `quant_fp8_block` of each expert matrix; the bf16 model is built with FP8 experts too."""
+    from deepinfer.kernels.reference import quant_fp8_block
+
+    hf, raw = hf_model(seed=6)
+    raw = _fp8_expert_config(raw)
+    _write_config(tmp_path, raw)
+    save_file({k: v.contiguous() for k, v in hf.state_dict().items()}, str(tmp_path / "model.safetensors"))
+    loaded = load_model(tmp_path, fp8_experts=True)
+    ours = twin(hf, raw)
+    w13, s13, w2, s2 = {}, {}, {}, {}
+    for key, t in ours.state_dict().items():
+        if re.search(r"\.experts\.(w13|w2)$", key):
+            pairs = [quant_fp8_block(t[e].detach(), 16) for e in range(t.shape[0])]
+            q, s = torch.stack([p[0] for p in pairs]), torch.stack([p[1] for p in pairs])
+            (w13 if key.endswith("w13") else w2)[key], (s13 if key.endswith("w13") else s2)[key] = q, s
+            assert torch.equal(loaded.state_dict()[key].view(torch.uint8), q.view(torch.uint8))
+    ids = list(range(2, 30))
+    torch.testing.assert_close(Runner(loaded).step({1: ids})[0],
+                               Runner(_dequantised_experts_twin(loaded, w13, s13, w2, s2)).step({1: ids})[0],
+                               atol=1e-5, rtol=0)
+    bf16 = load_model(tmp_path, fp8_experts=True, dtype=torch.bfloat16)
+    assert bf16.layers[1].ffn.experts.w13.dtype == torch.float8_e4m3fn
+    assert bf16.layers[1].ffn.experts.w13_scale.dtype == torch.float32

@@ -28,13 +28,15 @@ def _engine_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--gpu-memory-utilization", type=float, default=None,
                         help="on CUDA: weights + cache take this fraction of the GPU")
     parser.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
+    parser.add_argument("--fp8-experts", action="store_true", help="routed experts in FP8 (block-scaled)")
 
 
 def _args(ns: argparse.Namespace) -> dict:
     return dict(model=ns.model, device=ns.device, dtype=ns.dtype, max_model_len=ns.max_model_len,
                 max_num_seqs=ns.max_num_seqs, max_num_batched_tokens=ns.max_num_batched_tokens, seed=ns.seed,
                 block_size=ns.block_size, kv_cache_memory_mb=ns.kv_cache_memory_mb,
-                gpu_memory_utilization=ns.gpu_memory_utilization, enforce_eager=ns.enforce_eager)
+                gpu_memory_utilization=ns.gpu_memory_utilization, enforce_eager=ns.enforce_eager,
+                fp8_experts=ns.fp8_experts)
 
 
 def _generate(ns: argparse.Namespace) -> int:

@@ -41,7 +41,7 @@ _HF_TO_OFFICIAL: tuple[tuple[str, str], ...] = (
     (r"\.mlp\.shared_experts\.down_proj\.", ".ffn.shared_experts.w2."),
     (r"\.mlp\.", ".ffn."),
 )
-_EXPERT = re.compile(r"^(layers\.\d+\.ffn\.experts)\.(\d+)\.(w[123])\.weight$")
+_EXPERT = re.compile(r"^(layers\.\d+\.ffn\.experts)\.(\d+)\.(w[123])\.(weight|scale)$")
 
 
 def to_official(key: str) -> str:
@@ -57,9 +57,12 @@ def to_official(key: str) -> str:
 
 
 def expert_part(key: str) -> tuple[str, int, str] | None:
-    """For an official per-expert key, (layer prefix, expert id, "w1" | "w2" | "w3"); else None."""
+    """For an official per-expert key, (layer prefix, expert id, "w1" | "w2" | "w3"); else None.
+    Also for the float32 block scale `….wN.scale` of an expert kept in FP8: part "w1.scale" etc."""
     m = _EXPERT.match(key)
-    return (m.group(1), int(m.group(2)), m.group(3)) if m else None
+    if not m:
+        return None
+    return m.group(1), int(m.group(2)), m.group(3) if m.group(4) == "weight" else f"{m.group(3)}.scale"
 
 
 def is_draft_key(key: str) -> bool:

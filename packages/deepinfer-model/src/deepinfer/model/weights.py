@@ -2,7 +2,8 @@
 
 Only safetensors are read (never pickles) and nothing from the folder is executed. FP8 block-scaled
 weights (`X.weight` e4m3 + `X.scale` or `X.weight_scale_inv`) and MXFP4 experts (int8/uint8
-`X.weight` + e8m0 `X.scale`) are dequantised on load. Every tensor is checked against the model's
+`X.weight` + e8m0 `X.scale`) are dequantised on load — except, when asked (`fp8_experts`), the
+routed experts, which stay FP8 (or are quantised to it). Every tensor is checked against the model's
 expected names and shapes before anything is assigned, so a bad checkpoint loads nothing.
 """
 
@@ -17,7 +18,7 @@ import torch
 from safetensors import safe_open
 from torch import Tensor
 
-from deepinfer.kernels.reference import dequant_fp8_block, dequant_mxfp4
+from deepinfer.kernels.reference import dequant_fp8_block, dequant_mxfp4, quant_fp8_block, scale_to_float
 
 from .config import DeepseekV4Config
 from .model import DeepseekV4ForCausalLM, build_model
@@ -81,8 +82,9 @@ def _scale_key(key: str, raw: dict[str, Tensor]) -> str | None:
     return next((stem + s for s in _SCALE_SUFFIXES if stem + s in raw), None)
 
 
-def _dequantize(raw: dict[str, Tensor], cfg: DeepseekV4Config) -> dict[str, Tensor]:
-    """Fold scale tensors into their weights; returns float tensors (or integer tables) by key."""
+def _dequantize(raw: dict[str, Tensor], cfg: DeepseekV4Config, keep_fp8_experts: bool = False) -> dict[str, Tensor]:
+    """Fold scale tensors into their weights; returns float tensors (or integer tables) by key. With
+    `keep_fp8_experts`, FP8 routed-expert weights stay FP8, their scales kept as float32 `….scale`."""
     block = cfg.quant.fp8_block if cfg.quant else 128
     scale_of = {key: _scale_key(key, raw) for key in raw}
     scales = {s for s in scale_of.values() if s is not None}
@@ -91,6 +93,11 @@ def _dequantize(raw: dict[str, Tensor], cfg: DeepseekV4Config) -> dict[str, Tens
         if key in scales:
             continue
         scale_key = scale_of[key]
+        if (keep_fp8_experts and t.dtype == torch.float8_e4m3fn and scale_key is not None
+                and expert_part(to_official(key)) is not None):
+            out[key] = t
+            out[key[: -len(".weight")] + ".scale"] = scale_to_float(raw[scale_key])
+            continue
         try:
             out[key] = _dequantize_one(t, raw[scale_key] if scale_key else None, block)
         except ValueError as err:
@@ -121,10 +128,12 @@ def _stack_experts(tensors: dict[str, Tensor], cfg: DeepseekV4Config) -> dict[st
             prefix, expert, which = hit
             parts[prefix][expert][which] = t
     for prefix, experts in parts.items():
+        fp8 = any(part.endswith(".scale") for p in experts.values() for part in p)
+        needed = ("w1", "w2", "w3") + (("w1.scale", "w2.scale", "w3.scale") if fp8 else ())
         for e in range(cfg.n_routed_experts):
-            for which in ("w1", "w2", "w3"):
+            for which in needed:
                 if which not in experts.get(e, {}):
-                    raise WeightError(f"missing {prefix}.{e}.{which}.weight")
+                    raise WeightError(f"missing {prefix}.{e}.{which}" + ("" if which.endswith(".scale") else ".weight"))
         extra = sorted(set(experts) - set(range(cfg.n_routed_experts)))
         if extra:
             raise WeightError(
@@ -133,7 +142,25 @@ def _stack_experts(tensors: dict[str, Tensor], cfg: DeepseekV4Config) -> dict[st
         ordered = [experts[e] for e in range(cfg.n_routed_experts)]
         out[f"{prefix}.w13"] = torch.stack([torch.cat((p["w1"], p["w3"]), 0) for p in ordered])
         out[f"{prefix}.w2"] = torch.stack([p["w2"] for p in ordered])
+        if fp8:
+            out[f"{prefix}.w13_scale"] = torch.stack([torch.cat((p["w1.scale"], p["w3.scale"]), 0) for p in ordered])
+            out[f"{prefix}.w2_scale"] = torch.stack([p["w2.scale"] for p in ordered])
     return out
+
+
+def _quantize_experts(backbone: dict[str, Tensor], block: int) -> None:
+    """FP8 experts from a checkpoint that stores them otherwise (bf16, or MXFP4 dequantised on load):
+    quantise each stacked expert matrix with `quant_fp8_block`, in place of the float tensors."""
+    for key in [k for k in backbone if k.endswith((".experts.w13", ".experts.w2"))]:
+        t = backbone[key]
+        if t.dtype == torch.float8_e4m3fn:
+            continue
+        try:
+            pairs = [quant_fp8_block(t[e], block) for e in range(t.shape[0])]
+        except RuntimeError as err:
+            raise WeightError(f"{key}: cannot quantise to FP8 blocks of {block}: {err}") from None
+        backbone[key] = torch.stack([q for q, _ in pairs])
+        backbone[f"{key}_scale"] = torch.stack([s for _, s in pairs])
 
 
 @dataclass(frozen=True, slots=True)
@@ -144,14 +171,19 @@ class LoadedWeights:
     draft: dict[str, Tensor]
 
 
-def load_weights(model_dir: str | Path, cfg: DeepseekV4Config) -> LoadedWeights:
-    """Read, dequantise, rename and stack a folder's weights (no checking against a model yet)."""
-    tensors = _dequantize(read_tensors(find_checkpoint(model_dir)), cfg)
+def load_weights(model_dir: str | Path, cfg: DeepseekV4Config, *, fp8_experts: bool = False) -> LoadedWeights:
+    """Read, dequantise, rename and stack a folder's weights (no checking against a model yet).
+    With `fp8_experts` the routed experts come out FP8 with float32 block scales (`experts.w13_scale`,
+    `.w2_scale`): kept as stored when the checkpoint has them in FP8, else quantised."""
+    tensors = _dequantize(read_tensors(find_checkpoint(model_dir)), cfg, fp8_experts)
     backbone, draft = {}, {}
     for key, t in tensors.items():
         name = to_official(key)
         (draft if is_draft_key(name) else backbone)[name] = t
-    return LoadedWeights(_stack_experts(backbone, cfg), draft)
+    backbone = _stack_experts(backbone, cfg)
+    if fp8_experts:
+        _quantize_experts(backbone, cfg.quant.fp8_block if cfg.quant else 128)
+    return LoadedWeights(backbone, draft)
 
 
 def load_model(
@@ -160,18 +192,20 @@ def load_model(
     dtype: torch.dtype = torch.float32,
     device: torch.device | str = "cpu",
     kv_quant: bool = False,
+    fp8_experts: bool = False,
     cfg: DeepseekV4Config | None = None,
 ) -> DeepseekV4ForCausalLM:
-    """Build the model of `model_dir` and load its weights.
+    """Build the model of `model_dir` and load its weights (`fp8_experts`: routed experts in FP8 with
+    block scales, see `DeepseekV4ForCausalLM`).
 
     Raises:
         ConfigError: bad config.json. WeightError: a missing, unexpected or mis-shaped tensor
         (nothing is loaded then).
     """
     cfg = cfg or DeepseekV4Config.from_model_dir(model_dir)
-    weights = load_weights(model_dir, cfg)
+    weights = load_weights(model_dir, cfg, fp8_experts=fp8_experts)
     with torch.device("meta"):
-        expected = DeepseekV4ForCausalLM(cfg, kv_quant=kv_quant).state_dict()
+        expected = DeepseekV4ForCausalLM(cfg, kv_quant=kv_quant, fp8_experts=fp8_experts).state_dict()
     missing = sorted(set(expected) - set(weights.backbone))
     if missing:
         k = missing[0]
@@ -183,7 +217,7 @@ def load_model(
     for key, t in weights.backbone.items():
         if tuple(t.shape) != tuple(expected[key].shape):
             raise WeightError(f"{key}: shape {tuple(t.shape)} != expected {tuple(expected[key].shape)}")
-    model = build_model(cfg, device=device, dtype=dtype, kv_quant=kv_quant)
+    model = build_model(cfg, device=device, dtype=dtype, kv_quant=kv_quant, fp8_experts=fp8_experts)
     target = model.state_dict()
     state = {key: t.to(device=device, dtype=target[key].dtype) for key, t in weights.backbone.items()}
     model.load_state_dict(state, strict=True, assign=True)

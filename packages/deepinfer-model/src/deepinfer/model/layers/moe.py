@@ -7,7 +7,7 @@ from torch import Tensor, nn
 
 from deepinfer.kernels import KernelSet
 
-from ..config import DeepseekV4Config
+from ..config import ConfigError, DeepseekV4Config
 from .common import linear, stacked_weight
 
 
@@ -26,13 +26,35 @@ class Gate(nn.Module):
 
 
 class Experts(nn.Module):
-    """Routed experts stacked: `w13` [experts, 2·inter, hidden] (w1 rows, then w3), `w2` [experts, hidden, inter]."""
+    """Routed experts stacked: `w13` [experts, 2·inter, hidden] (w1 rows, then w3), `w2` [experts, hidden, inter].
 
-    def __init__(self, cfg: DeepseekV4Config) -> None:
+    With `fp8_block` set they stay FP8 e4m3 in memory (half the bytes of bf16), with float32 block
+    scales `w13_scale` [experts, 2·inter / b, hidden / b] and `w2_scale` [experts, hidden / b, inter / b]
+    (b = fp8_block), and run through `moe_experts_fp8`."""
+
+    def __init__(self, cfg: DeepseekV4Config, fp8_block: int | None = None) -> None:
         super().__init__()
         e, i, h = cfg.n_routed_experts, cfg.moe_intermediate_size, cfg.hidden_size
-        self.w13 = nn.Parameter(torch.empty(e, 2 * i, h))
-        self.w2 = nn.Parameter(torch.empty(e, h, i))
+        self.fp8_block = fp8_block
+        if fp8_block is None:
+            self.w13 = nn.Parameter(torch.empty(e, 2 * i, h))
+            self.w2 = nn.Parameter(torch.empty(e, h, i))
+            return
+        if (2 * i) % fp8_block or i % fp8_block or h % fp8_block:
+            raise ConfigError(f"fp8 experts need moe_intermediate_size={i} and hidden_size={h} divisible by the "
+                              f"FP8 block {fp8_block}")
+        fp8 = torch.float8_e4m3fn
+        self.w13 = nn.Parameter(torch.empty(e, 2 * i, h, dtype=fp8), requires_grad=False)
+        self.w2 = nn.Parameter(torch.empty(e, h, i, dtype=fp8), requires_grad=False)
+        self.w13_scale = nn.Parameter(torch.empty(e, 2 * i // fp8_block, h // fp8_block), requires_grad=False)
+        self.w2_scale = nn.Parameter(torch.empty(e, h // fp8_block, i // fp8_block), requires_grad=False)
+
+    def forward(self, x: Tensor, expert_ids: Tensor, weights: Tensor, limit: float, ops: KernelSet) -> Tensor:
+        """x [num_tokens, hidden]; expert_ids, weights [num_tokens, top_k] → [num_tokens, hidden]."""
+        if self.fp8_block is None:
+            return ops.moe_experts(x, expert_ids, weights, self.w13, self.w2, limit)
+        return ops.moe_experts_fp8(x, expert_ids, weights, self.w13, self.w13_scale, self.w2, self.w2_scale, limit,
+                                   self.fp8_block)
 
 
 class SharedExpert(nn.Module):
@@ -45,11 +67,11 @@ class SharedExpert(nn.Module):
 class MoE(nn.Module):
     """`gate`, `experts`, `shared_experts` (official names)."""
 
-    def __init__(self, cfg: DeepseekV4Config, layer: int) -> None:
+    def __init__(self, cfg: DeepseekV4Config, layer: int, fp8_block: int | None = None) -> None:
         super().__init__()
         self.cfg = cfg
         self.gate = Gate(cfg, hashed=layer < cfg.num_hash_layers)
-        self.experts = Experts(cfg)
+        self.experts = Experts(cfg, fp8_block)
         self.shared_experts = SharedExpert(cfg) if cfg.n_shared_experts else None
 
     def forward(self, x: Tensor, token_ids: Tensor, ops: KernelSet) -> Tensor:
@@ -64,7 +86,7 @@ class MoE(nn.Module):
             expert_ids, weights = ops.route(logits, self.gate.bias, cfg.num_experts_per_tok,
                                             scoring_func=cfg.scoring_func, normalize=cfg.norm_topk_prob,
                                             scaling=cfg.routed_scaling_factor)
-        out = ops.moe_experts(x, expert_ids, weights, self.experts.w13, self.experts.w2, cfg.swiglu_limit)
+        out = self.experts(x, expert_ids, weights, cfg.swiglu_limit, ops)
         if self.shared_experts is not None:
             s = self.shared_experts
             stacked_weight(s, "_w13", [s.w1, s.w3])        # w3's rows right after w1's: one GEMV on GPUs
