@@ -165,6 +165,26 @@ def test_quant_fp8_block_round_trips_and_fp8_experts_equal_dequantised_ones() ->
     torch.testing.assert_close(ref.moe_experts_fp8(x, ids, weights, w13, s13, w2, s2, 7.0, block), want)
 
 
+def test_quant_mxfp4_is_fake_quant_fp4_and_mxfp4_experts_equal_dequantised_ones() -> None:
+    w = torch.randn(6, 64, generator=_gen(60)) * 0.3
+    packed, scale = ref.quant_mxfp4(w)
+    assert packed.dtype == scale.dtype == torch.uint8 and packed.shape == (6, 32) and scale.shape == (6, 2)
+    torch.testing.assert_close(ref.dequant_mxfp4(packed, scale), ref.fake_quant_fp4(w, 32), atol=0, rtol=0)
+    with pytest.raises(ValueError, match="in=40 divisible by the group 32"):
+        ref.quant_mxfp4(torch.ones(2, 40))
+
+    experts, hidden, inter = 3, 64, 32
+    up = [ref.quant_mxfp4(torch.randn(2 * inter, hidden, generator=_gen(61 + e))) for e in range(experts)]
+    down = [ref.quant_mxfp4(torch.randn(hidden, inter, generator=_gen(71 + e))) for e in range(experts)]
+    x = torch.randn(4, hidden, generator=_gen(80))
+    ids, weights = torch.tensor([[0, 2], [1, 2], [2, 0], [1, 0]]), torch.rand(4, 2, generator=_gen(81))
+    want = ref.moe_experts(x, ids, weights, torch.stack([ref.dequant_mxfp4(p, s) for p, s in up]),
+                           torch.stack([ref.dequant_mxfp4(p, s) for p, s in down]), 7.0)
+    got = ref.moe_experts_mxfp4(x, ids, weights, torch.stack([p for p, _ in up]), torch.stack([s for _, s in up]),
+                                torch.stack([p for p, _ in down]), torch.stack([s for _, s in down]), 7.0)
+    torch.testing.assert_close(got, want)
+
+
 def test_fake_quant_values_are_representable() -> None:
     x = torch.randn(4, 128, generator=_gen(20)) * 3
     q8 = ref.fake_quant_fp8(x, 64)

@@ -330,6 +330,31 @@ def test_fused_fp8_experts_match_reference(num_tokens, num_experts, top_k, hidde
     close(got, want, dtype)
 
 
+@pytest.mark.parametrize(("num_tokens", "num_experts", "top_k", "hidden", "inter"),
+                         [(3, 8, 2, 64, 64), (40, 8, 3, 128, 96)] + ([(32, 256, 6, 4096, 2048)] if BIG else []))
+@pytest.mark.parametrize("aligned_by", ["sort kernel", "torch ops"])
+def test_fused_mxfp4_experts_match_reference(num_tokens, num_experts, top_k, hidden, inter, aligned_by,
+                                             monkeypatch) -> None:
+    """MXFP4 experts: the Triton kernels (codes decoded and scaled per tile) against the reference."""
+    from deepinfer.kernels.triton_ops import moe as triton_moe
+
+    if aligned_by == "torch ops":
+        monkeypatch.setattr(triton_moe, "FUSED_MAX_PAIRS", 2)
+    gen = torch.Generator().manual_seed(num_tokens * hidden + inter)
+    dtype = DTYPES[0]
+    x = randn(gen, num_tokens, hidden, dtype=dtype)
+    ids = torch.stack([torch.randperm(num_experts, generator=gen)[:top_k] for _ in range(num_tokens)]).to(DEVICE)
+    weights = torch.rand(num_tokens, top_k, generator=gen).to(DEVICE)
+    w13, s13 = zip(*(reference.quant_mxfp4(torch.randn(2 * inter, hidden, generator=gen) * hidden**-0.5)
+                     for _ in range(num_experts)), strict=True)
+    w2, s2 = zip(*(reference.quant_mxfp4(torch.randn(hidden, inter, generator=gen) * inter**-0.5)
+                   for _ in range(num_experts)), strict=True)
+    args = [torch.stack(t).to(DEVICE) for t in (w13, s13, w2, s2)]
+    poison_allocator()
+    got = triton_moe.moe_experts_mxfp4_fused(x, ids, weights, *args, 0.5)
+    close(got, reference.moe_experts_mxfp4(x, ids, weights, *args, 0.5), dtype)
+
+
 GEMV_CASES = [((1, 256), 1000), ((3, 96), 64), ((2, 1, 512), 37), ((4, 1024), 4096), ((1, 512), 4100),
               ((2, 300), 2050)] + (
     [((1, 4096), 1024), ((1, 1024), 32768), ((2, 8192), 4096), ((4, 4096), 512), ((1, 4096), 4160)] if BIG else [])

@@ -47,7 +47,7 @@ def register_builtin_backends() -> None:
     reference."""
     for name in ("hc_pre", "hc_post", "rms_norm", "apply_rope", "norm_rope", "compress_decode",
                  "paged_decode_attention", "paged_indexer_scores", "topk_lowest_index", "route", "moe_experts",
-                 "moe_experts_fp8"):
+                 "moe_experts_fp8", "moe_experts_mxfp4"):
         register(name, "cuda", _triton(name))
     register("linear", "cuda", _linear)
     register("clamped_swiglu", "cuda", _clamped_swiglu)

@@ -9,10 +9,27 @@ from .compressor import compress_pool
 from .indexer import indexer_scores, topk_lowest_index
 from .linear import linear
 from .mhc import hc_head, hc_post, hc_pre
-from .moe import clamped_swiglu, moe_experts, moe_experts_fp8, route, router_scores, routing_weights, select_experts
+from .moe import (
+    clamped_swiglu,
+    moe_experts,
+    moe_experts_fp8,
+    moe_experts_mxfp4,
+    route,
+    router_scores,
+    routing_weights,
+    select_experts,
+)
 from .norm import rms_norm
 from .paged import compress_decode, paged_decode_attention, paged_indexer_scores
-from .quant import dequant_fp8_block, dequant_mxfp4, fake_quant_fp4, fake_quant_fp8, quant_fp8_block, scale_to_float
+from .quant import (
+    dequant_fp8_block,
+    dequant_mxfp4,
+    fake_quant_fp4,
+    fake_quant_fp8,
+    quant_fp8_block,
+    quant_mxfp4,
+    scale_to_float,
+)
 from .rope import YarnScaling, apply_rope, norm_rope, rope_inv_freq
 
 __all__ = [
@@ -33,10 +50,12 @@ __all__ = [
     "linear",
     "moe_experts",
     "moe_experts_fp8",
+    "moe_experts_mxfp4",
     "norm_rope",
     "paged_decode_attention",
     "paged_indexer_scores",
     "quant_fp8_block",
+    "quant_mxfp4",
     "rms_norm",
     "rope_inv_freq",
     "route",

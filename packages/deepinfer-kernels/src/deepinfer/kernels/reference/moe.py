@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from .quant import dequant_fp8_block
+from .quant import dequant_fp8_block, dequant_mxfp4
 
 SCORING_FUNCS = ("sqrtsoftplus", "sigmoid", "softmax")
 
@@ -122,6 +122,36 @@ def moe_experts_fp8(
         tokens = token_of[rows]
         w = dequant_fp8_block(w13[expert], w13_scale[expert], block).to(x.dtype)
         down = dequant_fp8_block(w2[expert], w2_scale[expert], block).to(x.dtype)
+        y = clamped_swiglu(x[tokens], w[:inter], w[inter:], down, limit)
+        out.index_add_(0, tokens, (y * flat_weights[rows, None].to(y.dtype)).to(out.dtype))
+    return out
+
+
+def moe_experts_mxfp4(
+    x: Tensor, expert_ids: Tensor, weights: Tensor, w13: Tensor, w13_scale: Tensor, w2: Tensor, w2_scale: Tensor,
+    limit: float,
+) -> Tensor:
+    """`moe_experts` with MXFP4 expert weights (each active expert dequantised, then the same
+    computation in x's dtype).
+
+    Args:
+        x, expert_ids, weights, limit: as `moe_experts`.
+        w13: [num_experts, 2 * inter, hidden / 2] uint8, two e2m1 codes per byte (low nibble first);
+            w13_scale: [num_experts, 2 * inter, hidden / 32] uint8-coded e8m0; w2: [num_experts, hidden,
+            inter / 2] uint8; w2_scale: [num_experts, hidden, inter / 32] uint8-coded e8m0.
+    Returns:
+        [num_tokens, hidden] in x's dtype.
+    """
+    out = torch.zeros_like(x)
+    inter = w2.shape[-1] * 2
+    flat_ids = expert_ids.reshape(-1)
+    token_of = torch.arange(x.shape[0], device=x.device).repeat_interleave(expert_ids.shape[1])
+    flat_weights = weights.reshape(-1)
+    for expert in torch.unique(flat_ids).tolist():
+        rows = (flat_ids == expert).nonzero(as_tuple=True)[0]
+        tokens = token_of[rows]
+        w = dequant_mxfp4(w13[expert], w13_scale[expert]).to(x.dtype)
+        down = dequant_mxfp4(w2[expert], w2_scale[expert]).to(x.dtype)
         y = clamped_swiglu(x[tokens], w[:inter], w[inter:], down, limit)
         out.index_add_(0, tokens, (y * flat_weights[rows, None].to(y.dtype)).to(out.dtype))
     return out

@@ -120,8 +120,30 @@ def fake_quant_fp4(x: Tensor, block: int = 32) -> Tensor:
         Tensor like x holding FP4-representable values times their block scales.
     """
     grid = torch.tensor(E2M1_VALUES, dtype=torch.float32, device=x.device)
+    return _fake_quant(x, block, FP4_E2M1_MAX, lambda v: grid[_nearest_e2m1(v)] * torch.sign(v))
 
-    def nearest(v: Tensor) -> Tensor:
-        return grid[(v.abs().unsqueeze(-1) - grid).abs().argmin(-1)] * torch.sign(v)
 
-    return _fake_quant(x, block, FP4_E2M1_MAX, nearest)
+def _nearest_e2m1(v: Tensor) -> Tensor:
+    """Index (0–7) of the e2m1 magnitude nearest |v| (an exact tie takes the smaller one)."""
+    grid = torch.tensor(E2M1_VALUES, dtype=torch.float32, device=v.device)
+    return (v.abs().unsqueeze(-1) - grid).abs().argmin(-1)
+
+
+def quant_mxfp4(weight: Tensor, group: int = 32) -> tuple[Tensor, Tensor]:
+    """A float weight → MXFP4 (the inverse of `dequant_mxfp4`, up to rounding): per `group` inputs a
+    power-of-two scale 2^ceil(log2(absmax / 6)), each value the nearest e2m1 code times it.
+
+    Args:
+        weight: [out, in] float, in divisible by `group` (even).
+    Returns:
+        (packed [out, in / 2] uint8, low nibble first; scale [out, in / group] uint8-coded e8m0).
+    """
+    out_dim, in_dim = weight.shape
+    if in_dim % group or group % 2:
+        raise ValueError(f"mxfp4 needs in={in_dim} divisible by the group {group} (even)")
+    groups = weight.float().reshape(out_dim, in_dim // group, group)
+    scale = _pow2_scale(groups.abs().amax(-1, keepdim=True), FP4_E2M1_MAX)
+    scaled = (groups / scale).clamp(-FP4_E2M1_MAX, FP4_E2M1_MAX).reshape(out_dim, in_dim)
+    codes = (_nearest_e2m1(scaled) | torch.where(scaled < 0, 8, 0)).to(torch.uint8)
+    packed = codes[:, 0::2] | (codes[:, 1::2] << 4)
+    return packed, (torch.log2(scale.squeeze(-1)) + 127).to(torch.uint8)

@@ -9,8 +9,10 @@
   routing weight and stores each pair's row at its original slot; a third sums each token's top-k
   rows in slot order (deterministic, no atomics). Only the active experts' weights are read. Larger
   batches use the cuBLAS grouped GEMMs of `torch_ops.moe_experts_grouped`.
-- `moe_experts_fp8_fused`: the same kernels on FP8 block-scaled weights (each tile converted to the
-  activations' dtype, its partial product scaled), for any batch (large ones aligned with torch ops).
+- `moe_experts_fp8_fused` / `moe_experts_mxfp4_fused`: the same kernels on FP8 block-scaled weights
+  (each tile converted to the activations' dtype, its partial product scaled) or MXFP4 ones (each
+  tile's e2m1 codes decoded and scaled per 32 inputs), for any batch (large ones aligned with torch
+  ops).
 - `clamped_swiglu_fused` (the shared expert): the gate + up projections (one GEMV over the stacked
   w1; w3), the activation in one kernel, the down projection.
 """
@@ -132,6 +134,9 @@ def _clamped_silu_mul(gate, up, limit):
     return gate / (1.0 + tl.exp(-gate)) * tl.minimum(tl.maximum(up, -limit), limit)
 
 
+PLAIN, FP8_BLOCK, MXFP4 = 0, 1, 2          # weight formats of the expert kernels
+
+
 @triton.jit
 def _scale(scale_ptr, expert, row, col, s_expert, s_row, BLOCK_S: tl.constexpr):
     """The FP8 block scale covering weight element (row, col) of `expert`."""
@@ -139,17 +144,50 @@ def _scale(scale_ptr, expert, row, col, s_expert, s_row, BLOCK_S: tl.constexpr):
 
 
 @triton.jit
+def _e2m1(code):
+    """FP4 e2m1 codes (uint8 0–15, bit 3 the sign) → float32 values."""
+    c = code.to(tl.int32)
+    m = c & 7
+    half = (m & 1).to(tl.float32) * 0.5
+    mag = tl.where(m < 2, half, tl.exp2(((m >> 1) - 1).to(tl.float32)) * (1.0 + half))
+    return tl.where(c >= 8, -mag, mag)
+
+
+@triton.jit
+def _weight_tile(w_rows, s_rows, k0, k_in, nm, dtype, FORMAT: tl.constexpr, BLOCK_K: tl.constexpr):
+    """Columns k0 … k0 + BLOCK_K of the weight rows at `w_rows` ([BLOCK_N, 1] pointers) in `dtype`:
+    as stored (FP8 converted; its block scale is the caller's), or MXFP4 bytes decoded (two codes per
+    byte, low nibble first) and scaled by their e8m0 group scales (`s_rows`, one per 32 columns)."""
+    if FORMAT == 2:
+        kp = k0 // 2 + tl.arange(0, BLOCK_K // 2)
+        packed = tl.load(w_rows + kp[None, :], mask=nm[:, None] & (kp < k_in // 2)[None, :], other=0)
+        values = tl.interleave(_e2m1(packed & 0xF), _e2m1(packed >> 4))
+        g = k0 // 32 + tl.arange(0, BLOCK_K // 32)
+        scale = tl.load(s_rows + g[None, :], mask=nm[:, None] & (g < k_in // 32)[None, :], other=127)
+        scale = tl.exp2(scale.to(tl.float32) - 127.0)
+        rows: tl.constexpr = values.shape[0]
+        values = tl.reshape(tl.reshape(values, (rows, BLOCK_K // 32, 32)) * scale[:, :, None], (rows, BLOCK_K))
+        return values.to(dtype)
+    else:
+        k = k0 + tl.arange(0, BLOCK_K)
+        return tl.load(w_rows + k[None, :], mask=nm[:, None] & (k < k_in)[None, :], other=0.0).to(dtype)
+
+
+@triton.jit
 def _expert_up_kernel(x_ptr, order_ptr, meta_ptr, w13_ptr, s13_ptr, act_ptr, num_slots, hidden, inter, top_k, limit,
                       w_expert, w_row, s_expert, s_row, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                      BLOCK_K: tl.constexpr, PRECISION: tl.constexpr, SCALED: tl.constexpr, BLOCK_S: tl.constexpr):
-    """SCALED: FP8 weights, one float32 scale per BLOCK_S × BLOCK_S block (BLOCK_N, BLOCK_K divide
-    BLOCK_S, so a weight tile has one scale per half)."""
+                      BLOCK_K: tl.constexpr, PRECISION: tl.constexpr, FORMAT: tl.constexpr, BLOCK_S: tl.constexpr):
+    """FORMAT FP8_BLOCK: one float32 scale per BLOCK_S × BLOCK_S block (BLOCK_N, BLOCK_K divide
+    BLOCK_S, so each weight tile has one, applied to the tile's partial product); MXFP4: packed rows
+    (`w_row` bytes apart) with uint8 e8m0 scales per 32 inputs (`s_row` apart)."""
     expert, start, count = _slot(meta_ptr, num_slots)
     n0 = tl.program_id(1) * BLOCK_N
     n = n0 + tl.arange(0, BLOCK_N)
     nm = n < inter
     w1 = w13_ptr + expert.to(tl.int64) * w_expert + n[:, None] * w_row
     w3 = w1 + inter * w_row
+    s1 = s13_ptr + expert.to(tl.int64) * s_expert + n[:, None] * s_row
+    s3 = s1 + inter * s_row
     for m0 in range(0, count, BLOCK_M):
         r = start + m0 + tl.arange(0, BLOCK_M)
         rm = m0 + tl.arange(0, BLOCK_M) < count
@@ -158,12 +196,11 @@ def _expert_up_kernel(x_ptr, order_ptr, meta_ptr, w13_ptr, s13_ptr, act_ptr, num
         up = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
         for k0 in range(0, hidden, BLOCK_K):
             k = k0 + tl.arange(0, BLOCK_K)
-            km = k < hidden
-            xs = tl.load(x_ptr + tokens[:, None] * hidden + k[None, :], mask=rm[:, None] & km[None, :], other=0.0)
-            wmask = nm[:, None] & km[None, :]
-            g = tl.trans(tl.load(w1 + k[None, :], mask=wmask, other=0.0).to(xs.dtype))
-            u = tl.trans(tl.load(w3 + k[None, :], mask=wmask, other=0.0).to(xs.dtype))
-            if SCALED:
+            xs = tl.load(x_ptr + tokens[:, None] * hidden + k[None, :], mask=rm[:, None] & (k < hidden)[None, :],
+                         other=0.0)
+            g = tl.trans(_weight_tile(w1, s1, k0, hidden, nm, xs.dtype, FORMAT, BLOCK_K))
+            u = tl.trans(_weight_tile(w3, s3, k0, hidden, nm, xs.dtype, FORMAT, BLOCK_K))
+            if FORMAT == 1:
                 gate += tl.dot(xs, g, input_precision=PRECISION) * _scale(s13_ptr, expert, n0, k0, s_expert, s_row,
                                                                           BLOCK_S)
                 up += tl.dot(xs, u, input_precision=PRECISION) * _scale(s13_ptr, expert, inter + n0, k0, s_expert,
@@ -179,13 +216,14 @@ def _expert_up_kernel(x_ptr, order_ptr, meta_ptr, w13_ptr, s13_ptr, act_ptr, num
 @triton.jit
 def _expert_down_kernel(act_ptr, order_ptr, meta_ptr, weights_ptr, w2_ptr, s2_ptr, y_ptr, num_slots, hidden, inter,
                         w_expert, w_row, s_expert, s_row, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                        BLOCK_K: tl.constexpr, PRECISION: tl.constexpr, SCALED: tl.constexpr,
+                        BLOCK_K: tl.constexpr, PRECISION: tl.constexpr, FORMAT: tl.constexpr,
                         BLOCK_S: tl.constexpr):
     expert, start, count = _slot(meta_ptr, num_slots)
     n0 = tl.program_id(1) * BLOCK_N
     n = n0 + tl.arange(0, BLOCK_N)
     nm = n < hidden
     w2 = w2_ptr + expert.to(tl.int64) * w_expert + n[:, None] * w_row
+    s2 = s2_ptr + expert.to(tl.int64) * s_expert + n[:, None] * s_row
     for m0 in range(0, count, BLOCK_M):
         r = start + m0 + tl.arange(0, BLOCK_M)
         rm = m0 + tl.arange(0, BLOCK_M) < count
@@ -193,10 +231,9 @@ def _expert_down_kernel(act_ptr, order_ptr, meta_ptr, weights_ptr, w2_ptr, s2_pt
         acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
         for k0 in range(0, inter, BLOCK_K):
             k = k0 + tl.arange(0, BLOCK_K)
-            km = k < inter
-            a = tl.load(act_ptr + r[:, None] * inter + k[None, :], mask=rm[:, None] & km[None, :], other=0.0)
-            w = tl.trans(tl.load(w2 + k[None, :], mask=nm[:, None] & km[None, :], other=0.0).to(a.dtype))
-            if SCALED:
+            a = tl.load(act_ptr + r[:, None] * inter + k[None, :], mask=rm[:, None] & (k < inter)[None, :], other=0.0)
+            w = tl.trans(_weight_tile(w2, s2, k0, inter, nm, a.dtype, FORMAT, BLOCK_K))
+            if FORMAT == 1:
                 acc += tl.dot(a, w, input_precision=PRECISION) * _scale(s2_ptr, expert, n0, k0, s_expert, s_row,
                                                                         BLOCK_S)
             else:
@@ -222,7 +259,7 @@ def moe_experts_fused(x: Tensor, expert_ids: Tensor, weights: Tensor, w13: Tenso
     if (not on_triton(x) or pairs > FUSED_MAX_PAIRS or pairs == 0 or x.dtype != w13.dtype
             or not (x.is_contiguous() and w13.is_contiguous() and w2.is_contiguous())):
         return moe_experts_grouped(x, expert_ids, weights, w13, w2, limit)
-    return _experts(x, expert_ids, weights, w13, w2, limit, None, None, 0)
+    return _experts(x, expert_ids, weights, w13, w2, limit, PLAIN, w13, w2, 1, w2.shape[-1])
 
 
 def moe_experts_fp8_fused(
@@ -237,7 +274,23 @@ def moe_experts_fp8_fused(
     if (not on_triton(x) or expert_ids.numel() == 0 or block < 16 or block & (block - 1) or w2.shape[-1] % block
             or not all(t.is_contiguous() for t in tensors)):
         return reference.moe_experts_fp8(x, expert_ids, weights, w13, w13_scale, w2, w2_scale, limit, block)
-    return _experts(x, expert_ids, weights, w13, w2, limit, w13_scale, w2_scale, block)
+    return _experts(x, expert_ids, weights, w13, w2, limit, FP8_BLOCK, w13_scale, w2_scale, block, w2.shape[-1])
+
+
+def moe_experts_mxfp4_fused(
+    x: Tensor, expert_ids: Tensor, weights: Tensor, w13: Tensor, w13_scale: Tensor, w2: Tensor, w2_scale: Tensor,
+    limit: float,
+) -> Tensor:
+    """Same contract as `reference.moe_experts_mxfp4`: the expert kernels decode the packed e2m1
+    codes and their e8m0 group scales tile by tile (any number of pairs). Needs hidden and
+    intermediate sizes divisible by 32 and uint8-coded scales; else the reference."""
+    tensors = (x, w13, w13_scale, w2, w2_scale)
+    inter, hidden = 2 * w2.shape[-1], x.shape[-1]
+    if (not on_triton(x) or expert_ids.numel() == 0 or inter % 32 or hidden % 32 or w13_scale.dtype != torch.uint8
+            or w2_scale.dtype != torch.uint8 or not all(t.is_contiguous() for t in tensors)):
+        return reference.moe_experts_mxfp4(x, expert_ids, weights, w13, w13_scale, w2, w2_scale, limit)
+    return _experts(x, expert_ids, weights, w13.view(torch.uint8), w2.view(torch.uint8), limit, MXFP4, w13_scale,
+                    w2_scale, 32, inter)
 
 
 def _align(expert_ids: Tensor, num_experts: int) -> tuple[Tensor, Tensor, int]:
@@ -263,18 +316,19 @@ def _align(expert_ids: Tensor, num_experts: int) -> tuple[Tensor, Tensor, int]:
     return order, meta, num_experts
 
 
-def _experts(x: Tensor, expert_ids: Tensor, weights: Tensor, w13: Tensor, w2: Tensor, limit: float,
-             w13_scale: Tensor | None, w2_scale: Tensor | None, block: int) -> Tensor:
+def _experts(x: Tensor, expert_ids: Tensor, weights: Tensor, w13: Tensor, w2: Tensor, limit: float, fmt: int,
+             s13: Tensor, s2: Tensor, block: int, inter: int) -> Tensor:
+    """Align the pairs, run the up and down kernels on weights of format `fmt` (scales s13 / s2 and
+    their block edge; for PLAIN any tensors, unused), sum each token's rows."""
     num_tokens, top_k = expert_ids.shape
     pairs = num_tokens * top_k
-    num_experts, inter, hidden = w13.shape[0], w2.shape[-1], x.shape[1]
+    num_experts, hidden = w13.shape[0], x.shape[1]
     order, meta, slots = _align(expert_ids, num_experts)
     act = torch.empty(pairs, inter, dtype=x.dtype, device=x.device)
     y = torch.empty(pairs, hidden, dtype=torch.float32, device=x.device)
-    scaled = w13_scale is not None
-    block_m, block_n, block_k = 16, min(64, block) if scaled else 64, min(128, block) if scaled else 128
-    meta_args = dict(PRECISION=precision(x), SCALED=scaled, BLOCK_S=block if scaled else 1, num_warps=4, num_stages=4)
-    s13, s2 = (w13_scale, w2_scale) if scaled else (w13, w2)       # unused pointers when not scaled
+    block_m = 16
+    block_n, block_k = (min(64, block), min(128, block)) if fmt == FP8_BLOCK else (64, 128)
+    meta_args = dict(PRECISION=precision(x), FORMAT=fmt, BLOCK_S=block, num_warps=4, num_stages=4)
     _expert_up_kernel[(slots, triton.cdiv(inter, block_n))](
         x, order, meta, w13, s13, act, slots, hidden, inter, top_k, limit, w13.stride(0), w13.stride(1),
         s13.stride(0), s13.stride(1), BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, **meta_args,
