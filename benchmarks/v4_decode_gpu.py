@@ -11,8 +11,9 @@ Decode runs at context `--context` with the cache filled with random values (the
 step's work and bytes do not depend on them) — eager and CUDA-graph replay. The roofline of a step
 is (weights touched + KV bytes read) / copy bandwidth measured in the same run; weights touched =
 attention + mHC + shared expert of every layer + the expected number of distinct routed experts
-for the batch (uniform routing: E·(1 − (1 − k/E)^B)) + the LM head. `--fp8-experts` keeps the
-routed experts in FP8 with block-128 scales (ours only; the roofline counts the bytes as stored).
+for the batch (uniform routing: E·(1 − (1 − k/E)^B)) + the LM head. `--expert-dtype fp8|fp4` keeps
+the routed experts in FP8 (block-128 scales) or MXFP4 (ours only; the roofline counts the bytes as
+stored).
 """
 
 from __future__ import annotations
@@ -219,8 +220,8 @@ def bench_hf_prefill(model, vocab_size: int, prompt_len: int) -> dict:
 
 def bench_ours(cfg: DeepseekV4Config, batches: list[int], context: int, steps: int, bandwidth: float,
                profile_batches: list[int] | None = None, prefill_len: int = 0,
-               fp8_experts: bool = False) -> list[dict]:
-    model = build_model(cfg, device="cuda", dtype=torch.bfloat16, fp8_experts=fp8_experts)
+               expert_dtype: str | None = None) -> list[dict]:
+    model = build_model(cfg, device="cuda", dtype=torch.bfloat16, expert_dtype=expert_dtype)
     model.init_weights(seed=0, std=0.02)
     model.eval()
     results = []
@@ -304,7 +305,7 @@ def main() -> None:
     ap.add_argument("--profile-batches", default="", help="also profile eager decode at these batch sizes")
     ap.add_argument("--prefill-len", type=int, default=0, help="also time one prompt of this length (both engines)")
     ap.add_argument("--reference-ops", default="", help="ablation: run these ops with their reference twins")
-    ap.add_argument("--fp8-experts", action="store_true", help="routed experts in FP8 (blocks of 128), ours only")
+    ap.add_argument("--expert-dtype", default=None, choices=["fp8", "fp4"], help="quantised routed experts (ours)")
     ap.add_argument("--out", default="decode_results.json")
     args = ap.parse_args()
     ops = kernels_for("cuda")                     # the cached set every forward uses
@@ -321,7 +322,7 @@ def main() -> None:
               "context": args.context, "copy_bandwidth_Bps": bandwidth,
               "ours": bench_ours(cfg, [int(x) for x in args.batches.split(",") if x], args.context, args.steps,
                                  bandwidth, [int(x) for x in args.profile_batches.split(",") if x], args.prefill_len,
-                                 args.fp8_experts)}
+                                 args.expert_dtype)}
     if args.hf_batches or args.prefill_len:
         try:
             report["transformers"] = bench_hf(raw, [int(x) for x in args.hf_batches.split(",") if x], args.context, 8,

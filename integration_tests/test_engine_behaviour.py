@@ -172,29 +172,32 @@ def test_completion_engine_takes_no_fresh_requests(tiny) -> None:
         engine.add_request(None, [3, 4, 5])
 
 
-def test_fp8_experts_engine_serves_and_rejects_incompatible_models(tiny, tmp_path) -> None:
-    """`fp8_experts=True`: the routed experts load as FP8 and greedy decoding matches the same
-    engine without the flag on most tokens (quantisation may flip a near tie, not whole outputs);
-    a model whose sizes the FP8 block does not divide is refused naming both sizes."""
+@pytest.mark.parametrize("expert_dtype", ["fp8", "fp4"])
+def test_quantised_experts_engine_serves_and_rejects_incompatible_models(tmp_path, expert_dtype) -> None:
+    """`expert_dtype`: the routed experts load quantised and greedy decoding agrees with the same
+    engine in float on most tokens (quantisation may flip a near tie, not whole outputs); a model
+    whose sizes the FP8 block does not divide is refused naming both sizes."""
     import json
 
     from engine_twin import hf_model, write_model_dir
 
     from deepinfer.model import ConfigError
 
-    hf, raw = hf_model(seed=12)
+    hf, raw = hf_model(seed=12, moe_intermediate_size=64)
     raw = {**raw, "quantization_config": {"quant_method": "fp8", "weight_block_size": [16, 16]}}
-    folder = write_model_dir(tmp_path / "fp8", hf, raw)
+    folder = write_model_dir(tmp_path / "q", hf, raw)
     prompts = _ids(random_prompts([7, 12], seed=4))
     params = SamplingParams(temperature=0.0, max_tokens=12)
-    fp8 = LLM(model=str(folder), fp8_experts=True)
-    assert fp8.engine.model.layers[0].ffn.experts.w13.dtype.itemsize == 1
-    got = [o.outputs[0].token_ids for o in fp8.generate(prompts, params, use_tqdm=False)]
+    quantised = LLM(model=str(folder), expert_dtype=expert_dtype)
+    assert quantised.engine.model.layers[0].ffn.experts.w13.dtype.itemsize == 1
+    got = [o.outputs[0].token_ids for o in quantised.generate(prompts, params, use_tqdm=False)]
     want = [o.outputs[0].token_ids for o in LLM(model=str(folder)).generate(prompts, params, use_tqdm=False)]
     same = sum(a == b for g, w in zip(got, want, strict=True) for a, b in zip(g, w, strict=True))
-    assert all(len(g) == 12 for g in got) and same >= 12
-    with pytest.raises(InvalidEngineArgs, match="fp8_experts='yes' must be a bool"):
-        EngineArgs(fp8_experts="yes")
-    (folder / "config.json").write_text(json.dumps({k: v for k, v in raw.items() if k != "quantization_config"}))
-    with pytest.raises(ConfigError, match="moe_intermediate_size=48 and hidden_size=64 divisible by the FP8 block 128"):
-        LLM(model=str(folder), fp8_experts=True)
+    assert all(len(g) == 12 for g in got) and same >= 6
+    with pytest.raises(InvalidEngineArgs, match="expert_dtype='int4' must be None, 'fp8' or 'fp4'"):
+        EngineArgs(expert_dtype="int4")
+    if expert_dtype == "fp8":
+        (folder / "config.json").write_text(json.dumps({k: v for k, v in raw.items() if k != "quantization_config"}))
+        with pytest.raises(ConfigError, match="moe_intermediate_size=64 and hidden_size=64 divisible by the FP8 "
+                                              "block 128"):
+            LLM(model=str(folder), expert_dtype="fp8")

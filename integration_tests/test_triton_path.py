@@ -21,8 +21,8 @@ from deepinfer.model import ForwardBatch, ModelCache
 
 pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="needs TRITON_INTERPRET=1")
 FUSED = ("apply_rope", "clamped_swiglu", "compress_decode", "hc_post", "hc_pre", "linear", "moe_experts",
-         "moe_experts_fp8", "norm_rope", "paged_decode_attention", "paged_indexer_scores", "rms_norm", "route",
-         "topk_lowest_index")
+         "moe_experts_fp8", "moe_experts_mxfp4", "norm_rope", "paged_decode_attention", "paged_indexer_scores",
+         "rms_norm", "route", "topk_lowest_index")
 
 
 def planned_cache(model, block_size: int, num_blocks: int, num_slots: int) -> ModelCache:
@@ -60,22 +60,23 @@ def test_cuda_kernel_set_matches_transformers_under_the_interpreter() -> None:
             logits = ours(batch, cache, ops)
 
 
-def test_fp8_experts_through_the_cuda_kernel_set_match_the_reference_ops() -> None:
-    """A model whose routed experts are FP8 (blocks of 16): the CUDA kernel set under the interpreter
-    against the reference ops, through packed prefill and batched decode steps."""
+@pytest.mark.parametrize("expert_dtype", ["fp8", "fp4"])
+def test_quantised_experts_through_the_cuda_kernel_set_match_the_reference_ops(expert_dtype) -> None:
+    """A model whose routed experts are FP8 (blocks of 16) or MXFP4: the CUDA kernel set under the
+    interpreter against the reference ops, through packed prefill and batched decode steps."""
     pytest.importorskip("triton")
     from deepinfer.kernels import kernels_for
-    from deepinfer.kernels.reference import quant_fp8_block
     from deepinfer.model import DeepseekV4Config, DeepseekV4ForCausalLM
 
-    hf, raw = hf_model(seed=7)
+    hf, raw = hf_model(seed=7, moe_intermediate_size=64)
     raw = {**raw, "quantization_config": {"quant_method": "fp8", "weight_block_size": [16, 16]}}
-    state = dict(twin(hf, raw).state_dict())
-    for key in [k for k in state if k.endswith((".experts.w13", ".experts.w2"))]:
-        pairs = [quant_fp8_block(w, 16) for w in state[key]]
-        state[key], state[key + "_scale"] = torch.stack([q for q, _ in pairs]), torch.stack([s for _, s in pairs])
-    ours = DeepseekV4ForCausalLM(DeepseekV4Config.from_dict(raw), fp8_experts=True)
-    ours.load_state_dict(state, strict=True)
+    float_model = twin(hf, raw)
+    ours = DeepseekV4ForCausalLM(DeepseekV4Config.from_dict(raw), expert_dtype=expert_dtype)
+    state = {k: v for k, v in float_model.state_dict().items() if ".ffn.experts." not in k}
+    ours.load_state_dict(state, strict=False)
+    for block, source in zip(ours.layers, float_model.layers, strict=True):
+        for e in range(source.ffn.experts.w13.shape[0]):
+            block.ffn.experts.quantise_(e, source.ffn.experts.w13[e].detach(), source.ffn.experts.w2[e].detach())
     ours.eval()
     gen = torch.Generator().manual_seed(7)
     seqs = [torch.randint(0, 96, (n,), generator=gen).tolist() for n in (13, 6)]

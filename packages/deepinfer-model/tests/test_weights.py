@@ -199,7 +199,7 @@ def _dequantised_experts_twin(model, w13, s13, w2, s2):
 
 def test_fp8_experts_stay_fp8_from_an_fp8_checkpoint(tmp_path) -> None:
     """Official per-expert FP8 weights with float32 block scales load unchanged (bytes and scales)
-    with `fp8_experts=True`, and the model computes what its dequantised twin does; without the
+    with `expert_dtype="fp8"`, and the model computes what its dequantised twin does; without the
     flag the same checkpoint loads dequantised."""
     from deepinfer.kernels.reference import quant_fp8_block
 
@@ -230,7 +230,7 @@ def test_fp8_experts_stay_fp8_from_an_fp8_checkpoint(tmp_path) -> None:
     _write_config(tmp_path, raw)
     save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp_path / "model.safetensors"))
 
-    loaded = load_model(tmp_path, fp8_experts=True)
+    loaded = load_model(tmp_path, expert_dtype="fp8")
     state = loaded.state_dict()
     for key in w13:
         assert state[key].dtype == torch.float8_e4m3fn
@@ -247,7 +247,7 @@ def test_fp8_experts_stay_fp8_from_an_fp8_checkpoint(tmp_path) -> None:
 
 
 def test_fp8_experts_quantised_on_load_from_a_float_checkpoint(tmp_path) -> None:
-    """A checkpoint with float experts (transformers names) loads with `fp8_experts=True` as
+    """A checkpoint with float experts (transformers names) loads with `expert_dtype="fp8"` as
     `quant_fp8_block` of each expert matrix; the bf16 model is built with FP8 experts too."""
     from deepinfer.kernels.reference import quant_fp8_block
 
@@ -255,7 +255,7 @@ def test_fp8_experts_quantised_on_load_from_a_float_checkpoint(tmp_path) -> None
     raw = _fp8_expert_config(raw)
     _write_config(tmp_path, raw)
     save_file({k: v.contiguous() for k, v in hf.state_dict().items()}, str(tmp_path / "model.safetensors"))
-    loaded = load_model(tmp_path, fp8_experts=True)
+    loaded = load_model(tmp_path, expert_dtype="fp8")
     ours = twin(hf, raw)
     w13, s13, w2, s2 = {}, {}, {}, {}
     for key, t in ours.state_dict().items():
@@ -268,6 +268,40 @@ def test_fp8_experts_quantised_on_load_from_a_float_checkpoint(tmp_path) -> None
     torch.testing.assert_close(Runner(loaded).step({1: ids})[0],
                                Runner(_dequantised_experts_twin(loaded, w13, s13, w2, s2)).step({1: ids})[0],
                                atol=1e-5, rtol=0)
-    bf16 = load_model(tmp_path, fp8_experts=True, dtype=torch.bfloat16)
+    bf16 = load_model(tmp_path, expert_dtype="fp8", dtype=torch.bfloat16)
     assert bf16.layers[1].ffn.experts.w13.dtype == torch.float8_e4m3fn
     assert bf16.layers[1].ffn.experts.w13_scale.dtype == torch.float32
+
+
+def test_mxfp4_experts_stay_mxfp4_from_an_official_checkpoint(tiny, tmp_path) -> None:
+    """The official checkpoint's MXFP4 experts load byte for byte with `expert_dtype="fp4"` (e8m0
+    scales as uint8) and compute what the dequantising load computes; float experts are quantised
+    (`quant_mxfp4`)."""
+    from deepinfer.kernels.reference import quant_mxfp4
+
+    hf, raw, ours = tiny
+    tensors, _ = _official_checkpoint(ours, torch.Generator().manual_seed(1))
+    _write_config(tmp_path, raw)
+    save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp_path / "model.safetensors"))
+    loaded = load_model(tmp_path, expert_dtype="fp4")
+    state = loaded.state_dict()
+    for layer in range(len(loaded.layers)):
+        prefix = f"layers.{layer}.ffn.experts"
+        want = torch.stack([torch.cat([tensors[f"{prefix}.{e}.{w}.weight"] for w in ("w1", "w3")])
+                            for e in range(loaded.cfg.n_routed_experts)])
+        assert state[f"{prefix}.w13"].dtype == torch.uint8
+        assert torch.equal(state[f"{prefix}.w13"], want.view(torch.uint8))
+        scales = torch.stack([tensors[f"{prefix}.{e}.w2.scale"] for e in range(loaded.cfg.n_routed_experts)])
+        assert torch.equal(state[f"{prefix}.w2_scale"], scales.view(torch.uint8))
+    ids = list(range(5, 31))
+    torch.testing.assert_close(Runner(loaded).step({1: ids})[0], Runner(load_model(tmp_path)).step({1: ids})[0],
+                               atol=1e-5, rtol=0)
+
+    float_dir = tmp_path / "float"
+    _write_config(float_dir, raw)
+    save_file({k: v.contiguous() for k, v in ours.state_dict().items()}, str(float_dir / "model.safetensors"))
+    quantised = load_model(float_dir, expert_dtype="fp4").state_dict()
+    w2 = ours.state_dict()["layers.0.ffn.experts.w2"]
+    packed, scale = quant_mxfp4(w2[1])
+    assert torch.equal(quantised["layers.0.ffn.experts.w2"][1], packed)
+    assert torch.equal(quantised["layers.0.ffn.experts.w2_scale"][1], scale)

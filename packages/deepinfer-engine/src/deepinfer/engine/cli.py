@@ -28,7 +28,8 @@ def _engine_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--gpu-memory-utilization", type=float, default=None,
                         help="on CUDA: weights + cache take this fraction of the GPU")
     parser.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
-    parser.add_argument("--fp8-experts", action="store_true", help="routed experts in FP8 (block-scaled)")
+    parser.add_argument("--expert-dtype", default=None, choices=["fp8", "fp4"],
+                        help="keep the routed experts in FP8 (block-scaled) or MXFP4")
 
 
 def _args(ns: argparse.Namespace) -> dict:
@@ -36,7 +37,7 @@ def _args(ns: argparse.Namespace) -> dict:
                 max_num_seqs=ns.max_num_seqs, max_num_batched_tokens=ns.max_num_batched_tokens, seed=ns.seed,
                 block_size=ns.block_size, kv_cache_memory_mb=ns.kv_cache_memory_mb,
                 gpu_memory_utilization=ns.gpu_memory_utilization, enforce_eager=ns.enforce_eager,
-                fp8_experts=ns.fp8_experts)
+                expert_dtype=ns.expert_dtype)
 
 
 def _generate(ns: argparse.Namespace) -> int:

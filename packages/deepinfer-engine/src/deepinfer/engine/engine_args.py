@@ -40,9 +40,10 @@ class EngineArgs:
         stop_preempted_request: finish a preempted request as "preempted" (True) or recompute it.
         engine_type: NORMAL / PROMPT / COMPLETION.
         kv_quant: official FP8/FP4 fake-quantisation of cached KV (off = transformers' numerics).
-        fp8_experts: keep the routed experts in FP8 with float32 block scales (half of bf16's memory
-            and bytes per step); kept as stored from FP8 checkpoints, else quantised on load. Needs
-            the hidden and expert sizes divisible by the checkpoint's FP8 block (128 if none).
+        expert_dtype: keep the routed experts quantised in memory: "fp8" (e4m3 with float32 block
+            scales: half of bf16's bytes) or "fp4" (MXFP4: about a quarter); as stored when the
+            checkpoint has them so, else quantised on load; None = the model dtype. Needs the hidden
+            and expert sizes divisible by the FP8 block (the checkpoint's, else 128) / by 32.
         enforce_eager: never capture CUDA graphs (decode on CUDA replays graphs keyed by batch size otherwise).
     """
 
@@ -63,7 +64,7 @@ class EngineArgs:
     stop_preempted_request: bool = True
     engine_type: EngineType = EngineType.NORMAL
     kv_quant: bool = False
-    fp8_experts: bool = False
+    expert_dtype: str | None = None
     enforce_eager: bool = False
 
     def __post_init__(self) -> None:
@@ -91,7 +92,9 @@ class EngineArgs:
             _fail(f"gpu_memory_utilization={util!r} must be in (0, 1)")
         if not isinstance(self.chunk_checkpoints, tuple):
             _fail(f"chunk_checkpoints={self.chunk_checkpoints!r} must be a tuple of positions")
-        for name in ("stop_preempted_request", "kv_quant", "fp8_experts", "enforce_eager"):
+        if self.expert_dtype not in (None, "fp8", "fp4"):
+            _fail(f"expert_dtype={self.expert_dtype!r} must be None, 'fp8' or 'fp4'")
+        for name in ("stop_preempted_request", "kv_quant", "enforce_eager"):
             if not isinstance(getattr(self, name), bool):
                 _fail(f"{name}={getattr(self, name)!r} must be a bool")
         if not isinstance(self.engine_type, EngineType):

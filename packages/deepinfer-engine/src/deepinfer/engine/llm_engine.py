@@ -70,7 +70,7 @@ class LLMEngine:
         self.model_dir = resolve_model_dir(args.model)
         cfg = DeepseekV4Config.from_model_dir(self.model_dir)
         self.model = load_model(self.model_dir, dtype=args.torch_dtype, device=args.device,
-                                kv_quant=args.kv_quant, fp8_experts=args.fp8_experts, cfg=cfg)
+                                kv_quant=args.kv_quant, expert_dtype=args.expert_dtype, cfg=cfg)
         self.tokenizer: Tokenizer | None = load_tokenizer(self.model_dir)
         self.eos_token_ids = tuple(self.tokenizer.eos_token_ids) if self.tokenizer and \
             self.tokenizer.eos_token_ids else cfg.eos_token_id

@@ -6,27 +6,27 @@ import torch
 from torch import Tensor, nn
 
 from deepinfer.kernels import KernelSet, kernels_for
-from deepinfer.kernels.reference import quant_fp8_block, rope_inv_freq
+from deepinfer.kernels.reference import rope_inv_freq
 
 from .batch import ForwardBatch
 from .cache import CacheSpec, ModelCache, PagedStreamSpec, StateSpec
 from .config import CSA, SLIDING, DeepseekV4Config
 from .layers.attention import Attention
 from .layers.common import RMSNorm
-from .layers.moe import MoE
+from .layers.moe import Experts, MoE
 
 
 class Block(nn.Module):
     """Attention and MoE, each wrapped by an mHC site (`hc_attn_*`, `hc_ffn_*`)."""
 
-    def __init__(self, cfg: DeepseekV4Config, layer: int, fp8_block: int | None = None) -> None:
+    def __init__(self, cfg: DeepseekV4Config, layer: int, expert_dtype: str | None = None) -> None:
         super().__init__()
         self.cfg = cfg
         mix = (2 + cfg.hc_mult) * cfg.hc_mult
         self.attn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.ffn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.attn = Attention(cfg, layer)
-        self.ffn = MoE(cfg, layer, fp8_block)
+        self.ffn = MoE(cfg, layer, expert_dtype)
         for site in ("attn", "ffn"):
             self.register_parameter(f"hc_{site}_fn", nn.Parameter(torch.empty(mix, cfg.hc_mult * cfg.hidden_size)))
             self.register_parameter(f"hc_{site}_base", nn.Parameter(torch.zeros(mix)))
@@ -58,16 +58,15 @@ class DeepseekV4ForCausalLM(nn.Module):
         cfg: the model config.
         kv_quant: apply the official FP8/FP4 fake-quantisation to cached KV and index keys
             (off = transformers' numerics).
-        fp8_experts: keep the routed experts in FP8 e4m3 with float32 block scales
-            (`experts.w13_scale`, `.w2_scale`; block = the checkpoint's FP8 block, else 128).
+        expert_dtype: keep the routed experts quantised in memory: "fp8" (e4m3, float32 block scales)
+            or "fp4" (MXFP4); None = the model dtype. See `layers.moe.Experts`.
     """
 
-    def __init__(self, cfg: DeepseekV4Config, *, kv_quant: bool = False, fp8_experts: bool = False) -> None:
+    def __init__(self, cfg: DeepseekV4Config, *, kv_quant: bool = False, expert_dtype: str | None = None) -> None:
         super().__init__()
-        self.cfg, self.kv_quant, self.fp8_experts = cfg, kv_quant, fp8_experts
-        fp8_block = (cfg.quant.fp8_block if cfg.quant else 128) if fp8_experts else None
+        self.cfg, self.kv_quant, self.expert_dtype = cfg, kv_quant, expert_dtype
         self.embed = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(Block(cfg, i, fp8_block) for i in range(cfg.num_hidden_layers))
+        self.layers = nn.ModuleList(Block(cfg, i, expert_dtype) for i in range(cfg.num_hidden_layers))
         self.hc_head_fn = nn.Parameter(torch.empty(cfg.hc_mult, cfg.hc_mult * cfg.hidden_size))
         self.hc_head_base = nn.Parameter(torch.zeros(cfg.hc_mult))
         self.hc_head_scale = nn.Parameter(torch.ones(1))
@@ -93,17 +92,9 @@ class DeepseekV4ForCausalLM(nn.Module):
         gen = torch.Generator(device=self.embed.weight.device).manual_seed(seed)
         for name, p in self.named_parameters():
             leaf = name.rsplit(".", 1)[-1]
-            if leaf in ("w13_scale", "w2_scale"):
-                continue                                  # set with their FP8 weights below
-            if p.dtype == torch.float8_e4m3fn:
-                scales = getattr(self.get_submodule(name.rsplit(".", 1)[0]), f"{leaf}_scale")
-                block = p.shape[-1] // scales.shape[-1]
-                for e in range(p.shape[0]):
-                    w = torch.empty(p.shape[1:], device=p.device).normal_(0.0, std, generator=gen)
-                    q, scale = quant_fp8_block(w, block)
-                    p[e].copy_(q)
-                    scales[e].copy_(scale)
-            elif "norm" in name:
+            if ".experts." in name and self.expert_dtype is not None:
+                continue                                  # quantised per expert below
+            if "norm" in name:
                 p.fill_(1.0)
             elif leaf in ("ape", "attn_sink", "bias") or name.endswith("_base"):
                 p.zero_()
@@ -111,6 +102,12 @@ class DeepseekV4ForCausalLM(nn.Module):
                 p.fill_(1.0)
             else:
                 p.normal_(0.0, std, generator=gen)
+        for module in self.modules():
+            if isinstance(module, Experts) and module.expert_dtype is not None:
+                i, h, device = self.cfg.moe_intermediate_size, self.cfg.hidden_size, module.w13.device
+                for expert in range(module.w13.shape[0]):
+                    module.quantise_(expert, torch.empty(2 * i, h, device=device).normal_(0.0, std, generator=gen),
+                                     torch.empty(h, i, device=device).normal_(0.0, std, generator=gen))
         for name, b in self.named_buffers():
             if name.endswith("tid2eid"):
                 b.random_(0, self.cfg.n_routed_experts, generator=gen)
@@ -177,20 +174,20 @@ def keeps_fp32(name: str) -> bool:
 
 
 def build_model(cfg: DeepseekV4Config, *, device: torch.device | str, dtype: torch.dtype,
-                kv_quant: bool = False, fp8_experts: bool = False) -> DeepseekV4ForCausalLM:
+                kv_quant: bool = False, expert_dtype: str | None = None) -> DeepseekV4ForCausalLM:
     """An uninitialised model allocated directly on `device`: matrices in `dtype`, `keeps_fp32`
     tensors in float32 (the hash table int64). Fill it with `load_state_dict(..., assign=True)` or
     `init_weights`."""
     with torch.device("meta"):
-        model = DeepseekV4ForCausalLM(cfg, kv_quant=kv_quant, fp8_experts=fp8_experts)
+        model = DeepseekV4ForCausalLM(cfg, kv_quant=kv_quant, expert_dtype=expert_dtype)
     for module_name, module in model.named_modules():
         prefix = f"{module_name}." if module_name else ""
         for name, p in list(module._parameters.items()):
             if p is None:
                 continue
             target = torch.float32 if keeps_fp32(prefix + name) else dtype
-            if p.dtype == torch.float8_e4m3fn:
-                target = p.dtype                          # FP8 experts stay FP8
+            if p.dtype in (torch.float8_e4m3fn, torch.uint8):
+                target = p.dtype                          # quantised experts stay so
             module._parameters[name] = nn.Parameter(torch.empty(p.shape, dtype=target, device=device),
                                                     requires_grad=p.requires_grad)
         for name, b in list(module._buffers.items()):

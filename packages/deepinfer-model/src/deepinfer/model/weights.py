@@ -2,8 +2,8 @@
 
 Only safetensors are read (never pickles) and nothing from the folder is executed. FP8 block-scaled
 weights (`X.weight` e4m3 + `X.scale` or `X.weight_scale_inv`) and MXFP4 experts (int8/uint8
-`X.weight` + e8m0 `X.scale`) are dequantised on load — except, when asked (`fp8_experts`), the
-routed experts, which stay FP8 (or are quantised to it). Every tensor is checked against the model's
+`X.weight` + e8m0 `X.scale`) are dequantised on load — except, when asked (`expert_dtype`), the
+routed experts, which stay FP8 / MXFP4 (or are quantised to it). Every tensor is checked against the model's
 expected names and shapes before anything is assigned, so a bad checkpoint loads nothing.
 """
 
@@ -18,7 +18,7 @@ import torch
 from safetensors import safe_open
 from torch import Tensor
 
-from deepinfer.kernels.reference import dequant_fp8_block, dequant_mxfp4, quant_fp8_block, scale_to_float
+from deepinfer.kernels.reference import dequant_fp8_block, dequant_mxfp4, quant_fp8_block, quant_mxfp4, scale_to_float
 
 from .config import DeepseekV4Config
 from .model import DeepseekV4ForCausalLM, build_model
@@ -82,9 +82,10 @@ def _scale_key(key: str, raw: dict[str, Tensor]) -> str | None:
     return next((stem + s for s in _SCALE_SUFFIXES if stem + s in raw), None)
 
 
-def _dequantize(raw: dict[str, Tensor], cfg: DeepseekV4Config, keep_fp8_experts: bool = False) -> dict[str, Tensor]:
-    """Fold scale tensors into their weights; returns float tensors (or integer tables) by key. With
-    `keep_fp8_experts`, FP8 routed-expert weights stay FP8, their scales kept as float32 `….scale`."""
+def _dequantize(raw: dict[str, Tensor], cfg: DeepseekV4Config, expert_dtype: str | None = None) -> dict[str, Tensor]:
+    """Fold scale tensors into their weights; returns float tensors (or integer tables) by key. Routed
+    experts already stored as `expert_dtype` ("fp8": e4m3 weights; "fp4": packed MXFP4 bytes) stay
+    so, their scales kept as `….scale` (float32 for FP8, uint8-coded e8m0 for MXFP4)."""
     block = cfg.quant.fp8_block if cfg.quant else 128
     scale_of = {key: _scale_key(key, raw) for key in raw}
     scales = {s for s in scale_of.values() if s is not None}
@@ -93,16 +94,29 @@ def _dequantize(raw: dict[str, Tensor], cfg: DeepseekV4Config, keep_fp8_experts:
         if key in scales:
             continue
         scale_key = scale_of[key]
-        if (keep_fp8_experts and t.dtype == torch.float8_e4m3fn and scale_key is not None
-                and expert_part(to_official(key)) is not None):
-            out[key] = t
-            out[key[: -len(".weight")] + ".scale"] = scale_to_float(raw[scale_key])
+        if scale_key is not None and _stored_as(t, expert_dtype) and expert_part(to_official(key)) is not None:
+            out[key] = t.view(torch.uint8) if expert_dtype == "fp4" else t
+            out[key[: -len(".weight")] + ".scale"] = _kept_scale(raw[scale_key], expert_dtype)
             continue
         try:
             out[key] = _dequantize_one(t, raw[scale_key] if scale_key else None, block)
         except ValueError as err:
             raise WeightError(f"{key}: {err}") from None
     return out
+
+
+def _stored_as(t: Tensor, expert_dtype: str | None) -> bool:
+    return (expert_dtype == "fp8" and t.dtype == torch.float8_e4m3fn) or \
+        (expert_dtype == "fp4" and t.dtype in (torch.int8, torch.uint8))
+
+
+def _kept_scale(scale: Tensor, expert_dtype: str | None) -> Tensor:
+    """FP8: float32; MXFP4: uint8-coded e8m0 (2^(byte − 127))."""
+    if expert_dtype == "fp8":
+        return scale_to_float(scale)
+    if scale.dtype in (torch.uint8, torch.float8_e8m0fnu):
+        return scale.view(torch.uint8)
+    return (torch.log2(scale.float()) + 127).round().to(torch.uint8)
 
 
 def _dequantize_one(t: Tensor, scale: Tensor | None, block: int) -> Tensor:
@@ -128,8 +142,8 @@ def _stack_experts(tensors: dict[str, Tensor], cfg: DeepseekV4Config) -> dict[st
             prefix, expert, which = hit
             parts[prefix][expert][which] = t
     for prefix, experts in parts.items():
-        fp8 = any(part.endswith(".scale") for p in experts.values() for part in p)
-        needed = ("w1", "w2", "w3") + (("w1.scale", "w2.scale", "w3.scale") if fp8 else ())
+        kept = any(part.endswith(".scale") for p in experts.values() for part in p)   # stored quantised
+        needed = ("w1", "w2", "w3") + (("w1.scale", "w2.scale", "w3.scale") if kept else ())
         for e in range(cfg.n_routed_experts):
             for which in needed:
                 if which not in experts.get(e, {}):
@@ -142,23 +156,23 @@ def _stack_experts(tensors: dict[str, Tensor], cfg: DeepseekV4Config) -> dict[st
         ordered = [experts[e] for e in range(cfg.n_routed_experts)]
         out[f"{prefix}.w13"] = torch.stack([torch.cat((p["w1"], p["w3"]), 0) for p in ordered])
         out[f"{prefix}.w2"] = torch.stack([p["w2"] for p in ordered])
-        if fp8:
+        if kept:
             out[f"{prefix}.w13_scale"] = torch.stack([torch.cat((p["w1.scale"], p["w3.scale"]), 0) for p in ordered])
             out[f"{prefix}.w2_scale"] = torch.stack([p["w2.scale"] for p in ordered])
     return out
 
 
-def _quantize_experts(backbone: dict[str, Tensor], block: int) -> None:
-    """FP8 experts from a checkpoint that stores them otherwise (bf16, or MXFP4 dequantised on load):
-    quantise each stacked expert matrix with `quant_fp8_block`, in place of the float tensors."""
+def _quantize_experts(backbone: dict[str, Tensor], expert_dtype: str, block: int) -> None:
+    """Routed experts the checkpoint stores otherwise (bf16, or dequantised on load) → `expert_dtype`:
+    each stacked expert matrix through `quant_fp8_block` / `quant_mxfp4`, scales alongside."""
     for key in [k for k in backbone if k.endswith((".experts.w13", ".experts.w2"))]:
         t = backbone[key]
-        if t.dtype == torch.float8_e4m3fn:
-            continue
+        if f"{key}_scale" in backbone:
+            continue                                      # kept as stored
         try:
-            pairs = [quant_fp8_block(t[e], block) for e in range(t.shape[0])]
-        except RuntimeError as err:
-            raise WeightError(f"{key}: cannot quantise to FP8 blocks of {block}: {err}") from None
+            pairs = [quant_fp8_block(m, block) if expert_dtype == "fp8" else quant_mxfp4(m) for m in t]
+        except ValueError as err:
+            raise WeightError(f"{key}: cannot quantise to {expert_dtype}: {err}") from None
         backbone[key] = torch.stack([q for q, _ in pairs])
         backbone[f"{key}_scale"] = torch.stack([s for _, s in pairs])
 
@@ -171,18 +185,18 @@ class LoadedWeights:
     draft: dict[str, Tensor]
 
 
-def load_weights(model_dir: str | Path, cfg: DeepseekV4Config, *, fp8_experts: bool = False) -> LoadedWeights:
+def load_weights(model_dir: str | Path, cfg: DeepseekV4Config, *, expert_dtype: str | None = None) -> LoadedWeights:
     """Read, dequantise, rename and stack a folder's weights (no checking against a model yet).
-    With `fp8_experts` the routed experts come out FP8 with float32 block scales (`experts.w13_scale`,
-    `.w2_scale`): kept as stored when the checkpoint has them in FP8, else quantised."""
-    tensors = _dequantize(read_tensors(find_checkpoint(model_dir)), cfg, fp8_experts)
+    With `expert_dtype` ("fp8" / "fp4") the routed experts come out in that format with their scales
+    (`experts.w13_scale`, `.w2_scale`): as stored when the checkpoint has them so, else quantised."""
+    tensors = _dequantize(read_tensors(find_checkpoint(model_dir)), cfg, expert_dtype)
     backbone, draft = {}, {}
     for key, t in tensors.items():
         name = to_official(key)
         (draft if is_draft_key(name) else backbone)[name] = t
     backbone = _stack_experts(backbone, cfg)
-    if fp8_experts:
-        _quantize_experts(backbone, cfg.quant.fp8_block if cfg.quant else 128)
+    if expert_dtype is not None:
+        _quantize_experts(backbone, expert_dtype, cfg.quant.fp8_block if cfg.quant else 128)
     return LoadedWeights(backbone, draft)
 
 
@@ -192,20 +206,20 @@ def load_model(
     dtype: torch.dtype = torch.float32,
     device: torch.device | str = "cpu",
     kv_quant: bool = False,
-    fp8_experts: bool = False,
+    expert_dtype: str | None = None,
     cfg: DeepseekV4Config | None = None,
 ) -> DeepseekV4ForCausalLM:
-    """Build the model of `model_dir` and load its weights (`fp8_experts`: routed experts in FP8 with
-    block scales, see `DeepseekV4ForCausalLM`).
+    """Build the model of `model_dir` and load its weights (`expert_dtype`: routed experts kept in
+    "fp8" or "fp4", see `DeepseekV4ForCausalLM`).
 
     Raises:
         ConfigError: bad config.json. WeightError: a missing, unexpected or mis-shaped tensor
         (nothing is loaded then).
     """
     cfg = cfg or DeepseekV4Config.from_model_dir(model_dir)
-    weights = load_weights(model_dir, cfg, fp8_experts=fp8_experts)
-    with torch.device("meta"):
-        expected = DeepseekV4ForCausalLM(cfg, kv_quant=kv_quant, fp8_experts=fp8_experts).state_dict()
+    with torch.device("meta"):                    # first: a config the format cannot take fails fast
+        expected = DeepseekV4ForCausalLM(cfg, kv_quant=kv_quant, expert_dtype=expert_dtype).state_dict()
+    weights = load_weights(model_dir, cfg, expert_dtype=expert_dtype)
     missing = sorted(set(expected) - set(weights.backbone))
     if missing:
         k = missing[0]
@@ -217,7 +231,7 @@ def load_model(
     for key, t in weights.backbone.items():
         if tuple(t.shape) != tuple(expected[key].shape):
             raise WeightError(f"{key}: shape {tuple(t.shape)} != expected {tuple(expected[key].shape)}")
-    model = build_model(cfg, device=device, dtype=dtype, kv_quant=kv_quant, fp8_experts=fp8_experts)
+    model = build_model(cfg, device=device, dtype=dtype, kv_quant=kv_quant, expert_dtype=expert_dtype)
     target = model.state_dict()
     state = {key: t.to(device=device, dtype=target[key].dtype) for key, t in weights.backbone.items()}
     model.load_state_dict(state, strict=True, assign=True)

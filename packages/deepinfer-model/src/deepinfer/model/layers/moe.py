@@ -6,6 +6,7 @@ import torch
 from torch import Tensor, nn
 
 from deepinfer.kernels import KernelSet
+from deepinfer.kernels.reference import quant_fp8_block, quant_mxfp4
 
 from ..config import ConfigError, DeepseekV4Config
 from .common import linear, stacked_weight
@@ -25,36 +26,69 @@ class Gate(nn.Module):
             self.bias = nn.Parameter(torch.zeros(cfg.n_routed_experts, dtype=torch.float32))
 
 
+EXPERT_DTYPES = (None, "fp8", "fp4")
+
+
 class Experts(nn.Module):
     """Routed experts stacked: `w13` [experts, 2·inter, hidden] (w1 rows, then w3), `w2` [experts, hidden, inter].
 
-    With `fp8_block` set they stay FP8 e4m3 in memory (half the bytes of bf16), with float32 block
-    scales `w13_scale` [experts, 2·inter / b, hidden / b] and `w2_scale` [experts, hidden / b, inter / b]
-    (b = fp8_block), and run through `moe_experts_fp8`."""
+    `expert_dtype` keeps them quantised in memory, with the scales alongside:
+    - "fp8": FP8 e4m3 (half of bf16's bytes), float32 block scales `w13_scale` [experts, 2·inter / b,
+      hidden / b] and `w2_scale` [experts, hidden / b, inter / b] (b = the checkpoint's FP8 block, else
+      128); run through `moe_experts_fp8`.
+    - "fp4": MXFP4 (about a quarter), `w13` [experts, 2·inter, hidden / 2] and `w2` [experts, hidden,
+      inter / 2] uint8 (two e2m1 codes per byte), uint8-coded e8m0 scales per 32 inputs `w13_scale`
+      [experts, 2·inter, hidden / 32], `w2_scale` [experts, hidden, inter / 32]; run through
+      `moe_experts_mxfp4`.
+    """
 
-    def __init__(self, cfg: DeepseekV4Config, fp8_block: int | None = None) -> None:
+    def __init__(self, cfg: DeepseekV4Config, expert_dtype: str | None = None) -> None:
         super().__init__()
         e, i, h = cfg.n_routed_experts, cfg.moe_intermediate_size, cfg.hidden_size
-        self.fp8_block = fp8_block
-        if fp8_block is None:
+        if expert_dtype not in EXPERT_DTYPES:
+            raise ConfigError(f"expert_dtype={expert_dtype!r} must be one of {EXPERT_DTYPES}")
+        self.expert_dtype = expert_dtype
+        self.fp8_block = cfg.quant.fp8_block if cfg.quant else 128
+        if expert_dtype is None:
             self.w13 = nn.Parameter(torch.empty(e, 2 * i, h))
             self.w2 = nn.Parameter(torch.empty(e, h, i))
             return
-        if (2 * i) % fp8_block or i % fp8_block or h % fp8_block:
-            raise ConfigError(f"fp8 experts need moe_intermediate_size={i} and hidden_size={h} divisible by the "
-                              f"FP8 block {fp8_block}")
-        fp8 = torch.float8_e4m3fn
-        self.w13 = nn.Parameter(torch.empty(e, 2 * i, h, dtype=fp8), requires_grad=False)
-        self.w2 = nn.Parameter(torch.empty(e, h, i, dtype=fp8), requires_grad=False)
-        self.w13_scale = nn.Parameter(torch.empty(e, 2 * i // fp8_block, h // fp8_block), requires_grad=False)
-        self.w2_scale = nn.Parameter(torch.empty(e, h // fp8_block, i // fp8_block), requires_grad=False)
+        group = self.fp8_block if expert_dtype == "fp8" else 32
+        if i % group or h % group:
+            raise ConfigError(f"{expert_dtype} experts need moe_intermediate_size={i} and hidden_size={h} divisible "
+                              f"by the {'FP8 block' if expert_dtype == 'fp8' else 'MXFP4 group'} {group}")
+        if expert_dtype == "fp8":
+            shapes = {"w13": (e, 2 * i, h), "w2": (e, h, i), "w13_scale": (e, 2 * i // group, h // group),
+                      "w2_scale": (e, h // group, i // group)}
+            dtypes = {"w13": torch.float8_e4m3fn, "w2": torch.float8_e4m3fn}
+        else:
+            shapes = {"w13": (e, 2 * i, h // 2), "w2": (e, h, i // 2), "w13_scale": (e, 2 * i, h // group),
+                      "w2_scale": (e, h, i // group)}
+            dtypes = dict.fromkeys(shapes, torch.uint8)
+        for name, shape in shapes.items():
+            setattr(self, name, nn.Parameter(torch.empty(shape, dtype=dtypes.get(name, torch.float32)),
+                                             requires_grad=False))
 
     def forward(self, x: Tensor, expert_ids: Tensor, weights: Tensor, limit: float, ops: KernelSet) -> Tensor:
         """x [num_tokens, hidden]; expert_ids, weights [num_tokens, top_k] → [num_tokens, hidden]."""
-        if self.fp8_block is None:
+        if self.expert_dtype is None:
             return ops.moe_experts(x, expert_ids, weights, self.w13, self.w2, limit)
-        return ops.moe_experts_fp8(x, expert_ids, weights, self.w13, self.w13_scale, self.w2, self.w2_scale, limit,
-                                   self.fp8_block)
+        if self.expert_dtype == "fp8":
+            return ops.moe_experts_fp8(x, expert_ids, weights, self.w13, self.w13_scale, self.w2, self.w2_scale,
+                                       limit, self.fp8_block)
+        return ops.moe_experts_mxfp4(x, expert_ids, weights, self.w13, self.w13_scale, self.w2, self.w2_scale, limit)
+
+    def quantise_(self, e: int, w13: Tensor, w2: Tensor) -> None:
+        """Store expert `e` from float matrices w13 [2·inter, hidden], w2 [hidden, inter] in this
+        module's format (`quant_fp8_block` / `quant_mxfp4`)."""
+        with torch.no_grad():
+            for name, w in (("w13", w13), ("w2", w2)):
+                if self.expert_dtype is None:
+                    getattr(self, name)[e].copy_(w)
+                    continue
+                q, s = quant_fp8_block(w, self.fp8_block) if self.expert_dtype == "fp8" else quant_mxfp4(w)
+                getattr(self, name)[e].copy_(q)
+                getattr(self, f"{name}_scale")[e].copy_(s)
 
 
 class SharedExpert(nn.Module):
@@ -67,11 +101,11 @@ class SharedExpert(nn.Module):
 class MoE(nn.Module):
     """`gate`, `experts`, `shared_experts` (official names)."""
 
-    def __init__(self, cfg: DeepseekV4Config, layer: int, fp8_block: int | None = None) -> None:
+    def __init__(self, cfg: DeepseekV4Config, layer: int, expert_dtype: str | None = None) -> None:
         super().__init__()
         self.cfg = cfg
         self.gate = Gate(cfg, hashed=layer < cfg.num_hash_layers)
-        self.experts = Experts(cfg, fp8_block)
+        self.experts = Experts(cfg, expert_dtype)
         self.shared_experts = SharedExpert(cfg) if cfg.n_shared_experts else None
 
     def forward(self, x: Tensor, token_ids: Tensor, ops: KernelSet) -> Tensor:
