@@ -80,12 +80,11 @@ class Experts(nn.Module):
 
     def quantise_(self, e: int, w13: Tensor, w2: Tensor) -> None:
         """Store expert `e` from float matrices w13 [2·inter, hidden], w2 [hidden, inter] in this
-        module's format (`quant_fp8_block` / `quant_mxfp4`)."""
+        module's quantised format (`quant_fp8_block` / `quant_mxfp4`)."""
+        if self.expert_dtype is None:
+            raise ValueError("quantise_ needs quantised experts (expert_dtype 'fp8' or 'fp4')")
         with torch.no_grad():
             for name, w in (("w13", w13), ("w2", w2)):
-                if self.expert_dtype is None:
-                    getattr(self, name)[e].copy_(w)
-                    continue
                 q, s = quant_fp8_block(w, self.fp8_block) if self.expert_dtype == "fp8" else quant_mxfp4(w)
                 getattr(self, name)[e].copy_(q)
                 getattr(self, f"{name}_scale")[e].copy_(s)
