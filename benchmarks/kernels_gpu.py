@@ -4,8 +4,10 @@
 
 Each row: the kernel's median time (`triton.testing.do_bench`), the reference's, and for the MoE the
 Triton expert kernels against the cuBLAS grouped GEMMs (`torch_ops.moe_experts_grouped`) with the
-bytes of expert weights they must read. Shapes: 64 heads × 512, window 128, CSA ratio 4 with 512
-picks (context 4096) and a 64 × 128 indexer, hidden 4096, hc 4, 256 experts × 2048, top-6.
+bytes of expert weights they must read, and the same kernels on the experts kept in FP8 (block
+128) and MXFP4 (`moe_experts_fp8_fused`, `moe_experts_mxfp4_fused`; bytes as stored). Shapes: 64
+heads × 512, window 128, CSA ratio 4 with 512 picks (context 4096) and a 64 × 128 indexer, hidden
+4096, hc 4, 256 experts × 2048, top-6.
 """
 
 from __future__ import annotations
@@ -93,7 +95,17 @@ def mhc_rows(b: int, gen: torch.Generator) -> dict:
                              + bench(lambda: reference.hc_post(x, streams, post, comb))) * 1000}
 
 
-def moe_rows(b: int, gen: torch.Generator, w13: torch.Tensor, w2: torch.Tensor) -> dict:
+def quantised(w13: torch.Tensor, w2: torch.Tensor) -> dict[str, tuple[torch.Tensor, ...]]:
+    """The experts in FP8 (block 128) and MXFP4: (w13, w13_scale, w2, w2_scale) each."""
+    out = {}
+    for name, quant in (("fp8", lambda w: reference.quant_fp8_block(w, 128)), ("mxfp4", reference.quant_mxfp4)):
+        parts = [[quant(w[e]) for e in range(w.shape[0])] for w in (w13, w2)]
+        out[name] = tuple(torch.stack([p[i] for p in ps]) for ps in parts for i in (0, 1))
+    return out
+
+
+def moe_rows(b: int, gen: torch.Generator, w13: torch.Tensor, w2: torch.Tensor,
+             quant: dict[str, tuple[torch.Tensor, ...]]) -> dict:
     experts, top_k = w13.shape[0], 6
     x = torch.randn(b, w13.shape[2], generator=gen).cuda().bfloat16()
     logits = torch.randn(b, experts, generator=gen).cuda()
@@ -107,6 +119,12 @@ def moe_rows(b: int, gen: torch.Generator, w13: torch.Tensor, w2: torch.Tensor) 
         row.update(fused_us=t * 1000, fused_GBps=nbytes / t / 1e6)
     t = bench(lambda: torch_ops.moe_experts_grouped(x, ids, weights, w13, w2, 10.0))
     row.update(cublas_grouped_us=t * 1000, cublas_grouped_GBps=nbytes / t / 1e6)
+    calls = {"fp8": lambda q: triton_ops.moe_experts_fp8_fused(x, ids, weights, *q, 10.0, 128),
+             "mxfp4": lambda q: triton_ops.moe_experts_mxfp4_fused(x, ids, weights, *q, 10.0)}
+    for name, q in quant.items():
+        stored = distinct * sum(t[0].numel() * t.element_size() for t in q)
+        t = bench(lambda call=calls[name], q=q: call(q))
+        row.update({f"{name}_us": t * 1000, f"{name}_weight_bytes": stored, f"{name}_GBps": stored / t / 1e6})
     row["route_fused_us"] = bench(lambda: triton_ops.route_fused(
         logits, None, top_k, scoring_func="sqrtsoftplus", normalize=True, scaling=1.5)) * 1000
     row["route_reference_us"] = bench(lambda: reference.route(
@@ -122,12 +140,13 @@ def main() -> None:
     gen = torch.Generator().manual_seed(0)
     w13 = (torch.randn(256, 4096, 4096, device="cuda", dtype=torch.bfloat16) * 0.02)
     w2 = (torch.randn(256, 4096, 2048, device="cuda", dtype=torch.bfloat16) * 0.02)
+    quant = quantised(w13, w2)
     rows = []
     for b in [int(x) for x in args.batches.split(",") if x]:
         for make in (attention_rows, indexer_rows, compress_rows, mhc_rows):
             rows.append(make(b, gen))
             print(json.dumps(rows[-1]), flush=True)
-        rows.append(moe_rows(b, gen, w13, w2))
+        rows.append(moe_rows(b, gen, w13, w2, quant))
         print(json.dumps(rows[-1]), flush=True)
     with open(args.out, "w") as f:
         json.dump({"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
