@@ -355,6 +355,26 @@ def test_fused_mxfp4_experts_match_reference(num_tokens, num_experts, top_k, hid
     close(got, reference.moe_experts_mxfp4(x, ids, weights, *args, 0.5), dtype)
 
 
+@pytest.mark.parametrize(("num_queries", "heads", "rows", "head_dim"),
+                         [(5, 16, 40, 64), (3, 20, 7, 48)] + ([(64, 64, 640, 512)] if BIG else []))
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_fused_sparse_attention_matches_reference(num_queries, heads, rows, head_dim, dtype) -> None:
+    """The prefill's attention over gathered rows: random validity, one query with no valid row
+    (returns 0), a head count not a multiple of the head block."""
+    from deepinfer.kernels.triton_ops import sparse_attention_fused
+
+    gen = torch.Generator().manual_seed(num_queries * rows + head_dim)
+    q = randn(gen, num_queries, heads, head_dim, dtype=dtype)
+    kv = randn(gen, num_queries, rows, head_dim, dtype=dtype)
+    valid = torch.rand(num_queries, rows, generator=gen) < 0.7
+    valid[1] = False
+    sink = randn(gen, heads)
+    poison_allocator()
+    got = sparse_attention_fused(q, kv, valid.to(DEVICE), sink, head_dim**-0.5)
+    close(got, reference.sparse_attention(q, kv, valid.to(DEVICE), sink, head_dim**-0.5), dtype)
+    assert not got[1].any()
+
+
 GEMV_CASES = [((1, 256), 1000), ((3, 96), 64), ((2, 1, 512), 37), ((4, 1024), 4096), ((1, 512), 4100),
               ((2, 300), 2050)] + (
     [((1, 4096), 1024), ((1, 1024), 32768), ((2, 8192), 4096), ((4, 4096), 512), ((1, 4096), 4160)] if BIG else [])

@@ -214,6 +214,58 @@ def _paged_attention_kernel(
 
 
 @triton.jit
+def _sparse_attention_kernel(
+    q_ptr, kv_ptr, valid_ptr, sink_ptr, out_ptr, q_query, q_head, kv_query, kv_row, valid_query, out_query, out_head,
+    num_heads, head_dim, num_rows, scale,
+    BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, CHUNK_D: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
+    """Program (query i, head block): online softmax over the query's gathered rows, sink in the
+    normaliser (the prefill form of `_paged_attention_kernel`, rows given instead of looked up)."""
+    i = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    hm = h < num_heads
+    d = tl.arange(0, BLOCK_D)
+    q_rows = q_ptr + i * q_query + tl.where(hm, h, 0)[:, None] * q_head
+    m = tl.full([BLOCK_H], -1e30, tl.float32)
+    l = tl.zeros([BLOCK_H], tl.float32)
+    acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
+    for j0 in range(0, num_rows, BLOCK_N):
+        j = j0 + tl.arange(0, BLOCK_N)
+        valid = tl.load(valid_ptr + i * valid_query + j, mask=j < num_rows, other=0) != 0
+        rows = kv_ptr + i * kv_query + tl.where(valid, j, 0)[:, None] * kv_row
+        m, l, acc = _attend(q_rows, rows, valid, m, l, acc, scale, head_dim, BLOCK_D, CHUNK_D, PRECISION)
+    sink = tl.load(sink_ptr + h, mask=hm, other=0.0)
+    m_final = tl.maximum(m, sink)
+    alpha = tl.exp(m - m_final)
+    out = acc * alpha[:, None] / (l * alpha + tl.exp(sink - m_final))[:, None]
+    tl.store(out_ptr + i * out_query + h[:, None] * out_head + d[None, :], out.to(out_ptr.dtype.element_ty),
+             mask=hm[:, None] & (d < head_dim)[None, :])
+
+
+def sparse_attention_fused(q: Tensor, kv: Tensor, valid: Tensor, sink: Tensor, scale: float) -> Tensor:
+    """Same contract as `reference.sparse_attention` (the prefill's attention over gathered rows):
+    one program per (query, block of 16 heads) streams the query's rows once for its heads, in the
+    model dtype with float32 accumulation — no float32 copy of the rows, no logits tensor."""
+    if not on_triton(q) or q.stride(-1) != 1 or kv.stride(-1) != 1 or q.dtype != kv.dtype:
+        return reference.sparse_attention(q, kv, valid, sink, scale)
+    num_queries, num_heads, head_dim = q.shape
+    out = torch.empty_like(q)
+    if num_queries == 0:
+        return out
+    flags = valid.to(torch.uint8).contiguous()
+    wide = q.element_size() > 2
+    block_h, block_n, block_d = 16, 16 if wide else 32, max(triton.next_power_of_2(head_dim), 16)
+    _sparse_attention_kernel[(num_queries, triton.cdiv(num_heads, block_h))](
+        q, kv, flags, sink.float().contiguous(), out, q.stride(0), q.stride(1), kv.stride(0), kv.stride(1),
+        flags.stride(0), out.stride(0), out.stride(1), num_heads, head_dim, kv.shape[1], scale,
+        BLOCK_H=block_h, BLOCK_N=block_n, BLOCK_D=block_d, CHUNK_D=min(block_d, 64), PRECISION=precision(q),
+        num_warps=8, num_stages=1 if wide else 2,
+    )
+    return out
+
+
+@triton.jit
 def _combine_kernel(part_ptr, sink_ptr, out_ptr, out_seq, out_head, num_heads, head_dim,
                     SPLITS: tl.constexpr, BLOCK_D: tl.constexpr):
     """Merge one (sequence, head)'s split partials with the sink:
