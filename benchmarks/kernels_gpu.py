@@ -5,7 +5,8 @@
 Each row: the kernel's median time (`triton.testing.do_bench`), the reference's, and for the MoE the
 Triton expert kernels against the cuBLAS grouped GEMMs (`torch_ops.moe_experts_grouped`) with the
 bytes of expert weights they must read, and the same kernels on the experts kept in FP8 (block
-128) and MXFP4 (`moe_experts_fp8_fused`, `moe_experts_mxfp4_fused`; bytes as stored). Shapes: 64
+128) and MXFP4 (`moe_experts_fp8_fused`, `moe_experts_mxfp4_fused`; bytes as stored); once, the
+prefill's attention over gathered rows (`sparse_attention_fused`). Shapes: 64
 heads × 512, window 128, CSA ratio 4 with 512 picks (context 4096) and a 64 × 128 indexer, hidden
 4096, hc 4, 256 experts × 2048, top-6.
 """
@@ -95,6 +96,21 @@ def mhc_rows(b: int, gen: torch.Generator) -> dict:
                              + bench(lambda: reference.hc_post(x, streams, post, comb))) * 1000}
 
 
+def prefill_attention_row(gen: torch.Generator, queries: int = 1024) -> dict:
+    """The prefill's attention over gathered rows (a block of `queries` queries, 128 window + 512
+    picks each): the Triton kernel against the reference."""
+    heads, dim, rows = 64, 512, 640
+    q = torch.randn(queries, heads, dim, generator=gen).cuda().bfloat16()
+    kv = torch.randn(queries, rows, dim, generator=gen).cuda().bfloat16()
+    valid = (torch.rand(queries, rows, generator=gen) < 0.9).cuda()
+    sink = torch.randn(heads, generator=gen).cuda()
+    args = (q, kv, valid, sink, dim**-0.5)
+    fused = bench(lambda: triton_ops.sparse_attention_fused(*args))
+    return {"op": f"sparse_attention (prefill, {queries} queries × {rows} rows)", "fused_us": fused * 1000,
+            "reference_us": bench(lambda: reference.sparse_attention(*args)) * 1000,
+            "rows_GBps": kv.numel() * 2 / fused / 1e6}
+
+
 def quantised(w13: torch.Tensor, w2: torch.Tensor) -> dict[str, tuple[torch.Tensor, ...]]:
     """The experts in FP8 (block 128) and MXFP4: (w13, w13_scale, w2, w2_scale) each."""
     out = {}
@@ -141,7 +157,8 @@ def main() -> None:
     w13 = (torch.randn(256, 4096, 4096, device="cuda", dtype=torch.bfloat16) * 0.02)
     w2 = (torch.randn(256, 4096, 2048, device="cuda", dtype=torch.bfloat16) * 0.02)
     quant = quantised(w13, w2)
-    rows = []
+    rows = [prefill_attention_row(gen)]
+    print(json.dumps(rows[-1]), flush=True)
     for b in [int(x) for x in args.batches.split(",") if x]:
         for make in (attention_rows, indexer_rows, compress_rows, mhc_rows):
             rows.append(make(b, gen))
