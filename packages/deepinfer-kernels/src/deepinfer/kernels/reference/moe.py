@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor
@@ -83,16 +85,22 @@ def moe_experts(x: Tensor, expert_ids: Tensor, weights: Tensor, w13: Tensor, w2:
     Returns:
         [num_tokens, hidden] in x's dtype.
     """
+    return _active_experts(x, expert_ids, weights, lambda e: (w13[e], w2[e]), limit)
+
+
+def _active_experts(x: Tensor, expert_ids: Tensor, weights: Tensor,
+                    expert: Callable[[int], tuple[Tensor, Tensor]], limit: float) -> Tensor:
+    """The `moe_experts` computation, with `expert(e)` giving expert e's (w13, w2) matrices."""
     out = torch.zeros_like(x)
-    inter = w2.shape[-1]
     flat_ids = expert_ids.reshape(-1)
     token_of = torch.arange(x.shape[0], device=x.device).repeat_interleave(expert_ids.shape[1])
     flat_weights = weights.reshape(-1)
-    for expert in torch.unique(flat_ids).tolist():
-        rows = (flat_ids == expert).nonzero(as_tuple=True)[0]
+    for e in torch.unique(flat_ids).tolist():
+        rows = (flat_ids == e).nonzero(as_tuple=True)[0]
         tokens = token_of[rows]
-        w = w13[expert]
-        y = clamped_swiglu(x[tokens], w[:inter], w[inter:], w2[expert], limit)
+        w13, w2 = expert(e)
+        inter = w2.shape[-1]
+        y = clamped_swiglu(x[tokens], w13[:inter], w13[inter:], w2, limit)
         out.index_add_(0, tokens, (y * flat_weights[rows, None].to(y.dtype)).to(out.dtype))
     return out
 
@@ -112,19 +120,9 @@ def moe_experts_fp8(
     Returns:
         [num_tokens, hidden] in x's dtype.
     """
-    out = torch.zeros_like(x)
-    inter = w2.shape[-1]
-    flat_ids = expert_ids.reshape(-1)
-    token_of = torch.arange(x.shape[0], device=x.device).repeat_interleave(expert_ids.shape[1])
-    flat_weights = weights.reshape(-1)
-    for expert in torch.unique(flat_ids).tolist():
-        rows = (flat_ids == expert).nonzero(as_tuple=True)[0]
-        tokens = token_of[rows]
-        w = dequant_fp8_block(w13[expert], w13_scale[expert], block).to(x.dtype)
-        down = dequant_fp8_block(w2[expert], w2_scale[expert], block).to(x.dtype)
-        y = clamped_swiglu(x[tokens], w[:inter], w[inter:], down, limit)
-        out.index_add_(0, tokens, (y * flat_weights[rows, None].to(y.dtype)).to(out.dtype))
-    return out
+    return _active_experts(x, expert_ids, weights, lambda e: (
+        dequant_fp8_block(w13[e], w13_scale[e], block).to(x.dtype),
+        dequant_fp8_block(w2[e], w2_scale[e], block).to(x.dtype)), limit)
 
 
 def moe_experts_mxfp4(
@@ -142,16 +140,5 @@ def moe_experts_mxfp4(
     Returns:
         [num_tokens, hidden] in x's dtype.
     """
-    out = torch.zeros_like(x)
-    inter = w2.shape[-1] * 2
-    flat_ids = expert_ids.reshape(-1)
-    token_of = torch.arange(x.shape[0], device=x.device).repeat_interleave(expert_ids.shape[1])
-    flat_weights = weights.reshape(-1)
-    for expert in torch.unique(flat_ids).tolist():
-        rows = (flat_ids == expert).nonzero(as_tuple=True)[0]
-        tokens = token_of[rows]
-        w = dequant_mxfp4(w13[expert], w13_scale[expert]).to(x.dtype)
-        down = dequant_mxfp4(w2[expert], w2_scale[expert]).to(x.dtype)
-        y = clamped_swiglu(x[tokens], w[:inter], w[inter:], down, limit)
-        out.index_add_(0, tokens, (y * flat_weights[rows, None].to(y.dtype)).to(out.dtype))
-    return out
+    return _active_experts(x, expert_ids, weights, lambda e: (
+        dequant_mxfp4(w13[e], w13_scale[e]).to(x.dtype), dequant_mxfp4(w2[e], w2_scale[e]).to(x.dtype)), limit)
