@@ -300,6 +300,19 @@ def test_fused_moe_experts_matches_reference(num_tokens, num_experts, top_k, hid
     close(clamped_swiglu_fused(x, w1, w3, w2s, 0.5), reference.clamped_swiglu(x, w1, w3, w2s, 0.5), dtype)
 
 
+def _quantised_experts(gen, num_tokens, num_experts, top_k, hidden, inter, dtype, quant):
+    """Tokens, their routing and `num_experts` random experts through `quant` (weight → (q, scale)):
+    (x, ids, weights, [w13, w13_scale, w2, w2_scale])."""
+    x = randn(gen, num_tokens, hidden, dtype=dtype)
+    ids = torch.stack([torch.randperm(num_experts, generator=gen)[:top_k] for _ in range(num_tokens)]).to(DEVICE)
+    weights = torch.rand(num_tokens, top_k, generator=gen).to(DEVICE)
+    w13, s13 = zip(*(quant(torch.randn(2 * inter, hidden, generator=gen) * hidden**-0.5)
+                     for _ in range(num_experts)), strict=True)
+    w2, s2 = zip(*(quant(torch.randn(hidden, inter, generator=gen) * inter**-0.5) for _ in range(num_experts)),
+                 strict=True)
+    return x, ids, weights, [torch.stack(t).to(DEVICE) for t in (w13, s13, w2, s2)]
+
+
 FP8_MOE_CASES = [(3, 8, 2, 64, 64, 32), (40, 8, 3, 64, 96, 32)] + (
     [(1, 256, 6, 4096, 2048, 128), (32, 256, 6, 4096, 2048, 128)] if BIG else [])
 
@@ -316,14 +329,8 @@ def test_fused_fp8_experts_match_reference(num_tokens, num_experts, top_k, hidde
         monkeypatch.setattr(triton_moe, "FUSED_MAX_PAIRS", 2)
     gen = torch.Generator().manual_seed(num_tokens * hidden + block)
     dtype = DTYPES[0]
-    x = randn(gen, num_tokens, hidden, dtype=dtype)
-    ids = torch.stack([torch.randperm(num_experts, generator=gen)[:top_k] for _ in range(num_tokens)]).to(DEVICE)
-    weights = torch.rand(num_tokens, top_k, generator=gen).to(DEVICE)
-    w13, s13 = zip(*(reference.quant_fp8_block(torch.randn(2 * inter, hidden, generator=gen) * hidden**-0.5, block)
-                     for _ in range(num_experts)), strict=True)
-    w2, s2 = zip(*(reference.quant_fp8_block(torch.randn(hidden, inter, generator=gen) * inter**-0.5, block)
-                   for _ in range(num_experts)), strict=True)
-    args = [torch.stack(t).to(DEVICE) for t in (w13, s13, w2, s2)]
+    x, ids, weights, args = _quantised_experts(gen, num_tokens, num_experts, top_k, hidden, inter, dtype,
+                                               lambda w: reference.quant_fp8_block(w, block))
     poison_allocator()
     got = triton_moe.moe_experts_fp8_fused(x, ids, weights, args[0], args[1], args[2], args[3], 0.5, block)
     want = reference.moe_experts_fp8(x, ids, weights, args[0], args[1], args[2], args[3], 0.5, block)
@@ -342,14 +349,8 @@ def test_fused_mxfp4_experts_match_reference(num_tokens, num_experts, top_k, hid
         monkeypatch.setattr(triton_moe, "FUSED_MAX_PAIRS", 2)
     gen = torch.Generator().manual_seed(num_tokens * hidden + inter)
     dtype = DTYPES[0]
-    x = randn(gen, num_tokens, hidden, dtype=dtype)
-    ids = torch.stack([torch.randperm(num_experts, generator=gen)[:top_k] for _ in range(num_tokens)]).to(DEVICE)
-    weights = torch.rand(num_tokens, top_k, generator=gen).to(DEVICE)
-    w13, s13 = zip(*(reference.quant_mxfp4(torch.randn(2 * inter, hidden, generator=gen) * hidden**-0.5)
-                     for _ in range(num_experts)), strict=True)
-    w2, s2 = zip(*(reference.quant_mxfp4(torch.randn(hidden, inter, generator=gen) * inter**-0.5)
-                   for _ in range(num_experts)), strict=True)
-    args = [torch.stack(t).to(DEVICE) for t in (w13, s13, w2, s2)]
+    x, ids, weights, args = _quantised_experts(gen, num_tokens, num_experts, top_k, hidden, inter, dtype,
+                                               reference.quant_mxfp4)
     poison_allocator()
     got = triton_moe.moe_experts_mxfp4_fused(x, ids, weights, *args, 0.5)
     close(got, reference.moe_experts_mxfp4(x, ids, weights, *args, 0.5), dtype)
