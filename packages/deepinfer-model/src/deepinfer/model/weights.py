@@ -18,9 +18,10 @@ import torch
 from safetensors import safe_open
 from torch import Tensor
 
-from deepinfer.kernels.reference import dequant_fp8_block, dequant_mxfp4, quant_fp8_block, quant_mxfp4, scale_to_float
+from deepinfer.kernels.reference import dequant_fp8_block, dequant_mxfp4, scale_to_float
 
 from .config import DeepseekV4Config
+from .layers.moe import quantise_expert_matrix
 from .model import DeepseekV4ForCausalLM, build_model
 from .names import expert_part, is_draft_key, to_official
 
@@ -164,13 +165,13 @@ def _stack_experts(tensors: dict[str, Tensor], cfg: DeepseekV4Config) -> dict[st
 
 def _quantize_experts(backbone: dict[str, Tensor], expert_dtype: str, block: int) -> None:
     """Routed experts the checkpoint stores otherwise (bf16, or dequantised on load) → `expert_dtype`:
-    each stacked expert matrix through `quant_fp8_block` / `quant_mxfp4`, scales alongside."""
+    each stacked expert matrix through `quantise_expert_matrix`, scales alongside."""
     for key in [k for k in backbone if k.endswith((".experts.w13", ".experts.w2"))]:
         t = backbone[key]
         if f"{key}_scale" in backbone:
             continue                                      # kept as stored
         try:
-            pairs = [quant_fp8_block(m, block) if expert_dtype == "fp8" else quant_mxfp4(m) for m in t]
+            pairs = [quantise_expert_matrix(m, expert_dtype, block) for m in t]
         except ValueError as err:
             raise WeightError(f"{key}: cannot quantise to {expert_dtype}: {err}") from None
         backbone[key] = torch.stack([q for q, _ in pairs])

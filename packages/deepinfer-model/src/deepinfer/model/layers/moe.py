@@ -29,6 +29,12 @@ class Gate(nn.Module):
 EXPERT_DTYPES = (None, "fp8", "fp4")
 
 
+def quantise_expert_matrix(w: Tensor, expert_dtype: str, fp8_block: int) -> tuple[Tensor, Tensor]:
+    """One float expert matrix → (weight, scale) in `expert_dtype` ("fp8": `quant_fp8_block`;
+    "fp4": `quant_mxfp4`)."""
+    return quant_fp8_block(w, fp8_block) if expert_dtype == "fp8" else quant_mxfp4(w)
+
+
 class Experts(nn.Module):
     """Routed experts stacked: `w13` [experts, 2·inter, hidden] (w1 rows, then w3), `w2` [experts, hidden, inter].
 
@@ -85,7 +91,7 @@ class Experts(nn.Module):
             raise ValueError("quantise_ needs quantised experts (expert_dtype 'fp8' or 'fp4')")
         with torch.no_grad():
             for name, w in (("w13", w13), ("w2", w2)):
-                q, s = quant_fp8_block(w, self.fp8_block) if self.expert_dtype == "fp8" else quant_mxfp4(w)
+                q, s = quantise_expert_matrix(w, self.expert_dtype, self.fp8_block)
                 getattr(self, name)[e].copy_(q)
                 getattr(self, f"{name}_scale")[e].copy_(s)
 
