@@ -10,9 +10,10 @@
   rows in slot order (deterministic, no atomics). Only the active experts' weights are read. Larger
   batches use the cuBLAS grouped GEMMs of `torch_ops.moe_experts_grouped`.
 - `moe_experts_fp8_fused` / `moe_experts_mxfp4_fused`: the same kernels on FP8 block-scaled weights
-  (each tile converted to the activations' dtype, its partial product scaled) or MXFP4 ones (each
-  tile's e2m1 codes decoded and scaled per 32 inputs), for any batch (large ones aligned with torch
-  ops).
+  (each tile converted to the activations' dtype, its partial product scaled) or MXFP4 ones (bfloat16
+  activations on a GPU: Triton's microscaling `dot_scaled` on the packed codes and e8m0 scales;
+  else each tile's e2m1 codes decoded and scaled per 32 inputs here), for any batch (large ones
+  aligned with torch ops).
 - `clamped_swiglu_fused` (the shared expert): the gate + up projections (one GEMV over the stacked
   w1; w3), the activation in one kernel, the down projection.
 """
@@ -154,16 +155,24 @@ def _e2m1(code):
 
 
 @triton.jit
+def _mxfp4_tile(w_rows, s_rows, k0, k_in, nm, BLOCK_K: tl.constexpr):
+    """Columns k0 … k0 + BLOCK_K of the MXFP4 weight rows at `w_rows` ([BLOCK_N, 1] pointers):
+    (packed codes [BLOCK_N, BLOCK_K / 2] uint8, two per byte, low nibble first; their e8m0 group
+    scales [BLOCK_N, BLOCK_K / 32] uint8, read from `s_rows`, one per 32 columns)."""
+    kp = k0 // 2 + tl.arange(0, BLOCK_K // 2)
+    packed = tl.load(w_rows + kp[None, :], mask=nm[:, None] & (kp < k_in // 2)[None, :], other=0)
+    g = k0 // 32 + tl.arange(0, BLOCK_K // 32)
+    scale = tl.load(s_rows + g[None, :], mask=nm[:, None] & (g < k_in // 32)[None, :], other=127)
+    return packed, scale
+
+
+@triton.jit
 def _weight_tile(w_rows, s_rows, k0, k_in, nm, dtype, FORMAT: tl.constexpr, BLOCK_K: tl.constexpr):
     """Columns k0 … k0 + BLOCK_K of the weight rows at `w_rows` ([BLOCK_N, 1] pointers) in `dtype`:
-    as stored (FP8 converted; its block scale is the caller's), or MXFP4 bytes decoded (two codes per
-    byte, low nibble first) and scaled by their e8m0 group scales (`s_rows`, one per 32 columns)."""
+    as stored (FP8 converted; its block scale is the caller's), or MXFP4 codes decoded and scaled."""
     if FORMAT == 2:
-        kp = k0 // 2 + tl.arange(0, BLOCK_K // 2)
-        packed = tl.load(w_rows + kp[None, :], mask=nm[:, None] & (kp < k_in // 2)[None, :], other=0)
+        packed, scale = _mxfp4_tile(w_rows, s_rows, k0, k_in, nm, BLOCK_K)
         values = tl.interleave(_e2m1(packed & 0xF), _e2m1(packed >> 4))
-        g = k0 // 32 + tl.arange(0, BLOCK_K // 32)
-        scale = tl.load(s_rows + g[None, :], mask=nm[:, None] & (g < k_in // 32)[None, :], other=127)
         scale = tl.exp2(scale.to(tl.float32) - 127.0)
         rows: tl.constexpr = values.shape[0]
         values = tl.reshape(tl.reshape(values, (rows, BLOCK_K // 32, 32)) * scale[:, :, None], (rows, BLOCK_K))
@@ -174,9 +183,28 @@ def _weight_tile(w_rows, s_rows, k0, k_in, nm, dtype, FORMAT: tl.constexpr, BLOC
 
 
 @triton.jit
+def _dot_tile(a, acc, w_rows, s_rows, k0, k_in, nm, block_scale, FORMAT: tl.constexpr, BLOCK_K: tl.constexpr,
+              PRECISION: tl.constexpr, MX_DOT: tl.constexpr):
+    """acc + a @ (weight columns k0 … k0 + BLOCK_K of the rows at `w_rows`)ᵀ, a [BLOCK_M, BLOCK_K]:
+    FP8 partial products scaled by the tile's `block_scale`; MXFP4 through Triton's microscaling dot
+    when MX_DOT (bfloat16 activations on a GPU), else decoded here."""
+    if FORMAT == 2 and MX_DOT:
+        packed, scale = _mxfp4_tile(w_rows, s_rows, k0, k_in, nm, BLOCK_K)
+        out = tl.dot_scaled(a, None, "bf16", tl.trans(packed), scale, "e2m1", acc=acc)
+    elif FORMAT == 1:
+        w = tl.trans(_weight_tile(w_rows, s_rows, k0, k_in, nm, a.dtype, FORMAT, BLOCK_K))
+        out = acc + tl.dot(a, w, input_precision=PRECISION) * block_scale
+    else:
+        w = tl.trans(_weight_tile(w_rows, s_rows, k0, k_in, nm, a.dtype, FORMAT, BLOCK_K))
+        out = tl.dot(a, w, acc, input_precision=PRECISION)
+    return out
+
+
+@triton.jit
 def _expert_up_kernel(x_ptr, order_ptr, meta_ptr, w13_ptr, s13_ptr, act_ptr, num_slots, hidden, inter, top_k, limit,
                       w_expert, w_row, s_expert, s_row, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                      BLOCK_K: tl.constexpr, PRECISION: tl.constexpr, FORMAT: tl.constexpr, BLOCK_S: tl.constexpr):
+                      BLOCK_K: tl.constexpr, PRECISION: tl.constexpr, FORMAT: tl.constexpr, BLOCK_S: tl.constexpr,
+                      MX_DOT: tl.constexpr):
     """FORMAT FP8_BLOCK: one float32 scale per BLOCK_S × BLOCK_S block (BLOCK_N, BLOCK_K divide
     BLOCK_S, so each weight tile has one, applied to the tile's partial product); MXFP4: packed rows
     (`w_row` bytes apart) with uint8 e8m0 scales per 32 inputs (`s_row` apart)."""
@@ -198,16 +226,12 @@ def _expert_up_kernel(x_ptr, order_ptr, meta_ptr, w13_ptr, s13_ptr, act_ptr, num
             k = k0 + tl.arange(0, BLOCK_K)
             xs = tl.load(x_ptr + tokens[:, None] * hidden + k[None, :], mask=rm[:, None] & (k < hidden)[None, :],
                          other=0.0)
-            g = tl.trans(_weight_tile(w1, s1, k0, hidden, nm, xs.dtype, FORMAT, BLOCK_K))
-            u = tl.trans(_weight_tile(w3, s3, k0, hidden, nm, xs.dtype, FORMAT, BLOCK_K))
+            bs1, bs3 = 1.0, 1.0
             if FORMAT == 1:
-                gate += tl.dot(xs, g, input_precision=PRECISION) * _scale(s13_ptr, expert, n0, k0, s_expert, s_row,
-                                                                          BLOCK_S)
-                up += tl.dot(xs, u, input_precision=PRECISION) * _scale(s13_ptr, expert, inter + n0, k0, s_expert,
-                                                                        s_row, BLOCK_S)
-            else:
-                gate = tl.dot(xs, g, gate, input_precision=PRECISION)
-                up = tl.dot(xs, u, up, input_precision=PRECISION)
+                bs1 = _scale(s13_ptr, expert, n0, k0, s_expert, s_row, BLOCK_S)
+                bs3 = _scale(s13_ptr, expert, inter + n0, k0, s_expert, s_row, BLOCK_S)
+            gate = _dot_tile(xs, gate, w1, s1, k0, hidden, nm, bs1, FORMAT, BLOCK_K, PRECISION, MX_DOT)
+            up = _dot_tile(xs, up, w3, s3, k0, hidden, nm, bs3, FORMAT, BLOCK_K, PRECISION, MX_DOT)
         act = _clamped_silu_mul(gate, up, limit)
         tl.store(act_ptr + r[:, None] * inter + n[None, :], act.to(act_ptr.dtype.element_ty),
                  mask=rm[:, None] & nm[None, :])
@@ -217,7 +241,7 @@ def _expert_up_kernel(x_ptr, order_ptr, meta_ptr, w13_ptr, s13_ptr, act_ptr, num
 def _expert_down_kernel(act_ptr, order_ptr, meta_ptr, weights_ptr, w2_ptr, s2_ptr, y_ptr, num_slots, hidden, inter,
                         w_expert, w_row, s_expert, s_row, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                         BLOCK_K: tl.constexpr, PRECISION: tl.constexpr, FORMAT: tl.constexpr,
-                        BLOCK_S: tl.constexpr):
+                        BLOCK_S: tl.constexpr, MX_DOT: tl.constexpr):
     expert, start, count = _slot(meta_ptr, num_slots)
     n0 = tl.program_id(1) * BLOCK_N
     n = n0 + tl.arange(0, BLOCK_N)
@@ -232,12 +256,10 @@ def _expert_down_kernel(act_ptr, order_ptr, meta_ptr, weights_ptr, w2_ptr, s2_pt
         for k0 in range(0, inter, BLOCK_K):
             k = k0 + tl.arange(0, BLOCK_K)
             a = tl.load(act_ptr + r[:, None] * inter + k[None, :], mask=rm[:, None] & (k < inter)[None, :], other=0.0)
-            w = tl.trans(_weight_tile(w2, s2, k0, inter, nm, a.dtype, FORMAT, BLOCK_K))
+            bs = 1.0
             if FORMAT == 1:
-                acc += tl.dot(a, w, input_precision=PRECISION) * _scale(s2_ptr, expert, n0, k0, s_expert, s_row,
-                                                                        BLOCK_S)
-            else:
-                acc = tl.dot(a, w, acc, input_precision=PRECISION)
+                bs = _scale(s2_ptr, expert, n0, k0, s_expert, s_row, BLOCK_S)
+            acc = _dot_tile(a, acc, w2, s2, k0, inter, nm, bs, FORMAT, BLOCK_K, PRECISION, MX_DOT)
         acc = acc * tl.load(weights_ptr + pair, mask=rm, other=0.0)[:, None]
         tl.store(y_ptr + pair[:, None] * hidden + n[None, :], acc, mask=rm[:, None] & nm[None, :])
 
@@ -316,6 +338,13 @@ def _align(expert_ids: Tensor, num_experts: int) -> tuple[Tensor, Tensor, int]:
     return order, meta, num_experts
 
 
+def _tiles(fmt: int, block: int) -> dict[str, int]:
+    """Tile shape and launch shape of the expert kernels for weight format `fmt` (FP8: `block` is the
+    scale block edge, which the tiles must divide)."""
+    block_n, block_k = (min(32, block), min(128, block)) if fmt == FP8_BLOCK else (64, 128)
+    return dict(BLOCK_M=16, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=4, num_stages=3)
+
+
 def _experts(x: Tensor, expert_ids: Tensor, weights: Tensor, w13: Tensor, w2: Tensor, limit: float, fmt: int,
              s13: Tensor, s2: Tensor, block: int, inter: int) -> Tensor:
     """Align the pairs, run the up and down kernels on weights of format `fmt` (scales s13 / s2 and
@@ -326,17 +355,16 @@ def _experts(x: Tensor, expert_ids: Tensor, weights: Tensor, w13: Tensor, w2: Te
     order, meta, slots = _align(expert_ids, num_experts)
     act = torch.empty(pairs, inter, dtype=x.dtype, device=x.device)
     y = torch.empty(pairs, hidden, dtype=torch.float32, device=x.device)
-    block_m = 16
-    block_n, block_k = (min(64, block), min(128, block)) if fmt == FP8_BLOCK else (64, 128)
-    meta_args = dict(PRECISION=precision(x), FORMAT=fmt, BLOCK_S=block, num_warps=4, num_stages=4)
-    _expert_up_kernel[(slots, triton.cdiv(inter, block_n))](
+    tiles = _tiles(fmt, block)
+    mx_dot = fmt == MXFP4 and x.dtype == torch.bfloat16 and x.is_cuda
+    meta_args = dict(PRECISION=precision(x), FORMAT=fmt, BLOCK_S=block, MX_DOT=mx_dot, **tiles)
+    _expert_up_kernel[(slots, triton.cdiv(inter, tiles["BLOCK_N"]))](
         x, order, meta, w13, s13, act, slots, hidden, inter, top_k, limit, w13.stride(0), w13.stride(1),
-        s13.stride(0), s13.stride(1), BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, **meta_args,
+        s13.stride(0), s13.stride(1), **meta_args,
     )
-    _expert_down_kernel[(slots, triton.cdiv(hidden, block_n))](
+    _expert_down_kernel[(slots, triton.cdiv(hidden, tiles["BLOCK_N"]))](
         act, order, meta, weights.reshape(-1).float().contiguous(), w2, s2, y, slots, hidden, inter,
-        w2.stride(0), w2.stride(1), s2.stride(0), s2.stride(1),
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, **meta_args,
+        w2.stride(0), w2.stride(1), s2.stride(0), s2.stride(1), **meta_args,
     )
     out = torch.empty_like(x)
     block = min(triton.next_power_of_2(hidden), 1024)
