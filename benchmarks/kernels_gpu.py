@@ -8,13 +8,14 @@ bytes of expert weights they must read, and the same kernels on the experts kept
 128) and MXFP4 (`moe_experts_fp8_fused`, `moe_experts_mxfp4_fused`; bytes as stored); once, the
 prefill's attention over gathered rows (`sparse_attention_fused`). Shapes: 64
 heads × 512, window 128, CSA ratio 4 with 512 picks (context 4096) and a 64 × 128 indexer, hidden
-4096, hc 4, 256 experts × 2048, top-6.
+4096, hc 4, 256 experts × 2048, top-6; the sampler's `sample_race` over a 129,280-token vocabulary.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+from unittest import mock
 
 import torch
 import triton
@@ -111,6 +112,24 @@ def prefill_attention_row(gen: torch.Generator, queries: int = 1024) -> dict:
             "rows_GBps": kv.numel() * 2 / fused / 1e6}
 
 
+def sampling_rows(b: int, gen: torch.Generator) -> dict:
+    """`sample_race` over V4's vocabulary: temperature only, top-k 50, and top-p 0.9 without top-k
+    (the reference sorts the whole vocabulary for it)."""
+    vocab = 129280
+    logits = (torch.randn(b, vocab, generator=gen) * 3).cuda()
+    noise = torch.empty(b, vocab, device="cuda").exponential_()
+    temperature, min_p = torch.full((b,), 0.8, device="cuda"), torch.zeros(b, device="cuda")
+    row = {"op": f"sample_race (vocab {vocab})", "batch": b}
+    for name, top_k, top_p, hint in (("temperature", vocab, 1.0, 0), ("top_k_50", 50, 1.0, 50),
+                                     ("top_p_0.9", vocab, 0.9, vocab)):
+        args = (logits, temperature, torch.full((b,), top_k, device="cuda"), torch.full((b,), top_p, device="cuda"),
+                min_p, noise, hint)
+        with mock.patch.object(triton_ops.sampling, "FUSED_MIN_ROWS", 0):     # the kernel at every batch
+            row[f"{name}_fused_us"] = bench(lambda args=args: triton_ops.sample_race_fused(*args)) * 1000
+        row[f"{name}_reference_us"] = bench(lambda args=args: reference.sample_race(*args)) * 1000
+    return row
+
+
 def quantised(w13: torch.Tensor, w2: torch.Tensor) -> dict[str, tuple[torch.Tensor, ...]]:
     """The experts in FP8 (block 128) and MXFP4: (w13, w13_scale, w2, w2_scale) each."""
     out = {}
@@ -160,7 +179,7 @@ def main() -> None:
     rows = [prefill_attention_row(gen)]
     print(json.dumps(rows[-1]), flush=True)
     for b in [int(x) for x in args.batches.split(",") if x]:
-        for make in (attention_rows, indexer_rows, compress_rows, mhc_rows):
+        for make in (attention_rows, indexer_rows, compress_rows, mhc_rows, sampling_rows):
             rows.append(make(b, gen))
             print(json.dumps(rows[-1]), flush=True)
         rows.append(moe_rows(b, gen, w13, w2, quant))

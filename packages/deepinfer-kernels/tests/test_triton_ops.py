@@ -340,15 +340,16 @@ def test_fused_fp8_experts_match_reference(num_tokens, num_experts, top_k, hidde
 @pytest.mark.parametrize(("num_tokens", "num_experts", "top_k", "hidden", "inter"),
                          [(3, 8, 2, 64, 64), (40, 8, 3, 128, 96)] + ([(32, 256, 6, 4096, 2048)] if BIG else []))
 @pytest.mark.parametrize("aligned_by", ["sort kernel", "torch ops"])
-def test_fused_mxfp4_experts_match_reference(num_tokens, num_experts, top_k, hidden, inter, aligned_by,
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_fused_mxfp4_experts_match_reference(num_tokens, num_experts, top_k, hidden, inter, aligned_by, dtype,
                                              monkeypatch) -> None:
-    """MXFP4 experts: the Triton kernels (codes decoded and scaled per tile) against the reference."""
+    """MXFP4 experts: the Triton kernels against the reference; bfloat16 activations on a GPU take
+    the microscaling dot, others decode the codes per tile."""
     from deepinfer.kernels.triton_ops import moe as triton_moe
 
     if aligned_by == "torch ops":
         monkeypatch.setattr(triton_moe, "FUSED_MAX_PAIRS", 2)
     gen = torch.Generator().manual_seed(num_tokens * hidden + inter)
-    dtype = DTYPES[0]
     x, ids, weights, args = _quantised_experts(gen, num_tokens, num_experts, top_k, hidden, inter, dtype,
                                                reference.quant_mxfp4)
     poison_allocator()
@@ -426,3 +427,115 @@ def test_gemv_partials_sum_to_the_product(rows, k_in, splits) -> None:
     parts = gemv_partials(x, w, splits)
     assert 1 < parts.shape[0] <= splits and parts.shape[1:] == (rows, 24) and not torch.isnan(parts).any()
     close(parts.sum(0), x.float() @ w.t(), torch.float32)
+
+
+OFF = None    # top_k off (vocab)
+# One row's (temperature, top_k, top_p, min_p); rows of a case cycle through them.
+SAMPLING_ROWS = [(1.0, OFF, 1.0, 0.0), (0.7, 1, 1.0, 0.0), (1.3, 50, 1.0, 0.0), (1.0, OFF, 0.9, 0.0),
+                 (0.9, OFF, 1e-4, 0.0), (1.0, OFF, 1.0, 0.2), (0.8, 50, 0.8, 0.05), (1.1, 300, 0.95, 0.0),
+                 (0.6, 7, 0.5, 0.0)]
+
+
+def sampling_case(gen: torch.Generator, num_rows: int, vocab: int, scale: float = 3.0) -> tuple:
+    """Seeded `sample_race` arguments on DEVICE: random logits (a third of row num_rows // 2 banned;
+    the last of >= 3 rows has one finite logit), row settings cycling through SAMPLING_ROWS."""
+    logits = torch.randn(num_rows, vocab, generator=gen) * scale
+    logits[num_rows // 2, torch.randperm(vocab, generator=gen)[:vocab // 3]] = -float("inf")
+    if num_rows >= 3:
+        logits[-1] = -float("inf")
+        logits[-1, vocab // 2] = 0.0
+    rows = [SAMPLING_ROWS[i % len(SAMPLING_ROWS)] for i in range(num_rows)]
+    temperature, top_k, top_p, min_p = (torch.tensor(column) for column in zip(*[
+        (t, vocab if k is OFF else k, p, m) for t, k, p, m in rows]))
+    noise = torch.empty(num_rows, vocab).exponential_(generator=gen)
+    return tuple(t.to(DEVICE) for t in (logits, temperature.float(), top_k, top_p.float(), min_p.float(), noise))
+
+
+def least_likely_noise(logits: torch.Tensor, temperature: torch.Tensor, tiebreak: float = 0.0) -> torch.Tensor:
+    """Noise p² (times 1 − tiebreak · id / vocab): the race then picks the least likely kept token,
+    and among its kept ties the highest id, so the token pins where a row's cut falls."""
+    probs = torch.softmax(logits / temperature[:, None], dim=-1)
+    ids = torch.arange(logits.shape[1], device=logits.device)
+    return (probs * probs * (1 - tiebreak * ids / logits.shape[1])).clamp_min(torch.finfo(torch.float32).tiny)
+
+
+def with_hint(args: tuple) -> tuple:
+    """`sample_race` arguments plus the sampler's host-side num_candidates hint."""
+    logits, top_k, top_p = args[0], args[2], args[3]
+    cuts = bool(((top_k < logits.shape[-1]) | (top_p < 1)).any())
+    return (*args, min(int(top_k.max()), logits.shape[-1]) if cuts else 0)
+
+
+@pytest.fixture
+def sampling_kernel_for_any_batch(monkeypatch):
+    """The sampling kernel even below FUSED_MIN_ROWS (where it otherwise hands over to the reference)."""
+    from deepinfer.kernels.triton_ops import sampling
+
+    monkeypatch.setattr(sampling, "FUSED_MIN_ROWS", 0)
+
+
+SAMPLE_CASES = [(1, 1000), (3, 4099), (33, 1000), (9, 4099)] + ([(3, 129280), (64, 129280)] if BIG else [])
+
+
+@pytest.mark.parametrize("least_likely", [False, True])
+@pytest.mark.parametrize(("num_rows", "vocab"), SAMPLE_CASES)
+@pytest.mark.usefixtures("sampling_kernel_for_any_batch")
+def test_fused_sample_race_matches_reference(num_rows, vocab, least_likely) -> None:
+    """Exp(1) noise (the sampler's), and noise that makes each row's token its least likely kept one."""
+    from deepinfer.kernels.triton_ops import sample_race_fused
+
+    gen = torch.Generator().manual_seed(num_rows * vocab)
+    args = sampling_case(gen, num_rows, vocab)
+    if least_likely:
+        args = (*args[:5], least_likely_noise(args[0], args[1]))
+    args = with_hint(args)
+    poison_allocator()
+    got = sample_race_fused(*args)
+    assert got.dtype == torch.int64 and got.shape == (num_rows,)
+    assert torch.equal(got, reference.sample_race(*args))
+
+
+@pytest.mark.usefixtures("sampling_kernel_for_any_batch")
+def test_fused_sample_race_on_the_full_vocabulary() -> None:
+    """One row of V4's 129,280 tokens with top-p 0.9 (about 5 s under the interpreter); more on CUDA."""
+    from deepinfer.kernels.triton_ops import sample_race_fused
+
+    gen = torch.Generator().manual_seed(129280)
+    logits, temperature, top_k, _, min_p, noise = sampling_case(gen, 1, 129280)
+    args = with_hint((logits, temperature, top_k, torch.full_like(temperature, 0.9), min_p, noise))
+    poison_allocator()
+    assert torch.equal(sample_race_fused(*args), reference.sample_race(*args))
+
+
+@pytest.mark.parametrize("top_p", [1.0, 0.37])
+@pytest.mark.usefixtures("sampling_kernel_for_any_batch")
+def test_fused_sample_race_keeps_lowest_ids_among_ties(top_p) -> None:
+    """Quantised logits tie in groups; top_k cuts inside a group, and the noise picks the highest
+    kept id of the least likely kept value, so a wrong tie count or order changes the token."""
+    from deepinfer.kernels.triton_ops import sample_race_fused
+
+    gen = torch.Generator().manual_seed(11)
+    num_rows, vocab = 6, 1500
+    logits = (torch.randint(0, 8, (num_rows, vocab), generator=gen) * 0.5).to(DEVICE)
+    temperature = torch.ones(num_rows, device=DEVICE)
+    top_k = torch.tensor([1, 3, 40, 190, 777, vocab], device=DEVICE)
+    top_p = torch.full((num_rows,), top_p, device=DEVICE)
+    min_p = torch.zeros(num_rows, device=DEVICE)
+    args = with_hint((logits, temperature, top_k, top_p, min_p, least_likely_noise(logits, temperature, tiebreak=1e-3)))
+    poison_allocator()
+    assert torch.equal(sample_race_fused(*args), reference.sample_race(*args))
+
+
+@pytest.mark.skipif(not CUDA, reason="CUDA graphs need a CUDA device")
+@pytest.mark.usefixtures("sampling_kernel_for_any_batch")
+def test_fused_sample_race_replays_in_a_cuda_graph() -> None:
+    from deepinfer.kernels.triton_ops import sample_race_fused
+
+    args = with_hint(sampling_case(torch.Generator().manual_seed(5), 16, 129280))
+    want = sample_race_fused(*args)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        got = sample_race_fused(*args)
+    args[0].copy_(args[0].flip(1))      # new logits in place: the replay must read them
+    graph.replay()
+    assert torch.equal(got, sample_race_fused(*args)) and not torch.equal(got, want)

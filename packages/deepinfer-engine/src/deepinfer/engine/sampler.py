@@ -1,8 +1,10 @@
 """Token sampling: greedy, temperature, top-k, top-p, min-p, per-request seeds, logprobs.
 
-Device-agnostic torch (CPU and CUDA). The hot path makes no host-device synchronisation: every
-decision that depends on the batch's composition (which rows are greedy, seeded, banned) is taken on
-the host when the `SamplingBatch` is built, and carried as index tensors.
+The hot path makes no host-device synchronisation: every decision that depends on the batch's
+composition (which rows are greedy, seeded, banned, how many candidates the top-k / top-p cut must
+rank) is taken on the host when the `SamplingBatch` is built, and carried as index tensors or plain
+ints. Temperature, top-k / top-p / min-p and the race run in the kernel registry's `sample_race`
+(on CUDA a sort-free Triton kernel from 128 rows, the PyTorch reference below that and elsewhere).
 
 Random rows are sampled by an exponential race: token = argmax_i p_i / E_i with E_i ~ Exp(1) drawn
 independently per token, which picks token i with probability p_i / sum(p). Each row's noise is one
@@ -19,12 +21,11 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from deepinfer.kernels import kernels_for
+
 from .sampling_batch import InvalidSamplingBatch, SamplingBatch
 from .sampling_params import MAX_SEED
 from .token_bitmask import apply_token_bitmask
-
-# When every random row has top_k <= this, top-k/top-p use one topk(max top_k) instead of a sort.
-_TOPK_INSTEAD_OF_SORT = 1024
 
 
 @dataclass(frozen=True, slots=True)
@@ -50,9 +51,8 @@ class Sampler:
         seed: seeds the generator shared by unseeded rows (one per device); None = torch's default
             generator of that device.
         force_top_k: if set (>= 1), random rows only ever consider their `force_top_k` most likely
-            tokens (one topk instead of a full sort of the vocabulary; top-p then works on the
-            renormalised candidates). Logprobs are unaffected. Without it, a topk of the largest
-            top_k is also used whenever every random row sets a top_k <= 1024.
+            tokens (each row's top_k is capped at it; top-p then works on the renormalised
+            candidates). Logprobs are unaffected.
     """
 
     def __init__(self, *, seed: int | None = None, force_top_k: int | None = None) -> None:
@@ -109,33 +109,19 @@ class Sampler:
 
     def _sample(self, logits: Tensor, batch: SamplingBatch) -> Tensor:
         """[num_random, vocab] float32 (masked, unscaled) -> [num_random] int64 sampled ids."""
-        probs = torch.softmax(logits / batch.temperature[:, None], dim=-1)
-        if batch.use_top_k or batch.use_top_p or self._force_top_k is not None:
-            probs = self._filter_sorted(probs, batch)
-        elif batch.use_min_p:
-            floor = batch.min_p[:, None] * probs.amax(dim=-1, keepdim=True)
-            probs = probs.masked_fill(probs < floor, 0.0)
-        noise = self._exponential_noise(probs.shape, batch, probs.device)
-        return (probs / noise).argmax(dim=-1)
+        top_k = batch.top_k if self._force_top_k is None else batch.top_k.clamp_max(self._force_top_k)
+        noise = self._exponential_noise(logits.shape, batch, logits.device)
+        return kernels_for(logits.device).sample_race(logits, batch.temperature, top_k, batch.top_p, batch.min_p,
+                                                      noise, self._num_candidates(batch))
 
-    def _filter_sorted(self, probs: Tensor, batch: SamplingBatch) -> Tensor:
-        num_candidates = batch.max_top_k if batch.max_top_k <= _TOPK_INSTEAD_OF_SORT else batch.vocab_size
-        if self._force_top_k is not None:
-            num_candidates = min(num_candidates, self._force_top_k)
-        if num_candidates < batch.vocab_size:
-            cand_p, cand_ids = _topk_lowest_id_first(probs, num_candidates)
-        else:
-            cand_p, cand_ids = probs.sort(dim=-1, descending=True, stable=True)
-        positions = torch.arange(cand_p.shape[1], device=probs.device)
-        keep = positions[None, :] < batch.top_k[:, None]
-        if batch.use_top_p:
-            kept_p = cand_p * keep
-            cumulative = kept_p.cumsum(dim=-1)
-            before = cumulative - kept_p   # probability of the more likely kept tokens; 0 at place 0
-            keep &= before < batch.top_p[:, None] * cumulative[:, -1:]
-        if batch.use_min_p:
-            keep &= cand_p >= batch.min_p[:, None] * cand_p[:, :1]
-        return torch.zeros_like(probs).scatter_(1, cand_ids, cand_p * keep)
+    def _num_candidates(self, batch: SamplingBatch) -> int:
+        """The `sample_race` hint, from the batch's host-side summary: 0 when no row cuts by top-k or
+        top-p, else the largest top_k (the vocabulary when a row cuts by top-p alone), capped by
+        force_top_k."""
+        cap = batch.vocab_size if self._force_top_k is None else min(self._force_top_k, batch.vocab_size)
+        if not (batch.use_top_k or batch.use_top_p or cap < batch.vocab_size):
+            return 0
+        return min(batch.max_top_k, cap)
 
     def _exponential_noise(self, shape: torch.Size, batch: SamplingBatch, device: torch.device) -> Tensor:
         num_rows, vocab_size = shape
@@ -167,17 +153,6 @@ class Sampler:
             generator.manual_seed(self._seed)
             self._generators[device] = generator
         return generator
-
-
-def _topk_lowest_id_first(probs: Tensor, k: int) -> tuple[Tensor, Tensor]:
-    """[rows, vocab] float32 >= 0 -> the k largest (values, ids), each [rows, k], descending; equal
-    values rank by ascending id. torch.topk alone breaks ties arbitrarily, so rank unique int64 keys
-    (the bit pattern of a non-negative float orders like its value) instead."""
-    low_mask = 2**32 - 1
-    keys = probs.view(torch.int32).to(torch.int64)
-    keys.bitwise_left_shift_(32).add_(torch.arange(low_mask, low_mask - probs.shape[1], -1, device=probs.device))
-    top_ids = low_mask - (keys.topk(k, dim=-1).values & low_mask)
-    return probs.gather(1, top_ids), top_ids
 
 
 def logprob_dicts(output: SamplerOutput, batch: SamplingBatch) -> list[dict[int, float] | None]:

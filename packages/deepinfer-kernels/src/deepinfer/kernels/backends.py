@@ -43,11 +43,11 @@ def register_builtin_backends() -> None:
     """CUDA: Triton kernels (static shapes, CUDA-graph safe) for mHC, RMSNorm, RoPE (alone or fused),
     the batched-decode ops that read the cache in place, the prefill's attention over gathered rows,
     top-k, routing, the experts (grouped GEMMs: Triton for small batches, cuBLAS beyond; FP8 and
-    MXFP4 experts: Triton at any batch) and the projections of 1–4 rows (GEMV; TileLang's for one
-    row where installed). Everything else: the reference."""
+    MXFP4 experts: Triton at any batch), the projections of 1–4 rows (GEMV; TileLang's for one row
+    where installed) and the sampler's filters + race (sort-free). Everything else: the reference."""
     for name in ("hc_pre", "hc_post", "rms_norm", "apply_rope", "norm_rope", "compress_decode",
                  "paged_decode_attention", "paged_indexer_scores", "topk_lowest_index", "route", "moe_experts",
-                 "moe_experts_fp8", "moe_experts_mxfp4", "sparse_attention"):
+                 "moe_experts_fp8", "moe_experts_mxfp4", "sample_race", "sparse_attention"):
         register(name, "cuda", _triton(name))
     register("linear", "cuda", _linear)
     register("clamped_swiglu", "cuda", _clamped_swiglu)

@@ -31,6 +31,7 @@ from .quant import (
     scale_to_float,
 )
 from .rope import YarnScaling, apply_rope, norm_rope, rope_inv_freq
+from .sampling import sample_race
 
 __all__ = [
     "YarnScaling",
@@ -61,6 +62,7 @@ __all__ = [
     "route",
     "router_scores",
     "routing_weights",
+    "sample_race",
     "scale_to_float",
     "select_experts",
     "sparse_attention",

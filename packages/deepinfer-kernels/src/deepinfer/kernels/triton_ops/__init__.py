@@ -10,11 +10,12 @@ from .paged import (
     sparse_attention_fused,
 )
 from .rowwise import apply_rope_fused, norm_rope_fused, rms_norm_fused
+from .sampling import sample_race_fused
 from .topk import topk_lowest_index_fused
 
 __all__ = [
     "apply_rope_fused", "clamped_swiglu_fused", "compress_decode_fused", "hc_post_fused", "hc_pre_fused",
     "linear_fused", "moe_experts_fp8_fused", "moe_experts_fused", "moe_experts_mxfp4_fused", "norm_rope_fused",
     "paged_decode_attention_fused", "paged_indexer_scores_fused", "rms_norm_fused", "route_fused",
-    "sparse_attention_fused", "topk_lowest_index_fused",
+    "sample_race_fused", "sparse_attention_fused", "topk_lowest_index_fused",
 ]
