@@ -39,6 +39,13 @@ def randn(gen: torch.Generator, *shape: int, dtype=torch.float32, scale: float =
     return (torch.randn(*shape, generator=gen) * scale).to(DEVICE, dtype)
 
 
+def device_randn(seed: int, *shape: int, dtype=torch.float32, scale: float = 1.0) -> torch.Tensor:
+    """Random weights drawn on DEVICE itself (drawing the V4-Flash experts on the host and copying
+    them took minutes per GPU test)."""
+    gen = torch.Generator(device=DEVICE).manual_seed(seed)
+    return (torch.randn(*shape, generator=gen, device=DEVICE) * scale).to(dtype)
+
+
 def close(got: torch.Tensor, want: torch.Tensor, dtype: torch.dtype) -> None:
     assert got.shape == want.shape and got.dtype == want.dtype and not torch.isnan(got).any()
     tol = 3e-2 if dtype == torch.bfloat16 else 1e-4
@@ -287,8 +294,8 @@ def test_fused_moe_experts_matches_reference(num_tokens, num_experts, top_k, hid
     x = randn(gen, num_tokens, hidden, dtype=dtype)
     ids = torch.stack([torch.randperm(num_experts, generator=gen)[:top_k] for _ in range(num_tokens)]).to(DEVICE)
     weights = randn(gen, num_tokens, top_k).abs()
-    w13 = randn(gen, num_experts, 2 * inter, hidden, dtype=dtype, scale=hidden**-0.5)
-    w2 = randn(gen, num_experts, hidden, inter, dtype=dtype, scale=inter**-0.5)
+    w13 = device_randn(hidden, num_experts, 2 * inter, hidden, dtype=dtype, scale=hidden**-0.5)
+    w2 = device_randn(inter, num_experts, hidden, inter, dtype=dtype, scale=inter**-0.5)
     poison_allocator()
     got = moe_experts_fused(x, ids, weights, w13, w2, 0.5)
     close(got, reference.moe_experts(x, ids, weights, w13, w2, 0.5), dtype)
@@ -301,16 +308,16 @@ def test_fused_moe_experts_matches_reference(num_tokens, num_experts, top_k, hid
 
 
 def _quantised_experts(gen, num_tokens, num_experts, top_k, hidden, inter, dtype, quant):
-    """Tokens, their routing and `num_experts` random experts through `quant` (weight → (q, scale)):
-    (x, ids, weights, [w13, w13_scale, w2, w2_scale])."""
+    """Tokens, their routing and `num_experts` random experts (drawn on DEVICE) through `quant`
+    (weight → (q, scale)): (x, ids, weights, [w13, w13_scale, w2, w2_scale])."""
     x = randn(gen, num_tokens, hidden, dtype=dtype)
     ids = torch.stack([torch.randperm(num_experts, generator=gen)[:top_k] for _ in range(num_tokens)]).to(DEVICE)
     weights = torch.rand(num_tokens, top_k, generator=gen).to(DEVICE)
-    w13, s13 = zip(*(quant(torch.randn(2 * inter, hidden, generator=gen) * hidden**-0.5)
-                     for _ in range(num_experts)), strict=True)
-    w2, s2 = zip(*(quant(torch.randn(hidden, inter, generator=gen) * inter**-0.5) for _ in range(num_experts)),
+    w13, s13 = zip(*(quant(device_randn(2 * e, 2 * inter, hidden, scale=hidden**-0.5)) for e in range(num_experts)),
+                   strict=True)
+    w2, s2 = zip(*(quant(device_randn(2 * e + 1, hidden, inter, scale=inter**-0.5)) for e in range(num_experts)),
                  strict=True)
-    return x, ids, weights, [torch.stack(t).to(DEVICE) for t in (w13, s13, w2, s2)]
+    return x, ids, weights, [torch.stack(t) for t in (w13, s13, w2, s2)]
 
 
 FP8_MOE_CASES = [(3, 8, 2, 64, 64, 32), (40, 8, 3, 64, 96, 32)] + (
