@@ -70,7 +70,6 @@ class SamplingBatch:
     use_top_k: bool              # some random row has top_k < vocab_size
     max_top_k: int               # largest top_k of the random rows (vocab_size if any is off)
     use_top_p: bool              # some random row has top_p < 1
-    use_min_p: bool              # some random row has min_p > 0
     token_bitmask: Tensor | None = None   # [num_constrained, ceil(vocab_size / 32)] int32 grammar masks
     bitmask_rows: Tensor | None = None    # [num_constrained] int64, the logits row of each mask row;
                                           # None with a bitmask: every row, mask row i = logits row i
@@ -185,7 +184,6 @@ def build_sampling_batch(
         use_top_k=any(k < vocab_size for k in top_k),
         max_top_k=max(top_k, default=vocab_size),
         use_top_p=any(p.top_p < 1 for p in chosen),
-        use_min_p=any(p.min_p > 0 for p in chosen),
         token_bitmask=None if token_bitmask is None else token_bitmask.to(device, non_blocking=True),
         bitmask_rows=None if token_bitmask is None or list(bitmask_rows) == list(range(num_seqs))
         else ints(list(bitmask_rows)),
