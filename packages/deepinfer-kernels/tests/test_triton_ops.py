@@ -475,10 +475,12 @@ def with_hint(args: tuple) -> tuple:
 
 @pytest.fixture
 def sampling_kernel_for_any_batch(monkeypatch):
-    """The sampling kernel even below FUSED_MIN_ROWS (where it otherwise hands over to the reference)."""
+    """The sampling kernels even below FUSED_MIN_ROWS (where they otherwise hand over to the
+    reference), with rows split into chunks of 1,024 tokens so that most cases span several."""
     from deepinfer.kernels.triton_ops import sampling
 
     monkeypatch.setattr(sampling, "FUSED_MIN_ROWS", 0)
+    monkeypatch.setattr(sampling, "CHUNK", 1024)
 
 
 SAMPLE_CASES = [(1, 1000), (3, 4099), (33, 1000), (9, 4099)] + ([(3, 129280), (64, 129280)] if BIG else [])

@@ -1,33 +1,38 @@
-"""Sort-free sampling in one launch: twin of `reference.sample_race`.
+"""Sort-free sampling, each row split over many programs: twin of `reference.sample_race`.
 
-One program per row streams the row's logits several times (nothing but the token is written):
+A row's vocabulary is cut into chunks of CHUNK tokens, one program per (row, chunk), so a single
+row keeps the whole GPU busy. A fixed sequence of launches (the same for every batch, so CUDA graphs
+can capture it) streams the logits several times; nothing but the token is written back:
 
-1. max of logits / temperature, then the softmax normaliser (2 passes);
+1. stats: per chunk, the max of logits / temperature and the sum of exp relative to it; a one-program-
+   per-row launch combines them into the row's max and softmax normaliser (stored, so every later
+   launch reads the same two numbers);
 2. top-k (rows with top_k < vocab): a k-ary search for the k-th largest probability. Probabilities are
-   >= 0, so their float32 bit patterns order like their values; each pass counts the tokens above
-   SPLITS evenly spaced bit thresholds inside the current bracket and keeps the sub-interval where
-   the count crosses k, SPLITS-fold narrower. The bracket starts at [0, bits(p_max)] < 2^30 wide, so
-   this ends after at most ceil(30 / log2(SPLITS)) passes (8 for SPLITS = 16), at the exact
-   boundary value; ties there are kept by ascending id (k - count above of them);
+   >= 0, so their float32 bit patterns order like their values. Pass i counts, per chunk, the tokens
+   above SPLITS evenly spaced bit thresholds inside the current bracket; pass i + 1's programs sum
+   those partial counts (in a fixed order, all of them alike) and keep the sub-interval where the
+   count crosses k, SPLITS-fold narrower. The bracket starts at [0, bits(p_max)] < 2^30 wide, so
+   PASSES = 8 passes (SPLITS = 16) reach the exact boundary value; ties there are kept by ascending
+   id (k - count above of them). Passes after convergence, and all passes of rows without top-k,
+   only carry the bracket over;
 3. top-p (rows with top_p < 1): the same search on the probability mass above each threshold,
-   against top_p * the mass kept by top-k (the tokens above the top-k boundary plus its kept ties),
+   against top_p * the mass top-k keeps (the tokens above the top-k boundary plus its kept ties),
    giving the smallest value whose first tie is still kept; its ties are kept while the mass before
    them stays below the limit;
-4. the race (1 pass, reading the noise too): keep = inside both prefixes and p >= min_p * p_max; the
-   token is argmax kept p / noise, ties -> lowest id (ties at the boundaries are ranked by a running
-   cumulative count, in id order).
+4. ties: per chunk, how many tokens sit exactly on each boundary (their ranks need the counts of the
+   chunks before);
+5. race, per chunk: keep = inside both prefixes and p >= min_p * p_max; the best kept p / noise
+   (ties -> lowest id); a last one-program-per-row launch picks the row's best over its chunks
+   (ties -> lowest id, as torch.argmax).
 
 Top-k is exact (integer counts). The top-p mass sums and the probabilities themselves are computed
 in another order (and with another exp) than torch's, so tokens can differ from the reference only
 where top_p * total falls within float rounding of a prefix sum of the sorted probabilities, or two
-race scores within rounding of each other. No host sync, static launch shape: CUDA-graph safe.
+race scores within rounding of each other. No host sync, static launch sequence: CUDA-graph safe.
 
-One program per row leaves most of the GPU idle for small batches, and each search pass makes
-vocab x SPLITS comparisons on one SM: on an H200 (vocab 129,280) this is slower than the reference
-for top-k, and faster for top-p / temperature only from about 128 rows (benchmarks/kernels_gpu.py),
-so `sample_race_fused` hands batches below FUSED_MIN_ROWS to the reference. Splitting a row over many
-programs (one launch per search pass, partial counts summed in a fixed order) is the known fix.
-TILE and SPLITS are the best of a small sweep there (16 x 512 against 32 x 256, 32 x 128, 64 x 128).
+An earlier form ran one program per row; on an H200 (vocab 129,280) it was slower than the reference
+below about 128 rows (benchmarks/kernels_gpu.py), which is why `sample_race_fused` hands batches below
+FUSED_MIN_ROWS to the reference. This form has not been timed on a GPU yet.
 """
 
 from __future__ import annotations
@@ -40,56 +45,77 @@ from torch import Tensor
 from .. import reference
 from ._launch import on_triton
 
-FUSED_MIN_ROWS = 128   # fewer rows: the reference is faster on an H200 (see the module docstring)
-BLOCK = 1024     # tokens per step of the softmax and race passes
-TILE = 512       # tokens per step of a search pass (each compared with SPLITS thresholds)
-SPLITS = 16      # thresholds per search pass
+FUSED_MIN_ROWS = 128   # fewer rows: the reference serves the call (see the module docstring)
+CHUNK = 2048           # tokens per program
+TILE = 512             # tokens per step inside a chunk
+SPLITS = 16            # thresholds per search pass
+PASSES = 8             # search passes per cut: SPLITS ** PASSES = 2 ** 32 > any bracket (< 2 ** 30)
+TOP_K, TOP_P = 0, 1    # the two cuts a search pass can serve
 
 
 @triton.jit
-def _scaled(row_ptr, start, vocab, temperature, BLOCK: tl.constexpr):
-    ids = start + tl.arange(0, BLOCK)
-    live = ids < vocab
-    x = tl.load(row_ptr + ids, mask=live, other=-float("inf"))
-    return x / temperature, ids, live
+def _tile(row_ptr, start, end, temperature, TILE: tl.constexpr):
+    """Logits / temperature of tokens start … start + TILE (those at or past `end` are -inf)."""
+    ids = start + tl.arange(0, TILE)
+    live = ids < end
+    return tl.load(row_ptr + ids, mask=live, other=-float("inf")) / temperature, ids, live
 
 
 @triton.jit
-def _probs(row_ptr, start, vocab, temperature, z_max, total, BLOCK: tl.constexpr):
-    z, ids, live = _scaled(row_ptr, start, vocab, temperature, BLOCK)
+def _probs(row_ptr, start, end, temperature, z_max, total, TILE: tl.constexpr):
+    z, ids, live = _tile(row_ptr, start, end, temperature, TILE)
     p = tl.exp(z - z_max) / total
     return p, p.to(tl.int32, bitcast=True), ids, live
 
 
 @triton.jit
-def _softmax_stats(row_ptr, vocab, temperature, BLOCK: tl.constexpr):
-    z_max = tl.full([BLOCK], -float("inf"), tl.float32)
-    for start in range(0, vocab, BLOCK):
-        z, _, _ = _scaled(row_ptr, start, vocab, temperature, BLOCK)
-        z_max = tl.maximum(z_max, z)
-    row_max = tl.max(z_max, 0)
-    total = tl.zeros([BLOCK], tl.float32)
-    for start in range(0, vocab, BLOCK):
-        z, _, _ = _scaled(row_ptr, start, vocab, temperature, BLOCK)
-        total += tl.exp(z - row_max)
-    return row_max, tl.sum(total, 0)
+def _chunk(vocab, CHUNK: tl.constexpr):
+    """(row, chunk, first token, end token) of this program."""
+    row = tl.program_id(0)
+    chunk = tl.program_id(1)
+    start = chunk * CHUNK
+    return row, chunk, start, tl.minimum(start + CHUNK, vocab)
 
 
 @triton.jit
-def _above(row_ptr, vocab, temperature, z_max, total, thresholds, base, TILE: tl.constexpr,
-           SPLITS: tl.constexpr):
-    """Per threshold, the number and probability mass of tokens whose bits exceed it; and the mass
-    of those above `base`."""
-    count = tl.zeros([TILE, SPLITS], tl.int32)
-    mass = tl.zeros([TILE, SPLITS], tl.float32)
-    base_mass = tl.zeros([TILE], tl.float32)
-    for start in range(0, vocab, TILE):
-        p, bits, _, _ = _probs(row_ptr, start, vocab, temperature, z_max, total, TILE)
-        over = bits[:, None] > thresholds[None, :]
-        count += over.to(tl.int32)
-        mass += tl.where(over, p[:, None], 0.0)
-        base_mass += tl.where(bits > base, p, 0.0)
-    return tl.sum(count, 0), tl.sum(mass, 0), tl.sum(base_mass, 0)
+def _chunk_stats_kernel(logits_ptr, temperature_ptr, max_ptr, sum_ptr, vocab, stride, num_chunks,
+                        CHUNK: tl.constexpr, TILE: tl.constexpr):
+    row, chunk, start, end = _chunk(vocab, CHUNK)
+    row_ptr = logits_ptr + row.to(tl.int64) * stride
+    temperature = tl.load(temperature_ptr + row)
+    z_max = tl.full([TILE], -float("inf"), tl.float32)
+    for tile in range(start, end, TILE):
+        z, _, _ = _tile(row_ptr, tile, end, temperature, TILE)
+        z_max = tl.maximum(z_max, z)
+    chunk_max = tl.max(z_max, 0)
+    total = tl.zeros([TILE], tl.float32)
+    for tile in range(start, end, TILE):
+        z, _, _ = _tile(row_ptr, tile, end, temperature, TILE)
+        total += tl.where(z > -float("inf"), tl.exp(z - chunk_max), 0.0)
+    tl.store(max_ptr + row * num_chunks + chunk, chunk_max)
+    tl.store(sum_ptr + row * num_chunks + chunk, tl.sum(total, 0))
+
+
+@triton.jit
+def _row_stats_kernel(max_ptr, sum_ptr, stats_ptr, num_chunks, NC_BLOCK: tl.constexpr):
+    """The row's max and softmax normaliser from its chunks' (stats_ptr: [rows, 2] float32)."""
+    row = tl.program_id(0)
+    c = tl.arange(0, NC_BLOCK)
+    live = c < num_chunks
+    chunk_max = tl.load(max_ptr + row * num_chunks + c, mask=live, other=-float("inf"))
+    chunk_sum = tl.load(sum_ptr + row * num_chunks + c, mask=live, other=0.0)
+    z_max = tl.max(chunk_max, 0)
+    total = tl.sum(tl.where(chunk_max > -float("inf"), tl.exp(chunk_max - z_max) * chunk_sum, 0.0), 0)
+    tl.store(stats_ptr + row * 2, z_max)
+    tl.store(stats_ptr + row * 2 + 1, total)
+
+
+@triton.jit
+def _row_stats(stats_ptr, row):
+    """(row max of logits / temperature, softmax normaliser, bits of p_max = exp(0) / normaliser)."""
+    z_max = tl.load(stats_ptr + row * 2)
+    total = tl.load(stats_ptr + row * 2 + 1)
+    return z_max, total, (1.0 / total).to(tl.int32, bitcast=True)
 
 
 @triton.jit
@@ -111,37 +137,121 @@ def _narrow(lo, hi, step, crossed, value, value_at_hi, SPLITS: tl.constexpr):
 
 
 @triton.jit
-def _top_k_cut(row_ptr, vocab, temperature, z_max, total, top_k, top_bits, TILE: tl.constexpr,
-               SPLITS: tl.constexpr):
-    """(bits of the k-th largest probability, how many of its ties to keep); (-1, 0) when off."""
-    on = top_k < vocab
-    lo = tl.where(on, 0, -1)
-    hi = tl.where(on, top_bits, -1)
-    count_at_hi = tl.zeros([], tl.int32)
-    while lo < hi:
-        thresholds, step = _thresholds(lo, hi, SPLITS)
-        count, _, _ = _above(row_ptr, vocab, temperature, z_max, total, thresholds, -1, TILE, SPLITS)
-        lo, hi, count_at_hi = _narrow(lo, hi, step, count < top_k, count, count_at_hi, SPLITS)
-    return hi, tl.where(on, top_k - count_at_hi, 0).to(tl.int32)
+def _cut(state_ptr, row, num_rows, step):
+    """(lo, hi, value at hi, limit) stored for search step `step` of a cut."""
+    at = state_ptr + (step * num_rows + row) * 4
+    return (tl.load(at).to(tl.int32, bitcast=True), tl.load(at + 1).to(tl.int32, bitcast=True), tl.load(at + 2),
+            tl.load(at + 3))
 
 
 @triton.jit
-def _top_p_cut(row_ptr, vocab, temperature, z_max, total, top_p, k_bits, k_ties, top_bits, TILE: tl.constexpr,
-               SPLITS: tl.constexpr):
-    """(bits of the last value top-p keeps, the mass above it, the mass limit); (-1, 0, inf) when
-    off. Starts below k_bits (where the mass is >= the limit), so a search runs at least one pass."""
-    on = top_p < 1.0
-    lo = tl.where(on, k_bits - 1, -1)
-    hi = tl.where(on, top_bits, -1)
-    k_tie_mass = tl.where(k_bits >= 0, k_ties.to(tl.float32) * k_bits.to(tl.float32, bitcast=True), 0.0)
-    limit = tl.full([], float("inf"), tl.float32)
-    mass_at_hi = tl.zeros([], tl.float32)
-    while lo < hi:
-        thresholds, step = _thresholds(lo, hi, SPLITS)
-        _, mass, kept_above = _above(row_ptr, vocab, temperature, z_max, total, thresholds, k_bits, TILE, SPLITS)
-        limit = top_p * (kept_above + k_tie_mass)
-        lo, hi, mass_at_hi = _narrow(lo, hi, step, mass < limit, mass, mass_at_hi, SPLITS)
-    return hi, mass_at_hi, limit
+def _top_k_result(k_state_ptr, top_k_ptr, row, num_rows, PASSES: tl.constexpr):
+    """(bits of the k-th largest probability, how many of its ties to keep); (-1, 0) when off."""
+    _, k_bits, count_at_hi, _ = _cut(k_state_ptr, row, num_rows, PASSES)
+    top_k = tl.load(top_k_ptr + row)
+    return k_bits, tl.where(k_bits >= 0, top_k - count_at_hi.to(tl.int64), 0).to(tl.int32)
+
+
+@triton.jit
+def _search_kernel(logits_ptr, temperature_ptr, stats_ptr, top_k_ptr, top_p_ptr, k_state_ptr, state_ptr, count_ptr,
+                   mass_ptr, base_ptr, vocab, stride, num_rows, num_chunks, step, CUT: tl.constexpr,
+                   CHUNK: tl.constexpr, TILE: tl.constexpr, SPLITS: tl.constexpr, NC_BLOCK: tl.constexpr,
+                   PASSES: tl.constexpr):
+    """Search step `step` of cut CUT (TOP_K or TOP_P): take the bracket of step - 1 and its partial
+    counts / masses (all programs of the row alike), narrow it, store it (chunk 0) and, while it is
+    open, this chunk's partials for its thresholds. Step PASSES only stores the result.
+
+    state: [PASSES + 1, rows, 4] float32 (lo and hi as int32 bits, value at hi, top-p limit);
+    count / mass: [2, rows, chunks, SPLITS] int32 / float32 and base: [2, rows, chunks] float32, by
+    step parity: the partials, and the mass above the top-k boundary (top-p)."""
+    row, chunk, start, end = _chunk(vocab, CHUNK)
+    z_max, total, top_bits = _row_stats(stats_ptr, row)
+    if CUT == 0:
+        on = tl.load(top_k_ptr + row) < vocab
+        first_lo = tl.where(on, 0, -1)
+    else:
+        top_p = tl.load(top_p_ptr + row)
+        on = top_p < 1.0
+        base_bits, k_ties = _top_k_result(k_state_ptr, top_k_ptr, row, num_rows, PASSES)
+        k_tie_mass = tl.where(base_bits >= 0, k_ties.to(tl.float32) * base_bits.to(tl.float32, bitcast=True), 0.0)
+        first_lo = tl.where(on, base_bits - 1, -1)     # below the top-k boundary: at least one pass runs
+    if step == 0:
+        lo, hi = first_lo, tl.where(on, top_bits, -1)
+        value_at_hi, limit = 0.0, float("inf")
+    else:
+        lo, hi, value_at_hi, limit = _cut(state_ptr, row, num_rows, step - 1)
+        if lo < hi:                                    # step - 1 searched: narrow by its partials
+            parity = (step - 1) % 2
+            c = tl.arange(0, NC_BLOCK)
+            part = ((parity * num_rows + row) * num_chunks + c[:, None]) * SPLITS + tl.arange(0, SPLITS)[None, :]
+            live = (c < num_chunks)[:, None]
+            thresholds, width = _thresholds(lo, hi, SPLITS)
+            if CUT == 0:
+                count = tl.sum(tl.load(count_ptr + part, mask=live, other=0), 0)
+                lo, hi, value_at_hi = _narrow(lo, hi, width, count < tl.load(top_k_ptr + row).to(tl.int32),
+                                              count.to(tl.float32), value_at_hi, SPLITS)
+            else:
+                mass = tl.sum(tl.load(mass_ptr + part, mask=live, other=0.0), 0)
+                kept_above = tl.sum(tl.load(base_ptr + (parity * num_rows + row) * num_chunks + c,
+                                            mask=c < num_chunks, other=0.0), 0)
+                limit = top_p * (kept_above + k_tie_mass)
+                lo, hi, value_at_hi = _narrow(lo, hi, width, mass < limit, mass, value_at_hi, SPLITS)
+    if chunk == 0:
+        at = state_ptr + (step * num_rows + row) * 4
+        tl.store(at, lo.to(tl.float32, bitcast=True))
+        tl.store(at + 1, hi.to(tl.float32, bitcast=True))
+        tl.store(at + 2, value_at_hi)
+        tl.store(at + 3, limit)
+    if (step < PASSES) & (lo < hi):
+        row_ptr = logits_ptr + row.to(tl.int64) * stride
+        temperature = tl.load(temperature_ptr + row)
+        thresholds, _width = _thresholds(lo, hi, SPLITS)
+        count = tl.zeros([TILE, SPLITS], tl.int32)
+        mass = tl.zeros([TILE, SPLITS], tl.float32)
+        base = tl.zeros([TILE], tl.float32)
+        for tile in range(start, end, TILE):
+            p, bits, _, _ = _probs(row_ptr, tile, end, temperature, z_max, total, TILE)
+            over = bits[:, None] > thresholds[None, :]
+            if CUT == 0:
+                count += over.to(tl.int32)
+            else:
+                mass += tl.where(over, p[:, None], 0.0)
+                base += tl.where(bits > base_bits, p, 0.0)
+        parity = step % 2
+        part = ((parity * num_rows + row) * num_chunks + chunk) * SPLITS + tl.arange(0, SPLITS)
+        if CUT == 0:
+            tl.store(count_ptr + part, tl.sum(count, 0))
+        else:
+            tl.store(mass_ptr + part, tl.sum(mass, 0))
+            tl.store(base_ptr + (parity * num_rows + row) * num_chunks + chunk, tl.sum(base, 0))
+
+
+@triton.jit
+def _cuts(top_k_ptr, k_state_ptr, p_state_ptr, row, num_rows, PASSES: tl.constexpr):
+    """Both cuts' results: (k_bits, k_ties, p_bits, p_mass, p_limit)."""
+    k_bits, k_ties = _top_k_result(k_state_ptr, top_k_ptr, row, num_rows, PASSES)
+    _, p_bits, p_mass, p_limit = _cut(p_state_ptr, row, num_rows, PASSES)
+    return k_bits, k_ties, p_bits, p_mass, p_limit
+
+
+@triton.jit
+def _ties_kernel(logits_ptr, temperature_ptr, stats_ptr, top_k_ptr, k_state_ptr, p_state_ptr, ties_ptr, vocab,
+                 stride, num_rows, num_chunks, CHUNK: tl.constexpr, TILE: tl.constexpr, PASSES: tl.constexpr):
+    """Per chunk, the tokens on the top-k and on the top-p boundary (ties: [rows, chunks, 2] int32)."""
+    row, chunk, start, end = _chunk(vocab, CHUNK)
+    z_max, total, _top_bits = _row_stats(stats_ptr, row)
+    k_bits, _k_ties, p_bits, _p_mass, _p_limit = _cuts(top_k_ptr, k_state_ptr, p_state_ptr, row, num_rows, PASSES)
+    row_ptr = logits_ptr + row.to(tl.int64) * stride
+    temperature = tl.load(temperature_ptr + row)
+    on_k = tl.zeros([TILE], tl.int32)
+    on_p = tl.zeros([TILE], tl.int32)
+    for tile in range(start, end, TILE):
+        _, bits, _, live = _probs(row_ptr, tile, end, temperature, z_max, total, TILE)
+        on_k += (live & (bits == k_bits)).to(tl.int32)
+        on_p += (live & (bits == p_bits)).to(tl.int32)
+    at = ties_ptr + (row * num_chunks + chunk) * 2
+    tl.store(at, tl.sum(on_k, 0))
+    tl.store(at + 1, tl.sum(on_p, 0))
 
 
 @triton.jit
@@ -152,15 +262,26 @@ def _tie_ranks(ties, seen):
 
 
 @triton.jit
-def _race(row_ptr, noise_ptr, vocab, temperature, z_max, total, k_bits, k_ties, p_bits, p_mass, p_limit, floor,
-          BLOCK: tl.constexpr):
+def _race_kernel(logits_ptr, temperature_ptr, noise_ptr, min_p_ptr, stats_ptr, top_k_ptr, k_state_ptr, p_state_ptr,
+                 ties_ptr, best_ptr, best_id_ptr, vocab, stride, noise_stride, num_rows, num_chunks,
+                 CHUNK: tl.constexpr, TILE: tl.constexpr, PASSES: tl.constexpr, NC_BLOCK: tl.constexpr):
+    """Per chunk, the best kept p / noise and its id (ties -> lowest id; best: [rows, chunks])."""
+    row, chunk, start, end = _chunk(vocab, CHUNK)
+    z_max, total, top_bits = _row_stats(stats_ptr, row)
+    k_bits, k_ties, p_bits, p_mass, p_limit = _cuts(top_k_ptr, k_state_ptr, p_state_ptr, row, num_rows, PASSES)
     p_value = tl.where(p_bits >= 0, p_bits.to(tl.float32, bitcast=True), 0.0)
-    best = tl.full([BLOCK], -1.0, tl.float32)
-    best_id = tl.zeros([BLOCK], tl.int32)
-    k_seen = tl.zeros([], tl.int32)
-    p_seen = tl.zeros([], tl.int32)
-    for start in range(0, vocab, BLOCK):
-        p, bits, ids, live = _probs(row_ptr, start, vocab, temperature, z_max, total, BLOCK)
+    floor = tl.load(min_p_ptr + row) * top_bits.to(tl.float32, bitcast=True)
+    c = tl.arange(0, NC_BLOCK)
+    before = c < chunk
+    k_seen = tl.sum(tl.load(ties_ptr + (row * num_chunks + c) * 2, mask=before, other=0), 0)
+    p_seen = tl.sum(tl.load(ties_ptr + (row * num_chunks + c) * 2 + 1, mask=before, other=0), 0)
+    row_ptr = logits_ptr + row.to(tl.int64) * stride
+    row_noise = noise_ptr + row.to(tl.int64) * noise_stride
+    temperature = tl.load(temperature_ptr + row)
+    best = tl.full([TILE], -1.0, tl.float32)
+    best_id = tl.zeros([TILE], tl.int32)
+    for tile in range(start, end, TILE):
+        p, bits, ids, live = _probs(row_ptr, tile, end, temperature, z_max, total, TILE)
         k_tie = live & (bits == k_bits)
         k_rank, k_seen = _tie_ranks(k_tie, k_seen)
         p_tie = live & (bits == p_bits)
@@ -168,46 +289,69 @@ def _race(row_ptr, noise_ptr, vocab, temperature, z_max, total, k_bits, k_ties, 
         keep = (bits > k_bits) | (k_tie & (k_rank < k_ties))
         keep &= (bits > p_bits) | (p_tie & (p_mass + p_rank.to(tl.float32) * p_value < p_limit))
         keep &= p >= floor
-        noise = tl.load(noise_ptr + ids, mask=live, other=1.0)
+        noise = tl.load(row_noise + ids, mask=live, other=1.0)
         score = tl.where(live, tl.where(keep, p, 0.0) / noise, -1.0)
         better = score > best            # strict: an earlier (lower) id keeps its place on a tie
         best = tl.where(better, score, best)
         best_id = tl.where(better, ids, best_id)
     winner = tl.max(best, 0)
-    return tl.min(tl.where(best == winner, best_id, vocab), 0)
+    tl.store(best_ptr + row * num_chunks + chunk, winner)
+    tl.store(best_id_ptr + row * num_chunks + chunk, tl.min(tl.where(best == winner, best_id, vocab), 0))
 
 
 @triton.jit
-def _sample_race_kernel(logits_ptr, temperature_ptr, top_k_ptr, top_p_ptr, min_p_ptr, noise_ptr, out_ptr, vocab,
-                        logits_stride, noise_stride, BLOCK: tl.constexpr, TILE: tl.constexpr, SPLITS: tl.constexpr):
-    row = tl.program_id(0).to(tl.int64)
-    row_ptr = logits_ptr + row * logits_stride
-    temperature = tl.load(temperature_ptr + row)
-    z_max, total = _softmax_stats(row_ptr, vocab, temperature, BLOCK)
-    p_max = 1.0 / total            # exp(0) / total: the most likely token's probability, bit for bit
-    top_bits = p_max.to(tl.int32, bitcast=True)
-    k_bits, k_ties = _top_k_cut(row_ptr, vocab, temperature, z_max, total, tl.load(top_k_ptr + row), top_bits,
-                                TILE, SPLITS)
-    p_bits, p_mass, p_limit = _top_p_cut(row_ptr, vocab, temperature, z_max, total, tl.load(top_p_ptr + row),
-                                         k_bits, k_ties, top_bits, TILE, SPLITS)
-    floor = tl.load(min_p_ptr + row) * p_max
-    token = _race(row_ptr, noise_ptr + row * noise_stride, vocab, temperature, z_max, total, k_bits, k_ties,
-                  p_bits, p_mass, p_limit, floor, BLOCK)
-    tl.store(out_ptr + row, token.to(tl.int64))
+def _pick_kernel(best_ptr, best_id_ptr, out_ptr, vocab, num_chunks, NC_BLOCK: tl.constexpr):
+    row = tl.program_id(0)
+    c = tl.arange(0, NC_BLOCK)
+    live = c < num_chunks
+    best = tl.load(best_ptr + row * num_chunks + c, mask=live, other=-2.0)
+    best_id = tl.load(best_id_ptr + row * num_chunks + c, mask=live, other=vocab)
+    winner = tl.max(best, 0)
+    tl.store(out_ptr + row, tl.min(tl.where(best == winner, best_id, vocab), 0).to(tl.int64))
 
 
 def sample_race_fused(logits: Tensor, temperature: Tensor, top_k: Tensor, top_p: Tensor, min_p: Tensor,
                       noise: Tensor, num_candidates: int) -> Tensor:
     """Same contract as `reference.sample_race` (float32 logits and noise with unit-stride rows; the
-    kernel needs no `num_candidates` hint). Below `FUSED_MIN_ROWS` rows the reference is faster and
-    serves the call."""
-    num_rows, vocab_size = logits.shape
+    kernels need no `num_candidates` hint). Below `FUSED_MIN_ROWS` rows the reference serves the call."""
+    num_rows, vocab = logits.shape
     if (not on_triton(logits) or num_rows < max(FUSED_MIN_ROWS, 1) or logits.dtype != torch.float32
             or noise.dtype != torch.float32 or logits.stride(-1) != 1 or noise.stride(-1) != 1):
         return reference.sample_race(logits, temperature, top_k, top_p, min_p, noise, num_candidates)
-    out = torch.empty(num_rows, dtype=torch.int64, device=logits.device)
-    _sample_race_kernel[(num_rows,)](
-        logits, temperature.float().contiguous(), top_k.contiguous(), top_p.float().contiguous(),
-        min_p.float().contiguous(), noise, out, vocab_size, logits.stride(0), noise.stride(0),
-        BLOCK=BLOCK, TILE=TILE, SPLITS=SPLITS, num_warps=8)
+    device = logits.device
+    num_chunks = triton.cdiv(vocab, CHUNK)
+    nc_block = triton.next_power_of_2(num_chunks)
+    temperature, top_k = temperature.float().contiguous(), top_k.contiguous()
+    top_p, min_p = top_p.float().contiguous(), min_p.float().contiguous()
+    chunks = (num_rows, num_chunks)
+    shape = dict(CHUNK=CHUNK, TILE=TILE)
+
+    chunk_max = torch.empty(chunks, dtype=torch.float32, device=device)
+    chunk_sum = torch.empty(chunks, dtype=torch.float32, device=device)
+    stats = torch.empty(num_rows, 2, dtype=torch.float32, device=device)
+    _chunk_stats_kernel[chunks](logits, temperature, chunk_max, chunk_sum, vocab, logits.stride(0), num_chunks,
+                                **shape, num_warps=4)
+    _row_stats_kernel[(num_rows,)](chunk_max, chunk_sum, stats, num_chunks, NC_BLOCK=nc_block, num_warps=1)
+
+    states = torch.empty(2, PASSES + 1, num_rows, 4, dtype=torch.float32, device=device)
+    count = torch.empty(2, num_rows, num_chunks, SPLITS, dtype=torch.int32, device=device)
+    mass = torch.empty(2, num_rows, num_chunks, SPLITS, dtype=torch.float32, device=device)
+    base = torch.empty(2, num_rows, num_chunks, dtype=torch.float32, device=device)
+    for cut in (TOP_K, TOP_P):
+        for step in range(PASSES + 1):
+            grid = chunks if step < PASSES else (num_rows, 1)
+            _search_kernel[grid](logits, temperature, stats, top_k, top_p, states[TOP_K], states[cut], count, mass,
+                                 base, vocab, logits.stride(0), num_rows, num_chunks, step, CUT=cut, **shape,
+                                 SPLITS=SPLITS, NC_BLOCK=nc_block, PASSES=PASSES, num_warps=4)
+
+    ties = torch.empty(num_rows, num_chunks, 2, dtype=torch.int32, device=device)
+    _ties_kernel[chunks](logits, temperature, stats, top_k, states[TOP_K], states[TOP_P], ties, vocab,
+                         logits.stride(0), num_rows, num_chunks, **shape, PASSES=PASSES, num_warps=4)
+    best = torch.empty(chunks, dtype=torch.float32, device=device)
+    best_id = torch.empty(chunks, dtype=torch.int32, device=device)
+    _race_kernel[chunks](logits, temperature, noise, min_p, stats, top_k, states[TOP_K], states[TOP_P], ties, best,
+                         best_id, vocab, logits.stride(0), noise.stride(0), num_rows, num_chunks, **shape,
+                         PASSES=PASSES, NC_BLOCK=nc_block, num_warps=4)
+    out = torch.empty(num_rows, dtype=torch.int64, device=device)
+    _pick_kernel[(num_rows,)](best, best_id, out, vocab, num_chunks, NC_BLOCK=nc_block, num_warps=1)
     return out
