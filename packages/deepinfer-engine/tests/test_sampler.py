@@ -274,3 +274,15 @@ def test_sampler_on_cuda_matches_rules() -> None:
     again = make_batch([params[1]], 4, device="cuda")
     first = Sampler()(logits[:1], again).token_ids.item()
     assert first == Sampler()(logits[:1], make_batch([params[1]], 4, device="cuda")).token_ids.item()
+
+
+@pytest.mark.parametrize("device", ["cpu", CUDA])
+def test_a_row_without_cuts_is_not_cut_by_its_neighbours_top_k(device: str) -> None:
+    # One row keeps its 2 most likely tokens; the other cuts nothing, so over many draws from a flat
+    # distribution it must reach tokens far outside the first row's candidates.
+    logits = torch.zeros(2, 50, device=device)
+    batch = make_batch([SamplingParams(top_k=2), SamplingParams()], 50, device=device)
+    sampler = Sampler(seed=0)
+    draws = torch.stack([sampler(logits, batch).token_ids for _ in range(40)]).cpu()
+    assert set(draws[:, 0].tolist()) <= {0, 1}
+    assert len(set(draws[:, 1].tolist())) > 10
