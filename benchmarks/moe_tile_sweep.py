@@ -6,7 +6,8 @@ For each batch (random routing over 256 experts × 2048, hidden 4096, top-6) and
 times `triton_ops.moe` with every tile shape of the grid below substituted for `_tiles`, inside CUDA
 graphs (`triton.testing.do_bench_cudagraph`, so launch overhead is not counted), and reports median
 µs per call, the active experts' stored weight bytes per second, and the largest error against the
-reference op. The shipped `_tiles` is the best row of this sweep.
+reference op. The shipped `_tiles` came from an earlier, uncommitted form of this sweep (graph-captured,
+FP8 and MXFP4 at batch 1–256; docs/benchmarks/decode_h200.md).
 """
 
 from __future__ import annotations
