@@ -125,8 +125,11 @@ def sampling_rows(b: int, gen: torch.Generator) -> dict:
         args = (logits, temperature, torch.full((b,), top_k, device="cuda"), torch.full((b,), top_p, device="cuda"),
                 min_p, noise, hint)
         with mock.patch.object(triton_ops.sampling, "FUSED_MIN_ROWS", 0):     # the kernel at every batch
-            row[f"{name}_fused_us"] = bench(lambda args=args: triton_ops.sample_race_fused(*args)) * 1000
-        row[f"{name}_reference_us"] = bench(lambda args=args: reference.sample_race(*args)) * 1000
+            for impl, op in (("fused", triton_ops.sample_race_fused), ("reference", reference.sample_race)):
+                # eager (what the sampler pays today) and inside a CUDA graph (the GPU's own time)
+                row[f"{name}_{impl}_us"] = bench(lambda op=op, args=args: op(*args)) * 1000
+                row[f"{name}_{impl}_graph_us"] = triton.testing.do_bench_cudagraph(
+                    lambda op=op, args=args: op(*args), rep=100) * 1000
     return row
 
 

@@ -1,6 +1,6 @@
 """Tile sweep of the routed-expert kernels (bf16, FP8 block-scaled, MXFP4) at V4-Flash shapes.
 
-    python benchmarks/moe_tile_sweep.py --batches 1,8,32,256 --out moe_tile_sweep.json
+    python benchmarks/moe_tile_sweep.py --batches 1,8,32,256 [--formats bf16,fp8,mxfp4] --out moe_tile_sweep.json
 
 For each batch (random routing over 256 experts × 2048, hidden 4096, top-6) and weight format, it
 times `triton_ops.moe` with every tile shape of the grid below substituted for `_tiles`, inside CUDA
@@ -23,8 +23,8 @@ from deepinfer.kernels import reference
 from deepinfer.kernels.triton_ops import moe
 
 EXPERTS, HIDDEN, INTER, TOP_K = 256, 4096, 2048, 6
-GRID = [dict(BLOCK_M=16, BLOCK_N=n, BLOCK_K=k, num_warps=4, num_stages=s)
-        for n in (32, 64, 128) for k in (64, 128, 256) for s in (3, 4)]
+GRID = [dict(BLOCK_M=16, BLOCK_N=n, BLOCK_K=k, num_warps=w, num_stages=s)
+        for n in (32, 64, 128) for k in (64, 128, 256) for w in (4, 8) for s in (3, 4)]
 
 
 def experts(gen: torch.Generator) -> dict[str, tuple]:
@@ -81,10 +81,11 @@ def sweep(b: int, gen: torch.Generator, formats: dict[str, tuple]) -> list[dict]
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--batches", default="1,8,32,256")
+    ap.add_argument("--formats", default="bf16,fp8,mxfp4")
     ap.add_argument("--out", default="moe_tile_sweep.json")
     args = ap.parse_args()
     gen = torch.Generator(device="cuda").manual_seed(0)
-    formats = experts(gen)
+    formats = {name: w for name, w in experts(gen).items() if name in args.formats.split(",")}
     rows = [r for b in args.batches.split(",") if b for r in sweep(int(b), gen, formats)]
     with open(args.out, "w") as f:
         json.dump({"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,

@@ -48,11 +48,12 @@ def sampling_kernels():
         }, {"CUT": cut, **shape, "SPLITS": s.SPLITS, "NC_BLOCK": 64, "PASSES": s.PASSES}
     yield s._ties_kernel, {**logits, "stats_ptr": "*fp32", **SAMPLING_STATE, "p_state_ptr": "*fp32",
                            "ties_ptr": "*i32", **CHUNK}, {**shape, "PASSES": s.PASSES}
-    yield s._race_kernel, {
-        **logits, "noise_ptr": "*fp32", "min_p_ptr": "*fp32", "stats_ptr": "*fp32", **SAMPLING_STATE,
-        "p_state_ptr": "*fp32", "ties_ptr": "*i32", "best_ptr": "*fp32", "best_id_ptr": "*i32", "vocab": "i32",
-        "stride": "i32", "noise_stride": "i32", "num_rows": "i32", "num_chunks": "i32",
-    }, {**shape, "PASSES": s.PASSES, "NC_BLOCK": 64}
+    for cuts in (True, False):
+        yield s._race_kernel, {
+            **logits, "noise_ptr": "*fp32", "min_p_ptr": "*fp32", "stats_ptr": "*fp32", **SAMPLING_STATE,
+            "p_state_ptr": "*fp32", "ties_ptr": "*i32", "best_ptr": "*fp32", "best_id_ptr": "*i32", "vocab": "i32",
+            "stride": "i32", "noise_stride": "i32", "num_rows": "i32", "num_chunks": "i32",
+        }, {**shape, "PASSES": s.PASSES, "NC_BLOCK": 64, "CUTS": cuts}
     yield s._pick_kernel, {"best_ptr": "*fp32", "best_id_ptr": "*i32", "out_ptr": "*i64", "vocab": "i32",
                            "num_chunks": "i32"}, {"NC_BLOCK": 64}
 

@@ -368,7 +368,8 @@ def test_fused_fp8_experts_match_reference(num_tokens, num_experts, top_k, hidde
 
 
 @pytest.mark.parametrize(("num_tokens", "num_experts", "top_k", "hidden", "inter"),
-                         [(3, 8, 2, 64, 64), (40, 8, 3, 128, 96)] + ([flash_experts(32, 256, 6, 4096, 2048)] if BIG else []))
+                         [(3, 8, 2, 64, 64), (40, 8, 3, 128, 96)]
+                         + ([flash_experts(32, 256, 6, 4096, 2048)] if BIG else []))
 @pytest.mark.parametrize("aligned_by", ["sort kernel", "torch ops"])
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_fused_mxfp4_experts_match_reference(num_tokens, num_experts, top_k, hidden, inter, aligned_by, dtype,
@@ -525,6 +526,26 @@ def test_fused_sample_race_matches_reference(num_rows, vocab, least_likely) -> N
     got = sample_race_fused(*args)
     assert got.dtype == torch.int64 and got.shape == (num_rows,)
     assert torch.equal(got, reference.sample_race(*args))
+
+
+@pytest.mark.parametrize(("num_rows", "vocab"), [(5, 4099)] + ([(64, 129280)] if BIG else []))
+@pytest.mark.usefixtures("sampling_kernel_for_any_batch")
+def test_fused_sample_race_without_cuts(num_rows, vocab) -> None:
+    """No row has top-k or top-p (hint 0): the kernels skip both searches and the ties; temperature
+    and min-p still apply (the least-likely noise pins where min-p cuts)."""
+    from deepinfer.kernels.triton_ops import sample_race_fused
+
+    gen = torch.Generator().manual_seed(vocab + 1)
+    logits, temperature, top_k, top_p, _, exp_noise = sampling_case(gen, num_rows, vocab)
+    top_k, top_p = torch.full_like(top_k, vocab), torch.ones_like(top_p)
+    min_p = torch.rand(num_rows, generator=gen).mul(0.3).to(DEVICE)
+    for noise in (exp_noise, least_likely_noise(logits, temperature)):
+        args = (logits, temperature, top_k, top_p, min_p, noise)
+        assert with_hint(args)[-1] == 0
+        poison_allocator()
+        assert torch.equal(sample_race_fused(*args, 0), reference.sample_race(*args, 0))
+    with pytest.raises(ValueError, match="num_candidates"):
+        sample_race_fused(*args, vocab + 1)
 
 
 @pytest.mark.usefixtures("sampling_kernel_for_any_batch")

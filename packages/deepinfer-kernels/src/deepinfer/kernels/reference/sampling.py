@@ -6,7 +6,7 @@ import torch
 from torch import Tensor
 
 # When every row has top_k <= this, top-k/top-p rank one torch.topk of the largest top_k, not a sort.
-_TOPK_INSTEAD_OF_SORT = 1024
+TOPK_INSTEAD_OF_SORT = 1024
 
 
 def sample_race(logits: Tensor, temperature: Tensor, top_k: Tensor, top_p: Tensor, min_p: Tensor,
@@ -47,7 +47,7 @@ def _top_k_top_p(probs: Tensor, top_k: Tensor, top_p: Tensor, num_candidates: in
     num_rows, vocab_size = probs.shape
     if num_rows == 0 or num_candidates == 0:
         return probs
-    if num_candidates <= _TOPK_INSTEAD_OF_SORT and num_candidates < vocab_size:
+    if num_candidates <= TOPK_INSTEAD_OF_SORT and num_candidates < vocab_size:
         cand_p, cand_ids = _topk_lowest_id_first(probs, num_candidates)
     else:
         cand_p, cand_ids = probs.sort(dim=-1, descending=True, stable=True)

@@ -30,9 +30,13 @@ in another order (and with another exp) than torch's, so tokens can differ from 
 where top_p * total falls within float rounding of a prefix sum of the sorted probabilities, or two
 race scores within rounding of each other. No host sync, static launch sequence: CUDA-graph safe.
 
-An earlier form ran one program per row; on an H200 (vocab 129,280) it was slower than the reference
-below about 128 rows (benchmarks/kernels_gpu.py), which is why `sample_race_fused` hands batches below
-FUSED_MIN_ROWS to the reference. This form has not been timed on a GPU yet.
+When no row cuts (the host's num_candidates hint is 0) only steps 1 and 5 run: 4 launches.
+
+Which serves a call (H200, vocab 129,280, `benchmarks/kernels_gpu.py`; docs/benchmarks/decode_h200.md):
+the sampler runs eagerly, where each of the 23 launches costs ~24 µs of host time, so the kernels
+(~550 µs eager, 60–300 µs of GPU time up to 32 rows) lose to the reference's top-k below 128 rows
+(1,032 vs 1,172 µs at 128) and to its full sort below 32 (560 vs 914 µs at 32); without cuts they win
+at every batch (70 vs 98 µs at 1 row, 157 vs 659 µs at 256).
 """
 
 from __future__ import annotations
@@ -43,9 +47,11 @@ import triton.language as tl
 from torch import Tensor
 
 from .. import reference
+from ..reference.sampling import TOPK_INSTEAD_OF_SORT
 from ._launch import on_triton
 
-FUSED_MIN_ROWS = 128   # fewer rows: the reference serves the call (see the module docstring)
+FUSED_MIN_ROWS = 128   # fewer rows in a batch with top-k / top-p: the reference serves the call ...
+FUSED_MIN_ROWS_SORTING = 32   # ... or this many where the reference would sort the vocabulary (see the docstring)
 CHUNK = 2048           # tokens per program
 TILE = 512             # tokens per step inside a chunk
 SPLITS = 16            # thresholds per search pass
@@ -264,17 +270,24 @@ def _tie_ranks(ties, seen):
 @triton.jit
 def _race_kernel(logits_ptr, temperature_ptr, noise_ptr, min_p_ptr, stats_ptr, top_k_ptr, k_state_ptr, p_state_ptr,
                  ties_ptr, best_ptr, best_id_ptr, vocab, stride, noise_stride, num_rows, num_chunks,
-                 CHUNK: tl.constexpr, TILE: tl.constexpr, PASSES: tl.constexpr, NC_BLOCK: tl.constexpr):
-    """Per chunk, the best kept p / noise and its id (ties -> lowest id; best: [rows, chunks])."""
+                 CHUNK: tl.constexpr, TILE: tl.constexpr, PASSES: tl.constexpr, NC_BLOCK: tl.constexpr,
+                 CUTS: tl.constexpr):
+    """Per chunk, the best kept p / noise and its id (ties -> lowest id; best: [rows, chunks]). Without
+    CUTS (no row of the batch has top-k or top-p) the cut states and ties are not read."""
     row, chunk, start, end = _chunk(vocab, CHUNK)
     z_max, total, top_bits = _row_stats(stats_ptr, row)
-    k_bits, k_ties, p_bits, p_mass, p_limit = _cuts(top_k_ptr, k_state_ptr, p_state_ptr, row, num_rows, PASSES)
-    p_value = tl.where(p_bits >= 0, p_bits.to(tl.float32, bitcast=True), 0.0)
     floor = tl.load(min_p_ptr + row) * top_bits.to(tl.float32, bitcast=True)
-    c = tl.arange(0, NC_BLOCK)
-    before = c < chunk
-    k_seen = tl.sum(tl.load(ties_ptr + (row * num_chunks + c) * 2, mask=before, other=0), 0)
-    p_seen = tl.sum(tl.load(ties_ptr + (row * num_chunks + c) * 2 + 1, mask=before, other=0), 0)
+    if CUTS:
+        k_bits, k_ties, p_bits, p_mass, p_limit = _cuts(top_k_ptr, k_state_ptr, p_state_ptr, row, num_rows, PASSES)
+        c = tl.arange(0, NC_BLOCK)
+        before = c < chunk
+        k_seen = tl.sum(tl.load(ties_ptr + (row * num_chunks + c) * 2, mask=before, other=0), 0)
+        p_seen = tl.sum(tl.load(ties_ptr + (row * num_chunks + c) * 2 + 1, mask=before, other=0), 0)
+    else:                                              # both cuts off: every bit pattern (p >= 0) is above -1
+        k_bits, p_bits = tl.full([], -1, tl.int32), tl.full([], -1, tl.int32)
+        k_ties, k_seen, p_seen = tl.full([], 0, tl.int32), tl.full([], 0, tl.int32), tl.full([], 0, tl.int32)
+        p_mass, p_limit = tl.full([], 0.0, tl.float32), tl.full([], float("inf"), tl.float32)
+    p_value = tl.where(p_bits >= 0, p_bits.to(tl.float32, bitcast=True), 0.0)
     row_ptr = logits_ptr + row.to(tl.int64) * stride
     row_noise = noise_ptr + row.to(tl.int64) * noise_stride
     temperature = tl.load(temperature_ptr + row)
@@ -312,10 +325,19 @@ def _pick_kernel(best_ptr, best_id_ptr, out_ptr, vocab, num_chunks, NC_BLOCK: tl
 
 def sample_race_fused(logits: Tensor, temperature: Tensor, top_k: Tensor, top_p: Tensor, min_p: Tensor,
                       noise: Tensor, num_candidates: int) -> Tensor:
-    """Same contract as `reference.sample_race` (float32 logits and noise with unit-stride rows; the
-    kernels need no `num_candidates` hint). Below `FUSED_MIN_ROWS` rows the reference serves the call."""
+    """Same contract as `reference.sample_race` (float32 logits and noise with unit-stride rows). With
+    `num_candidates` 0 the kernels skip both cuts; otherwise it only says whether the reference would
+    sort, which sets how many rows the kernels need to serve the call (FUSED_MIN_ROWS[_SORTING])."""
     num_rows, vocab = logits.shape
-    if (not on_triton(logits) or num_rows < max(FUSED_MIN_ROWS, 1) or logits.dtype != torch.float32
+    if num_rows and not 0 <= num_candidates <= vocab:
+        raise ValueError(f"num_candidates={num_candidates} must be in [0, vocab={vocab}]")
+    if num_candidates == 0:                   # no cuts: 4 launches, faster than the reference at any batch
+        min_rows = 1
+    elif num_candidates > TOPK_INSTEAD_OF_SORT or num_candidates == vocab:
+        min_rows = min(FUSED_MIN_ROWS, FUSED_MIN_ROWS_SORTING)
+    else:
+        min_rows = FUSED_MIN_ROWS
+    if (not on_triton(logits) or num_rows < max(min_rows, 1) or logits.dtype != torch.float32
             or noise.dtype != torch.float32 or logits.stride(-1) != 1 or noise.stride(-1) != 1):
         return reference.sample_race(logits, temperature, top_k, top_p, min_p, noise, num_candidates)
     device = logits.device
@@ -334,24 +356,25 @@ def sample_race_fused(logits: Tensor, temperature: Tensor, top_k: Tensor, top_p:
     _row_stats_kernel[(num_rows,)](chunk_max, chunk_sum, stats, num_chunks, NC_BLOCK=nc_block, num_warps=1)
 
     states = torch.empty(2, PASSES + 1, num_rows, 4, dtype=torch.float32, device=device)
-    count = torch.empty(2, num_rows, num_chunks, SPLITS, dtype=torch.int32, device=device)
-    mass = torch.empty(2, num_rows, num_chunks, SPLITS, dtype=torch.float32, device=device)
-    base = torch.empty(2, num_rows, num_chunks, dtype=torch.float32, device=device)
-    for cut in (TOP_K, TOP_P):
-        for step in range(PASSES + 1):
-            grid = chunks if step < PASSES else (num_rows, 1)
-            _search_kernel[grid](logits, temperature, stats, top_k, top_p, states[TOP_K], states[cut], count, mass,
-                                 base, vocab, logits.stride(0), num_rows, num_chunks, step, CUT=cut, **shape,
-                                 SPLITS=SPLITS, NC_BLOCK=nc_block, PASSES=PASSES, num_warps=4)
-
     ties = torch.empty(num_rows, num_chunks, 2, dtype=torch.int32, device=device)
-    _ties_kernel[chunks](logits, temperature, stats, top_k, states[TOP_K], states[TOP_P], ties, vocab,
-                         logits.stride(0), num_rows, num_chunks, **shape, PASSES=PASSES, num_warps=4)
+    cuts = num_candidates > 0              # the host's hint: 0 = no row has top-k or top-p
+    if cuts:
+        count = torch.empty(2, num_rows, num_chunks, SPLITS, dtype=torch.int32, device=device)
+        mass = torch.empty(2, num_rows, num_chunks, SPLITS, dtype=torch.float32, device=device)
+        base = torch.empty(2, num_rows, num_chunks, dtype=torch.float32, device=device)
+        for cut in (TOP_K, TOP_P):
+            for step in range(PASSES + 1):
+                grid = chunks if step < PASSES else (num_rows, 1)
+                _search_kernel[grid](logits, temperature, stats, top_k, top_p, states[TOP_K], states[cut], count,
+                                     mass, base, vocab, logits.stride(0), num_rows, num_chunks, step, CUT=cut,
+                                     **shape, SPLITS=SPLITS, NC_BLOCK=nc_block, PASSES=PASSES, num_warps=4)
+        _ties_kernel[chunks](logits, temperature, stats, top_k, states[TOP_K], states[TOP_P], ties, vocab,
+                             logits.stride(0), num_rows, num_chunks, **shape, PASSES=PASSES, num_warps=4)
     best = torch.empty(chunks, dtype=torch.float32, device=device)
     best_id = torch.empty(chunks, dtype=torch.int32, device=device)
     _race_kernel[chunks](logits, temperature, noise, min_p, stats, top_k, states[TOP_K], states[TOP_P], ties, best,
                          best_id, vocab, logits.stride(0), noise.stride(0), num_rows, num_chunks, **shape,
-                         PASSES=PASSES, NC_BLOCK=nc_block, num_warps=4)
+                         PASSES=PASSES, NC_BLOCK=nc_block, CUTS=cuts, num_warps=4)
     out = torch.empty(num_rows, dtype=torch.int64, device=device)
     _pick_kernel[(num_rows,)](best, best_id, out, vocab, num_chunks, NC_BLOCK=nc_block, num_warps=1)
     return out
