@@ -27,7 +27,9 @@ def bench(fn) -> float:
     return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
 
 
-def attention_rows(b: int, gen: torch.Generator) -> dict:
+def attention_inputs(b: int, gen: torch.Generator) -> tuple[tuple, int]:
+    """`paged_decode_attention` arguments for b CSA sequences at context 4096 (V4-Flash: 64 heads ×
+    512, window 128, 512 picked compressed rows), and the KV bytes a call must read."""
     heads, dim, window, ratio, picks, block = 64, 512, 128, 4, 512, 128
     context = 4096
     blocks = context // block + 1
@@ -38,8 +40,11 @@ def attention_rows(b: int, gen: torch.Generator) -> dict:
     ids = torch.stack([torch.randperm(context // ratio, generator=gen)[:picks] for _ in range(b)]).cuda()
     slots, pos = torch.arange(1, b + 1).cuda(), torch.full((b,), context, dtype=torch.int64).cuda()
     sink = torch.randn(heads, generator=gen).cuda()
-    args = (q, ring, slots, pos, window, sink, dim**-0.5, paged, tables, ids, ratio)
-    kv_bytes = b * (window + picks) * dim * 2
+    return (q, ring, slots, pos, window, sink, dim**-0.5, paged, tables, ids, ratio), b * (window + picks) * dim * 2
+
+
+def attention_rows(b: int, gen: torch.Generator) -> dict:
+    args, kv_bytes = attention_inputs(b, gen)
     fused = bench(lambda: triton_ops.paged_decode_attention_fused(*args))
     return {"op": "paged_decode_attention (CSA, 128 + 512 rows)", "batch": b,
             "fused_us": fused * 1000, "reference_us": bench(lambda: reference.paged_decode_attention(*args)) * 1000,

@@ -164,11 +164,12 @@ def _paged_attention_kernel(
     SPLITS: tl.constexpr, HAS_PAGED: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr, CHUNK_D: tl.constexpr, PRECISION: tl.constexpr,
 ):
-    """Program (b, head block, split s) takes key tiles s, s + SPLITS, …: first the window's tiles,
+    """Program (head block, b, split s) takes key tiles s, s + SPLITS, …: first the window's tiles,
     then the entries'. With one split it normalises (sink included) and writes the output; else it
-    writes its partial (max, sum, unnormalised acc) for `_combine_kernel`."""
-    b = tl.program_id(0)
-    h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    writes its partial (max, sum, unnormalised acc) for `_combine_kernel`. Head blocks are the grid's
+    fastest axis, so the programs that read one sequence's rows run side by side and share them in L2."""
+    h = tl.program_id(0) * BLOCK_H + tl.arange(0, BLOCK_H)
+    b = tl.program_id(1)
     split = tl.program_id(2)
     hm = h < num_heads
     d = tl.arange(0, BLOCK_D)
@@ -295,6 +296,15 @@ def _num_splits(num_seqs: int, head_blocks: int, num_tiles: int) -> int:
 _SM_COUNT = 132   # H200 / H100 SXM; only sizes the split count
 
 
+def _attention_tiles(element_size: int, head_dim: int) -> dict[str, int]:
+    """Tile and launch shape of `_paged_attention_kernel` for activations of `element_size` bytes
+    (float32 tiles: half the rows, no pipelining, for shared memory)."""
+    wide = element_size > 2
+    block_d = max(triton.next_power_of_2(head_dim), 16)
+    return dict(BLOCK_H=16, BLOCK_N=16 if wide else 32, BLOCK_D=block_d, CHUNK_D=min(block_d, 64), num_warps=8,
+                num_stages=1 if wide else 2)
+
+
 def paged_decode_attention_fused(
     q: Tensor, ring: Tensor, slots: Tensor, positions: Tensor, window: int, sink: Tensor, scale: float,
     paged: Tensor | None = None, block_tables: Tensor | None = None, entry_ids: Tensor | None = None,
@@ -313,22 +323,21 @@ def paged_decode_attention_fused(
     has_paged = paged is not None
     ids = entry_ids.contiguous() if has_paged else positions
     num_ids = ids.shape[1] if has_paged else 0
-    wide = q.element_size() > 2            # float32 tiles: half the rows, no pipelining (shared memory)
-    block_h, block_n, block_d = 16, 16 if wide else 32, max(triton.next_power_of_2(head_dim), 16)
+    tiles = _attention_tiles(q.element_size(), head_dim)
+    block_h, block_n, block_d = tiles["BLOCK_H"], tiles["BLOCK_N"], tiles["BLOCK_D"]
     head_blocks = triton.cdiv(num_heads, block_h)
     splits = _num_splits(num_seqs, head_blocks, triton.cdiv(window, block_n) + triton.cdiv(num_ids, block_n))
     sink = sink.float().contiguous()
     part = torch.empty(num_seqs, num_heads, splits, 2 + block_d, dtype=torch.float32, device=q.device) \
         if splits > 1 else out
-    _paged_attention_kernel[(num_seqs, head_blocks, splits)](
+    _paged_attention_kernel[(head_blocks, num_seqs, splits)](
         q, ring, slots, positions, sink, out, part, paged if has_paged else ring,
         block_tables if has_paged else positions, ids,
         q.stride(0), q.stride(1), ring.stride(0), ring.stride(1), paged.stride(0) if has_paged else 1,
         paged.stride(1) if has_paged else 1, block_tables.stride(0) if has_paged else 0,
         ids.stride(0) if has_paged else 0, out.stride(0), out.stride(1),
         num_heads, head_dim, ring.shape[1], window, num_ids, block_tables.shape[1] if has_paged else 0, ratio, scale,
-        SPLITS=splits, HAS_PAGED=has_paged, BLOCK_H=block_h, BLOCK_N=block_n, BLOCK_D=block_d,
-        CHUNK_D=min(block_d, 64), PRECISION=precision(q), num_warps=8, num_stages=1 if wide else 2,
+        SPLITS=splits, HAS_PAGED=has_paged, PRECISION=precision(q), **tiles,
     )
     if splits > 1:
         _combine_kernel[(num_seqs, num_heads)](part, sink, out, out.stride(0), out.stride(1), num_heads, head_dim,
