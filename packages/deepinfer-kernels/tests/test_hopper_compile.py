@@ -22,13 +22,16 @@ EXPERT_STRIDES = {"w_expert": "i32", "w_row": "i32", "s_expert": "i32", "s_row":
 EXPERT_META = ("BLOCK_M", "BLOCK_N", "BLOCK_K", "PRECISION", "FORMAT", "BLOCK_S", "MX_DOT")
 
 
-def compile_for_hopper(fn, signature: dict[str, str], constants: dict, num_warps: int = 4):
+def compile_for_hopper(fn, signature: dict[str, str], constants: dict):
+    """Compile `fn` for sm_90; `constants` may carry the launch options num_warps / num_stages."""
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
+    options = {"num_warps": constants.get("num_warps", 4), "num_stages": constants.get("num_stages", 3)}
+    constants = {k: v for k, v in constants.items() if k not in options}
     signature = {**signature, **dict.fromkeys(constants, "constexpr")}
     return triton.compile(ASTSource(fn=fn, signature=signature, constexprs=constants),
-                          target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps})
+                          target=GPUTarget("cuda", 90, 32), options=options)
 
 
 def sampling_kernels():
@@ -78,7 +81,23 @@ def expert_kernels():
         }, meta
 
 
-@pytest.mark.parametrize(("fn", "signature", "constants"), [*sampling_kernels(), *expert_kernels()],
+def attention_kernels():
+    """The paged decode attention at V4-Flash's CSA shape with each batch size's bfloat16 tiles."""
+    from deepinfer.kernels.triton_ops import paged
+
+    pointers = ("q", "ring", "slot", "pos", "sink", "out", "part", "paged", "table", "ids")
+    types = ("*bf16", "*bf16", "*i64", "*i64", "*fp32", "*bf16", "*fp32", "*bf16", "*i32", "*i64")
+    ints = ("q_seq", "q_head", "ring_slot", "ring_row", "paged_block", "paged_row", "table_stride", "ids_stride",
+            "out_seq", "out_head", "num_heads", "head_dim", "ring_len", "window", "num_ids", "table_width", "ratio")
+    signature = {**{f"{name}_ptr": t for name, t in zip(pointers, types, strict=True)}, **dict.fromkeys(ints, "i32"),
+                 "scale": "fp32"}
+    for num_seqs in (1, 32, 256):
+        yield paged._paged_attention_kernel, signature, {
+            "SPLITS": 1, "HAS_PAGED": True, "PRECISION": "tf32", **paged._attention_tiles(2, 512, num_seqs)}
+
+
+@pytest.mark.parametrize(("fn", "signature", "constants"),
+                         [*sampling_kernels(), *expert_kernels(), *attention_kernels()],
                          ids=lambda v: getattr(v, "__name__", None) if callable(v) else None)
 def test_kernel_compiles_for_hopper(fn, signature, constants) -> None:
     kernel = compile_for_hopper(fn, signature, constants)

@@ -211,7 +211,9 @@ def test_fused_compress_decode_matches_reference(num_seqs, ratio, overlap, width
 
 ATTENTION_CASES = [  # (num_seqs, heads, head_dim, window, ratio, num_ids, block_size)
     (3, 4, 64, 16, 4, 20, 16), (4, 16, 32, 8, 0, 0, 16), (2, 8, 48, 24, 128, 5, 128), (5, 20, 64, 16, 4, 40, 32)] + (
-    [(8, 64, 512, 128, 4, 512, 128), (32, 64, 512, 128, 128, 8, 128), (1, 64, 512, 128, 0, 0, 128)] if BIG else [])
+    [(8, 64, 512, 128, 4, 512, 128), (32, 64, 512, 128, 128, 8, 128), (1, 64, 512, 128, 0, 0, 128),
+     (20, 20, 64, 16, 4, 40, 32), (130, 20, 48, 24, 128, 5, 128), (130, 64, 512, 128, 4, 512, 128)] if BIG else [])
+# (the GPU's bfloat16 tiles grow with the batch: 16, 32 and 64 heads per program at 1-15, 16-127, 128+ sequences)
 
 
 @pytest.mark.parametrize(("num_seqs", "heads", "head_dim", "window", "ratio", "num_ids", "block_size"),

@@ -296,13 +296,21 @@ def _num_splits(num_seqs: int, head_blocks: int, num_tiles: int) -> int:
 _SM_COUNT = 132   # H200 / H100 SXM; only sizes the split count
 
 
-def _attention_tiles(element_size: int, head_dim: int) -> dict[str, int]:
-    """Tile and launch shape of `_paged_attention_kernel` for activations of `element_size` bytes
-    (float32 tiles: half the rows, no pipelining, for shared memory)."""
-    wide = element_size > 2
+def _attention_tiles(element_size: int, head_dim: int, num_seqs: int) -> dict[str, int]:
+    """Tile and launch shape of `_paged_attention_kernel` for `num_seqs` sequences and activations of
+    `element_size` bytes. Two-byte types: the fastest of benchmarks/attention_tile_sweep.py on the H200
+    at 1, 32 and 256 V4-Flash CSA sequences (docs/benchmarks/decode_h200.md): more heads per program
+    as the batch grows, since each head block re-reads the sequence's rows. Float32 tiles: 16 heads
+    and rows, no pipelining (shared memory)."""
     block_d = max(triton.next_power_of_2(head_dim), 16)
-    return dict(BLOCK_H=16, BLOCK_N=16 if wide else 32, BLOCK_D=block_d, CHUNK_D=min(block_d, 64), num_warps=8,
-                num_stages=1 if wide else 2)
+    if element_size > 2 or num_seqs < 16:
+        block_h, block_n, warps, stages = 16, 16, 8, 1
+    elif num_seqs < 128:
+        block_h, block_n, warps, stages = 32, 16, 4, 2
+    else:
+        block_h, block_n, warps, stages = 64, 32, 8, 2
+    return dict(BLOCK_H=block_h, BLOCK_N=block_n, BLOCK_D=block_d, CHUNK_D=min(block_d, 64), num_warps=warps,
+                num_stages=stages)
 
 
 def paged_decode_attention_fused(
@@ -323,7 +331,7 @@ def paged_decode_attention_fused(
     has_paged = paged is not None
     ids = entry_ids.contiguous() if has_paged else positions
     num_ids = ids.shape[1] if has_paged else 0
-    tiles = _attention_tiles(q.element_size(), head_dim)
+    tiles = _attention_tiles(q.element_size(), head_dim, num_seqs)
     block_h, block_n, block_d = tiles["BLOCK_H"], tiles["BLOCK_N"], tiles["BLOCK_D"]
     head_blocks = triton.cdiv(num_heads, block_h)
     splits = _num_splits(num_seqs, head_blocks, triton.cdiv(window, block_n) + triton.cdiv(num_ids, block_n))
