@@ -4,7 +4,8 @@ The hot path makes no host-device synchronisation: every decision that depends o
 composition (which rows are greedy, seeded, banned, how many candidates the top-k / top-p cut must
 rank) is taken on the host when the `SamplingBatch` is built, and carried as index tensors or plain
 ints. Temperature, top-k / top-p / min-p and the race run in the kernel registry's `sample_race`
-(on CUDA a sort-free Triton kernel from 128 rows, the PyTorch reference below that and elsewhere).
+(on CUDA a sort-free Triton kernel for large batches or batches without cuts, else the PyTorch
+reference).
 
 Random rows are sampled by an exponential race: token = argmax_i p_i / E_i with E_i ~ Exp(1) drawn
 independently per token, which picks token i with probability p_i / sum(p). Each row's noise is one
