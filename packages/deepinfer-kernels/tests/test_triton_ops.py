@@ -501,11 +501,12 @@ def with_hint(args: tuple) -> tuple:
 
 @pytest.fixture
 def sampling_kernel_for_any_batch(monkeypatch):
-    """The sampling kernels even below FUSED_MIN_ROWS (where they otherwise hand over to the
+    """The sampling kernels even below FUSED_MIN_ROWS[_SORTING] (where they otherwise hand over to the
     reference), with rows split into chunks of 1,024 tokens so that most cases span several."""
     from deepinfer.kernels.triton_ops import sampling
 
     monkeypatch.setattr(sampling, "FUSED_MIN_ROWS", 0)
+    monkeypatch.setattr(sampling, "FUSED_MIN_ROWS_SORTING", 0)
     monkeypatch.setattr(sampling, "CHUNK", 1024)
 
 

@@ -34,12 +34,17 @@ def sample_race(logits: Tensor, temperature: Tensor, top_k: Tensor, top_p: Tenso
     Returns:
         [rows] int64 token ids.
     """
-    if not 0 <= num_candidates <= logits.shape[-1] and logits.shape[0]:
-        raise ValueError(f"num_candidates={num_candidates} must be in [0, vocab={logits.shape[-1]}]")
+    check_num_candidates(logits, num_candidates)
     probs = torch.softmax(logits / temperature[:, None], dim=-1)
     kept = _top_k_top_p(probs, top_k, top_p, num_candidates)
     floor = min_p[:, None] * probs.amax(dim=-1, keepdim=True)
     return (kept.masked_fill(kept < floor, 0.0) / noise).argmax(dim=-1)
+
+
+def check_num_candidates(logits: Tensor, num_candidates: int) -> None:
+    """Refuse a `num_candidates` hint outside [0, vocab] (an empty batch takes any)."""
+    if logits.shape[0] and not 0 <= num_candidates <= logits.shape[-1]:
+        raise ValueError(f"num_candidates={num_candidates} must be in [0, vocab={logits.shape[-1]}]")
 
 
 def _top_k_top_p(probs: Tensor, top_k: Tensor, top_p: Tensor, num_candidates: int) -> Tensor:

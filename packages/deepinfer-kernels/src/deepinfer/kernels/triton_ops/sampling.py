@@ -47,11 +47,11 @@ import triton.language as tl
 from torch import Tensor
 
 from .. import reference
-from ..reference.sampling import TOPK_INSTEAD_OF_SORT
+from ..reference.sampling import TOPK_INSTEAD_OF_SORT, check_num_candidates
 from ._launch import on_triton
 
-FUSED_MIN_ROWS = 128   # fewer rows in a batch with top-k / top-p: the reference serves the call ...
-FUSED_MIN_ROWS_SORTING = 32   # ... or this many where the reference would sort the vocabulary (see the docstring)
+FUSED_MIN_ROWS = 128          # fewer rows in a batch with top-k / top-p: the reference serves the call,
+FUSED_MIN_ROWS_SORTING = 32   # or fewer than this many where it would sort the vocabulary (see the docstring)
 CHUNK = 2048           # tokens per program
 TILE = 512             # tokens per step inside a chunk
 SPLITS = 16            # thresholds per search pass
@@ -329,12 +329,11 @@ def sample_race_fused(logits: Tensor, temperature: Tensor, top_k: Tensor, top_p:
     `num_candidates` 0 the kernels skip both cuts; otherwise it only says whether the reference would
     sort, which sets how many rows the kernels need to serve the call (FUSED_MIN_ROWS[_SORTING])."""
     num_rows, vocab = logits.shape
-    if num_rows and not 0 <= num_candidates <= vocab:
-        raise ValueError(f"num_candidates={num_candidates} must be in [0, vocab={vocab}]")
+    check_num_candidates(logits, num_candidates)
     if num_candidates == 0:                   # no cuts: 4 launches, faster than the reference at any batch
         min_rows = 1
     elif num_candidates > TOPK_INSTEAD_OF_SORT or num_candidates == vocab:
-        min_rows = min(FUSED_MIN_ROWS, FUSED_MIN_ROWS_SORTING)
+        min_rows = FUSED_MIN_ROWS_SORTING
     else:
         min_rows = FUSED_MIN_ROWS
     if (not on_triton(logits) or num_rows < max(min_rows, 1) or logits.dtype != torch.float32
