@@ -129,7 +129,8 @@ def sampling_rows(b: int, gen: torch.Generator) -> dict:
                                      ("top_p_0.9", vocab, 0.9, vocab)):
         args = (logits, temperature, torch.full((b,), top_k, device="cuda"), torch.full((b,), top_p, device="cuda"),
                 min_p, noise, hint)
-        with mock.patch.object(triton_ops.sampling, "FUSED_MIN_ROWS", 0):     # the kernel at every batch
+        with (mock.patch.object(triton_ops.sampling, "FUSED_MIN_ROWS", 0),   # the kernel at every batch
+              mock.patch.object(triton_ops.sampling, "FUSED_MIN_ROWS_SORTING", 0)):
             for impl, op in (("fused", triton_ops.sample_race_fused), ("reference", reference.sample_race)):
                 # eager (what the sampler pays today) and inside a CUDA graph (the GPU's own time)
                 row[f"{name}_{impl}_us"] = bench(lambda op=op, args=args: op(*args)) * 1000
@@ -138,10 +139,13 @@ def sampling_rows(b: int, gen: torch.Generator) -> dict:
     return row
 
 
-def quantised(w13: torch.Tensor, w2: torch.Tensor) -> dict[str, tuple[torch.Tensor, ...]]:
-    """The experts in FP8 (block 128) and MXFP4: (w13, w13_scale, w2, w2_scale) each."""
+def quantised(w13: torch.Tensor, w2: torch.Tensor,
+              names: tuple[str, ...] = ("fp8", "mxfp4")) -> dict[str, tuple[torch.Tensor, ...]]:
+    """The experts in FP8 (block 128) and / or MXFP4, as `names` asks: (w13, w13_scale, w2, w2_scale) each."""
     out = {}
     for name, quant in (("fp8", lambda w: reference.quant_fp8_block(w, 128)), ("mxfp4", reference.quant_mxfp4)):
+        if name not in names:
+            continue
         parts = [[quant(w[e]) for e in range(w.shape[0])] for w in (w13, w2)]
         out[name] = tuple(torch.stack([p[i] for p in ps]) for ps in parts for i in (0, 1))
     return out

@@ -18,6 +18,7 @@ from unittest import mock
 
 import torch
 import triton
+from kernels_gpu import quantised
 
 from deepinfer.kernels import reference
 from deepinfer.kernels.triton_ops import moe
@@ -27,15 +28,13 @@ GRID = [dict(BLOCK_M=16, BLOCK_N=n, BLOCK_K=k, num_warps=w, num_stages=s)
         for n in (32, 64, 128) for k in (64, 128, 256) for w in (4, 8) for s in (3, 4)]
 
 
-def experts(gen: torch.Generator) -> dict[str, tuple]:
-    """The same random experts as bf16 (w13, w2), FP8 block 128 and MXFP4 (w13, scale, w2, scale)."""
+def experts(gen: torch.Generator, names: list[str]) -> dict[str, tuple]:
+    """The same random experts in the formats `names` asks for: bf16 (w13, w2), FP8 block 128 and
+    MXFP4 (w13, scale, w2, scale)."""
     w13 = torch.randn(EXPERTS, 2 * INTER, HIDDEN, generator=gen, device="cuda").mul_(HIDDEN**-0.5).bfloat16()
     w2 = torch.randn(EXPERTS, HIDDEN, INTER, generator=gen, device="cuda").mul_(INTER**-0.5).bfloat16()
-    out = {"bf16": (w13, w2)}
-    for name, quant in (("fp8", lambda w: reference.quant_fp8_block(w, 128)), ("mxfp4", reference.quant_mxfp4)):
-        parts = [[quant(w[e]) for e in range(EXPERTS)] for w in (w13, w2)]
-        out[name] = tuple(torch.stack([p[i] for p in ps]) for ps in parts for i in (0, 1))
-    return out
+    out = {"bf16": (w13, w2)} if "bf16" in names else {}
+    return {**out, **quantised(w13, w2, tuple(names))}
 
 
 def calls(name: str, weights: tuple, x, ids, routing):
@@ -85,7 +84,7 @@ def main() -> None:
     ap.add_argument("--out", default="moe_tile_sweep.json")
     args = ap.parse_args()
     gen = torch.Generator(device="cuda").manual_seed(0)
-    formats = {name: w for name, w in experts(gen).items() if name in args.formats.split(",")}
+    formats = experts(gen, args.formats.split(","))
     rows = [r for b in args.batches.split(",") if b for r in sweep(int(b), gen, formats)]
     with open(args.out, "w") as f:
         json.dump({"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
