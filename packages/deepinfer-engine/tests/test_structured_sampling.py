@@ -156,7 +156,7 @@ def test_worker_never_keeps_a_step_with_a_grammar_row_in_flight(compiler) -> Non
         return RowParams(plain, None, 0)
 
     done = worker.execute_model_step(step, rows, keep_in_flight=True)
-    assert [(t.seq_id, t.token_id, t.grammar_error) for t in done] == [("free", 8, None), ("json", 4, None)]
+    assert [(t.seq_id, t.token_id, t.error) for t in done] == [("free", 8, None), ("json", 4, None)]
     assert worker.flush() == []
     only_free = StepBatch(None, ("free",), torch.arange(1))     # type: ignore[arg-type]
     assert worker.execute_model_step(only_free, rows, keep_in_flight=True) == []   # kept: ZOS-style

@@ -249,8 +249,8 @@ class LLMEngine:
             req = self._requests.get(token.seq_id)
             if req is None or req.finished:
                 continue
-            if token.grammar_error is not None:
-                req.fail(token.grammar_error)
+            if token.error is not None:
+                req.fail(token.error)
             else:
                 req.add_token(token.token_id, token.logprobs)
             if not req.finished and self.args.engine_type is EngineType.PROMPT:

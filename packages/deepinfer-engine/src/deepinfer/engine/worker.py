@@ -35,7 +35,7 @@ class SampledToken:
     seq_id: str
     token_id: int
     logprobs: dict[int, float] | None
-    grammar_error: str | None = None   # set when the row's grammar allowed no token: discard token_id
+    error: str | None = None   # why this row failed (its grammar allowed no token, ...): discard token_id
 
 
 @dataclass(frozen=True, slots=True)
