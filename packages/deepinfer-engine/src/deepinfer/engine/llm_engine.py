@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import itertools
+import logging
+import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -26,6 +28,7 @@ from .sampling_params import SamplingParams
 from .tokenizer import Tokenizer, load_tokenizer, require_tokenizer
 from .worker import RowParams, Worker
 
+logger = logging.getLogger(__name__)
 PromptInput = str | dict[str, Any]
 # What the scheduler is told when a request ends (it only frees the sequence's blocks and slot).
 _SCHED_REASON = {FINISH_LENGTH: FinishReason.LENGTH, FINISH_ABORT: FinishReason.ABORT,
@@ -69,8 +72,13 @@ class LLMEngine:
         self.env = env or read_env()
         self.model_dir = resolve_model_dir(args.model)
         cfg = DeepseekV4Config.from_model_dir(self.model_dir)
+        started = time.perf_counter()
         self.model = load_model(self.model_dir, dtype=args.torch_dtype, device=args.device,
                                 kv_quant=args.kv_quant, expert_dtype=args.expert_dtype, cfg=cfg)
+        self.load_seconds = time.perf_counter() - started            # wall time of load_model
+        self.weight_bytes = sum(t.numel() * t.element_size() for t in self.model.state_dict().values())
+        logger.info("loaded %s in %.2f s: %.1f MiB of weights on %s", self.model_dir, self.load_seconds,
+                    self.weight_bytes / 2**20, args.device)
         self.tokenizer: Tokenizer | None = load_tokenizer(self.model_dir)
         self.eos_token_ids = tuple(self.tokenizer.eos_token_ids) if self.tokenizer and \
             self.tokenizer.eos_token_ids else cfg.eos_token_id
