@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 from deepinfer.sched import IgnoredSeq, IgnoreReason, StepKind
 
 
@@ -205,4 +207,51 @@ def test_recompute_victim_too_big_for_the_cache_is_finished(make_sched) -> None:
     sched.append_tokens("a", [41])
     out = sched.schedule()        # 5 positions need 3 blocks: a preempts itself; 5 tokens never fit
     assert out.preempted_seq_ids == ("a",) and out.kind is StepKind.EMPTY_DECODE
+    assert not sched.has_unfinished()
+
+
+def test_recomputed_ids_name_the_preempted_sequences_queued_again(make_sched) -> None:
+    sched = make_sched(num_blocks=4, block_size=2, stop_preempted_request=False,
+                       prefill_any_attempt_interval=1)
+    sched.add_seq("a", [1, 2, 3], 8)
+    sched.add_seq("b", [4, 5], 8)
+    sample_first_tokens(sched, sched.schedule(), token=40)
+    out = sched.schedule()
+    assert out.preempted_seq_ids == ("a",) and out.recomputed_seq_ids == ("a",)
+    assert sched.get_seq("a").status.name == "WAITING"
+
+
+def test_a_sequence_added_as_not_recomputable_is_finished_when_preempted(make_sched) -> None:
+    sched = make_sched(num_blocks=4, block_size=2, stop_preempted_request=False,
+                       prefill_any_attempt_interval=1)
+    sched.add_seq("a", [1, 2, 3], 8, recomputable=False)
+    sched.add_seq("b", [4, 5], 8)
+    sample_first_tokens(sched, sched.schedule(), token=40)
+    out = sched.schedule()
+    assert out.preempted_seq_ids == ("a",) and out.recomputed_seq_ids == ()
+    with pytest.raises(KeyError):
+        sched.get_seq("a")
+    sched.check_integrity()
+
+
+def test_recompute_victim_whose_next_step_never_fits_is_finished(make_sched) -> None:
+    # 2 usable blocks of 2 tokens. After 4 positions, a holds both blocks; its next step needs a
+    # third. Its 4 tokens alone would fit on recompute, but the step after the recompute would not:
+    # requeueing it would loop prefill -> preempt forever.
+    sched = make_sched(num_blocks=3, block_size=2, stop_preempted_request=False)
+    sched.add_seq("a", [1, 2], 8)
+    sample_first_tokens(sched, sched.schedule(), token=40)
+    assert sched.schedule().decode.seq_ids == ("a",)     # 2 -> 3 positions
+    sched.append_tokens("a", [41])
+    assert sched.schedule().decode.seq_ids == ("a",)     # 3 -> 4 positions fill both blocks
+    sched.append_tokens("a", [42])
+    out = sched.schedule()
+    assert out.preempted_seq_ids == ("a",) and out.recomputed_seq_ids == ()
+    assert not sched.has_unfinished()
+
+
+def test_recomputable_must_be_a_bool(make_sched) -> None:
+    sched = make_sched()
+    with pytest.raises(ValueError, match="recomputable"):
+        sched.add_seq("a", [1, 2], 8, recomputable=1)
     assert not sched.has_unfinished()

@@ -36,6 +36,7 @@ def fork_seq(st: SchedState, parent: Sequence, num_branches: int) -> tuple[str, 
     slot = np.array([table.state_slot[row]], dtype=np.int32)
     for key in keys:
         branch = Sequence(key, list(parent.token_ids), parent.max_tokens, st.next_arrival())
+        branch.recomputable = parent.recomputable
         branch.num_prompt_tokens = parent.num_prompt_tokens
         branch.awaiting_first_token = parent.awaiting_first_token
         branch.uncopied = True

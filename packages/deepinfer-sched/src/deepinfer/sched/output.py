@@ -126,10 +126,12 @@ class SchedulerOutput:
             partly written block).
         zero_states: [k] int32 state slots to zero (sequences admitted fresh this step).
         ignored: waiting sequences dropped since the last step, with reasons.
-        preempted_seq_ids: sequences preempted this step (in preemption order). With
-            stop_preempted_request they are finished with reason "preempted"; otherwise they
-            were freed and queued at the front of the waiting queue for recompute. Either way the
-            engine drops results of their in-flight steps.
+        preempted_seq_ids: sequences preempted this step (in preemption order). Those not in
+            `recomputed_seq_ids` are finished (reason "preempted"); the engine drops results of
+            the in-flight steps of all of them.
+        recomputed_seq_ids: the preempted sequences that were freed and queued at the front of the
+            waiting queue for recompute (stop_preempted_request=False, a recomputable sequence
+            that fits the cache with its next step); a subset of preempted_seq_ids, same order.
         num_decode_steps: decode steps the DP group has run so far (drives the attempt points).
     """
 
@@ -141,6 +143,7 @@ class SchedulerOutput:
     zero_states: np.ndarray = field(default_factory=lambda: EMPTY_SLOTS)
     ignored: tuple[IgnoredSeq, ...] = ()
     preempted_seq_ids: tuple[str, ...] = ()
+    recomputed_seq_ids: tuple[str, ...] = ()
     num_decode_steps: int = 0
 
 

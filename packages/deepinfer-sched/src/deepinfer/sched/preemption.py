@@ -42,13 +42,16 @@ def fit_by_preemption(st: SchedState, rows: np.ndarray, need: np.ndarray) -> np.
 
 
 def preempt(st: SchedState, seq: Sequence) -> None:
-    """Frees a running sequence: finished as "preempted" (stop_preempted_request, or when its
-    tokens could never fit the cache again) or queued at the front of the waiting queue to be
-    recomputed from its prompt and output tokens."""
+    """Frees a running sequence: finished as "preempted" (stop_preempted_request, a sequence added
+    as not recomputable, or one whose tokens plus its next decode step could never fit the cache
+    again, so that a recompute would only be preempted once more) or queued at the front of the
+    waiting queue to be recomputed from its prompt and output tokens."""
     st.preempted.append(seq.seq_id)
-    if st.config.stop_preempted_request or st.blocks_for(seq.num_tokens) > st.kv.num_blocks - 1:
+    never_fits = st.blocks_for(seq.num_tokens + st.config.max_query_len) > st.kv.num_blocks - 1
+    if st.config.stop_preempted_request or not seq.recomputable or never_fits:
         st.drop(seq)
         return
+    st.recomputed.append(seq.seq_id)
     st.unlink(seq)
     st.release_kv(seq)
     seq.status = SeqStatus.WAITING

@@ -46,10 +46,14 @@ def _check_new(st: SchedState, seq_id: object, max_tokens: object) -> None:
         raise ValueError(f"max_tokens={max_tokens!r} must be an int >= 1")
 
 
-def add_seq(st: SchedState, seq_id: str, prompt_token_ids: Iterable[int], max_tokens: int) -> None:
+def add_seq(
+    st: SchedState, seq_id: str, prompt_token_ids: Iterable[int], max_tokens: int, recomputable: bool = True
+) -> None:
     if st.config.engine_type is EngineType.COMPLETION:
         raise ValueError("engine_type=COMPLETION cannot prefill; admit sequences with add_prefilled_seq")
     _check_new(st, seq_id, max_tokens)
+    if not isinstance(recomputable, bool):
+        raise ValueError(f"recomputable={recomputable!r} must be a bool")
     tokens = _as_tokens(prompt_token_ids, "prompt_token_ids")
     reason = None
     if not tokens:
@@ -62,6 +66,7 @@ def add_seq(st: SchedState, seq_id: str, prompt_token_ids: Iterable[int], max_to
         st.pending_ignored.append(IgnoredSeq(seq_id, reason))
         return
     seq = Sequence(seq_id, tokens, max_tokens, st.next_arrival())
+    seq.recomputable = recomputable
     st.seqs[seq_id] = seq
     st.waiting[seq_id] = seq
 

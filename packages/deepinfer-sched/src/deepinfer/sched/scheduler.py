@@ -95,13 +95,17 @@ class Scheduler:
 
     # ---------------------------------------------------------------- engine -> scheduler
 
-    def add_seq(self, seq_id: str, prompt_token_ids: Iterable[int], max_tokens: int) -> None:
+    def add_seq(
+        self, seq_id: str, prompt_token_ids: Iterable[int], max_tokens: int, *, recomputable: bool = True
+    ) -> None:
         """Queues a request for prefill (FIFO).
 
         Args:
             seq_id: unique id; not starting with "_" (reserved for fork branches).
             prompt_token_ids: token ids, each in [0, 2**31).
             max_tokens: output limit, >= 1 (the engine enforces it; kept for `get_seq`).
+            recomputable: False = a preemption always finishes it, even with
+                stop_preempted_request=False (structured-output requests, DESIGN.md §4).
 
         An empty prompt, a prompt longer than max_model_len or one needing more KV blocks than
         the cache holds is not queued: the next `schedule()` reports it in `ignored`.
@@ -110,7 +114,7 @@ class Scheduler:
             ValueError: a bad or duplicate seq_id, bad token ids or max_tokens, or a COMPLETION
                 engine (use `add_prefilled_seq`).
         """
-        requests.add_seq(self._st, seq_id, prompt_token_ids, max_tokens)
+        requests.add_seq(self._st, seq_id, prompt_token_ids, max_tokens, recomputable)
 
     def add_prefilled_seq(
         self, seq_id: str, prompt_token_ids: Iterable[int], first_token_id: int, max_tokens: int
@@ -239,6 +243,7 @@ class Scheduler:
             zero_states=zero_states,
             ignored=ignored,
             preempted_seq_ids=tuple(st.preempted),
+            recomputed_seq_ids=tuple(st.recomputed),
             num_decode_steps=st.num_decode_steps,
         )
 

@@ -73,6 +73,7 @@ class Sequence:
         "uncopied",
         "parent",
         "num_forks",
+        "recomputable",
     )
 
     def __init__(self, key: str, token_ids: list[int], max_tokens: int, arrival: int) -> None:
@@ -87,6 +88,7 @@ class Sequence:
         self.uncopied = False                 # fork branch still sharing its parent's state slot
         self.parent: Sequence | None = None   # set for fork branches
         self.num_forks = 0                    # branches made from this sequence so far
+        self.recomputable = True              # a preemption may queue it for recompute
 
     @property
     def seq_id(self) -> str:

@@ -39,6 +39,7 @@ class SchedState:
         self.clone_blocks: list[tuple[int, int]] = []
         self.zero_states: list[int] = []
         self.preempted: list[str] = []
+        self.recomputed: list[str] = []      # the preempted ones queued for recompute
 
     def lookup(self, seq_id: str) -> Sequence:
         """The live sequence with this id ("_"-prefixed or not). Raises KeyError if none."""
@@ -105,6 +106,7 @@ class SchedState:
         self.clone_blocks.clear()
         self.zero_states.clear()
         self.preempted.clear()
+        self.recomputed.clear()
 
 
 def _pairs(pairs: list[tuple[int, int]]) -> np.ndarray:
