@@ -1,10 +1,19 @@
 from __future__ import annotations
 
 import dataclasses
+import logging
 
 import pytest
 
-from deepinfer.engine.env import EngineEnv, InvalidEnvVar, env_var_name, read_env, unknown_env_vars
+from deepinfer.engine.env import (
+    OTHER_VARIABLES,
+    VARIABLES,
+    EngineEnv,
+    InvalidEnvVar,
+    env_var_name,
+    read_env,
+    unknown_env_vars,
+)
 
 
 def test_defaults_when_nothing_is_set() -> None:
@@ -23,13 +32,45 @@ def test_every_variable_is_read() -> None:
         "DEEPINFER_PREFILL_ANY_ATTEMPT_INTERVAL": " 9 ",
         "DEEPINFER_NUM_STATE_SLOTS_RATIO": "2.5",
         "DEEPINFER_MAX_BACKTRACKING_TOKENS": "0",
-        "DEEPINFER_DISABLE_SYNC_GUARD": "TRUE",
+        "DEEPINFER_DISABLE_SYNC_GUARD": "FALSE",
         "DEEPINFER_BATCH_INVARIANT": "1",
         "DEEPINFER_SAMPLER_FORCE_TOPK": "64",
-        "DEEPINFER_USE_NEXTN_DECODE": "5",
+        "DEEPINFER_USE_NEXTN_DECODE": "0",
         "DEEPINFER_CUDAGRAPH_BATCH_SIZE_INTERVAL": "16",
     })
-    assert env == EngineEnv(5, 9, 2.5, 0, True, True, 64, 5, 16)
+    assert env == EngineEnv(5, 9, 2.5, 0, False, True, 64, 0, 16)
+
+
+def test_variables_describe_every_field_in_order() -> None:
+    assert [var.field for var in VARIABLES] == [field.name for field in dataclasses.fields(EngineEnv)]
+    assert all(var.description and var.allowed for var in VARIABLES)
+    assert [var.name for var in VARIABLES if var.missing_feature] == ["DEEPINFER_DISABLE_SYNC_GUARD",
+                                                                     "DEEPINFER_USE_NEXTN_DECODE"]
+
+
+@pytest.mark.parametrize(
+    ("name", "raw", "message"),
+    [
+        ("DEEPINFER_USE_NEXTN_DECODE", "5", "DEEPINFER_USE_NEXTN_DECODE=5 is not supported yet: speculative "
+         r"decoding is not implemented \(unset it, or set it to 0\)"),
+        ("DEEPINFER_USE_NEXTN_DECODE", "1", "DEEPINFER_USE_NEXTN_DECODE=1 is not supported yet"),
+        ("DEEPINFER_DISABLE_SYNC_GUARD", "true", r"DEEPINFER_DISABLE_SYNC_GUARD=1 is not supported yet: ZOS "
+         r"\(zero-overhead scheduling\) and its sync guard is not implemented \(unset it, or set it to 0\)"),
+    ],
+)
+def test_variables_of_missing_features_are_refused(name: str, raw: str, message: str) -> None:
+    with pytest.raises(InvalidEnvVar, match=message):
+        read_env({name: raw})
+
+
+def test_missing_features_accept_their_default_and_are_refused_on_direct_construction() -> None:
+    env = read_env({"DEEPINFER_USE_NEXTN_DECODE": "0", "DEEPINFER_DISABLE_SYNC_GUARD": "false"})
+    assert env.use_nextn_decode == 0 and env.disable_sync_guard is False
+    with pytest.raises(InvalidEnvVar, match="DEEPINFER_USE_NEXTN_DECODE=2 is not supported yet"):
+        EngineEnv(use_nextn_decode=2)
+    with pytest.raises(InvalidEnvVar, match="DEEPINFER_DISABLE_SYNC_GUARD=1 is not supported yet"):
+        EngineEnv(disable_sync_guard=True)
+    assert read_env({"DEEPINFER_BATCH_INVARIANT": "true"}).batch_invariant is True
 
 
 @pytest.mark.parametrize(("raw", "expected"), [("0", False), ("1", True), ("true", True), ("False", False),
@@ -83,6 +124,33 @@ def test_unknown_deepinfer_variables_are_reported() -> None:
     assert env_var_name("use_nextn_decode") == "DEEPINFER_USE_NEXTN_DECODE"
 
 
+def test_variables_read_elsewhere_are_known() -> None:
+    assert set(OTHER_VARIABLES) == {"DEEPINFER_CACHE_PURE_PYTHON", "DEEPINFER_TORCH_SPEC"}
+    assert unknown_env_vars({"DEEPINFER_CACHE_PURE_PYTHON": "1", "DEEPINFER_TORCH_SPEC": "torch"}) == ()
+
+
+def test_read_env_warns_once_per_unknown_variable_with_a_suggestion(caplog: pytest.LogCaptureFixture) -> None:
+    environ = {"DEEPINFER_BATCH_INVARANT": "1", "DEEPINFER_ZZZ": "1", "DEEPINFER_CACHE_PURE_PYTHON": "1",
+               "DEEPINFER_PREFILL_ATTEMPT_INTERVAL": "5", "DEEPINFER_USE_NEXT_DECODE": "3"}
+    with caplog.at_level(logging.WARNING, logger="deepinfer.engine.env"):
+        env = read_env(environ)
+    assert env == EngineEnv(prefill_attempt_interval=5)
+    assert [(r.name, r.levelno) for r in caplog.records] == [("deepinfer.engine.env", logging.WARNING)] * 3
+    assert [r.getMessage() for r in caplog.records] == [
+        "DEEPINFER_BATCH_INVARANT is not a DeepInfer environment variable; it is ignored "
+        "(did you mean DEEPINFER_BATCH_INVARIANT?)",
+        "DEEPINFER_USE_NEXT_DECODE is not a DeepInfer environment variable; it is ignored "
+        "(did you mean DEEPINFER_USE_NEXTN_DECODE?)",
+        "DEEPINFER_ZZZ is not a DeepInfer environment variable; it is ignored",
+    ]
+
+
+def test_known_variables_give_no_warning(caplog: pytest.LogCaptureFixture) -> None:
+    with caplog.at_level(logging.WARNING, logger="deepinfer.engine.env"):
+        read_env({"DEEPINFER_BATCH_INVARIANT": "1", "DEEPINFER_TORCH_SPEC": "torch==2.13.0", "HOME": "/root"})
+    assert caplog.records == []
+
+
 def test_reads_os_environ_by_default(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("DEEPINFER_USE_NEXTN_DECODE", "3")
-    assert read_env().use_nextn_decode == 3
+    monkeypatch.setenv("DEEPINFER_SAMPLER_FORCE_TOPK", "3")
+    assert read_env().sampler_force_topk == 3

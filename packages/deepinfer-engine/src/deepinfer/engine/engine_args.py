@@ -1,18 +1,51 @@
-"""EngineArgs: every knob of an engine instance, frozen and validated at construction."""
+"""EngineArgs: every knob of an engine instance, frozen and validated at construction.
+
+The docstring's `Attributes:` section is the one description of each field: the `deepinfer` CLI
+builds its engine flags from it and `python -m deepinfer.engine.gen_docs` writes it to
+docs/engine_args.md, together with the allowed values below (`allowed_values`).
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NoReturn
 
 import torch
 
 from deepinfer.sched import EngineType
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+EXPERT_DTYPES = ("fp8", "fp4")
+MAX_INT32 = 2**31 - 1
+# 16 TiB: more memory than any one host or GPU has; a larger budget is a typo (MB read as bytes).
+MAX_KV_CACHE_MEMORY_MB = 2**24
+
+# Inclusive ranges of the integer fields; a field typed `int | None` takes None as well.
+INT_RANGES: dict[str, tuple[int, int]] = {
+    "seed": (0, 2**63 - 1),
+    "max_model_len": (1, MAX_INT32),
+    "block_size": (1, MAX_INT32),
+    "num_kv_blocks": (2, MAX_INT32),             # block 0 is reserved
+    "max_num_seqs": (1, 2**20),
+    "max_num_batched_tokens": (1, MAX_INT32),
+    "max_num_prompts": (1, 2**20),
+    "prefill_max_sum_seqlen_k": (1, MAX_INT32),
+}
+OPTIONAL_FIELDS = frozenset({"model", "max_model_len", "block_size", "num_kv_blocks", "gpu_memory_utilization",
+                             "max_num_prompts", "prefill_max_sum_seqlen_k", "expert_dtype"})
+BOOL_FIELDS = ("stop_preempted_request", "kv_quant", "enforce_eager")
 
 
 class InvalidEngineArgs(ValueError):
-    """An engine argument is out of range; the message names the field and the allowed range."""
+    """An engine argument is out of range; the message names the field and the allowed range.
+
+    Attributes:
+        field: the `EngineArgs` field at fault, or None when the error is not about one field.
+    """
+
+    def __init__(self, message: str, field: str | None = None) -> None:
+        super().__init__(message)
+        self.field = field
 
 
 @dataclass(frozen=True, slots=True)
@@ -28,17 +61,20 @@ class EngineArgs:
         max_model_len: longest sequence (prompt + output); None = min(model limit, 4096).
         block_size: tokens per paged KV block; None = the smallest multiple of every compress ratio ≥ 64.
         num_kv_blocks: paged KV blocks (block 0 included); None = as many as the memory budget holds.
-        kv_cache_memory_mb: budget of the cache (paged KV blocks + state slots) when num_kv_blocks is None
-            (CPU, or CUDA without gpu_memory_utilization).
+        kv_cache_memory_mb: budget of the cache (paged KV blocks + state slots) in MiB when
+            num_kv_blocks is None (CPU, or CUDA without gpu_memory_utilization).
         gpu_memory_utilization: on CUDA, size the cache so that weights + cache take this fraction of the
             GPU's memory (activations come out of the rest; None = use kv_cache_memory_mb).
         max_num_seqs: sequences holding cache at once (one state slot each, × the slot ratio).
         max_num_batched_tokens: prefill tokens per step; longer prompts are chunked.
         max_num_prompts: sequences per prefill step; None = max_num_seqs.
-        prefill_max_sum_seqlen_k: bound on the summed K lengths of one prefill step; None = none.
-        chunk_checkpoints: token positions where a chunk may be cut (empty = anywhere).
-        stop_preempted_request: finish a preempted request as "preempted" (True) or recompute it.
-        engine_type: NORMAL / PROMPT / COMPLETION.
+        prefill_max_sum_seqlen_k: bound on the summed K lengths of one prefill step (at least
+            max_model_len); None = none.
+        chunk_checkpoints: token positions where a chunk may be cut, strictly increasing (empty =
+            anywhere).
+        stop_preempted_request: finish a preempted request as "preempted" (True) or put it back in
+            the queue to be recomputed (False).
+        engine_type: NORMAL, PROMPT (prefill only, disaggregated) or COMPLETION (decode only).
         kv_quant: official FP8/FP4 fake-quantisation of cached KV (off = transformers' numerics).
         expert_dtype: keep the routed experts quantised in memory: "fp8" (e4m3 with float32 block
             scales: half of bf16's bytes) or "fp4" (MXFP4: about a quarter); as stored when the
@@ -69,46 +105,86 @@ class EngineArgs:
 
     def __post_init__(self) -> None:
         if self.model is not None and not isinstance(self.model, str):
-            _fail(f"model={self.model!r} must be a folder path (str) or None")
-        if self.dtype not in DTYPES:
-            _fail(f"dtype={self.dtype!r} must be one of {sorted(DTYPES)}")
+            _fail("model", f"model={self.model!r} must be a folder path (str) or None")
+        if not isinstance(self.device, str):
+            _fail("device", f"device={self.device!r} must be 'cpu' or 'cuda[:N]' (a str)")
         try:
             device = torch.device(self.device)
         except (RuntimeError, TypeError):
-            _fail(f"device={self.device!r} must be 'cpu' or 'cuda[:N]'")
+            _fail("device", f"device={self.device!r} must be 'cpu' or 'cuda[:N]'")
         if device.type not in ("cpu", "cuda"):
-            _fail(f"device={self.device!r} must be 'cpu' or 'cuda[:N]'")
-        _int("seed", self.seed, 0, 2**63 - 1)
-        for name in ("max_model_len", "block_size", "num_kv_blocks", "max_num_prompts", "prefill_max_sum_seqlen_k"):
+            _fail("device", f"device={self.device!r} must be 'cpu' or 'cuda[:N]'")
+        if not isinstance(self.dtype, str) or self.dtype not in DTYPES:
+            _fail("dtype", f"dtype={self.dtype!r} must be one of {sorted(DTYPES)}")
+        for name, (low, high) in INT_RANGES.items():
             value = getattr(self, name)
-            if value is not None:
-                _int(name, value, 2 if name == "num_kv_blocks" else 1, 2**31 - 1)
-        _int("max_num_seqs", self.max_num_seqs, 1, 2**20)
-        _int("max_num_batched_tokens", self.max_num_batched_tokens, 1, 2**31 - 1)
-        if not (isinstance(self.kv_cache_memory_mb, int | float) and self.kv_cache_memory_mb > 0):
-            _fail(f"kv_cache_memory_mb={self.kv_cache_memory_mb!r} must be > 0")
+            if value is not None or name not in OPTIONAL_FIELDS:
+                _int(name, value, low, high)
+        mb = self.kv_cache_memory_mb
+        if isinstance(mb, bool) or not isinstance(mb, int | float) or not 0 < mb <= MAX_KV_CACHE_MEMORY_MB:
+            _fail("kv_cache_memory_mb", f"kv_cache_memory_mb={mb!r} must be > 0 and <= {MAX_KV_CACHE_MEMORY_MB} "
+                  "(MiB, 16 TiB)")
         util = self.gpu_memory_utilization
-        if util is not None and not (isinstance(util, int | float) and 0 < util < 1):
-            _fail(f"gpu_memory_utilization={util!r} must be in (0, 1)")
-        if not isinstance(self.chunk_checkpoints, tuple):
-            _fail(f"chunk_checkpoints={self.chunk_checkpoints!r} must be a tuple of positions")
-        if self.expert_dtype not in (None, "fp8", "fp4"):
-            _fail(f"expert_dtype={self.expert_dtype!r} must be None, 'fp8' or 'fp4'")
-        for name in ("stop_preempted_request", "kv_quant", "enforce_eager"):
+        if util is not None and (isinstance(util, bool) or not isinstance(util, int | float) or not 0 < util < 1):
+            _fail("gpu_memory_utilization", f"gpu_memory_utilization={util!r} must be in (0, 1)")
+        _check_checkpoints(self.chunk_checkpoints)
+        if self.expert_dtype is not None and self.expert_dtype not in EXPERT_DTYPES:
+            _fail("expert_dtype", f"expert_dtype={self.expert_dtype!r} must be None, 'fp8' or 'fp4'")
+        for name in BOOL_FIELDS:
             if not isinstance(getattr(self, name), bool):
-                _fail(f"{name}={getattr(self, name)!r} must be a bool")
+                _fail(name, f"{name}={getattr(self, name)!r} must be a bool")
         if not isinstance(self.engine_type, EngineType):
-            _fail(f"engine_type={self.engine_type!r} must be an EngineType (NORMAL, PROMPT or COMPLETION)")
+            _fail("engine_type", f"engine_type={self.engine_type!r} must be an EngineType (NORMAL, PROMPT or "
+                  "COMPLETION)")
 
     @property
     def torch_dtype(self) -> torch.dtype:
         return DTYPES[self.dtype]
 
 
-def _fail(message: str) -> None:
-    raise InvalidEngineArgs(message)
+def allowed_values(name: str) -> str:
+    """The values an `EngineArgs` field accepts, in words (the docs' "allowed" column).
+
+    Raises:
+        KeyError: `name` is not a field of EngineArgs.
+    """
+    none = ", or None" if name in OPTIONAL_FIELDS else ""
+    if name in INT_RANGES:
+        low, high = INT_RANGES[name]
+        return f"int in [{low}, {high}]{none}"
+    return {
+        "model": "a folder path, or None",
+        "device": "cpu, cuda or cuda:N",
+        "dtype": ", ".join(DTYPES),
+        "kv_cache_memory_mb": f"float in (0, {MAX_KV_CACHE_MEMORY_MB}]",
+        "gpu_memory_utilization": "float in (0, 1), or None",
+        "chunk_checkpoints": f"ints in [1, {MAX_INT32}], strictly increasing",
+        "stop_preempted_request": "bool",
+        "engine_type": ", ".join(member.name for member in EngineType),
+        "kv_quant": "bool",
+        "expert_dtype": ", ".join(EXPERT_DTYPES) + ", or None",
+        "enforce_eager": "bool",
+    }[name]
+
+
+def _check_checkpoints(checkpoints: object) -> None:
+    if not isinstance(checkpoints, tuple):
+        _fail("chunk_checkpoints", f"chunk_checkpoints={checkpoints!r} must be a tuple of token positions")
+    previous = 0
+    for index, position in enumerate(checkpoints):  # type: ignore[arg-type]
+        if isinstance(position, bool) or not isinstance(position, int) or not 1 <= position <= MAX_INT32:
+            _fail("chunk_checkpoints", f"chunk_checkpoints[{index}]={position!r} must be an integer in "
+                  f"[1, {MAX_INT32}]")
+        if position <= previous:
+            _fail("chunk_checkpoints", f"chunk_checkpoints[{index}]={position} must be > chunk_checkpoints"
+                  f"[{index - 1}]={previous}: positions are strictly increasing")
+        previous = position
+
+
+def _fail(field: str, message: str) -> NoReturn:
+    raise InvalidEngineArgs(message, field)
 
 
 def _int(name: str, value: object, low: int, high: int) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
-        _fail(f"{name}={value!r} must be an integer in [{low}, {high}]")
+        _fail(name, f"{name}={value!r} must be an integer in [{low}, {high}]")

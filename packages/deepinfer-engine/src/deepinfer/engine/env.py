@@ -3,25 +3,17 @@
 `read_env()` reads them once into a frozen `EngineEnv`, which is passed down like any config. An
 unset or empty variable takes its default. Booleans accept 0/1/true/false (any case), nothing else.
 
-| variable | field | allowed | default |
-|---|---|---|---|
-| DEEPINFER_PREFILL_ATTEMPT_INTERVAL | prefill_attempt_interval | int >= 1 | 70 |
-| DEEPINFER_PREFILL_ANY_ATTEMPT_INTERVAL | prefill_any_attempt_interval | int >= 1 | 100 |
-| DEEPINFER_NUM_STATE_SLOTS_RATIO | num_state_slots_ratio | float > 0 | 1.2 |
-| DEEPINFER_MAX_BACKTRACKING_TOKENS | max_backtracking_tokens | int >= 0 | 6 |
-| DEEPINFER_DISABLE_SYNC_GUARD | disable_sync_guard | bool | False |
-| DEEPINFER_BATCH_INVARIANT | batch_invariant | bool | False |
-| DEEPINFER_SAMPLER_FORCE_TOPK | sampler_force_topk | int >= 1, or unset | None |
-| DEEPINFER_USE_NEXTN_DECODE | use_nextn_decode | int >= 0 | 0 |
-| DEEPINFER_CUDAGRAPH_BATCH_SIZE_INTERVAL | cudagraph_batch_size_interval | int >= 1 | 8 |
-
-DEEPINFER_USE_NEXTN_DECODE is the draft block size of speculative decoding; the original engine
-defaults to 5, ours to 0 (no drafts) until speculative decoding is implemented.
-DEEPINFER_SAMPLER_FORCE_TOPK=0 means the same as unset (no forced top-k).
+`VARIABLES` describes each variable (allowed values, meaning, and whether the feature behind it is
+implemented yet); the table in docs/environment.md is generated from it by
+`python -m deepinfer.engine.gen_docs`. A variable whose feature is not implemented yet is refused
+when set to anything but its default; a DEEPINFER_* variable that nothing reads (a typo, most
+likely) is warned about, with the closest known name.
 """
 
 from __future__ import annotations
 
+import difflib
+import logging
 import math
 import os
 from collections.abc import Callable, Mapping
@@ -29,31 +21,104 @@ from dataclasses import dataclass, fields
 from typing import Any
 
 PREFIX = "DEEPINFER_"
+logger = logging.getLogger(__name__)
 
 
 class InvalidEnvVar(ValueError):
-    """An environment variable has a value outside its allowed range; the message names it."""
+    """An environment variable has a value outside its allowed range, or one for a feature that is
+    not implemented yet; the message names the variable."""
 
 
 @dataclass(frozen=True, slots=True)
 class EngineEnv:
-    """Engine settings taken from the environment (see the module docstring for the variables)."""
+    """Engine settings taken from the environment: one field per variable DEEPINFER_<FIELD>, described
+    in `VARIABLES` (and docs/environment.md)."""
 
-    prefill_attempt_interval: int = 70       # decode steps between ALL-vote prefill attempts
-    prefill_any_attempt_interval: int = 100  # decode steps between ANY-vote prefill attempts
-    num_state_slots_ratio: float = 1.2       # state slots = max_num_seqs * ratio + 1
-    max_backtracking_tokens: int = 6         # spare ring slots for rejected draft tokens
-    disable_sync_guard: bool = False         # turn off forbid_cuda_sync() (debugging)
-    batch_invariant: bool = False            # batch-invariant kernels (deterministic outputs)
-    sampler_force_topk: int | None = None    # sampler considers only this many tokens per row
-    use_nextn_decode: int = 0                # draft tokens per step; 0 = no speculative decoding
-    cudagraph_batch_size_interval: int = 8   # CUDA-graph sizes: powers of 2 up to it, then steps of it
+    prefill_attempt_interval: int = 70
+    prefill_any_attempt_interval: int = 100
+    num_state_slots_ratio: float = 1.2
+    max_backtracking_tokens: int = 6
+    disable_sync_guard: bool = False
+    batch_invariant: bool = False
+    sampler_force_topk: int | None = None
+    use_nextn_decode: int = 0
+    cudagraph_batch_size_interval: int = 8
 
     def __post_init__(self) -> None:
         if self.sampler_force_topk == 0 and not isinstance(self.sampler_force_topk, bool):
             object.__setattr__(self, "sampler_force_topk", None)
         for field in fields(self):
-            _check(field.name, getattr(self, field.name))
+            _check(_BY_FIELD[field.name], getattr(self, field.name), field.default)
+
+
+@dataclass(frozen=True, slots=True)
+class EnvVar:
+    """One engine environment variable.
+
+    Attributes:
+        field: the `EngineEnv` field it sets; the variable is DEEPINFER_<FIELD>.
+        kind: how its text is parsed: "int", "float" or "bool".
+        allowed: the allowed values, in the words of errors and docs.
+        description: what it does (docs/environment.md).
+        check: True for an allowed (parsed) value.
+        optional: None is a value too (the field is `int | None`).
+        missing_feature: set while the feature behind the variable is not implemented: any value
+            other than the default is refused with "<VAR> is not supported yet: <missing_feature> is
+            not implemented".
+    """
+
+    field: str
+    kind: str
+    allowed: str
+    description: str
+    check: Callable[[Any], bool]
+    optional: bool = False
+    missing_feature: str | None = None
+
+    @property
+    def name(self) -> str:
+        return env_var_name(self.field)
+
+
+VARIABLES: tuple[EnvVar, ...] = (
+    EnvVar("prefill_attempt_interval", "int", "an int >= 1",
+           "every this many decode steps is an ALL attempt point: a prefill step runs if every DP rank "
+           "wants one", lambda v: v >= 1),
+    EnvVar("prefill_any_attempt_interval", "int", "an int >= 1",
+           "every this many decode steps is an ANY attempt point: a prefill step runs if any DP rank "
+           "wants one (it wins where both points coincide)", lambda v: v >= 1),
+    EnvVar("num_state_slots_ratio", "float", "a float > 0",
+           "state slots per admitted sequence: the engine keeps int(max_num_seqs × ratio) + 1 state "
+           "slots", lambda v: v > 0),
+    EnvVar("max_backtracking_tokens", "int", "an int >= 0",
+           "spare slots of each sequence's window ring, kept for rejected draft tokens", lambda v: v >= 0),
+    EnvVar("disable_sync_guard", "bool", "a bool",
+           "turn off the guard that forbids host-device synchronisation inside the overlapped step loop "
+           "(debugging)", lambda v: True,
+           missing_feature="ZOS (zero-overhead scheduling) and its sync guard"),
+    EnvVar("batch_invariant", "bool", "a bool",
+           "batch-invariant kernels: a request's outputs do not depend on the other requests of its batch",
+           lambda v: True),
+    EnvVar("sampler_force_topk", "int", "an int >= 1, or 0 / unset for none",
+           "the sampler considers only this many most likely tokens of each row", lambda v: v is None or v >= 1,
+           optional=True),
+    EnvVar("use_nextn_decode", "int", "an int >= 0",
+           "draft tokens per decode step (the draft block size of speculative decoding; the original "
+           "engine defaults to 5); 0 = no drafts", lambda v: v >= 0,
+           missing_feature="speculative decoding"),
+    EnvVar("cudagraph_batch_size_interval", "int", "an int >= 1",
+           "CUDA-graph batch sizes: 1, 2, 4, ... below it, then every multiple of it up to max_num_seqs",
+           lambda v: v >= 1),
+)
+_BY_FIELD = {var.field: var for var in VARIABLES}
+
+# DEEPINFER_* variables read outside this module (not engine settings): known, so not warned about.
+OTHER_VARIABLES: dict[str, str] = {
+    "DEEPINFER_CACHE_PURE_PYTHON": "read by deepinfer-cache at import: 1 = use its pure-Python block pools "
+                                   "instead of the Cython extension",
+    "DEEPINFER_TORCH_SPEC": "read by dev.sh: the torch requirement it installs into .venv (default "
+                            "torch==2.13.0, a CPU build)",
+}
 
 
 def env_var_name(field_name: str) -> str:
@@ -64,87 +129,81 @@ def env_var_name(field_name: str) -> str:
 def read_env(environ: Mapping[str, str] = os.environ) -> EngineEnv:
     """Read every DEEPINFER_* setting from `environ` into an `EngineEnv`.
 
+    Logs one warning (logger "deepinfer.engine.env") per DEEPINFER_* variable that nothing reads,
+    naming the closest known variable when there is one.
+
     Raises:
-        InvalidEnvVar: a variable does not parse or is out of range; the message names the variable,
-            its value and the allowed range.
+        InvalidEnvVar: a variable does not parse or is out of range, or asks for a feature that is not
+            implemented yet; the message names the variable, its value and what is allowed.
     """
+    for name in unknown_env_vars(environ):
+        logger.warning("%s", unknown_env_var_message(name))
     values: dict[str, Any] = {}
-    for field in fields(EngineEnv):
-        name = env_var_name(field.name)
-        raw = environ.get(name, "").strip()
+    for var in VARIABLES:
+        raw = environ.get(var.name, "").strip()
         if raw:
-            values[field.name] = _PARSERS[field.name](name, raw)
+            values[var.field] = _PARSERS[var.kind](var, raw)
     return EngineEnv(**values)
 
 
 def unknown_env_vars(environ: Mapping[str, str] = os.environ) -> tuple[str, ...]:
-    """DEEPINFER_* variables set in `environ` that no `EngineEnv` field reads (likely typos), sorted."""
-    known = {env_var_name(field.name) for field in fields(EngineEnv)}
+    """DEEPINFER_* variables set in `environ` that nothing reads (likely typos), sorted."""
+    known = _known_names()
     return tuple(sorted(name for name in environ if name.startswith(PREFIX) and name not in known))
 
 
-def _parse_int(name: str, raw: str) -> int:
+def unknown_env_var_message(name: str) -> str:
+    """The warning for an unknown variable `name`, with the closest known name when one is close."""
+    suffixes = {known[len(PREFIX):]: known for known in _known_names()}
+    close = difflib.get_close_matches(name[len(PREFIX):], list(suffixes), n=1)
+    hint = f" (did you mean {suffixes[close[0]]}?)" if close else ""
+    return f"{name} is not a DeepInfer environment variable; it is ignored{hint}"
+
+
+def _known_names() -> set[str]:
+    return {var.name for var in VARIABLES} | set(OTHER_VARIABLES)
+
+
+def _parse_int(var: EnvVar, raw: str) -> int:
     try:
         return int(raw)
     except ValueError:
-        raise InvalidEnvVar(f"{name}={raw!r} must be an integer ({_RANGES[name]})") from None
+        raise InvalidEnvVar(f"{var.name}={raw!r} must be an integer ({var.allowed})") from None
 
 
-def _parse_float(name: str, raw: str) -> float:
+def _parse_float(var: EnvVar, raw: str) -> float:
     try:
         value = float(raw)
     except ValueError:
-        raise InvalidEnvVar(f"{name}={raw!r} must be a number ({_RANGES[name]})") from None
+        raise InvalidEnvVar(f"{var.name}={raw!r} must be a number ({var.allowed})") from None
     if not math.isfinite(value):
-        raise InvalidEnvVar(f"{name}={raw!r} must be finite ({_RANGES[name]})")
+        raise InvalidEnvVar(f"{var.name}={raw!r} must be finite ({var.allowed})")
     return value
 
 
-def _parse_bool(name: str, raw: str) -> bool:
+def _parse_bool(var: EnvVar, raw: str) -> bool:
     lowered = raw.lower()
     if lowered in ("1", "true"):
         return True
     if lowered in ("0", "false"):
         return False
-    raise InvalidEnvVar(f"{name}={raw!r} must be one of 0, 1, true, false (any case)")
+    raise InvalidEnvVar(f"{var.name}={raw!r} must be one of 0, 1, true, false (any case)")
 
 
-_PARSERS: dict[str, Callable[[str, str], Any]] = {
-    "prefill_attempt_interval": _parse_int,
-    "prefill_any_attempt_interval": _parse_int,
-    "num_state_slots_ratio": _parse_float,
-    "max_backtracking_tokens": _parse_int,
-    "disable_sync_guard": _parse_bool,
-    "batch_invariant": _parse_bool,
-    "sampler_force_topk": _parse_int,
-    "use_nextn_decode": _parse_int,
-    "cudagraph_batch_size_interval": _parse_int,
-}
-
-# Allowed values per field: a check and the wording used in errors.
-_RULES: dict[str, tuple[Callable[[Any], bool], str]] = {
-    "prefill_attempt_interval": (lambda v: v >= 1, "an int >= 1"),
-    "prefill_any_attempt_interval": (lambda v: v >= 1, "an int >= 1"),
-    "num_state_slots_ratio": (lambda v: v > 0, "a float > 0"),
-    "max_backtracking_tokens": (lambda v: v >= 0, "an int >= 0"),
-    "disable_sync_guard": (lambda v: True, "a bool"),
-    "batch_invariant": (lambda v: True, "a bool"),
-    "sampler_force_topk": (lambda v: v is None or v >= 1, "an int >= 1, or 0 / unset for none"),
-    "use_nextn_decode": (lambda v: v >= 0, "an int >= 0"),
-    "cudagraph_batch_size_interval": (lambda v: v >= 1, "an int >= 1"),
-}
-_RANGES = {env_var_name(name): wording for name, (_, wording) in _RULES.items()}
-_TYPES: dict[str, tuple[type, ...]] = {
-    "num_state_slots_ratio": (int, float),
-    "disable_sync_guard": (bool,),
-    "batch_invariant": (bool,),
-    "sampler_force_topk": (int, type(None)),
-}
+_PARSERS: dict[str, Callable[[EnvVar, str], Any]] = {"int": _parse_int, "float": _parse_float, "bool": _parse_bool}
+_TYPES: dict[str, tuple[type, ...]] = {"int": (int,), "float": (int, float), "bool": (bool,)}
 
 
-def _check(field_name: str, value: object) -> None:
-    check, wording = _RULES[field_name]
-    types = _TYPES.get(field_name, (int,))
-    wrong_type = not isinstance(value, types) or (isinstance(value, bool) and bool not in types)
-    if wrong_type or not check(value) or (isinstance(value, float) and not math.isfinite(value)):
-        raise InvalidEnvVar(f"{env_var_name(field_name)}={value!r} must be {wording}")
+def _check(var: EnvVar, value: object, default: object) -> None:
+    types = _TYPES[var.kind] + ((type(None),) if var.optional else ())
+    wrong_type = not isinstance(value, types) or (isinstance(value, bool) and var.kind != "bool")
+    if wrong_type or not var.check(value) or (isinstance(value, float) and not math.isfinite(value)):
+        raise InvalidEnvVar(f"{var.name}={value!r} must be {var.allowed}")
+    if var.missing_feature is not None and value != default:
+        raise InvalidEnvVar(f"{var.name}={_as_text(value)} is not supported yet: {var.missing_feature} is not "
+                            f"implemented (unset it, or set it to {_as_text(default)})")
+
+
+def _as_text(value: object) -> str:
+    """A value as it is written in the environment (booleans as 0 / 1)."""
+    return str(int(value)) if isinstance(value, bool) else str(value)
