@@ -7,6 +7,8 @@ that may still become one.
 
 from __future__ import annotations
 
+from array import array
+from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -108,6 +110,12 @@ class StopStringChecker:
     into deltas. The stop string is cut from the text unless `include_stop_str_in_output`. Text
     that could still be the start of a stop string is held back until resolved.
 
+    Each stop string runs a Knuth-Morris-Pratt matcher: its border table (one int32 per character)
+    and its state, the length of the longest suffix of the text so far that is a proper prefix of
+    it. The held-back text is the longest such suffix over all stop strings. Memory is linear in
+    the total stop length (plus the text itself); each delta costs time linear in its length per
+    stop string, with the search for a stop string's first character left to `str.find`.
+
     Args:
         stop: the stop strings (non-empty str).
         include_stop_str_in_output: keep the matched stop string.
@@ -119,10 +127,12 @@ class StopStringChecker:
                 raise ValueError(f"stop[{i}]={item!r} must be a non-empty str")
         self._stop = tuple(stop)
         self._include = include_stop_str_in_output
-        self._prefixes = {s[:k] for s in self._stop for k in range(1, len(s))}
-        self._max_held = max((len(s) - 1 for s in self._stop), default=0)
+        self._borders = tuple(_border_table(s) for s in self._stop)
+        self._states = [0] * len(self._stop)
         self._streamed: list[str] = []
-        self._held = ""
+        self._held: deque[str] = deque()   # the held-back text, in pieces; the first starts at _held_start
+        self._held_start = 0
+        self._num_held = 0
         self._stop_str: str | None = None
 
     @property
@@ -139,39 +149,97 @@ class StopStringChecker:
         end the output, and occurrences completed by this delta never count later either."""
         if self._stop_str is not None:
             raise ValueError(f"StopStringChecker.add called after stop string {self._stop_str!r} matched")
-        text = self._held + delta
-        if allow_stop:
-            match = self._earliest_match(text, len(self._held))
-            if match is not None:
-                start, stop = match
-                released = text[:start + len(stop) if self._include else start]
-                self._held, self._stop_str = "", stop
-                self._streamed.append(released)
-                return StopUpdate(released, stop)
-        num_held = self._held_suffix_len(text)
-        released = text[:len(text) - num_held]
-        self._held = text[len(text) - num_held:]
+        if not self._stop:
+            self._streamed.append(delta)
+            return StopUpdate(delta, None)
+        best: tuple[int, int, str] | None = None    # (end in delta, -len, stop) of the earliest match
+        states = []
+        for stop, border, state in zip(self._stop, self._borders, self._states):
+            state, end = _advance(stop, border, state, delta, stop_at_match=allow_stop)
+            states.append(state)
+            if end >= 0:
+                key = (end, -len(stop), stop)
+                best = key if best is None or key < best else best
+        if best is not None:
+            end, minus_len, stop = best
+            held = self._take_held(self._num_held)
+            cut = len(held) + end + (0 if self._include else minus_len)
+            released = (held + delta[:end])[:cut]
+            self._stop_str = stop
+            self._streamed.append(released)
+            return StopUpdate(released, stop)
+        self._states = states
+        self._held.append(delta)
+        self._num_held += len(delta)
+        released = self._take_held(self._num_held - max(states))
         self._streamed.append(released)
         return StopUpdate(released, None)
 
     def finish(self) -> str:
         """The output ended another way: release the held-back text and return it."""
-        released, self._held = self._held, ""
+        released = self._take_held(self._num_held)
+        self._states = [0] * len(self._stop)
         self._streamed.append(released)
         return released
 
-    def _earliest_match(self, text: str, num_checked: int) -> tuple[int, str] | None:
-        """The (start, stop) whose end is smallest (then longest stop) among ends > num_checked."""
-        best: tuple[int, int, str] | None = None   # (end, -len, stop)
-        for stop in self._stop:
-            start = text.find(stop, max(0, num_checked - len(stop) + 1))
-            if start >= 0:
-                key = (start + len(stop), -len(stop), stop)
-                best = key if best is None or key < best else best
-        return None if best is None else (best[0] + best[1], best[2])
+    def _take_held(self, num_chars: int) -> str:
+        """Remove the first `num_chars` characters of the held-back text and return them (time linear
+        in num_chars plus the pieces dropped)."""
+        pieces = []
+        self._num_held -= num_chars
+        while num_chars:
+            head = self._held[0]
+            available = len(head) - self._held_start
+            if available <= num_chars:
+                pieces.append(head[self._held_start:])
+                self._held.popleft()
+                self._held_start = 0
+                num_chars -= available
+            else:
+                pieces.append(head[self._held_start:self._held_start + num_chars])
+                self._held_start += num_chars
+                num_chars = 0
+        return "".join(pieces)
 
-    def _held_suffix_len(self, text: str) -> int:
-        for length in range(min(self._max_held, len(text)), 0, -1):
-            if text[len(text) - length:] in self._prefixes:
-                return length
-        return 0
+
+def _border_table(stop: str) -> array:
+    """border[i] = the length of the longest proper prefix of stop[:i + 1] that is also its suffix."""
+    border = array("i", [0]) * len(stop)
+    length = 0
+    for i in range(1, len(stop)):
+        char = stop[i]
+        while length and stop[length] != char:
+            length = border[length - 1]
+        if stop[length] == char:
+            length += 1
+        border[i] = length
+    return border
+
+
+def _advance(stop: str, border: array, state: int, text: str, *, stop_at_match: bool) -> tuple[int, int]:
+    """Feed `text` to a stop string's matcher in `state` (chars of it matched so far, < len(stop)).
+
+    Returns (state after, end): end = the index in `text` just past the first completed occurrence
+    when `stop_at_match` (the state is then len(stop)), else -1; without `stop_at_match` completed
+    occurrences are passed over and the state falls back to the longest proper border."""
+    size = len(stop)
+    first = stop[0]
+    i = 0
+    while i < len(text):
+        if state == 0:
+            i = text.find(first, i)
+            if i < 0:
+                return 0, -1
+            state = 1
+        else:
+            char = text[i]
+            while state and stop[state] != char:
+                state = border[state - 1]
+            if stop[state] == char:
+                state += 1
+        i += 1
+        if state == size:
+            if stop_at_match:
+                return state, i
+            state = border[size - 1]
+    return state, -1

@@ -28,13 +28,20 @@ from .sampling_batch import InvalidSamplingBatch, SamplingBatch
 from .sampling_params import MAX_SEED
 from .token_bitmask import apply_token_bitmask
 
+# A row whose log-sum-exp exceeds this in magnitude counts as not finite (`SamplerOutput.finite_rows`): its
+# logits divided by the smallest temperature, float32(GREEDY_TEMPERATURE) > 9.9e-6, could overflow
+# float32 (max 3.4e38). NaN, +inf and an all -inf row give a non-finite log-sum-exp and fail too.
+MAX_LOGIT_MAGNITUDE = 1e33
+
 
 @dataclass(frozen=True, slots=True)
 class SamplerOutput:
     """The sampled tokens of one step and their logprobs (of the raw, unprocessed distribution)."""
 
-    token_ids: Tensor             # [num_seqs] int64
+    token_ids: Tensor             # [num_seqs] int64, in [0, vocab_size); meaningless where not finite_rows
     logprobs: Tensor              # [num_seqs] float32, log_softmax(logits)[row, token_ids[row]]
+    finite_rows: Tensor           # [num_seqs] bool; False = the row's raw logits hold NaN or +inf, are all
+                                  # -inf, or have a log-sum-exp beyond ±MAX_LOGIT_MAGNITUDE
     top_logprobs: Tensor | None   # [num_seqs, k] float32, descending; None when k = 0
     top_ids: Tensor | None        # [num_seqs, k] int64, token ids of top_logprobs
 
@@ -47,6 +54,11 @@ class Sampler:
     top-k distribution (the smallest prefix whose probability is >= top_p; always >= 1 token), then
     min-p (drop p < min_p * p_max), and sample the rest. EOS / stop ids of rows below min_tokens are
     masked first, for greedy rows too, and so are tokens a row's grammar bitmask disallows.
+
+    Rows whose raw logits are not finite (NaN, +inf, every entry -inf, or so large that a temperature
+    could overflow them) are flagged in `SamplerOutput.finite_rows` and their token must be dropped.
+    The flag comes from the log-sum-exp the logprobs need anyway: no extra pass over the logits and
+    no host synchronisation.
 
     Args:
         seed: seeds the generator shared by unseeded rows (one per device); None = torch's default
@@ -75,7 +87,8 @@ class Sampler:
         Returns:
             SamplerOutput; its logprobs are log_softmax of the unprocessed `logits` (before
             temperature, top-k/p, min-p, min_tokens and grammar masking), for the sampled token and, when
-            some row asked for logprobs, the batch's `num_top_logprobs` most likely tokens.
+            some row asked for logprobs, the batch's `num_top_logprobs` most likely tokens. Rows with
+            finite_rows False get some token id in range and meaningless logprobs.
         """
         if logits.dtype != torch.float32 or logits.shape != (batch.num_seqs, batch.vocab_size):
             raise InvalidSamplingBatch(
@@ -84,6 +97,7 @@ class Sampler:
             )
         # log_softmax(logits) = logits - logsumexp(logits), taken only where needed.
         log_normaliser = torch.logsumexp(logits, dim=-1, keepdim=True)   # [num_seqs, 1]
+        finite_rows = log_normaliser.squeeze(1).abs() <= MAX_LOGIT_MAGNITUDE   # False for NaN / ±inf too
         masked = logits
         if batch.banned_rows.shape[0]:
             minus_inf = logits.new_full((), -torch.inf)
@@ -104,9 +118,9 @@ class Sampler:
         logprobs = (logits.gather(1, token_ids[:, None]) - log_normaliser).squeeze(1)
         num_top = min(batch.num_top_logprobs, batch.vocab_size)
         if num_top == 0:
-            return SamplerOutput(token_ids, logprobs, None, None)
+            return SamplerOutput(token_ids, logprobs, finite_rows, None, None)
         top_logits, top_ids = logits.topk(num_top, dim=-1)
-        return SamplerOutput(token_ids, logprobs, top_logits - log_normaliser, top_ids)
+        return SamplerOutput(token_ids, logprobs, finite_rows, top_logits - log_normaliser, top_ids)
 
     def _sample(self, logits: Tensor, batch: SamplingBatch) -> Tensor:
         """[num_random, vocab] float32 (masked, unscaled) -> [num_random] int64 sampled ids."""
@@ -156,11 +170,15 @@ class Sampler:
         return generator
 
 
-def logprob_dicts(output: SamplerOutput, batch: SamplingBatch) -> list[dict[int, float] | None]:
+def logprob_dicts(output: SamplerOutput, batch: SamplingBatch,
+                  token_ids: list[int] | None = None) -> list[dict[int, float] | None]:
     """Per row, None if the row asked for no logprobs, else {token id: logprob} holding the sampled
-    token and the row's SamplingParams.logprobs most likely alternatives. Copies to the host (syncs).
+    token and the row's SamplingParams.logprobs most likely alternatives. Copies to the host (syncs)
+    only when some row asked; `token_ids` = output.token_ids already on the host, if the caller has it.
     """
-    token_ids = output.token_ids.tolist()
+    if all(wanted is None for wanted in batch.num_logprobs):
+        return [None] * batch.num_seqs
+    token_ids = output.token_ids.tolist() if token_ids is None else token_ids
     logprobs = output.logprobs.tolist()
     top_ids = output.top_ids.tolist() if output.top_ids is not None else None
     top_logprobs = output.top_logprobs.tolist() if output.top_logprobs is not None else None

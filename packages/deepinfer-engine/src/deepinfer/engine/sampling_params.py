@@ -12,8 +12,20 @@ from typing import NoReturn
 # Below this temperature a row is sampled greedily: dividing float32 logits by such a value no longer
 # gives a meaningful distribution (and for tiny values overflows), so argmax is the honest answer.
 GREEDY_TEMPERATURE = 1e-5
+# Above this the tempered distribution is uniform for every purpose (logits spread over less than 100
+# give probabilities within 1 % of each other); the bound keeps float32(temperature) far from inf.
+MAX_TEMPERATURE = 1e4
+# The smallest top_p, and the smallest non-zero min_p. The sampler multiplies them (in float32) by a
+# probability >= 1 / vocab_size > 2**-31; the product stays a normal float32 (>= 2**-126), so a kernel
+# that flushes denormals to zero never turns the cut into 0 (which would keep no token at all).
+MIN_PROBABILITY_CUT = 1e-20
 MAX_LOGPROBS = 20
 MAX_SEED = 2**64 - 1
+MAX_NUM_TOKENS = 2**31 - 1      # max_tokens, min_tokens and top_k: within int32
+MAX_TOKEN_ID = 2**31 - 1        # a stop_token_ids entry
+MAX_STOP_STRINGS = 64
+MAX_STOP_STRING_LEN = 1024      # characters per stop string
+MAX_STOP_TOKEN_IDS = 1024
 
 
 class InvalidSamplingParams(ValueError):
@@ -81,20 +93,31 @@ STRUCTURED_KINDS = ("json", "regex", "grammar", "choice")
 class SamplingParams:
     """How to pick the output tokens of one request.
 
+    Every size-like field is capped and every float is checked so that its float32 value (the
+    sampler's precision) does what was asked; a value outside its range raises an error naming the
+    field and the range.
+
     Attributes:
-        temperature: >= 0. 0 (anything below `GREEDY_TEMPERATURE` = 1e-5) means greedy: argmax of
-            the logits, ties broken towards the lowest token id.
-        top_k: -1 or 0 = off, else >= 1: keep the `top_k` most likely tokens.
-        top_p: in (0, 1]: keep the smallest set of most likely tokens whose probability is >= top_p.
-        min_p: in [0, 1]: drop tokens whose probability is < min_p * (probability of the top token).
-        max_tokens: >= 1, or None = generate until the model's max_model_len.
-        min_tokens: >= 0 and <= max_tokens: EOS and `stop_token_ids` cannot be sampled, and stop
-            strings do not end the request, before this many output tokens exist.
-        stop: stop strings (a str or a sequence of str; normalised to a tuple of non-empty str). The
+        temperature: in [0, `MAX_TEMPERATURE` = 1e4]. 0 (anything below `GREEDY_TEMPERATURE` = 1e-5)
+            means greedy: argmax of the logits, ties broken towards the lowest token id. From 1e-5 on,
+            logits up to 1e33 in magnitude divided by float32(temperature) stay finite (larger ones
+            fail the request as "non-finite logits").
+        top_k: -1 or 0 = off, else in [1, 2**31 - 1]: keep the `top_k` most likely tokens.
+        top_p: in [`MIN_PROBABILITY_CUT` = 1e-20, 1]: keep the smallest set of most likely tokens whose
+            probability is >= top_p. Smaller values would round to 0 or to a denormal in float32
+            (1e-46 is 0 there); 1e-20 already keeps only the most likely token (the lowest id of ties).
+        min_p: 0, or in [1e-20, 1]: drop tokens whose probability is < min_p * (probability of the top
+            token).
+        max_tokens: in [1, 2**31 - 1], or None = generate until the model's max_model_len.
+        min_tokens: in [0, 2**31 - 1] and <= max_tokens: EOS and `stop_token_ids` cannot be sampled,
+            and stop strings do not end the request, before this many output tokens exist.
+        stop: stop strings (a str or a sequence of str; normalised to a tuple of non-empty str): at most
+            `MAX_STOP_STRINGS` = 64 of them, each at most `MAX_STOP_STRING_LEN` = 1,024 characters. The
             output ends at the first one that completes; it is cut from the text unless
             `include_stop_str_in_output`.
-        stop_token_ids: token ids (>= 0) that end the request like EOS (normalised to a tuple). The
-            stop token stays in `token_ids`; its text is not part of the output.
+        stop_token_ids: at most `MAX_STOP_TOKEN_IDS` = 1,024 token ids in [0, 2**31 - 1] that end the
+            request like EOS (normalised to a tuple; ids outside the vocabulary never occur). The stop
+            token stays in `token_ids`; its text is not part of the output.
         ignore_eos: keep generating after EOS (EOS is then an ordinary token).
         seed: None, or an int in [0, 2**64 - 1]: the request then draws from its own generator and its
             tokens do not depend on what else is in the batch.
@@ -104,6 +127,9 @@ class SamplingParams:
         structured: None, or a `StructuredOutput` the output must follow (JSON schema, regex, EBNF
             grammar or choice). Needs a tokenizer and the xgrammar package; cannot be combined with
             ignore_eos (a constrained output ends with EOS).
+
+    Raises:
+        InvalidSamplingParams: a field of the wrong type or outside its range (NaN and inf included).
     """
 
     temperature: float = 1.0
@@ -122,23 +148,26 @@ class SamplingParams:
 
     def __post_init__(self) -> None:
         temperature = _real("temperature", self.temperature)
-        if not temperature >= 0:
-            _fail(f"temperature={temperature} must be >= 0 (0 = greedy)")
+        if not 0 <= temperature <= MAX_TEMPERATURE:
+            _fail(f"temperature={temperature} must be >= 0 and <= {MAX_TEMPERATURE:g} "
+                  f"(0, or anything below {GREEDY_TEMPERATURE:g}, = greedy)")
         top_k = _int("top_k", self.top_k)
-        if top_k < -1:
-            _fail(f"top_k={top_k} must be -1 or 0 (off) or >= 1")
+        if not -1 <= top_k <= MAX_NUM_TOKENS:
+            _fail(f"top_k={top_k} must be -1 or 0 (off) or >= 1 (at most {MAX_NUM_TOKENS})")
         top_p = _real("top_p", self.top_p)
-        if not 0 < top_p <= 1:
-            _fail(f"top_p={top_p} must be in (0, 1]")
+        if not MIN_PROBABILITY_CUT <= top_p <= 1:
+            _fail(f"top_p={top_p} must be in (0, 1], and >= {MIN_PROBABILITY_CUT:g} (a smaller cut is 0 or "
+                  "a denormal in the sampler's float32)")
         min_p = _real("min_p", self.min_p)
-        if not 0 <= min_p <= 1:
-            _fail(f"min_p={min_p} must be in [0, 1]")
+        if not (0 <= min_p <= 1 and (min_p == 0 or min_p >= MIN_PROBABILITY_CUT)):
+            _fail(f"min_p={min_p} must be in [0, 1], and 0 or >= {MIN_PROBABILITY_CUT:g} (a smaller cut is 0 "
+                  "or a denormal in the sampler's float32)")
         max_tokens = None if self.max_tokens is None else _int("max_tokens", self.max_tokens)
-        if max_tokens is not None and max_tokens < 1:
-            _fail(f"max_tokens={max_tokens} must be >= 1 (or None = until max_model_len)")
+        if max_tokens is not None and not 1 <= max_tokens <= MAX_NUM_TOKENS:
+            _fail(f"max_tokens={max_tokens} must be >= 1 (or None = until max_model_len) and <= {MAX_NUM_TOKENS}")
         min_tokens = _int("min_tokens", self.min_tokens)
-        if min_tokens < 0:
-            _fail(f"min_tokens={min_tokens} must be >= 0")
+        if not 0 <= min_tokens <= MAX_NUM_TOKENS:
+            _fail(f"min_tokens={min_tokens} must be >= 0 and <= {MAX_NUM_TOKENS}")
         if max_tokens is not None and min_tokens > max_tokens:
             _fail(f"min_tokens={min_tokens} must be <= max_tokens={max_tokens}")
         seed = None if self.seed is None else _int("seed", self.seed)
@@ -202,12 +231,16 @@ def _normalise_stop(stop: object) -> tuple[str, ...]:
     items = (stop,) if isinstance(stop, str) else stop
     if not isinstance(items, Sequence):
         _fail(f"stop={stop!r} must be a str or a sequence of str")
+    if len(items) > MAX_STOP_STRINGS:
+        _fail(f"stop has {len(items)} strings: at most {MAX_STOP_STRINGS} are allowed")
     result = tuple(items)  # type: ignore[arg-type]
     for i, item in enumerate(result):
         if not isinstance(item, str):
             _fail(f"stop[{i}]={item!r} must be a str")
         if not item:
             _fail(f"stop[{i}]='' must be a non-empty str")
+        if len(item) > MAX_STOP_STRING_LEN:
+            _fail(f"stop[{i}] has {len(item)} characters: at most {MAX_STOP_STRING_LEN} are allowed")
     return result
 
 
@@ -216,10 +249,12 @@ def _normalise_stop_token_ids(ids: object) -> tuple[int, ...]:
         return ()
     if isinstance(ids, (str, bytes)) or not isinstance(ids, Sequence):
         _fail(f"stop_token_ids={ids!r} must be a sequence of int")
+    if len(ids) > MAX_STOP_TOKEN_IDS:
+        _fail(f"stop_token_ids has {len(ids)} ids: at most {MAX_STOP_TOKEN_IDS} are allowed")
     result = tuple(ids)  # type: ignore[arg-type]
     for i, item in enumerate(result):
-        if isinstance(item, bool) or not isinstance(item, numbers.Integral) or item < 0:
-            _fail(f"stop_token_ids[{i}]={item!r} must be an int >= 0")
+        if isinstance(item, bool) or not isinstance(item, numbers.Integral) or not 0 <= item <= MAX_TOKEN_ID:
+            _fail(f"stop_token_ids[{i}]={item!r} must be an int >= 0 and <= {MAX_TOKEN_ID}")
     return tuple(int(item) for item in result)
 
 

@@ -11,6 +11,11 @@ grammar state that must already hold every earlier token of the request (checked
 filled: `StaleGrammarError`). The worker honours the flag by never keeping a step with such a row in
 flight: it is post-processed in the same call even when `keep_in_flight` is asked for, so the engine
 advances the grammar before it schedules the request again.
+
+Non-finite logits: a row whose raw logits hold NaN or +inf, are all -inf, or are too large for any
+temperature (`Sampler`'s `finite_rows`) comes back with error `NON_FINITE_LOGITS`, and the engine fails
+its request. The flag travels to the host in the same copy as the sampled token ids, so checking costs
+no extra synchronisation.
 """
 
 from __future__ import annotations
@@ -27,6 +32,8 @@ from .sampling_batch import RequestRng, SamplingBatch, banned_token_ids, build_s
 from .sampling_params import SamplingParams
 from .token_bitmask import fill_token_bitmask
 
+NON_FINITE_LOGITS = "non-finite logits"     # SampledToken.error of a row whose logits are unusable
+
 
 @dataclass(frozen=True, slots=True)
 class SampledToken:
@@ -35,7 +42,8 @@ class SampledToken:
     seq_id: str
     token_id: int
     logprobs: dict[int, float] | None
-    error: str | None = None   # why this row failed (its grammar allowed no token, ...): discard token_id
+    error: str | None = None   # why this row failed (its grammar allowed no token, NON_FINITE_LOGITS):
+                               # discard token_id and logprobs (None then)
 
 
 @dataclass(frozen=True, slots=True)
@@ -54,6 +62,7 @@ class _InFlight:
     seq_ids: tuple[str, ...]
     batch: SamplingBatch
     sampled: SamplerOutput
+    readback: torch.Tensor             # [2, num_seqs] int64: token ids, then 1 = finite logits / 0 = not
     dead_rows: dict[int, str]          # row -> why its grammar allowed no token
     needs_previous_result: bool        # some row's request needs this step before its next one
 
@@ -109,14 +118,19 @@ class Worker:
             token_bitmask=None if masks is None else masks.bitmask, bitmask_rows=() if masks is None else masks.rows,
         )
         sampled = self.sampler(logits.float(), batch)
+        readback = torch.stack((sampled.token_ids, sampled.finite_rows.to(torch.int64)))
         dead_rows = {} if masks is None else dict(zip(masks.dead_rows, masks.dead_reasons))
-        return _InFlight(step.sample_seq_ids, batch, sampled, dead_rows, any(r.needs_previous_result for r in rows))
+        return _InFlight(step.sample_seq_ids, batch, sampled, readback, dead_rows,
+                         any(r.needs_previous_result for r in rows))
 
     @staticmethod
     def _post_process(flight: _InFlight | None) -> list[SampledToken]:
         if flight is None:
             return []
-        token_ids = flight.sampled.token_ids.tolist()
-        logprobs = logprob_dicts(flight.sampled, flight.batch)
-        return [SampledToken(seq_id, token_ids[i], logprobs[i], flight.dead_rows.get(i))
-                for i, seq_id in enumerate(flight.seq_ids)]
+        token_ids, finite = flight.readback.tolist()     # the step's one wait for the device
+        logprobs = logprob_dicts(flight.sampled, flight.batch, token_ids)
+        tokens = []
+        for i, seq_id in enumerate(flight.seq_ids):
+            error = flight.dead_rows.get(i) or (None if finite[i] else NON_FINITE_LOGITS)
+            tokens.append(SampledToken(seq_id, token_ids[i], None if error else logprobs[i], error))
+        return tokens
