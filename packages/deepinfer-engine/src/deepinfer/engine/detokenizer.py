@@ -113,8 +113,8 @@ class StopStringChecker:
     Each stop string runs a Knuth-Morris-Pratt matcher: its border table (one int32 per character)
     and its state, the length of the longest suffix of the text so far that is a proper prefix of
     it. The held-back text is the longest such suffix over all stop strings. Memory is linear in
-    the total stop length (plus the text itself); each delta costs time linear in its length per
-    stop string, with the search for a stop string's first character left to `str.find`.
+    the total stop length (plus the text itself); each delta costs amortised time linear in its
+    length per stop string, mostly spent in `str.find` / `str.startswith`.
 
     Args:
         stop: the stop strings (non-empty str).
@@ -153,10 +153,12 @@ class StopStringChecker:
             self._streamed.append(delta)
             return StopUpdate(delta, None)
         best: tuple[int, int, str] | None = None    # (end in delta, -len, stop) of the earliest match
-        states = []
-        for stop, border, state in zip(self._stop, self._borders, self._states):
-            state, end = _advance(stop, border, state, delta, stop_at_match=allow_stop)
-            states.append(state)
+        states = list(self._states)
+        for index, stop in enumerate(self._stop):
+            if states[index] == 0 and stop[0] not in delta:
+                continue                             # the common case, decided without a call
+            states[index], end = _advance(stop, self._borders[index], states[index], delta,
+                                          stop_at_match=allow_stop)
             if end >= 0:
                 key = (end, -len(stop), stop)
                 best = key if best is None or key < best else best
@@ -169,8 +171,9 @@ class StopStringChecker:
             self._streamed.append(released)
             return StopUpdate(released, stop)
         self._states = states
-        self._held.append(delta)
-        self._num_held += len(delta)
+        if delta:
+            self._held.append(delta)
+            self._num_held += len(delta)
         released = self._take_held(self._num_held - max(states))
         self._streamed.append(released)
         return StopUpdate(released, None)
@@ -221,7 +224,9 @@ def _advance(stop: str, border: array, state: int, text: str, *, stop_at_match: 
 
     Returns (state after, end): end = the index in `text` just past the first completed occurrence
     when `stop_at_match` (the state is then len(stop)), else -1; without `stop_at_match` completed
-    occurrences are passed over and the state falls back to the longest proper border."""
+    occurrences are passed over and the state falls back to the longest proper border. Runs of
+    matching characters are compared by `str.startswith` (`_match_len`), so a long stop string is
+    not walked character by character in Python."""
     size = len(stop)
     first = stop[0]
     i = 0
@@ -230,16 +235,37 @@ def _advance(stop: str, border: array, state: int, text: str, *, stop_at_match: 
             i = text.find(first, i)
             if i < 0:
                 return 0, -1
-            state = 1
+            state, i = 1, i + 1
         else:
-            char = text[i]
-            while state and stop[state] != char:
+            run = _match_len(text, i, stop, state, min(len(text) - i, size - state))
+            if run == 0:                     # text[i] does not continue the match: fall back
                 state = border[state - 1]
-            if stop[state] == char:
-                state += 1
-        i += 1
+                continue
+            state, i = state + run, i + run
         if state == size:
             if stop_at_match:
                 return state, i
             state = border[size - 1]
     return state, -1
+
+
+def _match_len(text: str, start: int, stop: str, offset: int, limit: int) -> int:
+    """The largest k <= limit (>= 1) with text[start:start + k] == stop[offset:offset + k]: doubling,
+    then halving, the compared length; time linear in k (comparisons are C `str.startswith`)."""
+    if text[start] != stop[offset]:
+        return 0
+    good = probe = 1                         # text matches for `good` chars, not for `probe` (> good)
+    while good < limit:
+        probe = min(2 * good, limit)
+        if not text.startswith(stop[offset + good:offset + probe], start + good):
+            break
+        good = probe
+    else:
+        return good
+    while probe - good > 1:
+        middle = (good + probe) // 2
+        if text.startswith(stop[offset + good:offset + middle], start + good):
+            good = middle
+        else:
+            probe = middle
+    return good
