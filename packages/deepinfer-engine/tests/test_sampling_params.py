@@ -5,7 +5,16 @@ import dataclasses
 import numpy as np
 import pytest
 
-from deepinfer.engine.sampling_params import InvalidSamplingParams, SamplingParams
+from deepinfer.engine.sampling_params import (
+    GREEDY_TEMPERATURE,
+    MAX_STOP_STRING_LEN,
+    MAX_STOP_STRINGS,
+    MAX_STOP_TOKEN_IDS,
+    MAX_TEMPERATURE,
+    MIN_PROBABILITY_CUT,
+    InvalidSamplingParams,
+    SamplingParams,
+)
 
 
 def test_defaults() -> None:
@@ -44,6 +53,21 @@ def test_valid_edges_are_accepted() -> None:
     SamplingParams(max_tokens=1, min_tokens=1)
     SamplingParams(seed=0, logprobs=0)
     SamplingParams(seed=2**64 - 1, logprobs=20)
+    SamplingParams(temperature=1e4, top_p=1e-20, min_p=1e-20)
+    SamplingParams(temperature=1e-300)                   # below 1e-5: greedy, never divided by
+    SamplingParams(max_tokens=2**31 - 1, min_tokens=2**31 - 1, top_k=2**31 - 1)
+    SamplingParams(stop=["x" * MAX_STOP_STRING_LEN] * MAX_STOP_STRINGS,
+                   stop_token_ids=[2**31 - 1] * MAX_STOP_TOKEN_IDS)
+
+
+def test_float_bounds_are_normal_nonzero_float32_values() -> None:
+    """The sampler rounds temperature, top_p and min_p to float32: every allowed value stays a
+    normal, finite float32, and the smallest temperature cannot overflow the logits it divides."""
+    tiny = np.finfo(np.float32).tiny
+    for value in (GREEDY_TEMPERATURE, MAX_TEMPERATURE, MIN_PROBABILITY_CUT):
+        assert tiny <= np.float32(value) < np.finfo(np.float32).max
+    # top_p / min_p times a probability >= 2**-31 (1 / vocab) stays normal.
+    assert np.float32(MIN_PROBABILITY_CUT) * np.float32(2.0**-31) >= tiny
 
 
 @pytest.mark.parametrize(
@@ -74,6 +98,23 @@ def test_valid_edges_are_accepted() -> None:
         ({"logprobs": 21}, r"logprobs=21 must be None or in \[0, 20\]"),
         ({"logprobs": -1}, r"logprobs=-1 must be None or in \[0, 20\]"),
         ({"include_stop_str_in_output": None}, r"include_stop_str_in_output=None must be a bool"),
+        ({"temperature": 1e39}, r"temperature=1e\+39 must be >= 0 and <= 10000 \(0, or anything below 1e-05"),
+        ({"temperature": 10000.5}, r"temperature=10000.5 must be >= 0 and <= 10000"),
+        ({"temperature": float("inf")}, r"temperature=inf must be finite"),
+        ({"top_p": 1e-46}, r"top_p=1e-46 must be in \(0, 1\], and >= 1e-20 \(a smaller cut is 0 or a denormal"),
+        ({"top_p": 9e-21}, r"top_p=9e-21 must be in \(0, 1\], and >= 1e-20"),
+        ({"top_p": float("nan")}, r"top_p=nan must be finite"),
+        ({"min_p": 1e-40}, r"min_p=1e-40 must be in \[0, 1\], and 0 or >= 1e-20"),
+        ({"min_p": float("-inf")}, r"min_p=-inf must be finite"),
+        ({"top_k": 2**31}, r"top_k=2147483648 must be -1 or 0 \(off\) or >= 1 \(at most 2147483647\)"),
+        ({"max_tokens": 2**31}, r"max_tokens=2147483648 must be >= 1 \(or None = until max_model_len\) and "
+                                r"<= 2147483647"),
+        ({"max_tokens": None, "min_tokens": 2**31}, r"min_tokens=2147483648 must be >= 0 and <= 2147483647"),
+        ({"stop": ["s"] * 65}, r"stop has 65 strings: at most 64 are allowed"),
+        ({"stop": ["ok", "a" * 200_000]}, r"stop\[1\] has 200000 characters: at most 1024 are allowed"),
+        ({"stop": "a" * 1025}, r"stop\[0\] has 1025 characters: at most 1024 are allowed"),
+        ({"stop_token_ids": list(range(1025))}, r"stop_token_ids has 1025 ids: at most 1024 are allowed"),
+        ({"stop_token_ids": [2**31]}, r"stop_token_ids\[0\]=2147483648 must be an int >= 0 and <= 2147483647"),
     ],
 )
 def test_invalid_values_name_field_and_range(kwargs: dict, message: str) -> None:
