@@ -6,9 +6,14 @@ from collections.abc import Sequence
 import pytest
 import torch
 
-from deepinfer.engine.sampler import Sampler, logprob_dicts
+from deepinfer.engine.sampler import MAX_LOGIT_MAGNITUDE, Sampler, logprob_dicts
 from deepinfer.engine.sampling_batch import InvalidSamplingBatch, RequestRng, SamplingBatch, build_sampling_batch
-from deepinfer.engine.sampling_params import SamplingParams
+from deepinfer.engine.sampling_params import (
+    GREEDY_TEMPERATURE,
+    MAX_TEMPERATURE,
+    MIN_PROBABILITY_CUT,
+    SamplingParams,
+)
 
 EOS = 2
 
@@ -286,3 +291,63 @@ def test_a_row_without_cuts_is_not_cut_by_its_neighbours_top_k(device: str) -> N
     draws = torch.stack([sampler(logits, batch).token_ids for _ in range(40)]).cpu()
     assert set(draws[:, 0].tolist()) <= {0, 1}
     assert len(set(draws[:, 1].tolist())) > 10
+
+
+def test_rows_with_non_finite_logits_are_flagged_and_the_others_sampled() -> None:
+    nan, inf = float("nan"), float("inf")
+    logits = torch.tensor([
+        [0.0, 1.0, 9.0, 3.0],            # fine
+        [0.0, nan, 9.0, 3.0],            # NaN
+        [0.0, 1.0, inf, 3.0],            # +inf
+        [-inf, -inf, -inf, -inf],        # nothing finite
+        [-inf, 5.0, -inf, 4.0],          # some -inf: fine (a model may mask tokens itself)
+        [2e33, 0.0, 0.0, 0.0],           # divided by a temperature of 1e-5 it could overflow float32
+        [-2e33, -2e33, -2e33, -2e33],    # ... and these underflow to -inf
+        [0.0, 1.0, -inf, 9.0],           # fine
+    ])
+    params = [SamplingParams(temperature=0.0), SamplingParams(), SamplingParams(temperature=0.0),
+              SamplingParams(seed=3), SamplingParams(top_k=1), SamplingParams(temperature=0.0),
+              SamplingParams(top_p=0.5), SamplingParams(top_k=1, seed=5)]
+    out = Sampler(seed=0)(logits, make_batch(params, 4))
+    assert out.finite_rows.tolist() == [True, False, False, False, True, False, False, True]
+    tokens = out.token_ids.tolist()
+    assert (tokens[0], tokens[4], tokens[7]) == (2, 1, 3)
+    assert all(0 <= t < 4 for t in tokens)          # flagged rows still give an id in range
+
+
+def test_largest_allowed_logits_sample_at_the_smallest_temperature() -> None:
+    # |logsumexp| up to MAX_LOGIT_MAGNITUDE divided by float32(1e-5) stays finite: no NaN, no flag.
+    big = MAX_LOGIT_MAGNITUDE
+    logits = torch.tensor([[big, 0.0, -big, 0.0], [-big] * 4, [0.0, -big, 1.0, 0.5]])
+    assert torch.isfinite(logits / torch.tensor(GREEDY_TEMPERATURE, dtype=torch.float32)).all()
+    params = [SamplingParams(temperature=GREEDY_TEMPERATURE)] * 3
+    out = Sampler(seed=0)(logits, make_batch(params, 4))
+    assert out.finite_rows.tolist() == [True, True, True]
+    assert out.token_ids[0].item() == 0 and out.token_ids[2].item() == 2
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "expected"),
+    [
+        ({"top_p": MIN_PROBABILITY_CUT}, {3}),                       # only the best allowed token
+        ({"temperature": GREEDY_TEMPERATURE}, {3}),
+        ({"temperature": MAX_TEMPERATURE}, {0, 1, 3, 4}),             # near uniform over the allowed
+        ({"temperature": 5.0, "min_p": MIN_PROBABILITY_CUT}, {0, 1, 3, 4}),
+    ],
+)
+def test_extreme_allowed_params_never_sample_a_banned_token(kwargs: dict, expected: set[int]) -> None:
+    # EOS (the best token) is banned below min_tokens: a cut rounded to 0 would keep nothing and the
+    # race would fall back to token 0, bypassing the ban and the ranking alike.
+    logits = torch.tensor([[-5.0, 1.0, 9.0, 8.0, 7.0]] * 500)
+    params = SamplingParams(min_tokens=1, **kwargs)
+    assert set(Sampler(seed=2)(logits, make_batch([params] * 500, 5)).token_ids.tolist()) == expected
+
+
+def test_logprob_dicts_reads_nothing_when_no_row_asked() -> None:
+    batch = make_batch([SamplingParams(), SamplingParams(temperature=0.0)], 5)
+    out = Sampler(seed=0)(torch.zeros(2, 5), batch)
+    assert logprob_dicts(out, batch) == [None, None]
+    with_logprobs = make_batch([SamplingParams(logprobs=1), SamplingParams(temperature=0.0)], 5)
+    out = Sampler(seed=0)(torch.tensor([[0.0, 1.0, 0.0, 0.0, 0.0]] * 2), with_logprobs)
+    dicts = logprob_dicts(out, with_logprobs, token_ids=[4, 1])    # the caller's host copy is used
+    assert dicts[0] is not None and set(dicts[0]) == {4, 1} and dicts[1] is None
