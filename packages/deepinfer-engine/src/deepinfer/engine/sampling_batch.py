@@ -58,10 +58,10 @@ class SamplingBatch:
     vocab_size: int
     greedy_rows: Tensor          # [num_greedy] int64, row indices into the logits
     random_rows: Tensor          # [num_random] int64, row indices into the logits
-    temperature: Tensor          # [num_random] float32 > 0
+    temperature: Tensor          # [num_random] float32 in [1e-5, 1e4] (SamplingParams' bounds: normal floats)
     top_k: Tensor                # [num_random] int64 in [1, vocab_size]; vocab_size = off
-    top_p: Tensor                # [num_random] float32 in (0, 1]
-    min_p: Tensor                # [num_random] float32 in [0, 1]
+    top_p: Tensor                # [num_random] float32 in [1e-20, 1]
+    min_p: Tensor                # [num_random] float32, 0 or in [1e-20, 1]
     rngs: tuple[RequestRng | None, ...]   # [num_random]; None = the sampler's shared generator
     unseeded_positions: Tensor   # [num_unseeded] int64, positions in random_rows whose rng is None
     banned_rows: Tensor          # [num_banned] int64 row index, pairs with banned_token_ids
