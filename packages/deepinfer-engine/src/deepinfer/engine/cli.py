@@ -1,122 +1,295 @@
-"""The `deepinfer` command: `deepinfer generate` and `deepinfer bench`."""
+"""The `deepinfer` command: `deepinfer generate`, `deepinfer bench` and `deepinfer --version`.
+
+The engine flags of both subcommands are made from `EngineArgs` (names, help and defaults: see
+`dataclass_flags`); a flag left out is not passed, so `LLM` (generate) and `LLMEngine` (bench) apply
+their own defaults. Exit status: 0 on success; 2 on a usage error (the message names the flag); 1
+when the engine cannot be built or loaded, with one line `deepinfer: error: ...` and no traceback.
+"""
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import inspect
 import json
-import random
 import sys
-import time
 from collections.abc import Sequence
+from importlib.metadata import PackageNotFoundError, version
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
-from .engine_args import EngineArgs
-from .llm import LLM
-from .llm_engine import LLMEngine
-from .sampling_params import SamplingParams
+from .bench import BenchWorkload, InvalidBenchArgs, run_bench
+from .dataclass_flags import add_dataclass_flags, dataclass_kwargs, flag_name
+from .engine_args import DTYPES, EXPERT_DTYPES, EngineArgs, InvalidEngineArgs, allowed_values
+from .sampling_params import InvalidSamplingParams, SamplingParams, StructuredOutput
 
+if TYPE_CHECKING:
+    from .llm_engine import LLMEngine
+    from .outputs import CompletionOutput
+    from .tokenizer import Tokenizer
 
-def _engine_options(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", default=None, help="model folder (default: the embedded tiny model)")
-    parser.add_argument("--device", default="cpu")
-    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
-    parser.add_argument("--max-model-len", type=int, default=None)
-    parser.add_argument("--max-num-seqs", type=int, default=64)
-    parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--block-size", type=int, default=None, help="tokens per KV block")
-    parser.add_argument("--kv-cache-memory-mb", type=float, default=256.0, help="cache budget (CPU)")
-    parser.add_argument("--gpu-memory-utilization", type=float, default=None,
-                        help="on CUDA: weights + cache take this fraction of the GPU")
-    parser.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
-    parser.add_argument("--expert-dtype", default=None, choices=["fp8", "fp4"],
-                        help="keep the routed experts in FP8 (block-scaled) or MXFP4")
+__all__ = ["DISTRIBUTIONS", "build_parser", "main", "run_bench", "version_text"]
 
-
-def _args(ns: argparse.Namespace) -> dict:
-    return dict(model=ns.model, device=ns.device, dtype=ns.dtype, max_model_len=ns.max_model_len,
-                max_num_seqs=ns.max_num_seqs, max_num_batched_tokens=ns.max_num_batched_tokens, seed=ns.seed,
-                block_size=ns.block_size, kv_cache_memory_mb=ns.kv_cache_memory_mb,
-                gpu_memory_utilization=ns.gpu_memory_utilization, enforce_eager=ns.enforce_eager,
-                expert_dtype=ns.expert_dtype)
+DISTRIBUTIONS = ("deepinfer-engine", "deepinfer-kernels", "deepinfer-model", "deepinfer-cache", "deepinfer-sched",
+                 "deepinfer-spec", "deepinfer-eplb")
+# What building or loading an engine raises for a bad folder, config, weight file, environment
+# variable or device: InvalidEngineArgs, ConfigError, WeightError, InvalidEnvVar and
+# TokenizerLoadError are ValueErrors; a CUDA failure is a RuntimeError.
+LOAD_ERRORS = (ValueError, OSError, RuntimeError)
+# generate's sampling flags -> SamplingParams fields; defaults are SamplingParams' own except these.
+SAMPLING_FLAGS = {"max_tokens": "--max-tokens", "temperature": "--temperature", "top_p": "--top-p",
+                  "top_k": "--top-k", "min_p": "--min-p", "seed": "--sample-seed", "stop": "--stop",
+                  "logprobs": "--logprobs"}
+GENERATE_DEFAULTS = {"max_tokens": 64, "temperature": 0.0}
+STRUCTURED_FLAGS = {"json": "--json-schema", "regex": "--regex", "choice": "--choice"}
 
 
-def _generate(ns: argparse.Namespace) -> int:
-    llm = LLM(**_args(ns))
-    params = SamplingParams(temperature=ns.temperature, top_p=ns.top_p, top_k=ns.top_k, max_tokens=ns.max_tokens,
-                            seed=ns.sample_seed)
-    for out in llm.generate(ns.prompts, params, use_tqdm=False):
-        completion = out.outputs[0]
-        print(f"{out.prompt}{completion.text}")
-        print(f"[{len(completion.token_ids)} tokens, finish_reason={completion.finish_reason}]", file=sys.stderr)
-    return 0
+class _LoadError(Exception):
+    """Building the engine failed; main() prints the message on one line and exits 1."""
 
 
-def run_bench(engine: LLMEngine, num_prompts: int, input_len: int, output_len: int, seed: int) -> dict:
-    """Synthetic workload: random-token prompts, fixed output length (EOS ignored).
-
-    Returns throughput (output tokens/s and total tokens/s), mean TTFT and mean TPOT in ms.
-    """
-    rng = random.Random(seed)
-    vocab = engine.model.cfg.vocab_size
-    params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
-    started, first, done, counts = {}, {}, {}, {}
-    t0 = time.perf_counter()
-    for _ in range(num_prompts):
-        rid = engine.add_request(None, [rng.randrange(vocab) for _ in range(input_len)], params)
-        started[rid] = time.perf_counter()
-    while engine.has_unfinished_requests():
-        outputs = engine.step()
-        now = time.perf_counter()
-        for out in outputs:
-            n = len(out.outputs[0].token_ids)
-            if n and out.request_id not in first:
-                first[out.request_id] = now
-            counts[out.request_id] = n
-            if out.finished:
-                done[out.request_id] = now
-    elapsed = time.perf_counter() - t0
-    out_tokens = sum(counts.values())
-    ttft = [first[r] - started[r] for r in first]
-    tpot = [(done[r] - first[r]) / (counts[r] - 1) for r in done if counts.get(r, 0) > 1]
-    return {
-        "num_prompts": num_prompts, "input_len": input_len, "output_len": output_len,
-        "elapsed_s": round(elapsed, 4), "output_tokens_per_s": round(out_tokens / elapsed, 2),
-        "total_tokens_per_s": round((out_tokens + num_prompts * input_len) / elapsed, 2),
-        "mean_ttft_ms": round(1000 * sum(ttft) / max(len(ttft), 1), 3),
-        "mean_tpot_ms": round(1000 * sum(tpot) / max(len(tpot), 1), 3),
-    }
+def version_text() -> str:
+    """'deepinfer-engine X (kernels Y, model Z, ...)': the installed version of every distribution."""
+    versions = []
+    for name in DISTRIBUTIONS:
+        try:
+            versions.append(version(name))
+        except PackageNotFoundError:
+            versions.append("not installed")
+    others = ", ".join(f"{name.removeprefix('deepinfer-')} {v}" for name, v in zip(DISTRIBUTIONS[1:], versions[1:]))
+    return f"{DISTRIBUTIONS[0]} {versions[0]} ({others})"
 
 
-def _bench(ns: argparse.Namespace) -> int:
-    engine = LLMEngine(EngineArgs(**_args(ns)))
-    result = run_bench(engine, ns.num_prompts, ns.input_len, ns.output_len, ns.seed)
-    result.update(device=ns.device, dtype=ns.dtype, model=str(engine.model_dir))
-    print(json.dumps(result, indent=2))
-    return 0
+def build_parser() -> argparse.ArgumentParser:
+    """The `deepinfer` argument parser (subcommands generate and bench)."""
+    parser = argparse.ArgumentParser(prog="deepinfer", description="DeepInfer: DeepSeek-V4 inference engine")
+    parser.add_argument("--version", action="version", version=version_text())
+    sub = parser.add_subparsers(dest="command", required=True)
+    gen = sub.add_parser("generate", help="generate text for one or more prompts",
+                         description="Generate text for each prompt with an LLM; prints prompt + output on "
+                                     "stdout, token count and finish reason on stderr.")
+    gen.add_argument("prompts", nargs="+")
+    _sampling_flags(gen)
+    _engine_flags(gen, defaults=_llm_defaults())
+    gen.set_defaults(run=_generate, parser=gen)
+    bench = sub.add_parser("bench", help="throughput, TTFT, TPOT and ITL on a synthetic workload",
+                           description="Random-token prompts through an LLMEngine; prints the metrics as JSON.")
+    _bench_flags(bench)
+    _engine_flags(bench)
+    bench.set_defaults(run=_bench, parser=bench)
+    return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="deepinfer", description="DeepInfer: DeepSeek-V4 inference engine")
-    sub = parser.add_subparsers(dest="command", required=True)
-    gen = sub.add_parser("generate", help="generate text for one or more prompts")
-    gen.add_argument("prompts", nargs="+")
-    gen.add_argument("--max-tokens", type=int, default=64)
-    gen.add_argument("--temperature", type=float, default=0.0)
-    gen.add_argument("--top-p", type=float, default=1.0)
-    gen.add_argument("--top-k", type=int, default=-1)
-    gen.add_argument("--sample-seed", type=int, default=None)
-    _engine_options(gen)
-    bench = sub.add_parser("bench", help="throughput, TTFT and TPOT on a synthetic workload")
-    bench.add_argument("--num-prompts", type=int, default=16)
-    bench.add_argument("--input-len", type=int, default=64)
-    bench.add_argument("--output-len", type=int, default=32)
-    _engine_options(bench)
-    ns = parser.parse_args(argv)
+    """Run the command line `argv` (default: sys.argv[1:]); returns the exit status."""
+    parser = build_parser()
     try:
-        return _generate(ns) if ns.command == "generate" else _bench(ns)
-    except (ValueError, OSError) as err:
-        print(f"deepinfer: error: {err}", file=sys.stderr)
-        return 2
+        ns = parser.parse_args(argv)
+        return ns.run(ns, ns.parser)
+    except SystemExit as exit_:           # argparse's usage errors (2), --help and --version (0)
+        return exit_.code if isinstance(exit_.code, int) else 1
+    except _LoadError as error:
+        print(f"deepinfer: error: {error}", file=sys.stderr)
+        return 1
+
+
+# ---------------------------------------------------------------------------------------- flags
+
+def _engine_flags(parser: argparse.ArgumentParser, defaults: dict[str, Any] | None = None) -> None:
+    group = parser.add_argument_group("engine arguments (EngineArgs)")
+    add_dataclass_flags(group, EngineArgs, choices={"dtype": tuple(DTYPES), "expert_dtype": EXPERT_DTYPES},
+                        allowed=allowed_values, defaults=defaults)
+
+
+def _llm_defaults() -> dict[str, Any]:
+    """EngineArgs fields to which `LLM(...)` gives a default of its own (shown in generate's help)."""
+    names = {field.name for field in dataclasses.fields(EngineArgs)}
+    from .llm import LLM
+
+    return {name: p.default for name, p in inspect.signature(LLM.__init__).parameters.items()
+            if name in names and p.default is not inspect.Parameter.empty}
+
+
+def _sampling_flags(parser: argparse.ArgumentParser) -> None:
+    defaults = {f.name: f.default for f in dataclasses.fields(SamplingParams)} | GENERATE_DEFAULTS
+    group = parser.add_argument_group("sampling (SamplingParams)")
+    specs: dict[str, tuple[Any, str]] = {
+        "max_tokens": (int, "output tokens per prompt, >= 1"),
+        "temperature": (float, ">= 0; 0 = greedy"),
+        "top_p": (float, "keep the most likely tokens whose probability sums to top_p, in (0, 1]"),
+        "top_k": (int, "keep the top_k most likely tokens; -1 or 0 = off"),
+        "min_p": (float, "drop tokens less likely than min_p × the top token's probability, in [0, 1]"),
+        "seed": (int, "the request's own generator seed, in [0, 2**64 - 1]; unset = the engine's (--seed)"),
+        "logprobs": (int, "print the logprob of each output token and of its N most likely alternatives, "
+                          "N in [0, 20]"),
+    }
+    for name, (kind, text) in specs.items():
+        group.add_argument(SAMPLING_FLAGS[name], dest=name, type=kind, default=argparse.SUPPRESS,
+                           metavar="N" if kind is int else "X", help=f"{text} [default: {defaults[name]}]")
+    group.add_argument("--stop", dest="stop", action="append", default=argparse.SUPPRESS, metavar="TEXT",
+                       help="stop string (repeatable): the output ends at the first one, which is cut from it")
+    structured = parser.add_argument_group("structured output (one of)").add_mutually_exclusive_group()
+    structured.add_argument("--json-schema", dest="json", metavar="SCHEMA", default=None,
+                            help="the output is JSON valid against this schema: JSON text, or @FILE to read it")
+    structured.add_argument("--regex", dest="regex", metavar="REGEX", default=None,
+                            help="the whole output matches this regular expression")
+    structured.add_argument("--choice", dest="choice", action="append", metavar="TEXT", default=None,
+                            help="the output is exactly one of the given strings (repeat the flag)")
+
+
+def _bench_flags(parser: argparse.ArgumentParser) -> None:
+    defaults = {f.name: f.default for f in dataclasses.fields(BenchWorkload)}
+    group = parser.add_argument_group("workload")
+    group.add_argument("--num-prompts", type=int, default=16, metavar="N", help="timed requests [default: 16]")
+    group.add_argument("--input-len", type=int, default=64, metavar="N", help="prompt tokens per request "
+                       "(random ids) [default: 64]")
+    group.add_argument("--output-len", type=int, default=32, metavar="N", help="output tokens per request "
+                       "(EOS ignored) [default: 32]")
+    group.add_argument("--num-warmup", type=int, default=defaults["num_warmup"], metavar="N",
+                       help=f"requests run and discarded before timing [default: {defaults['num_warmup']}]")
+    group.add_argument("--request-rate", type=float, default=defaults["request_rate"], metavar="R",
+                       help="mean arrivals per second (Poisson, seeded by --seed); inf = all at once "
+                            f"[default: {defaults['request_rate']}]")
+    group.add_argument("--max-concurrency", type=int, default=defaults["max_concurrency"], metavar="C",
+                       help="most requests in the engine at once [default: no limit]")
+    group.add_argument("--output-json", metavar="FILE", default=None, help="also write the result to FILE")
+
+
+# ---------------------------------------------------------------------------------------- generate
+
+def _generate(ns: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    params = _sampling_params(ns, parser)
+    engine_kwargs, args = _engine_args(ns, parser)
+    from .llm import LLM
+
+    llm = _build(lambda: LLM(**engine_kwargs), args)
+    try:
+        outputs = llm.generate(ns.prompts, params, use_tqdm=False)
+    except LOAD_ERRORS as error:
+        raise _LoadError(_one_line(error)) from None
+    for out in outputs:
+        completion = out.outputs[0]
+        prompt = out.prompt if out.prompt is not None else ""
+        print(f"{prompt}{completion.text}")
+        if completion.logprobs is not None:
+            _print_logprobs(completion, llm.engine.tokenizer)
+        print(f"[{len(completion.token_ids)} tokens, {_finish_text(completion)}]", file=sys.stderr)
+    return 0
+
+
+def _sampling_params(ns: argparse.Namespace, parser: argparse.ArgumentParser) -> SamplingParams:
+    given = {name: getattr(ns, name) for name in SAMPLING_FLAGS if hasattr(ns, name)}
+    values = GENERATE_DEFAULTS | given
+    for name, value in values.items():            # one at a time, so that an error names its flag
+        try:
+            SamplingParams(**{name: value})
+        except InvalidSamplingParams as error:
+            parser.error(f"argument {SAMPLING_FLAGS[name]}: {error}")
+    structured = None
+    kind = next((k for k in STRUCTURED_FLAGS if getattr(ns, k) is not None), None)
+    if kind is not None:
+        value = getattr(ns, kind)
+        if kind == "json" and value.startswith("@"):
+            try:
+                value = Path(value[1:]).read_text()
+            except OSError as error:
+                parser.error(f"argument --json-schema: cannot read {value[1:]!r}: {error.strerror or error}")
+        try:
+            structured = StructuredOutput(**{kind: value})
+        except InvalidSamplingParams as error:
+            parser.error(f"argument {STRUCTURED_FLAGS[kind]}: {error}")
+    try:
+        return SamplingParams(**values, structured=structured)
+    except InvalidSamplingParams as error:
+        parser.error(str(error))
+
+
+def _finish_text(completion: CompletionOutput) -> str:
+    text = f"finish_reason={completion.finish_reason}"
+    if completion.ignored_reason is not None:
+        return f"{text}: {completion.ignored_reason}"
+    if completion.error_reason is not None:
+        return f"{text}: {completion.error_reason}"
+    if completion.stop_reason is not None:
+        return f"{text}, stop_reason={completion.stop_reason!r}"
+    return text
+
+
+def _print_logprobs(completion: CompletionOutput, tokenizer: Tokenizer | None) -> None:
+    def show(token_id: int) -> str:
+        if tokenizer is None:
+            return str(token_id)
+        return repr(tokenizer.decode([token_id], skip_special_tokens=False))
+
+    for position, (token_id, logprobs) in enumerate(zip(completion.token_ids, completion.logprobs or [])):
+        ranked = sorted(logprobs.items(), key=lambda item: (-item[1], item[0]))
+        alternatives = ", ".join(f"{show(t)} {lp:.4f}" for t, lp in ranked)
+        print(f"  logprob[{position}] {show(token_id)} {logprobs[token_id]:.4f} | {alternatives}")
+
+
+# ---------------------------------------------------------------------------------------- bench
+
+def _bench(ns: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    engine_kwargs, args = _engine_args(ns, parser)
+    try:
+        workload = BenchWorkload(ns.num_prompts, ns.input_len, ns.output_len, args.seed, ns.num_warmup,
+                                 ns.request_rate, ns.max_concurrency)
+    except InvalidBenchArgs as error:
+        parser.error(f"argument {'/'.join(map(flag_name, error.fields))}: {error}")
+    if ns.output_json is not None and not Path(ns.output_json).parent.is_dir():
+        parser.error(f"argument --output-json: folder {str(Path(ns.output_json).parent)!r} does not exist")
+    from .llm_engine import LLMEngine
+
+    engine = _build(lambda: LLMEngine(args), args)
+    try:
+        workload.check_fits(engine.max_model_len)
+    except InvalidBenchArgs as error:
+        parser.error(f"argument {'/'.join(map(flag_name, error.fields))}: {error} (see --max-model-len)")
+    result = run_bench(engine, workload.num_prompts, workload.input_len, workload.output_len, workload.seed,
+                       num_warmup=workload.num_warmup, request_rate=workload.request_rate,
+                       max_concurrency=workload.max_concurrency, progress=True)
+    result.update(device=args.device, dtype=args.dtype, model=str(engine.model_dir))
+    text = json.dumps(result, indent=2, allow_nan=False)
+    print(text)
+    if ns.output_json is not None:
+        try:
+            Path(ns.output_json).write_text(text + "\n")
+        except OSError as error:
+            raise _LoadError(f"cannot write --output-json {ns.output_json!r}: {error.strerror or error}") from None
+    return 0
+
+
+# ---------------------------------------------------------------------------------------- engine
+
+def _engine_args(ns: argparse.Namespace, parser: argparse.ArgumentParser) -> tuple[dict[str, Any], EngineArgs]:
+    """The engine flags given (to pass on) and the EngineArgs they make (validated: a bad value is a
+    usage error naming its flag)."""
+    kwargs = dataclass_kwargs(ns, EngineArgs)
+    try:
+        return kwargs, EngineArgs(**kwargs)
+    except InvalidEngineArgs as error:
+        where = f"argument {flag_name(error.field)}: " if error.field else ""
+        parser.error(f"{where}{error}")
+
+
+def _build(make: Any, args: EngineArgs) -> Any:
+    """Build an LLM / LLMEngine with `make()`, print its load line; load failures become _LoadError."""
+    import torch
+
+    if torch.device(args.device).type == "cuda" and not torch.cuda.is_available():
+        raise _LoadError(f"device={args.device!r} needs CUDA, which this torch ({torch.__version__}) cannot use")
+    try:
+        built = make()
+    except LOAD_ERRORS as error:
+        raise _LoadError(_one_line(error)) from None
+    engine: LLMEngine = getattr(built, "engine", built)
+    print(f"loaded {engine.model_dir} in {engine.load_seconds:.2f} s, {engine.weight_bytes / 2**20:.1f} MiB of "
+          "weights", file=sys.stderr)
+    return built
+
+
+def _one_line(error: BaseException) -> str:
+    return " ".join(str(error).split()) or type(error).__name__
 
 
 if __name__ == "__main__":

@@ -95,7 +95,7 @@ VARIABLES: tuple[EnvVar, ...] = (
     EnvVar("disable_sync_guard", "bool", "a bool",
            "turn off the guard that forbids host-device synchronisation inside the overlapped step loop "
            "(debugging)", lambda v: True,
-           missing_feature="ZOS (zero-overhead scheduling) and its sync guard"),
+           missing_feature="the sync guard of ZOS (zero-overhead scheduling)"),
     EnvVar("batch_invariant", "bool", "a bool",
            "batch-invariant kernels: a request's outputs do not depend on the other requests of its batch",
            lambda v: True),
