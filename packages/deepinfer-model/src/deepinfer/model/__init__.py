@@ -1,6 +1,7 @@
 """deepinfer.model — the DeepSeek-V4 model runtime.
 
-Config (`DeepseekV4Config`), safetensors loading with FP8 / MXFP4 dequantisation (`load_model`),
+Config (`DeepseekV4Config`), safetensors loading tensor by tensor with FP8 / MXFP4 dequantisation and
+name / shape / dtype / finiteness checks (`load_model`),
 the model over a packed variable-length batch (`DeepseekV4ForCausalLM`, `ForwardBatch`) and its cache
 (`CacheSpec` declares paged streams and per-sequence state; `ModelCache` holds the tensor views), and
 the embedded default: a tiny V4 trained on Python source, shipped inside this package
@@ -14,7 +15,7 @@ from .cache import CacheSpec, ModelCache, PagedStreamSpec, StateSpec
 from .config import ConfigError, DeepseekV4Config, QuantConfig
 from .embedded import embedded_model_dir
 from .model import DeepseekV4ForCausalLM
-from .weights import LoadedWeights, WeightError, load_model, load_weights
+from .weights import WeightError, load_model
 
 __version__ = _version("deepinfer-model")
 __all__ = [
@@ -23,7 +24,6 @@ __all__ = [
     "DeepseekV4Config",
     "DeepseekV4ForCausalLM",
     "ForwardBatch",
-    "LoadedWeights",
     "ModelCache",
     "PagedStreamSpec",
     "QuantConfig",
@@ -31,5 +31,4 @@ __all__ = [
     "WeightError",
     "embedded_model_dir",
     "load_model",
-    "load_weights",
 ]

@@ -9,14 +9,15 @@ and unsupported values raise `ConfigError` naming the key; nothing from the fold
 from __future__ import annotations
 
 import json
-import math
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
 from deepinfer.kernels.reference import YarnScaling
 
-SLIDING, CSA, HCA = "sliding", "csa", "hca"
+from .config_checks import CSA, HCA, SLIDING, ConfigError, integer, number, validate
+
+__all__ = ["CSA", "HCA", "SLIDING", "ConfigError", "DeepseekV4Config", "QuantConfig"]
 _HF_LAYER_TYPES = {
     "sliding_attention": SLIDING,
     "compressed_sparse_attention": CSA,
@@ -37,10 +38,6 @@ _IGNORED_KEYS = frozenset({
     "compress_ratios", "compress_rates", "mlp_layer_types", "num_hash_layers", "qk_rope_head_dim",
     "partial_rotary_factor", "intermediate_size", "num_local_experts",
 })
-
-
-class ConfigError(ValueError):
-    """An unsupported or inconsistent config value; the message names the key."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -99,7 +96,7 @@ class DeepseekV4Config:
     extra: dict[str, Any] = field(default_factory=dict, compare=False)
 
     def __post_init__(self) -> None:
-        _validate(self)
+        validate(self)
 
     @property
     def rope_dim(self) -> int:
@@ -112,15 +109,51 @@ class DeepseekV4Config:
 
     @classmethod
     def from_model_dir(cls, model_dir: str | Path) -> DeepseekV4Config:
-        """Read `<model_dir>/config.json` (plain JSON; nothing in the folder is executed)."""
+        """Read `<model_dir>/config.json` (plain JSON; nothing in the folder is executed).
+
+        Raises:
+            ConfigError: the file is missing, unreadable, not UTF-8, not JSON or not a JSON object, or
+                a field is unsupported or out of range; the message starts with the file's path.
+        """
         path = Path(model_dir) / "config.json"
-        if not path.is_file():
-            raise ConfigError(f"{path} does not exist: a model folder needs a config.json")
-        with path.open(encoding="utf-8") as f:
-            return cls.from_dict(json.load(f))
+        raw = read_json_object(path, ConfigError, what="a model folder needs a config.json")
+        try:
+            return cls.from_dict(raw)
+        except ConfigError as err:
+            raise ConfigError(f"{path}: {err}") from None
+
+
+def read_json_object(path: Path, error: type[Exception], *, what: str) -> dict[str, Any]:
+    """The JSON object in `path`; `error` naming the path and the fault otherwise (`what` says why the
+    file is needed, for a missing one)."""
+    if not path.exists():
+        raise error(f"{path} does not exist: {what}")
+    if not path.is_file():
+        raise error(f"{path} is not a regular file")
+    try:
+        text = path.read_bytes().decode("utf-8")
+    except OSError as err:
+        raise error(f"{path}: cannot be read: {err.strerror or err}") from None
+    except UnicodeDecodeError as err:
+        raise error(f"{path}: not UTF-8 text (invalid byte at offset {err.start})") from None
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as err:
+        raise error(f"{path}: not valid JSON: {err.msg} at line {err.lineno} column {err.colno}") from None
+    except RecursionError:
+        raise error(f"{path}: not valid JSON: nested too deeply") from None
+    if not isinstance(data, dict):
+        raise error(f"{path}: must hold a JSON object, got a JSON {_json_kind(data)}")
+    return data
+
+
+def _json_kind(value: Any) -> str:
+    return {list: "array", str: "string", bool: "boolean", type(None): "null"}.get(type(value), "number")
 
 
 def _normalise(raw: dict[str, Any]) -> dict[str, Any]:
+    if not isinstance(raw, dict):
+        raise ConfigError(f"the config must be a JSON object, got {type(raw).__name__}")
     raw = dict(raw)
     model_type = raw.get("model_type", "deepseek_v4")
     if model_type != "deepseek_v4":
@@ -137,145 +170,135 @@ def _normalise(raw: dict[str, Any]) -> dict[str, Any]:
     if raw.get("hidden_act", "silu") != "silu":
         raise ConfigError(f"hidden_act={raw['hidden_act']!r} is not supported (must be 'silu')")
     out: dict[str, Any] = {k: v for k, v in raw.items() if k in own}
-    n = int(raw.get("num_hidden_layers", 43))
+    n = integer(raw.get("num_hidden_layers", 43), "num_hidden_layers")
     out["attention_types"], out["compress_ratios"] = _layer_schedule(raw, n)
     out["num_hash_layers"] = _num_hash_layers(raw, n)
     if "partial_rotary_factor" in raw and "qk_rope_head_dim" not in raw:
-        out["qk_rope_head_dim"] = int(round(raw.get("head_dim", 512) * raw["partial_rotary_factor"]))
-    if "intermediate_size" in raw and "moe_intermediate_size" not in raw:
-        out["moe_intermediate_size"] = raw["intermediate_size"]
+        factor = number(raw["partial_rotary_factor"], "partial_rotary_factor", at_most=1.0)
+        out["qk_rope_head_dim"] = int(round(integer(raw.get("head_dim", 512), "head_dim") * factor))
+    for alias, name in (("intermediate_size", "moe_intermediate_size"), ("num_local_experts", "n_routed_experts")):
+        if alias in raw and name not in raw:
+            out[name] = integer(raw[alias], alias)
     out.update(_rope(raw))
     eos = raw.get("eos_token_id", 1)
-    out["eos_token_id"] = tuple(eos) if isinstance(eos, list | tuple) else (() if eos is None else (int(eos),))
+    out["eos_token_id"] = tuple(eos) if isinstance(eos, list | tuple) else (() if eos is None else (eos,))
     out["quant"] = _quant(raw)
-    for key in ("dspark_target_layer_ids",):
-        if key in out:
-            out[key] = tuple(out[key])
+    if "dspark_target_layer_ids" in out:
+        out["dspark_target_layer_ids"] = tuple(_list(out["dspark_target_layer_ids"], "dspark_target_layer_ids"))
     out["extra"] = {k: v for k, v in raw.items() if k.startswith("dspark_") and k not in own}
     if out["extra"]:
         raise ConfigError(f"unsupported config field(s): {', '.join(sorted(out['extra']))}")
     return out
 
 
+def _list(value: Any, name: str) -> list[Any]:
+    if not isinstance(value, list | tuple):
+        raise ConfigError(f"{name}={value!r} must be a list")
+    return list(value)
+
+
+def _dict(value: Any, name: str) -> dict[str, Any]:
+    if not isinstance(value, dict):
+        raise ConfigError(f"{name}={value!r} must be a JSON object")
+    return value
+
+
 def _layer_schedule(raw: dict[str, Any], n: int) -> tuple[tuple[str, ...], tuple[int, ...]]:
     if "layer_types" in raw and raw["layer_types"] is not None:
         rates = {"compressed_sparse_attention": 4, "heavily_compressed_attention": 128}
-        rates.update(raw.get("compress_rates") or {})
+        rates.update(_dict(raw.get("compress_rates") or {}, "compress_rates"))
         if "compress_rate_csa" in raw:
             rates["compressed_sparse_attention"] = raw["compress_rate_csa"]
         if "compress_rate_hca" in raw:
             rates["heavily_compressed_attention"] = raw["compress_rate_hca"]
+        names = _list(raw["layer_types"], "layer_types")
+        if len(names) < n:
+            raise ConfigError(f"layer_types has {len(names)} entries, num_hidden_layers={n}")
         types, ratios = [], []
-        for i, name in enumerate(list(raw["layer_types"])[:n]):
-            if name not in _HF_LAYER_TYPES:
+        for i, name in enumerate(names[:n]):
+            if not isinstance(name, str) or name not in _HF_LAYER_TYPES:
                 raise ConfigError(f"layer_types[{i}]={name!r} must be one of {sorted(_HF_LAYER_TYPES)}")
             types.append(_HF_LAYER_TYPES[name])
-            ratios.append(0 if name == "sliding_attention" else int(rates[name]))
+            ratios.append(0 if name == "sliding_attention" else integer(rates.get(name), f"compress_rates.{name}"))
         return tuple(types), tuple(ratios)
     if "compress_ratios" in raw:
+        given = _list(raw["compress_ratios"], "compress_ratios")
+        if len(given) < n:
+            raise ConfigError(f"compress_ratios has {len(given)} entries, num_hidden_layers={n}")
         types, ratios = [], []
-        for i, r in enumerate(list(raw["compress_ratios"])[:n]):   # trailing MTP entries are dropped
-            if r not in _OFFICIAL_RATIOS:
+        for i, r in enumerate(given[:n]):   # trailing MTP entries are dropped
+            if isinstance(r, bool) or not isinstance(r, int) or r not in _OFFICIAL_RATIOS:
                 raise ConfigError(f"compress_ratios[{i}]={r!r} must be one of {sorted(_OFFICIAL_RATIOS)}")
             types.append(_OFFICIAL_RATIOS[r])
-            ratios.append(int(r))
+            ratios.append(r)
         return tuple(types), tuple(ratios)
     raise ConfigError("config needs `compress_ratios` (official) or `layer_types` (transformers)")
 
 
 def _num_hash_layers(raw: dict[str, Any], n: int) -> int:
     if raw.get("mlp_layer_types") is not None:
-        kinds = list(raw["mlp_layer_types"])[:n]
+        kinds = _list(raw["mlp_layer_types"], "mlp_layer_types")[:n]
         count = sum(1 for k in kinds if k == "hash_moe")
         if kinds[:count] != ["hash_moe"] * count or any(k not in ("hash_moe", "moe") for k in kinds):
             raise ConfigError("mlp_layer_types must be 'hash_moe' for a leading run of layers, then 'moe'")
         return count
-    return int(raw.get("num_hash_layers", 3))
+    return integer(raw.get("num_hash_layers", 3), "num_hash_layers", 0, n)
 
 
 def _rope(raw: dict[str, Any]) -> dict[str, Any]:
     params = raw.get("rope_parameters")
     if isinstance(params, dict) and isinstance(params.get("compress"), dict):
-        main, comp = params.get("main") or {}, params["compress"]
+        main = _dict(params.get("main") or {}, "rope_parameters.main")
+        comp = params["compress"]
         out: dict[str, Any] = {}
         if "rope_theta" in main:
-            out["rope_theta"] = float(main["rope_theta"])
+            out["rope_theta"] = number(main["rope_theta"], "rope_parameters.main.rope_theta")
         if "rope_theta" in comp:
-            out["compress_rope_theta"] = float(comp["rope_theta"])
-        out["yarn"] = _yarn(comp, raw)
+            out["compress_rope_theta"] = number(comp["rope_theta"], "rope_parameters.compress.rope_theta")
+        out["yarn"] = _yarn(comp, raw, "rope_parameters.compress")
         return out
-    scaling = raw.get("rope_scaling") or (params if isinstance(params, dict) else None)
-    return {"yarn": _yarn(scaling, raw) if scaling else None}
+    if raw.get("rope_scaling"):
+        return {"yarn": _yarn(_dict(raw["rope_scaling"], "rope_scaling"), raw, "rope_scaling")}
+    if params is not None:
+        return {"yarn": _yarn(_dict(params, "rope_parameters"), raw, "rope_parameters")}
+    return {"yarn": None}
 
 
-def _yarn(spec: dict[str, Any] | None, raw: dict[str, Any]) -> YarnScaling | None:
+def _yarn(spec: dict[str, Any], raw: dict[str, Any], where: str) -> YarnScaling | None:
     if not spec:
         return None
     kind = spec.get("rope_type", spec.get("type", "default"))
     if kind == "default":
         return None
     if kind != "yarn":
-        raise ConfigError(f"rope_scaling.type={kind!r} is not supported (only 'yarn' or 'default')")
+        raise ConfigError(f"{where}.type={kind!r} is not supported (only 'yarn' or 'default')")
     attention_factor = spec.get("attention_factor", 1.0)
     if attention_factor not in (None, 1.0):
-        raise ConfigError(f"rope_scaling.attention_factor={attention_factor!r} must be 1.0 for DeepSeek-V4")
-    original = spec.get("original_max_position_embeddings")
-    factor = spec.get("factor")
-    if original is None:
-        raise ConfigError("rope_scaling.original_max_position_embeddings is required for yarn")
-    if factor is None:
-        factor = raw.get("max_position_embeddings", 1048576) / original
-    return YarnScaling(factor=float(factor), original_max_position_embeddings=int(original),
-                       beta_fast=float(spec.get("beta_fast", 32)), beta_slow=float(spec.get("beta_slow", 1)))
+        raise ConfigError(f"{where}.attention_factor={attention_factor!r} must be 1.0 for DeepSeek-V4")
+    if spec.get("original_max_position_embeddings") is None:
+        raise ConfigError(f"{where}.original_max_position_embeddings is required for yarn")
+    original = integer(spec["original_max_position_embeddings"], f"{where}.original_max_position_embeddings")
+    if spec.get("factor") is None:
+        factor = integer(raw.get("max_position_embeddings", 1048576), "max_position_embeddings") / original
+    else:
+        factor = number(spec["factor"], f"{where}.factor")
+    return YarnScaling(factor=factor, original_max_position_embeddings=original,
+                       beta_fast=number(spec.get("beta_fast", 32), f"{where}.beta_fast"),
+                       beta_slow=number(spec.get("beta_slow", 1), f"{where}.beta_slow"))
 
 
 def _quant(raw: dict[str, Any]) -> QuantConfig | None:
     qc = raw.get("quantization_config")
     if not qc:
         return None
+    qc = _dict(qc, "quantization_config")
     method = qc.get("quant_method")
     if method != "fp8":
         raise ConfigError(f"quantization_config.quant_method={method!r} is not supported (only 'fp8')")
     block = qc.get("weight_block_size", [128, 128])
-    if len(block) != 2 or block[0] != block[1]:
+    if not isinstance(block, list | tuple) or len(block) != 2 or block[0] != block[1]:
         raise ConfigError(f"quantization_config.weight_block_size={block!r} must be square, e.g. [128, 128]")
     expert = qc.get("expert_dtype", raw.get("expert_dtype", "fp8"))
     if expert not in ("fp4", "fp8"):
         raise ConfigError(f"expert_dtype={expert!r} must be 'fp4' or 'fp8'")
-    return QuantConfig(fp8_block=int(block[0]), expert_format=expert)
-
-
-def _positive(cfg: DeepseekV4Config, *names: str) -> None:
-    for name in names:
-        value = getattr(cfg, name)
-        if not isinstance(value, int) or value < 1:
-            raise ConfigError(f"{name}={value!r} must be an integer >= 1")
-
-
-def _validate(cfg: DeepseekV4Config) -> None:
-    _positive(cfg, "vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "head_dim",
-              "q_lora_rank", "o_groups", "o_lora_rank", "sliding_window", "index_n_heads", "index_head_dim",
-              "index_topk", "n_routed_experts", "num_experts_per_tok", "moe_intermediate_size", "hc_mult",
-              "hc_sinkhorn_iters")
-    n = cfg.num_hidden_layers
-    if len(cfg.attention_types) != n or len(cfg.compress_ratios) != n:
-        raise ConfigError(f"layer schedule has {len(cfg.attention_types)} entries, num_hidden_layers={n}")
-    for i, (kind, ratio) in enumerate(zip(cfg.attention_types, cfg.compress_ratios)):
-        if kind not in (SLIDING, CSA, HCA) or (kind == SLIDING) != (ratio == 0) or ratio < 0:
-            raise ConfigError(f"layer {i}: attention type {kind!r} with compress ratio {ratio} is inconsistent")
-    if not (0 < cfg.qk_rope_head_dim <= cfg.head_dim and cfg.qk_rope_head_dim % 2 == 0):
-        raise ConfigError(f"qk_rope_head_dim={cfg.qk_rope_head_dim} must be even and in (0, head_dim={cfg.head_dim}]")
-    if cfg.num_attention_heads % cfg.o_groups:
-        raise ConfigError(f"o_groups={cfg.o_groups} must divide num_attention_heads={cfg.num_attention_heads}")
-    if cfg.num_experts_per_tok > cfg.n_routed_experts:
-        raise ConfigError(f"num_experts_per_tok={cfg.num_experts_per_tok} must be <= n_routed_experts")
-    if cfg.n_shared_experts not in (0, 1):
-        raise ConfigError(f"n_shared_experts={cfg.n_shared_experts} must be 0 or 1")
-    if cfg.scoring_func not in ("sqrtsoftplus", "sigmoid", "softmax"):
-        raise ConfigError(f"scoring_func={cfg.scoring_func!r} must be sqrtsoftplus, sigmoid or softmax")
-    if not 0 <= cfg.num_hash_layers <= n:
-        raise ConfigError(f"num_hash_layers={cfg.num_hash_layers} must be in [0, {n}]")
-    if not (cfg.rms_norm_eps > 0 and math.isfinite(cfg.rms_norm_eps)):
-        raise ConfigError(f"rms_norm_eps={cfg.rms_norm_eps} must be > 0")
-    if cfg.tie_word_embeddings:
-        raise ConfigError("tie_word_embeddings=True is not supported for DeepSeek-V4")
+    return QuantConfig(fp8_block=integer(block[0], "quantization_config.weight_block_size"), expert_format=expert)

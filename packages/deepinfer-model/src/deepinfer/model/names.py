@@ -1,16 +1,20 @@
 """Checkpoint key names → the model's parameter names.
 
-Two vocabularies reach us: the official checkpoint's (`layers.3.attn.wq_a.weight`, per-expert
-`layers.3.ffn.experts.17.w1.weight`) and transformers' (`model.layers.3.self_attn.q_a_proj.weight`,
-stacked `model.layers.3.mlp.experts.gate_up_proj`). The model uses the official names, with routed
-experts stacked per layer (`layers.{i}.ffn.experts.w13` = w1 rows then w3 rows, `…experts.w2`).
+Three spellings reach us: the official checkpoint's (`layers.3.attn.wq_a.weight`, per-expert
+`layers.3.ffn.experts.17.w1.weight`), transformers' in-memory names (`model.layers.3.self_attn.
+q_a_proj.weight`, stacked `model.layers.3.mlp.experts.gate_up_proj`), and what transformers'
+`save_pretrained` writes: official names under a `model.` prefix (`model.embed_tokens.weight`,
+`model.hc_head.hc_fn`, `head.weight`, per-expert `model.layers.3.ffn.experts.17.w1.weight`) with
+the attention KV norm as `attn.norm`. The model uses the official names, with routed experts stacked
+per layer (`layers.{i}.ffn.experts.w13` = w1 rows then w3 rows, `…experts.w2`).
 """
 
 from __future__ import annotations
 
 import re
 
-# transformers → official, applied in order to the part after "model." (first match per pattern).
+# transformers → official, applied in order to a key without its "model." prefix. No official key
+# contains any of these patterns, so official keys pass through unchanged.
 _HF_TO_OFFICIAL: tuple[tuple[str, str], ...] = (
     (r"^embed_tokens\.", "embed."),
     (r"^hc_head\.hc_(fn|base|scale)$", r"hc_head_\1"),
@@ -40,17 +44,17 @@ _HF_TO_OFFICIAL: tuple[tuple[str, str], ...] = (
     (r"\.mlp\.shared_experts\.up_proj\.", ".ffn.shared_experts.w3."),
     (r"\.mlp\.shared_experts\.down_proj\.", ".ffn.shared_experts.w2."),
     (r"\.mlp\.", ".ffn."),
+    (r"^(layers\.\d+\.attn)\.norm\.", r"\1.kv_norm."),          # save_pretrained's KV norm
 )
 _EXPERT = re.compile(r"^(layers\.\d+\.ffn\.experts)\.(\d+)\.(w[123])\.(weight|scale)$")
 
 
 def to_official(key: str) -> str:
-    """Map one key (transformers or official) to its official name; official keys pass through."""
+    """Map one key (any of the three spellings) to its official name; official keys pass through."""
+    if key.startswith("model."):
+        key = key[len("model."):]
     if key == "lm_head.weight":
         return "head.weight"
-    if not key.startswith("model."):
-        return key
-    key = key[len("model."):]
     for pattern, repl in _HF_TO_OFFICIAL:
         key = re.sub(pattern, repl, key)
     return key
