@@ -54,8 +54,9 @@ def test_variables_describe_every_field_in_order() -> None:
         ("DEEPINFER_USE_NEXTN_DECODE", "5", "DEEPINFER_USE_NEXTN_DECODE=5 is not supported yet: speculative "
          r"decoding is not implemented \(unset it, or set it to 0\)"),
         ("DEEPINFER_USE_NEXTN_DECODE", "1", "DEEPINFER_USE_NEXTN_DECODE=1 is not supported yet"),
-        ("DEEPINFER_DISABLE_SYNC_GUARD", "true", r"DEEPINFER_DISABLE_SYNC_GUARD=1 is not supported yet: the sync guard of "
-         r"ZOS \(zero-overhead scheduling\) is not implemented \(unset it, or set it to 0\)"),
+        ("DEEPINFER_DISABLE_SYNC_GUARD", "true",
+         r"DEEPINFER_DISABLE_SYNC_GUARD=1 is not supported yet: the sync guard of ZOS \(zero-overhead "
+         r"scheduling\) is not implemented \(unset it, or set it to 0\)"),
     ],
 )
 def test_variables_of_missing_features_are_refused(name: str, raw: str, message: str) -> None:

@@ -90,6 +90,26 @@ class BenchWorkload:
                 f"max_model_len={max_model_len}", "input_len", "output_len")
 
 
+    def requests(self, vocab_size: int) -> BenchRequests:
+        """The prompts and arrival times, drawn from `seed` (warm-up prompts from seed + 1, so that
+        they differ from the timed ones); the same for any num_warmup."""
+        rng = random.Random(self.seed)
+        prompts = [[rng.randrange(vocab_size) for _ in range(self.input_len)] for _ in range(self.num_prompts)]
+        offsets = arrival_offsets(self.num_prompts, self.request_rate, rng)
+        warmup_rng = random.Random(self.seed + 1)
+        warmup = [[warmup_rng.randrange(vocab_size) for _ in range(self.input_len)] for _ in range(self.num_warmup)]
+        return BenchRequests(prompts, warmup, offsets)
+
+
+@dataclass(frozen=True, slots=True)
+class BenchRequests:
+    """A workload's requests: prompt token ids, and seconds from the start at which each timed one arrives."""
+
+    prompts: list[list[int]]
+    warmup_prompts: list[list[int]]
+    arrival_offsets: list[float]
+
+
 @dataclass(frozen=True, slots=True)
 class RequestTrace:
     """What one timed request did: start and token times in seconds (one clock), and how it ended."""
@@ -112,14 +132,10 @@ def run_bench(engine: LLMEngine, num_prompts: int, input_len: int, output_len: i
     """
     workload = BenchWorkload(num_prompts, input_len, output_len, seed, num_warmup, request_rate, max_concurrency)
     workload.check_fits(engine.max_model_len)
-    vocab_size = engine.model.cfg.vocab_size
+    requests = workload.requests(engine.model.cfg.vocab_size)
     params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
-    rng = random.Random(seed)
-    prompts = [[rng.randrange(vocab_size) for _ in range(input_len)] for _ in range(num_prompts)]
-    offsets = arrival_offsets(num_prompts, request_rate, rng)
-    warmup_rng = random.Random(seed + 1)        # warm-up prompts differ from the timed ones
-    _run_to_completion(engine, [[warmup_rng.randrange(vocab_size) for _ in range(input_len)]
-                                for _ in range(num_warmup)], params)
+    _run_to_completion(engine, requests.warmup_prompts, params)
+    prompts, offsets = requests.prompts, requests.arrival_offsets
     with tqdm(total=num_prompts, disable=not progress, desc="bench", unit="req") as bar:
         traces, elapsed = _run_timed(engine, prompts, params, offsets, max_concurrency, bar)
     result: dict[str, Any] = {

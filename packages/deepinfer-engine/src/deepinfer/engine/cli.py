@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import inspect
 import json
 import sys
 from collections.abc import Sequence
@@ -28,7 +27,7 @@ if TYPE_CHECKING:
     from .outputs import CompletionOutput
     from .tokenizer import Tokenizer
 
-__all__ = ["DISTRIBUTIONS", "build_parser", "main", "run_bench", "version_text"]
+__all__ = ["DISTRIBUTIONS", "build_parser", "finish_text", "main", "make_sampling_params", "run_bench", "version_text"]
 
 DISTRIBUTIONS = ("deepinfer-engine", "deepinfer-kernels", "deepinfer-model", "deepinfer-cache", "deepinfer-sched",
                  "deepinfer-spec", "deepinfer-eplb")
@@ -62,7 +61,8 @@ def version_text() -> str:
 
 def build_parser() -> argparse.ArgumentParser:
     """The `deepinfer` argument parser (subcommands generate and bench)."""
-    parser = argparse.ArgumentParser(prog="deepinfer", description="DeepInfer: DeepSeek-V4 inference engine")
+    parser = argparse.ArgumentParser(prog="deepinfer", description="DeepInfer: DeepSeek-V4 inference engine",
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)  # --version unwrapped
     parser.add_argument("--version", action="version", version=version_text())
     sub = parser.add_subparsers(dest="command", required=True)
     gen = sub.add_parser("generate", help="generate text for one or more prompts",
@@ -70,12 +70,13 @@ def build_parser() -> argparse.ArgumentParser:
                                      "stdout, token count and finish reason on stderr.")
     gen.add_argument("prompts", nargs="+")
     _sampling_flags(gen)
-    _engine_flags(gen, defaults=_llm_defaults())
+    _engine_flags(gen, "engine arguments (EngineArgs; a flag left out is not passed, so LLM's own default applies "
+                       "where it has one, see its docstring)")
     gen.set_defaults(run=_generate, parser=gen)
     bench = sub.add_parser("bench", help="throughput, TTFT, TPOT and ITL on a synthetic workload",
                            description="Random-token prompts through an LLMEngine; prints the metrics as JSON.")
     _bench_flags(bench)
-    _engine_flags(bench)
+    _engine_flags(bench, "engine arguments (EngineArgs)")
     bench.set_defaults(run=_bench, parser=bench)
     return parser
 
@@ -95,19 +96,9 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 # ---------------------------------------------------------------------------------------- flags
 
-def _engine_flags(parser: argparse.ArgumentParser, defaults: dict[str, Any] | None = None) -> None:
-    group = parser.add_argument_group("engine arguments (EngineArgs)")
-    add_dataclass_flags(group, EngineArgs, choices={"dtype": tuple(DTYPES), "expert_dtype": EXPERT_DTYPES},
-                        allowed=allowed_values, defaults=defaults)
-
-
-def _llm_defaults() -> dict[str, Any]:
-    """EngineArgs fields to which `LLM(...)` gives a default of its own (shown in generate's help)."""
-    names = {field.name for field in dataclasses.fields(EngineArgs)}
-    from .llm import LLM
-
-    return {name: p.default for name, p in inspect.signature(LLM.__init__).parameters.items()
-            if name in names and p.default is not inspect.Parameter.empty}
+def _engine_flags(parser: argparse.ArgumentParser, title: str) -> None:
+    add_dataclass_flags(parser.add_argument_group(title), EngineArgs, allowed=allowed_values,
+                        choices={"dtype": tuple(DTYPES), "expert_dtype": EXPERT_DTYPES})
 
 
 def _sampling_flags(parser: argparse.ArgumentParser) -> None:
@@ -158,7 +149,7 @@ def _bench_flags(parser: argparse.ArgumentParser) -> None:
 # ---------------------------------------------------------------------------------------- generate
 
 def _generate(ns: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
-    params = _sampling_params(ns, parser)
+    params = make_sampling_params(ns, parser)
     engine_kwargs, args = _engine_args(ns, parser)
     from .llm import LLM
 
@@ -173,11 +164,13 @@ def _generate(ns: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         print(f"{prompt}{completion.text}")
         if completion.logprobs is not None:
             _print_logprobs(completion, llm.engine.tokenizer)
-        print(f"[{len(completion.token_ids)} tokens, {_finish_text(completion)}]", file=sys.stderr)
+        print(f"[{len(completion.token_ids)} tokens, {finish_text(completion)}]", file=sys.stderr)
     return 0
 
 
-def _sampling_params(ns: argparse.Namespace, parser: argparse.ArgumentParser) -> SamplingParams:
+def make_sampling_params(ns: argparse.Namespace, parser: argparse.ArgumentParser) -> SamplingParams:
+    """generate's SamplingParams from its parsed flags; a bad value is a usage error naming its flag
+    (parser.error, exit status 2)."""
     given = {name: getattr(ns, name) for name in SAMPLING_FLAGS if hasattr(ns, name)}
     values = GENERATE_DEFAULTS | given
     for name, value in values.items():            # one at a time, so that an error names its flag
@@ -204,7 +197,8 @@ def _sampling_params(ns: argparse.Namespace, parser: argparse.ArgumentParser) ->
         parser.error(str(error))
 
 
-def _finish_text(completion: CompletionOutput) -> str:
+def finish_text(completion: CompletionOutput) -> str:
+    """'finish_reason=R', with the reason of an ignored or failed request or the stop string / id."""
     text = f"finish_reason={completion.finish_reason}"
     if completion.ignored_reason is not None:
         return f"{text}: {completion.ignored_reason}"

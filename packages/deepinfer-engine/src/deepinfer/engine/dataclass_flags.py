@@ -67,15 +67,12 @@ def add_dataclass_flags(
     *,
     choices: Mapping[str, Sequence[str]] | None = None,
     allowed: Callable[[str], str] | None = None,
-    defaults: Mapping[str, Any] | None = None,
 ) -> None:
     """Add one flag per field of the dataclass `cls` to `parser`.
 
     Args:
         choices: field -> the only strings it takes (argparse checks them).
         allowed: field -> its allowed values in words, appended to the help.
-        defaults: field -> the default to show in the help where it is not the field's own (say, a
-            constructor that passes its own value); the flag itself still defaults to "not given".
     Raises:
         TypeError: a field has a type this helper does not turn into a flag, or no description.
     """
@@ -85,7 +82,7 @@ def add_dataclass_flags(
         name = field.name
         if name not in docs:
             raise TypeError(f"{cls.__name__}.{name} has no entry in the docstring's Attributes: section")
-        default = (defaults or {}).get(name, _field_default(field))
+        default = _field_default(field)
         extra = [allowed(name)] if allowed is not None else []
         help_text = f"{docs[name]} [{'; '.join([*extra, f'default: {show_value(default)}'])}]"
         kwargs: dict[str, Any] = {"dest": name, "default": argparse.SUPPRESS, "help": help_text.replace("%", "%%")}
