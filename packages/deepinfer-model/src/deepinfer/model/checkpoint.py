@@ -111,7 +111,7 @@ def _header(path: Path) -> list[StoredTensor]:
     out = []
     for order, (key, dtype, shape) in enumerate(infos):
         if dtype not in _DTYPES:
-            raise WeightError(f"{key!r} in {path}: dtype {dtype} is not supported (one of {', '.join(_DTYPES)})")
+            raise WeightError(f"{key}: dtype {dtype} is not supported (one of {', '.join(_DTYPES)}) (in {path})")
         out.append(StoredTensor(key, path, _DTYPES[dtype], shape, order))
     return out
 

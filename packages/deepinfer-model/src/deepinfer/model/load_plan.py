@@ -9,6 +9,7 @@ that cannot load fails before a byte of weights is read (`WeightError` naming th
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 from torch import Tensor
@@ -48,9 +49,10 @@ class Placement:
 
 
 def plan_load(stored: dict[str, StoredTensor], expected: dict[str, Tensor], cfg: DeepseekV4Config,
-              expert_dtype: str | None) -> list[Placement]:
+              expert_dtype: str | None, model_dir: Path) -> list[Placement]:
     """Placements in reading order (file, then offset); raises WeightError for any missing,
-    unexpected, duplicate, mis-shaped or mis-typed tensor. `expected`: the model's state dict (meta)."""
+    unexpected, duplicate, mis-shaped or mis-typed tensor. `expected`: the model's state dict (meta);
+    `model_dir`: named in messages about tensors the checkpoint lacks."""
     scale_of = {key: _scale_key(key, stored) for key in stored}
     scales = {s for s in scale_of.values() if s is not None}
     placements, unexpected = [], []
@@ -66,7 +68,7 @@ def plan_load(stored: dict[str, StoredTensor], expected: dict[str, Tensor], cfg:
     if unexpected:
         raise WeightError("unexpected weight(s): " + ", ".join(t.where() for t in unexpected[:5])
                           + (f" and {len(unexpected) - 5} more" if len(unexpected) > 5 else ""))
-    _check_coverage(placements, expected, cfg)
+    _check_coverage(placements, expected, cfg, model_dir)
     block = cfg.quant.fp8_block if cfg.quant else 128
     for p in placements:
         _check(p, expected, cfg, expert_dtype, block)
@@ -113,7 +115,8 @@ def _mode(tensor: StoredTensor, scale: StoredTensor | None, expert_dtype: str | 
     return QUANTISE
 
 
-def _check_coverage(placements: list[Placement], expected: dict[str, Tensor], cfg: DeepseekV4Config) -> None:
+def _check_coverage(placements: list[Placement], expected: dict[str, Tensor], cfg: DeepseekV4Config,
+                    model_dir: Path) -> None:
     """Each parameter filled exactly once (each expert's w1, w3 and w2 too); scales of quantised
     experts are filled with their weights."""
     filled: dict[str, dict[tuple[int | None, int], Placement]] = {}
@@ -132,7 +135,7 @@ def _check_coverage(placements: list[Placement], expected: dict[str, Tensor], cf
         if name.endswith((".experts.w13_scale", ".experts.w2_scale")) or (None, 0) in units:
             continue
         if not name.endswith((".experts.w13", ".experts.w2")):
-            raise WeightError(f"missing weight {name!r} (expected shape {tuple(t.shape)})")
+            raise WeightError(f"missing weight {name!r} (expected shape {tuple(t.shape)}) in {model_dir}")
         prefix = name.rsplit(".", 1)[0]
         parts = (("w1", 0), ("w3", inter)) if name.endswith("w13") else (("w2", 0),)
         for expert in range(cfg.n_routed_experts):
@@ -140,7 +143,7 @@ def _check_coverage(placements: list[Placement], expected: dict[str, Tensor], cf
                 if (expert, row_start) not in units:
                     shape = (cfg.hidden_size, inter) if part == "w2" else (inter, cfg.hidden_size)
                     raise WeightError(f"missing weight '{prefix}.{expert}.{part}.weight' (expected shape {shape}; "
-                                      f"or the stacked {name!r})")
+                                      f"or the stacked {name!r}) in {model_dir}")
 
 
 def _float_shape(p: Placement, expected: dict[str, Tensor], cfg: DeepseekV4Config) -> tuple[int, ...]:

@@ -69,7 +69,7 @@ def load_model(
         raise ValueError(f"dtype={dtype} must be one of {', '.join(map(str, _MODEL_DTYPES))}")
     cfg = cfg or DeepseekV4Config.from_model_dir(model_dir)
     expected = build_model(cfg, device="meta", dtype=dtype, kv_quant=kv_quant, expert_dtype=expert_dtype).state_dict()
-    plan = plan_load(read_headers(model_dir), expected, cfg, expert_dtype)
+    plan = plan_load(read_headers(model_dir), expected, cfg, expert_dtype, Path(model_dir))
     model = build_model(cfg, device=device, dtype=dtype, kv_quant=kv_quant, expert_dtype=expert_dtype)
     with torch.no_grad():
         model.draft_weights = _stream(plan, model.state_dict(), _Context(cfg, expert_dtype, torch.device(device)),
