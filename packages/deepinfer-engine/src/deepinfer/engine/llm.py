@@ -2,14 +2,18 @@
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Sequence
 from typing import Any
 
 from tqdm.auto import tqdm
 
+from deepinfer.sched import EngineType
+
 from .engine_args import EngineArgs
 from .llm_engine import LLMEngine, PromptInput
 from .outputs import RequestOutput
+from .request import Request
 from .sampling_params import SamplingParams
 
 
@@ -20,11 +24,18 @@ class LLM:
         model: model folder; None = the embedded default model.
         device: "cpu" or "cuda[:N]".
         dtype: "float32", "bfloat16" or "float16".
-        **engine_args: any other `EngineArgs` field (max_model_len, max_num_seqs, ...).
+        **engine_args: any other `EngineArgs` field (max_model_len, max_num_seqs, ...). Unlike
+            `LLMEngine`, whose caller can retry, `LLM` recomputes preempted requests by default
+            (stop_preempted_request=False) so that every prompt gets its full output.
+
+    `generate` calls from several threads run one at a time.
     """
 
     def __init__(self, model: str | None = None, device: str = "cpu", dtype: str = "float32", **engine_args: Any):
+        if engine_args.get("engine_type", EngineType.NORMAL) is not EngineType.COMPLETION:
+            engine_args.setdefault("stop_preempted_request", False)
         self.engine = LLMEngine(EngineArgs(model=model, device=device, dtype=dtype, **engine_args))
+        self._lock = threading.Lock()
 
     def generate(
         self,
@@ -40,8 +51,10 @@ class LLM:
                 None = SamplingParams() (16 tokens, temperature 1).
             use_tqdm: show a progress bar over finished requests.
         Raises:
-            ValueError: a list of sampling params of the wrong length, or a malformed prompt (checked
-                for every prompt before any is queued).
+            ValueError: a list of sampling params of the wrong length, or a bad prompt or request
+                (every prompt is checked before any is queued: nothing runs then).
+        On any exception (KeyboardInterrupt included) the requests of this call still running are
+        aborted, so none of them runs inside a later call.
         """
         items = [prompts] if isinstance(prompts, str | dict) else list(prompts)
         if sampling_params is None or isinstance(sampling_params, SamplingParams):
@@ -50,19 +63,36 @@ class LLM:
             params = list(sampling_params)
             if len(params) != len(items):
                 raise ValueError(f"len(sampling_params)={len(params)} must equal len(prompts)={len(items)}")
-        for i, item in enumerate(items):
-            if not isinstance(item, str | dict):
-                raise ValueError(f"prompts[{i}] must be a str or a {{'prompt_token_ids': [...]}} dict")
-            self.engine.tokenize_prompt(item)
-        ids = [self.engine.add_request(None, item, p) for item, p in zip(items, params)]
-        order = {rid: i for i, rid in enumerate(ids)}
-        results: list[RequestOutput | None] = [None] * len(ids)
-        with tqdm(total=len(ids), disable=not use_tqdm, desc="generate", unit="req") as bar:
-            while any(r is None for r in results):
-                if not self.engine.has_unfinished_requests():
-                    raise RuntimeError("the engine went idle before every request finished")
-                for out in self.engine.step():
-                    if out.finished and out.request_id in order:
-                        results[order[out.request_id]] = out
-                        bar.update(1)
+        with self._lock:
+            requests = []
+            for i, (item, p) in enumerate(zip(items, params)):
+                if not isinstance(item, str | dict):
+                    raise ValueError(f"prompts[{i}] must be a str or a {{'prompt_token_ids': [...]}} dict")
+                try:
+                    requests.append(self.engine.prepare_request(None, item, p))
+                except ValueError as err:
+                    err.args = (f"prompts[{i}]: {err}", *err.args[1:])   # same type, says which prompt
+                    raise
+            return self._run(requests, use_tqdm)
+
+    def _run(self, requests: list[Request], use_tqdm: bool) -> list[RequestOutput]:
+        order = {req.request_id: i for i, req in enumerate(requests)}
+        results: list[RequestOutput | None] = [None] * len(requests)
+        try:
+            for req in requests:
+                self.engine.enqueue(req)
+            with tqdm(total=len(requests), disable=not use_tqdm, desc="generate", unit="req") as bar:
+                while any(r is None for r in results):
+                    if not self.engine.has_unfinished_requests():
+                        raise RuntimeError("the engine went idle before every request finished")
+                    for out in self.engine.step():
+                        if out.finished and out.request_id in order:
+                            results[order[out.request_id]] = out
+                            bar.update(1)
+        except BaseException:
+            for req, result in zip(requests, results):
+                if result is None:
+                    self.engine.abort_request(req.request_id)
+            self.engine.step()           # report (and forget) the aborted requests here, not later
+            raise
         return [r for r in results if r is not None]

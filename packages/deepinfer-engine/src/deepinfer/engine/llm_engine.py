@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import threading
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -14,7 +15,15 @@ import torch
 
 from deepinfer.cache import BlockManager
 from deepinfer.model import ConfigError, DeepseekV4Config, WeightError, load_model
-from deepinfer.sched import EngineType, FinishReason, Scheduler, SchedulerConfig, StepKind, StepVoteGroup
+from deepinfer.sched import (
+    EngineType,
+    FinishReason,
+    Scheduler,
+    SchedulerConfig,
+    SchedulerOutput,
+    StepKind,
+    StepVoteGroup,
+)
 
 from .engine_args import EngineArgs, InvalidEngineArgs
 from .env import EngineEnv, read_env
@@ -26,13 +35,15 @@ from .request import Request
 from .sampler import Sampler
 from .sampling_params import SamplingParams
 from .tokenizer import Tokenizer, load_tokenizer, require_tokenizer
-from .worker import RowParams, Worker
+from .worker import RowParams, SampledToken, Worker
 
 logger = logging.getLogger(__name__)
 PromptInput = str | dict[str, Any]
 # What the scheduler is told when a request ends (it only frees the sequence's blocks and slot).
 _SCHED_REASON = {FINISH_LENGTH: FinishReason.LENGTH, FINISH_ABORT: FinishReason.ABORT,
                  FINISH_PREEMPTED: FinishReason.PREEMPTED, FINISH_ERROR: FinishReason.ABORT}
+
+MAX_REQUEST_ID_LEN = 256
 
 # With nothing to run but requests waiting for their grammar, `step()` waits this long for a compile.
 IDLE_GRAMMAR_WAIT_S = 0.05
@@ -51,6 +62,15 @@ def resolve_model_dir(model: str | None) -> Path:
     if not path.is_dir():
         raise InvalidEngineArgs(f"model={model!r} is not a folder (expected config.json + model.safetensors)")
     return path
+
+
+def _checked_request_id(request_id: object) -> str:
+    if not isinstance(request_id, str) or not request_id or len(request_id) > MAX_REQUEST_ID_LEN:
+        raise ValueError(f"request_id={request_id!r} must be a non-empty str of at most {MAX_REQUEST_ID_LEN} "
+                         "characters")
+    if request_id.startswith("_"):
+        raise ValueError(f"request_id={request_id!r} must not start with '_' (reserved for fork branches)")
+    return request_id
 
 
 class LLMEngine:
@@ -104,8 +124,11 @@ class LLMEngine:
             max_blocks_per_seq=sched_cfg.max_blocks_per_seq, max_model_len=sched_cfg.max_blocks_per_seq * block_size,
             graph_interval=self.env.cudagraph_batch_size_interval,
         )
+        self._sched_cfg, self._vote_group = sched_cfg, vote_group
         self.scheduler = Scheduler(sched_cfg, BlockManager(self.runner.plan.num_kv_blocks), state_slots,
                                    vote_group=vote_group)
+        # One caller at a time: add_request / abort_request / step / has_unfinished_requests take it.
+        self._lock = threading.RLock()
         self.worker = Worker(self.runner, Sampler(seed=args.seed, force_top_k=self.env.sampler_force_topk),
                              self.eos_token_ids, cfg.vocab_size)
         self._requests: dict[str, Request] = {}
@@ -139,14 +162,28 @@ class LLMEngine:
         """Queue a request; returns its id (a fresh one when request_id is None).
 
         Args:
+            request_id: a non-empty str of at most MAX_REQUEST_ID_LEN characters, not starting with
+                "_" (reserved for fork branches); None = the engine numbers it.
             prompt: text (needs a tokenizer), `{"prompt_token_ids": [...]}` (optionally with
                 "prompt"), or a list of token ids.
         Raises:
-            ValueError: duplicate id, text without a tokenizer, token ids outside the vocabulary, or a
-                COMPLETION engine (it only takes requests handed over by a PROMPT engine).
+            ValueError: a bad or duplicate id, text without a tokenizer, token ids outside the
+                vocabulary, or a COMPLETION engine (it only takes requests handed over by a PROMPT
+                engine). A refused request leaves nothing behind.
             StructuredOutputUnavailable: params.structured without xgrammar, a tokenizer or an EOS id.
             An empty prompt or one longer than max_model_len is not an error: the request finishes
             as "ignored" with its reason at the next step; so does a grammar that fails to compile.
+        """
+        with self._lock:
+            req = self.prepare_request(request_id, prompt, params)
+            self.enqueue(req)
+            return req.request_id
+
+    def prepare_request(self, request_id: str | None, prompt: PromptInput | Sequence[int],
+                        params: SamplingParams | None = None) -> Request:
+        """Check a request and build its state without queueing it (`add_request` = this + `enqueue`).
+
+        Raises: as `add_request`; nothing is registered either way.
         """
         if self.args.engine_type is EngineType.COMPLETION:
             raise ValueError("a COMPLETION engine only decodes requests prefilled by a PROMPT engine; the KV "
@@ -154,9 +191,10 @@ class LLMEngine:
         params = params or SamplingParams()
         if not isinstance(params, SamplingParams):
             raise TypeError(f"params must be SamplingParams, got {type(params).__name__}")
-        request_id = str(next(self._ids)) if request_id is None else str(request_id)
-        if request_id in self._requests:
-            raise ValueError(f"request_id={request_id!r} is already in use")
+        with self._lock:
+            request_id = str(next(self._ids)) if request_id is None else _checked_request_id(request_id)
+            if request_id in self._requests:
+                raise ValueError(f"request_id={request_id!r} is already in use")
         text, token_ids = self.tokenize_prompt(prompt)
         vocab = self.model.cfg.vocab_size
         bad = [t for t in token_ids if not 0 <= t < vocab]
@@ -164,16 +202,31 @@ class LLMEngine:
             raise ValueError(f"prompt_token_ids contain {bad[:3]}: ids must be in [0, {vocab})")
         if params.stop and self.tokenizer is None:
             raise ValueError("SamplingParams.stop needs a tokenizer; this model folder has no tokenizer.json")
-        grammars = self._grammar_pool() if params.structured is not None else None
-        req = Request(request_id, text, token_ids, params, self.tokenizer, eos_token_ids=self.eos_token_ids,
-                      max_model_len=self.max_model_len, device=self.args.device)
-        self._requests[request_id] = req
-        if grammars is not None and params.structured is not None:
-            self._awaiting_grammar[request_id] = req
-            grammars.submit(request_id, params.structured)
-        else:
-            self.scheduler.add_seq(request_id, token_ids, req.max_tokens)
-        return request_id
+        if params.structured is not None:
+            self._grammar_pool()
+        return Request(request_id, text, token_ids, params, self.tokenizer, eos_token_ids=self.eos_token_ids,
+                       max_model_len=self.max_model_len, device=self.args.device)
+
+    def enqueue(self, req: Request) -> None:
+        """Queue a request made by `prepare_request`.
+
+        Raises:
+            ValueError: its id is in use by now; nothing is registered then.
+        """
+        with self._lock:
+            if req.request_id in self._requests:
+                raise ValueError(f"request_id={req.request_id!r} is already in use")
+            self._requests[req.request_id] = req
+            try:
+                if req.params.structured is not None:
+                    self._awaiting_grammar[req.request_id] = req
+                    self._grammar_pool().submit(req.request_id, req.params.structured)
+                else:
+                    self.scheduler.add_seq(req.request_id, req.prompt_token_ids, req.max_tokens)
+            except BaseException:
+                self._requests.pop(req.request_id, None)
+                self._awaiting_grammar.pop(req.request_id, None)
+                raise
 
     def _grammar_pool(self) -> GrammarCompilePool:
         if self.grammars is None:
@@ -197,7 +250,8 @@ class LLMEngine:
                 self._finished_between_steps.append(req)
             else:
                 req.grammar = self.grammars.backend.new_state(done.compiled)
-                self.scheduler.add_seq(req.request_id, req.prompt_token_ids, req.max_tokens)
+                # Never recomputed (DESIGN.md §4): a preemption finishes it.
+                self.scheduler.add_seq(req.request_id, req.prompt_token_ids, req.max_tokens, recomputable=False)
 
     def tokenize_prompt(self, prompt: PromptInput | Sequence[int]) -> tuple[str | None, list[int]]:
         """(prompt text or None, prompt token ids) of a prompt in any accepted form.
@@ -212,6 +266,8 @@ class LLMEngine:
                 raise ValueError("a dict prompt needs 'prompt_token_ids' (a list of ints)")
             ids = prompt["prompt_token_ids"]
             text = prompt.get("prompt")
+            if text is not None and not isinstance(text, str):
+                raise ValueError(f"a dict prompt's 'prompt' must be a str, got {type(text).__name__}")
         else:
             ids, text = prompt, None
         if isinstance(ids, str | bytes) or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
@@ -220,38 +276,83 @@ class LLMEngine:
 
     def abort_request(self, request_id: str) -> None:
         """Abort a queued or running request; it finishes with reason "abort" (unknown ids are ignored)."""
-        req = self._requests.get(request_id)
-        if req is None or req.finished:
-            return
-        if self._awaiting_grammar.pop(request_id, None) is None:
-            self.scheduler.abort_seq(request_id)
-        req.abort()
-        self._finished_between_steps.append(req)
+        with self._lock:
+            req = self._requests.get(request_id)
+            if req is None or req.finished:
+                return
+            if self._awaiting_grammar.pop(request_id, None) is None:
+                self._forget_seq(request_id)
+            req.abort()
+            self._finished_between_steps.append(req)
 
     def has_unfinished_requests(self) -> bool:
-        return any(not r.finished for r in self._requests.values()) or self.scheduler.has_unfinished()
+        with self._lock:
+            return any(not r.finished for r in self._requests.values()) or self.scheduler.has_unfinished()
+
+    def _forget_seq(self, seq_id: str) -> None:
+        """Tell the scheduler a sequence ends (frees its blocks and slot); one it already forgot is fine."""
+        try:
+            self.scheduler.abort_seq(seq_id)
+        except KeyError:
+            pass
 
     # ------------------------------------------------------------------ the step
 
     def step(self) -> list[RequestOutput]:
-        """Schedule and run one step; returns the outputs of every request that changed."""
-        if self.grammars is not None and self._awaiting_grammar and not self.scheduler.has_unfinished():
-            self.grammars.wait(IDLE_GRAMMAR_WAIT_S)      # nothing else to run: do not spin
-        out = self.scheduler.schedule()
-        changed: dict[str, Request] = {}
+        """Schedule and run one step; returns the outputs of every request that changed.
+
+        A fault inside the step (an exception from the model, the sampler or the bookkeeping) never
+        escapes: the requests of that step finish with reason "error" (error_reason names the
+        exception), their blocks and slots are freed, and the engine goes on serving the others.
+        """
+        with self._lock:
+            if self.grammars is not None and self._awaiting_grammar and not self.scheduler.has_unfinished():
+                self.grammars.wait(IDLE_GRAMMAR_WAIT_S)      # nothing else to run: do not spin
+            changed: dict[str, Request] = {}
+            try:
+                out = self.scheduler.schedule()
+            except Exception as err:       # the scheduler's state is suspect: every request it held fails
+                self._fail_all_scheduled(err, changed)
+            else:
+                self._run_step(out, changed)
+            for req in self._finished_between_steps:
+                changed[req.request_id] = req
+            self._finished_between_steps.clear()
+            outputs = [r.to_output() for r in changed.values()]
+            for req in changed.values():
+                if req.finished:
+                    del self._requests[req.request_id]
+            return outputs
+
+    def _run_step(self, out: SchedulerOutput, changed: dict[str, Request]) -> None:
         for ignored in out.ignored:
             req = self._requests.get(ignored.seq_id)
             if req is not None and not req.finished:
                 req.ignore(str(ignored.reason.value))
                 changed[req.request_id] = req
+        recomputed = set(out.recomputed_seq_ids)
         for seq_id in out.preempted_seq_ids:
             req = self._requests.get(seq_id)
-            if req is not None and self.args.stop_preempted_request:
+            if req is not None and seq_id not in recomputed:
                 req.preempt()
                 changed[seq_id] = req
-        self.runner.apply_cache_ops(out)
-        step = self.runner.prepare(out)
-        sampled = self.worker.execute_model_step(step, self._row_params)
+        if len(out.preempted_seq_ids) > len(recomputed):
+            logger.warning("KV cache full: %d request(s) finished as 'preempted' (%d queued for recompute); "
+                           "a client may retry them, or build the engine with stop_preempted_request=False "
+                           "to recompute instead", len(out.preempted_seq_ids) - len(recomputed), len(recomputed))
+        step_ids = [chunk.seq_id for chunk in out.prefill] + list(out.decode.seq_ids if out.decode else ())
+        try:
+            self.runner.apply_cache_ops(out)
+            step = self.runner.prepare(out)
+            sampled = self.worker.execute_model_step(step, self._row_params)
+            self._post_process(out, sampled, changed)
+        except Exception as err:
+            logger.exception("step failed; its %d request(s) finish with reason 'error'", len(step_ids))
+            self.worker.discard_in_flight()
+            for seq_id in step_ids:
+                self._fail(seq_id, err, changed)
+
+    def _post_process(self, out: SchedulerOutput, sampled: list[SampledToken], changed: dict[str, Request]) -> None:
         continuing: list[tuple[str, int]] = []
         for token in sampled:
             req = self._requests.get(token.seq_id)
@@ -274,14 +375,27 @@ class LLMEngine:
             self.pe_prepare_save_kvcache(handed)
             self.pe_do_save_kvcache(handed)
             self.send_processed_prompts(out)
-        for req in self._finished_between_steps:
-            changed[req.request_id] = req
-        self._finished_between_steps.clear()
-        outputs = [r.to_output() for r in changed.values()]
-        for req in changed.values():
-            if req.finished:
-                del self._requests[req.request_id]
-        return outputs
+
+    def _fail(self, seq_id: str, err: BaseException, changed: dict[str, Request]) -> None:
+        """Finish one sequence's request as "error" because of `err` and free what it holds."""
+        self._forget_seq(seq_id)
+        req = self._requests.get(seq_id)
+        if req is not None and not req.finished:
+            req.fail(f"engine fault: {type(err).__name__}: {err}")
+            changed[seq_id] = req
+
+    def _fail_all_scheduled(self, err: BaseException, changed: dict[str, Request]) -> None:
+        """A fault inside `schedule()`: fail every request the scheduler held and start a fresh
+        scheduler over empty block managers (requests still compiling their grammar are kept)."""
+        logger.exception("scheduling failed; every scheduled request finishes with reason 'error'")
+        self.worker.discard_in_flight()
+        for request_id, req in list(self._requests.items()):
+            if request_id not in self._awaiting_grammar and not req.finished:
+                req.fail(f"engine fault: {type(err).__name__}: {err}")
+                changed[request_id] = req
+        slots = BlockManager.for_state_slots(self.args.max_num_seqs, self.env.num_state_slots_ratio)
+        self.scheduler = Scheduler(self._sched_cfg, BlockManager(self.runner.plan.num_kv_blocks), slots,
+                                   vote_group=self._vote_group)
 
     def _record_tokens(self, kind: StepKind, continuing: list[tuple[str, int]]) -> None:
         """Hand the scheduler the tokens of sequences that go on (one batched call for decode)."""
@@ -315,7 +429,7 @@ class LLMEngine:
     def pe_do_save_kvcache(self, seq_ids: Sequence[str]) -> None:
         """PROMPT engine: write staged KV out (no-op)."""
 
-    def send_processed_prompts(self, out: Any) -> None:
+    def send_processed_prompts(self, out: SchedulerOutput) -> None:
         """PROMPT engine: hand prefilled sequences to a COMPLETION engine (no-op)."""
 
     def should_copy_state(self, seq_id: str) -> bool:

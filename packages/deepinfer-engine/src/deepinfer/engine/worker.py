@@ -94,6 +94,10 @@ class Worker:
             done.extend(self._post_process(current))
         return done
 
+    def discard_in_flight(self) -> None:
+        """Forget the step kept in flight, unprocessed (after a fault: its requests are failed)."""
+        self._pending = None
+
     def flush(self) -> list[SampledToken]:
         """Post-process the step still in flight (none while ZOS is off)."""
         done = self._post_process(self._pending)
