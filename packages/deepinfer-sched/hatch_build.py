@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import hashlib
 import shutil
+import sys
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -40,6 +41,8 @@ def compile_extensions(root: Path, build_lib: Path, build_temp: Path) -> list[Pa
             [str(package_dir / f"{module}.pyx")],
             define_macros=[("DEEPINFER_SCHED_SOURCE_SHA256", f'"{source_sha256(package_dir, module)}"')],
             extra_compile_args=["-O3"],
+            # CPython's default flags carry -g; debug info would make the .so ~5x larger.
+            extra_link_args=["-Wl,--strip-debug"] if sys.platform.startswith("linux") else [],
         )
         for module in EXTENSIONS
     ]
