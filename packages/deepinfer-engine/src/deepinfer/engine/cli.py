@@ -43,8 +43,9 @@ GENERATE_DEFAULTS = {"max_tokens": 64, "temperature": 0.0}
 STRUCTURED_FLAGS = {"json": "--json-schema", "regex": "--regex", "choice": "--choice"}
 
 
-class _LoadError(Exception):
-    """Building the engine failed; main() prints the message on one line and exits 1."""
+class _CommandError(Exception):
+    """The command failed (not its usage: the engine did not load, a file could not be written, ...);
+    main() prints the message on one line and exits 1."""
 
 
 def version_text() -> str:
@@ -89,7 +90,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return ns.run(ns, ns.parser)
     except SystemExit as exit_:           # argparse's usage errors (2), --help and --version (0)
         return exit_.code if isinstance(exit_.code, int) else 1
-    except _LoadError as error:
+    except _CommandError as error:
         print(f"deepinfer: error: {error}", file=sys.stderr)
         return 1
 
@@ -151,13 +152,14 @@ def _bench_flags(parser: argparse.ArgumentParser) -> None:
 def _generate(ns: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     params = make_sampling_params(ns, parser)
     engine_kwargs, args = _engine_args(ns, parser)
+    from .grammar_backend import StructuredOutputUnavailable
     from .llm import LLM
 
     llm = _build(lambda: LLM(**engine_kwargs), args)
     try:
         outputs = llm.generate(ns.prompts, params, use_tqdm=False)
-    except LOAD_ERRORS as error:
-        raise _LoadError(_one_line(error)) from None
+    except (ValueError, StructuredOutputUnavailable) as error:   # e.g. text prompts but no tokenizer.json
+        raise _CommandError(_one_line(error)) from None
     for out in outputs:
         completion = out.outputs[0]
         prompt = out.prompt if out.prompt is not None else ""
@@ -249,7 +251,7 @@ def _bench(ns: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         try:
             Path(ns.output_json).write_text(text + "\n")
         except OSError as error:
-            raise _LoadError(f"cannot write --output-json {ns.output_json!r}: {error.strerror or error}") from None
+            raise _CommandError(f"cannot write --output-json {ns.output_json!r}: {error.strerror or error}") from None
     return 0
 
 
@@ -267,15 +269,15 @@ def _engine_args(ns: argparse.Namespace, parser: argparse.ArgumentParser) -> tup
 
 
 def _build(make: Any, args: EngineArgs) -> Any:
-    """Build an LLM / LLMEngine with `make()`, print its load line; load failures become _LoadError."""
+    """Build an LLM / LLMEngine with `make()`, print its load line; load failures become _CommandError."""
     import torch
 
     if torch.device(args.device).type == "cuda" and not torch.cuda.is_available():
-        raise _LoadError(f"device={args.device!r} needs CUDA, which this torch ({torch.__version__}) cannot use")
+        raise _CommandError(f"device={args.device!r} needs CUDA, which this torch ({torch.__version__}) cannot use")
     try:
         built = make()
     except LOAD_ERRORS as error:
-        raise _LoadError(_one_line(error)) from None
+        raise _CommandError(_one_line(error)) from None
     engine: LLMEngine = getattr(built, "engine", built)
     print(f"loaded {engine.model_dir} in {engine.load_seconds:.2f} s, {engine.weight_bytes / 2**20:.1f} MiB of "
           "weights", file=sys.stderr)
