@@ -21,6 +21,7 @@ from deepinfer.engine.dataclass_flags import (
     flag_name,
     parse_int_tuple,
 )
+from deepinfer.engine.env import unknown_env_vars
 
 
 def _subparser(name: str) -> argparse.ArgumentParser:
@@ -241,6 +242,8 @@ def test_load_errors_exit_1_with_one_line(capsys: pytest.CaptureFixture[str], tm
 def test_generate_prints_outputs_logprobs_and_finish_reasons(capsys: pytest.CaptureFixture[str],
                                                             caplog: pytest.LogCaptureFixture,
                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    for name in unknown_env_vars():              # the caller's own stray variables would be warned about too
+        monkeypatch.delenv(name)
     monkeypatch.setenv("DEEPINFER_BATCH_INVARANT", "1")
     long_prompt = "x " * 40
     with caplog.at_level(logging.WARNING, logger="deepinfer.engine.env"):
