@@ -127,7 +127,7 @@ def test_cli_generate_prints_text(tiny_text, capsys) -> None:
     assert cli_main(["generate", "def fibonacci(", "--model", str(model_dir), "--max-tokens", "8"]) == 0
     out = capsys.readouterr()
     assert out.out.startswith("def fibonacci(") and "finish_reason=" in out.err
-    assert cli_main(["generate", "x", "--model", str(model_dir / "missing")]) == 2
+    assert cli_main(["generate", "x", "--model", str(model_dir / "missing")]) == 1
     assert cli_main(["generate", "x", "--model", str(model_dir), "--gpu-memory-utilization", "1.5"]) == 2
     assert "gpu_memory_utilization=1.5 must be in (0, 1)" in capsys.readouterr().err
 

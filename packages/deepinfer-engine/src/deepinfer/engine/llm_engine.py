@@ -286,8 +286,11 @@ class LLMEngine:
             self._finished_between_steps.append(req)
 
     def has_unfinished_requests(self) -> bool:
+        """True while a request runs or waits, or a finished one (aborted, say) is not reported yet:
+        `while engine.has_unfinished_requests(): engine.step()` sees every request's last output."""
         with self._lock:
-            return any(not r.finished for r in self._requests.values()) or self.scheduler.has_unfinished()
+            return (bool(self._finished_between_steps) or any(not r.finished for r in self._requests.values())
+                    or self.scheduler.has_unfinished())
 
     def _forget_seq(self, seq_id: str) -> None:
         """Tell the scheduler a sequence ends (frees its blocks and slot); one it already forgot is fine."""
