@@ -3,6 +3,7 @@ from __future__ import annotations
 import functools
 import json
 import random
+import re
 from pathlib import Path
 
 import pytest
@@ -321,6 +322,8 @@ def test_missing_tokenizer_json_gives_none_and_clear_text_prompt_error(tmp_path:
         ({"tokenizer_config": {"eos_token": "<nope>"}}, r"eos_token='<nope>' is not a token"),
         ({"tokenizer_config": {"add_bos_token": "yes"}}, r"add_bos_token='yes' must be true or false"),
         ({"config": {"bos_token_id": [0, 1]}}, r"bos token must be a single id"),
+        ({"tokenizer_config": {"eos_token": 5}}, r"tokenizer_config.json: eos_token=5 must be a token string"),
+        ({"tokenizer_config": {"bos_token": {"special": True}}}, r"bos_token=\{'special': True\} needs a 'content'"),
     ],
 )
 def test_load_tokenizer_rejects_bad_configs(tmp_path: Path, configs: dict, message: str) -> None:
@@ -333,11 +336,43 @@ def test_load_tokenizer_rejects_bad_files(tmp_path: Path) -> None:
     with pytest.raises(TokenizerLoadError, match="is not a directory"):
         load_tokenizer(tmp_path / "missing")
     (tmp_path / "tokenizer.json").write_text("{not json")
-    with pytest.raises(TokenizerLoadError, match="cannot be loaded by the tokenizers library"):
+    with pytest.raises(TokenizerLoadError, match=re.escape(str(tmp_path / "tokenizer.json")) + ": not valid JSON"):
+        load_tokenizer(tmp_path)
+    (tmp_path / "tokenizer.json").write_text('{"version": "1.0"}')
+    with pytest.raises(TokenizerLoadError, match="tokenizer.json: cannot be loaded by the tokenizers library: "):
         load_tokenizer(tmp_path)
     write_model_dir(tmp_path)
     (tmp_path / "config.json").write_text("[1, 2]")
-    with pytest.raises(TokenizerLoadError, match="must hold a JSON object"):
+    with pytest.raises(TokenizerLoadError, match="config.json: must hold a JSON object, got an array"):
+        load_tokenizer(tmp_path)
+
+
+@pytest.mark.parametrize("name", ["tokenizer.json", "tokenizer_config.json", "generation_config.json", "config.json"])
+@pytest.mark.parametrize(
+    ("content", "message"),
+    [
+        (b'{"eos_token_id": 1\xff}', r"not UTF-8 text \(invalid byte at offset 18\)"),
+        (b'{"eos_token_id": 1,}', r"not valid JSON: Expecting property name enclosed in double quotes at line 1 "),
+        (b"", r"not valid JSON: Expecting value at line 1 column 1"),
+        (b'"text"', r"must hold a JSON object, got a string"),
+        (b"[" * 100_000, r"not valid JSON: nested too deeply"),
+    ],
+)
+def test_every_file_it_reads_is_named_with_its_fault(tmp_path: Path, name: str, content: bytes, message: str) -> None:
+    write_model_dir(tmp_path, tokenizer_config={}, generation_config={}, config={})
+    (tmp_path / name).write_bytes(content)
+    with pytest.raises(TokenizerLoadError, match=re.escape(str(tmp_path / name)) + ": " + message):
+        load_tokenizer(tmp_path)
+
+
+def test_a_folder_where_a_file_should_be(tmp_path: Path) -> None:
+    (tmp_path / "tokenizer.json").mkdir()
+    with pytest.raises(TokenizerLoadError, match=r"tokenizer.json: is not a regular file"):
+        load_tokenizer(tmp_path)
+    (tmp_path / "tokenizer.json").rmdir()
+    write_model_dir(tmp_path)
+    (tmp_path / "generation_config.json").mkdir()
+    with pytest.raises(TokenizerLoadError, match=r"generation_config.json: is not a regular file"):
         load_tokenizer(tmp_path)
 
 

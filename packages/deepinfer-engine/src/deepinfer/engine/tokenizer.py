@@ -82,19 +82,22 @@ def load_tokenizer(model_dir: str | Path) -> Tokenizer | None:
     `add_bos_token` sets `add_bos`. Any `auto_map` / custom code in the folder is ignored.
 
     Raises:
-        TokenizerLoadError: model_dir is not a directory, or a file or field is malformed.
+        TokenizerLoadError: model_dir is not a directory, or a file or field is malformed (the message
+            names the file's path and what is wrong with it).
     """
     folder = Path(model_dir)
     if not folder.is_dir():
         raise TokenizerLoadError(f"model_dir={str(model_dir)!r} is not a directory")
     path = folder / "tokenizer.json"
-    if not path.is_file():
+    text = _read_text(path)
+    if text is None:
         return None
     try:
-        backend = tokenizers.Tokenizer.from_file(str(path))
+        backend = tokenizers.Tokenizer.from_str(text)
     except Exception as error:  # the Rust side raises a bare Exception
+        _parse_json(path, text)             # a JSON fault gets the same message as in the other files
         raise TokenizerLoadError(f"{path}: cannot be loaded by the tokenizers library: {error}") from error
-    configs = [(name, _read_json(folder / name)) for name in
+    configs = [(folder / name, _read_json(folder / name)) for name in
                ("generation_config.json", "config.json", "tokenizer_config.json")]
     vocab_size = backend.get_vocab_size(with_added_tokens=True)
     eos = _first_token_ids(configs, "eos", backend, vocab_size)
@@ -104,7 +107,7 @@ def load_tokenizer(model_dir: str | Path) -> Tokenizer | None:
     tokenizer_config = configs[2][1] or {}
     add_bos = tokenizer_config.get("add_bos_token", False)
     if not isinstance(add_bos, bool):
-        raise TokenizerLoadError(f"tokenizer_config.json: add_bos_token={add_bos!r} must be true or false")
+        raise TokenizerLoadError(f"{configs[2][0]}: add_bos_token={add_bos!r} must be true or false")
     return Tokenizer(backend, eos_token_ids=eos, bos_token_id=bos[0] if bos else None, add_bos=add_bos)
 
 
@@ -118,16 +121,37 @@ def require_tokenizer(tokenizer: Tokenizer | None, model_dir: str | Path) -> Tok
     return tokenizer
 
 
-def _read_json(path: Path) -> dict[str, Any] | None:
-    if not path.is_file():
+def _read_text(path: Path) -> str | None:
+    """The UTF-8 text of `path`; None when it does not exist."""
+    if not path.exists():
         return None
+    if not path.is_file():
+        raise TokenizerLoadError(f"{path}: is not a regular file")
     try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
-        raise TokenizerLoadError(f"{path}: not readable JSON: {error}") from error
+        return path.read_bytes().decode("utf-8")
+    except OSError as error:
+        raise TokenizerLoadError(f"{path}: cannot be read: {error.strerror or error}") from error
+    except UnicodeDecodeError as error:
+        raise TokenizerLoadError(f"{path}: not UTF-8 text (invalid byte at offset {error.start})") from None
+
+
+def _parse_json(path: Path, text: str) -> dict[str, Any]:
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as error:
+        raise TokenizerLoadError(f"{path}: not valid JSON: {error.msg} at line {error.lineno} column "
+                                 f"{error.colno}") from None
+    except RecursionError:
+        raise TokenizerLoadError(f"{path}: not valid JSON: nested too deeply") from None
     if not isinstance(data, dict):
-        raise TokenizerLoadError(f"{path}: must hold a JSON object")
+        kind = {list: "an array", str: "a string", bool: "a boolean", type(None): "null"}.get(type(data), "a number")
+        raise TokenizerLoadError(f"{path}: must hold a JSON object, got {kind}")
     return data
+
+
+def _read_json(path: Path) -> dict[str, Any] | None:
+    text = _read_text(path)
+    return None if text is None else _parse_json(path, text)
 
 
 def _is_token_id(value: object, vocab_size: int) -> bool:
@@ -135,7 +159,7 @@ def _is_token_id(value: object, vocab_size: int) -> bool:
 
 
 def _first_token_ids(
-    configs: list[tuple[str, dict[str, Any] | None]],
+    configs: list[tuple[Path, dict[str, Any] | None]],
     kind: str,
     backend: tokenizers.Tokenizer,
     vocab_size: int,
@@ -143,13 +167,17 @@ def _first_token_ids(
     for file_name, config in configs:
         if config is None:
             continue
-        if file_name == "tokenizer_config.json":
+        if file_name.name == "tokenizer_config.json":
             field, value = f"{kind}_token", config.get(f"{kind}_token")
             if isinstance(value, dict):   # serialised AddedToken
-                value = value.get("content")
+                if not isinstance(value.get("content"), str):
+                    raise TokenizerLoadError(f"{file_name}: {field}={value!r} needs a 'content' string")
+                value = value["content"]
             if value is None:
                 continue
-            token_id = backend.token_to_id(value) if isinstance(value, str) else None
+            if not isinstance(value, str):
+                raise TokenizerLoadError(f"{file_name}: {field}={value!r} must be a token string")
+            token_id = backend.token_to_id(value)
             if token_id is None:
                 raise TokenizerLoadError(f"{file_name}: {field}={value!r} is not a token of tokenizer.json")
             return (token_id,)
