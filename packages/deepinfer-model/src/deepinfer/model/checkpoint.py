@@ -3,8 +3,9 @@ shape, file) from the headers alone, and then one tensor at a time from memory-m
 
 `safe_open` maps a file and hands out tensors that view the mapping; the pages a tensor touched
 stay resident (as file-backed RSS) until the file is unmapped. `TensorReader` therefore reopens a
-file once `REMAP_BYTES` have been read through one handle, so a multi-GB shard never becomes
-resident as a whole: what the loader holds is the tensor being placed, not the checkpoint.
+file before a read would take the bytes read through one handle past `REMAP_BYTES`, so a multi-GB
+shard never becomes resident as a whole: what the loader holds is the tensor being placed (or a
+window of small ones), not the checkpoint.
 """
 
 from __future__ import annotations
@@ -126,8 +127,9 @@ class TensorReader:
 
     def read(self, tensor: StoredTensor) -> Tensor:
         """The tensor's data (on CPU, a view of the mapped file: do not write to it)."""
-        if self._read_bytes.get(tensor.path, 0) >= REMAP_BYTES:
-            self._close(tensor.path)
+        already = self._read_bytes.get(tensor.path, 0)
+        if already and already + tensor.nbytes > REMAP_BYTES:
+            self._close(tensor.path)              # at most max(REMAP_BYTES, this tensor) stays mapped
         try:
             handle = self._handles.get(tensor.path)
             if handle is None:

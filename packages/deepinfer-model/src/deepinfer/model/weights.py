@@ -96,28 +96,34 @@ def _stream(plan: list[Placement], state: dict[str, Tensor], ctx: _Context, prog
                     current_file = p.source.path
                     if bar is not None:
                         bar.set_postfix_str(current_file.name, refresh=False)
-                source = reader.read(p.source).to(ctx.device)
-                scale = reader.read(p.scale).to(ctx.device) if p.scale is not None else None
-                if p.mode == DRAFT:
-                    draft[p.target] = _checked(p, _values(p, source, scale, ctx)).cpu().clone()
-                elif p.mode == KEEP:
-                    for expert, (part, part_scale) in _units(p, source, scale):
-                        _keep(p, part, part_scale, state, expert, ctx)
-                elif p.mode == COPY:
-                    _copy(p, source, scale, state, ctx)
-                else:
-                    for expert, (part, part_scale) in _units(p, source, scale):
-                        values = _checked(p, _dequantised(p, part, part_scale, ctx.block))
-                        weight, weight_scale = quantise_expert_matrix(values, ctx.expert_dtype, ctx.block)
-                        _slot(p, state, expert).copy_(weight)
-                        _scale_slot(p, state, expert, ctx).copy_(weight_scale)
-                del source, scale
+                _place(p, reader, state, ctx, draft)
                 if bar is not None:
                     bar.update(p.nbytes)
     finally:
         if bar is not None:
             bar.close()
     return draft
+
+
+def _place(p: Placement, reader: TensorReader, state: dict[str, Tensor], ctx: _Context,
+           draft: dict[str, Tensor]) -> None:
+    """Read one stored tensor (and its scale), check it and put it in place. Its own frame, so that
+    nothing it read outlives it: the mapping of a placed tensor can be dropped."""
+    source = reader.read(p.source).to(ctx.device)
+    scale = reader.read(p.scale).to(ctx.device) if p.scale is not None else None
+    if p.mode == DRAFT:
+        draft[p.target] = _checked(p, _values(p, source, scale, ctx)).cpu().clone()
+    elif p.mode == KEEP:
+        for expert, (part, part_scale) in _units(p, source, scale):
+            _keep(p, part, part_scale, state, expert, ctx)
+    elif p.mode == COPY:
+        _copy(p, source, scale, state, ctx)
+    else:
+        for expert, (part, part_scale) in _units(p, source, scale):
+            values = _checked(p, _dequantised(p, part, part_scale, ctx.block))
+            weight, weight_scale = quantise_expert_matrix(values, ctx.expert_dtype, ctx.block)
+            _slot(p, state, expert).copy_(weight)
+            _scale_slot(p, state, expert, ctx).copy_(weight_scale)
 
 
 def _progress_bar(total_bytes: int, num_files: int) -> Any:
@@ -183,7 +189,7 @@ def _copy(p: Placement, source: Tensor, scale: Tensor | None, state: dict[str, T
     values = _values(p, source, scale, ctx)
     slot.copy_(values)
     if slot.dtype.is_floating_point:
-        if not bool(torch.isfinite(slot).all()):
+        if not _all_finite(slot):
             _checked(p, values)                                   # names NaN / inf in the checkpoint
             raise p.source.error(f"finite in the checkpoint but overflows {slot.dtype}")
     elif p.target.endswith(".gate.tid2eid"):
@@ -193,13 +199,20 @@ def _copy(p: Placement, source: Tensor, scale: Tensor | None, state: dict[str, T
             raise p.source.error(f"expert id {bad} out of range [0, {ctx.cfg.n_routed_experts})")
 
 
+def _all_finite(values: Tensor) -> bool:
+    """One pass, no temporary of the tensor's size: min and max propagate NaN and show ±inf."""
+    if values.numel() == 0:
+        return True
+    low, high = torch.aminmax(values)
+    return bool(torch.isfinite(low) & torch.isfinite(high))
+
+
 def _checked(p: Placement, values: Tensor) -> Tensor:
     """`values` if it is not floating point or all finite; else WeightError naming the tensor."""
-    if values.dtype.is_floating_point:
+    if values.dtype.is_floating_point and not _all_finite(values):
         bad = int((~torch.isfinite(values)).sum())
-        if bad:
-            what = f" (dequantised with {p.scale.key})" if p.scale is not None else ""
-            raise p.source.error(f"{bad} of {values.numel()} value(s) are not finite (NaN or inf){what}")
+        what = f" (dequantised with {p.scale.key})" if p.scale is not None else ""
+        raise p.source.error(f"{bad} of {values.numel()} value(s) are not finite (NaN or inf){what}")
     return values
 
 
