@@ -5,6 +5,8 @@
     nox -s lint          # ruff + import-linter over the workspace
     nox -s build         # sdist + wheel of every package into dist/, checked (twine, tools/release.py)
     nox -s wheels        # install from dist/ alone into fresh venvs: `deepinfer generate`, eplb alone
+                         # (builds dist/ first when it is missing or incomplete; `nox -s build wheels`
+                         # rebuilds it from the current sources in any case)
 
 Venvs are plain `venv` (uv ignores pip's config and would pull a CUDA torch) and are reused
 between runs; torch is pinned to the CPU build that pip finds locally.
