@@ -8,11 +8,11 @@ import threading
 
 import pytest
 
-from deepinfer.engine import EngineArgs, LLMEngine, SamplingParams
+from deepinfer.engine import LLM, EngineArgs, LLMEngine, SamplingParams
 from deepinfer.sched import StepKind
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
-PROMPTS = ([1, 2, 3, 4, 5], [7, 8, 9], [11, 12, 13, 14])
+PROMPTS = ((1, 2, 3, 4, 5), (7, 8, 9), (11, 12, 13, 14))
 
 
 class InjectedFault(RuntimeError):
@@ -165,3 +165,66 @@ def test_engine_calls_from_several_threads_are_serialised(engine, reference) -> 
     for index, tokens in results.items():
         assert tokens == reference[tuple(PROMPTS[index % len(PROMPTS)])]
     assert_clean(engine)
+
+
+@pytest.fixture(scope="module")
+def llm(engine: LLMEngine) -> LLM:
+    return LLM(num_kv_blocks=16, max_num_seqs=4)
+
+
+def test_the_offline_llm_recomputes_by_default(llm) -> None:
+    assert llm.engine.args.stop_preempted_request is False
+    assert LLM(num_kv_blocks=16, stop_preempted_request=True).engine.args.stop_preempted_request is True
+
+
+def test_generate_checks_every_prompt_before_queueing_any(llm) -> None:
+    with pytest.raises(ValueError, match=r"prompts\[1\].*prompt_token_ids"):
+        llm.generate([{"prompt_token_ids": [1, 2]}, {"prompt_token_ids": [1, 10**9]}], GREEDY, use_tqdm=False)
+    assert_clean(llm.engine)
+
+
+def test_generate_interrupted_leaves_no_request_behind(llm, reference, monkeypatch) -> None:
+    calls = []
+    step = llm.engine.step
+
+    def interrupted_step():
+        calls.append(1)
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+        return step()
+
+    monkeypatch.setattr(llm.engine, "step", interrupted_step)
+    with pytest.raises(KeyboardInterrupt):
+        llm.generate([{"prompt_token_ids": list(p)} for p in PROMPTS], GREEDY, use_tqdm=False)
+    monkeypatch.undo()
+    assert_clean(llm.engine)
+    outs = llm.generate([{"prompt_token_ids": list(PROMPTS[0])}], GREEDY, use_tqdm=False)
+    assert outs[0].outputs[0].token_ids == reference[PROMPTS[0]]      # nothing of the old call in it
+
+
+def test_generate_from_several_threads_runs_the_calls_one_at_a_time(llm, reference) -> None:
+    results: dict[int, list] = {}
+
+    def client(index: int) -> None:
+        prompt = PROMPTS[index % len(PROMPTS)]
+        results[index] = llm.generate([{"prompt_token_ids": list(prompt)}], GREEDY, use_tqdm=False)
+
+    threads = [threading.Thread(target=client, args=(i,)) for i in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=120)
+    for index, outs in results.items():
+        assert outs[0].outputs[0].token_ids == reference[PROMPTS[index % len(PROMPTS)]]
+    assert sorted(results) == [0, 1, 2, 3]
+    assert_clean(llm.engine)
+
+
+def test_the_offline_llm_recomputes_while_llm_engine_finishes_preempted_requests_with_a_warning(caplog) -> None:
+    assert EngineArgs().stop_preempted_request is True
+    engine = LLMEngine(EngineArgs(num_kv_blocks=2, block_size=64, max_num_seqs=2))
+    params = SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True)
+    with caplog.at_level("WARNING", logger="deepinfer.engine.llm_engine"):
+        (out,) = run(engine, [[5] * 60], params, max_steps=80)
+    assert out.outputs[0].finish_reason == "preempted"
+    assert any("finished as 'preempted'" in r.getMessage() for r in caplog.records)
