@@ -140,7 +140,7 @@ def _check_install_report(session: nox.Session, report: Path, expected: set[str]
 
 @nox.session(default=False)
 def wheels(session: nox.Session) -> None:
-    """Installs from dist/ alone (building it first unless it is complete and current): deepinfer-engine
+    """Installs from dist/ alone (built first unless complete for the current version): deepinfer-engine
     into a fresh venv that then runs `deepinfer generate` from an unrelated folder, and deepinfer-eplb
     into another, which must hold numpy and nothing else."""
     release = _release_tool()
@@ -165,10 +165,11 @@ def wheels(session: nox.Session) -> None:
         session.log(f"deepinfer generate exited {run.returncode}, printed {run.stdout!r}, stderr {run.stderr[-300:]!r}")
         if run.returncode != 0 or not run.stdout.startswith(prompt) or not run.stdout[len(prompt):].strip():
             session.error("`deepinfer generate` from the installed wheels printed no completion")
-        where = subprocess.run([str(engine_bin / "python"), "-c", "import deepinfer.engine as e; print(e.__file__)"],
-                               cwd=elsewhere, env=env, capture_output=True, text=True, check=True).stdout.strip()
-        if not where.startswith(str(Path(tmp) / "engine-venv")):
-            session.error(f"deepinfer.engine was imported from {where}, not from the fresh venv")
+        probe = "import deepinfer.engine as e; print(e.__version__, e.__file__)"
+        installed, where = subprocess.run([str(engine_bin / "python"), "-c", probe], cwd=elsewhere, env=env,
+                                          capture_output=True, text=True, check=True).stdout.split()
+        if installed != version or not where.startswith(str(Path(tmp) / "engine-venv")):
+            session.error(f"deepinfer.engine {installed} was imported from {where}, not {version} from the fresh venv")
 
         eplb_bin = _fresh_venv(session, Path(tmp) / "eplb-venv")
         report = Path(tmp) / "eplb-install.json"
