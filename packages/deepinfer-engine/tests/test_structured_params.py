@@ -57,3 +57,17 @@ def test_sampling_params_checks_the_structured_field() -> None:
         SamplingParams(structured={"regex": "a"})
     with pytest.raises(InvalidSamplingParams, match=r"ignore_eos=True cannot be combined with structured"):
         SamplingParams(ignore_eos=True, structured=StructuredOutput(regex="a"))
+
+
+def test_structured_sizes_are_capped() -> None:
+    from deepinfer.engine.sampling_params import MAX_CHOICES, MAX_STRUCTURED_CHARS
+    limit = MAX_STRUCTURED_CHARS
+    assert StructuredOutput(regex="a" * limit).regex == "a" * limit
+    for kind, value in (("regex", "a" * (limit + 1)), ("grammar", "r" * (limit + 1)),
+                        ("json", {"description": "x" * limit})):
+        with pytest.raises(InvalidSamplingParams, match=rf"structured\.{kind} is \d+ characters; at most {limit}"):
+            StructuredOutput(**{kind: value})
+    with pytest.raises(InvalidSamplingParams, match=rf"structured\.choice holds {MAX_CHOICES + 1} strings"):
+        StructuredOutput(choice=[str(i) for i in range(MAX_CHOICES + 1)])
+    with pytest.raises(InvalidSamplingParams, match=r"structured\.choice strings hold \d+ characters"):
+        StructuredOutput(choice=["a" * (limit // 2), "b" * (limit // 2 + 1)])

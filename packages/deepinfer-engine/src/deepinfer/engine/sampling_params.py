@@ -26,6 +26,8 @@ MAX_TOKEN_ID = 2**31 - 1        # a stop_token_ids entry
 MAX_STOP_STRINGS = 64
 MAX_STOP_STRING_LEN = 1024      # characters per stop string
 MAX_STOP_TOKEN_IDS = 1024
+MAX_STRUCTURED_CHARS = 2**20   # a schema (compact JSON), regex or grammar; all choices together
+MAX_CHOICES = 4096
 
 
 class InvalidSamplingParams(ValueError):
@@ -50,6 +52,10 @@ class StructuredOutput:
         choice: the output is exactly one of these strings (a non-empty sequence of non-empty str;
             normalised to a tuple).
 
+    Sizes are capped (compiling a grammar costs time and memory in proportion): the compact JSON
+    schema, the regex and the grammar are at most MAX_STRUCTURED_CHARS (2**20) characters each; choice
+    holds at most MAX_CHOICES (4096) strings of at most MAX_STRUCTURED_CHARS characters in all.
+
     Raises:
         InvalidSamplingParams: not exactly one field set, or a field of the wrong type or empty;
             the message names the field (e.g. "structured.json").
@@ -72,6 +78,11 @@ class StructuredOutput:
                 _fail(f"structured.{name}={value!r} must be a non-empty str")
         if self.choice is not None:
             object.__setattr__(self, "choice", _normalise_choice(self.choice))
+        kind = self.kind
+        size = sum(map(len, self.choice)) if kind == "choice" else len(getattr(self, kind))
+        if size > MAX_STRUCTURED_CHARS:
+            what = "strings hold" if kind == "choice" else "is"
+            _fail(f"structured.{kind} {what} {size} characters; at most {MAX_STRUCTURED_CHARS} are allowed")
 
     @property
     def kind(self) -> str:
@@ -276,6 +287,8 @@ def _normalise_choice(choice: object) -> tuple[str, ...]:
     if isinstance(choice, str | bytes) or not isinstance(choice, Sequence) or not choice:
         _fail(f"structured.choice={choice!r} must be a non-empty sequence of str")
     result = tuple(choice)  # type: ignore[arg-type]
+    if len(result) > MAX_CHOICES:
+        _fail(f"structured.choice holds {len(result)} strings; at most {MAX_CHOICES} are allowed")
     for i, item in enumerate(result):
         if not isinstance(item, str) or not item:
             _fail(f"structured.choice[{i}]={item!r} must be a non-empty str")
