@@ -152,10 +152,11 @@ def wheels(session: nox.Session) -> None:
     env = _clean_env()
     with tempfile.TemporaryDirectory(prefix="deepinfer-wheels-") as tmp:
         engine_bin = _fresh_venv(session, Path(tmp) / "engine-venv")
-        session.run(str(engine_bin / "pip"), "install", TORCH, external=True, env=env)
+        # --no-compile: byte-compiling torch's sources takes longer than the rest of the install.
+        session.run(str(engine_bin / "pip"), "install", "--no-compile", TORCH, external=True, env=env)
         report = Path(tmp) / "engine-install.json"
-        session.run(str(engine_bin / "pip"), "install", "--find-links", str(DIST), "--report", str(report),
-                    f"deepinfer-engine=={version}", external=True, env=env)
+        session.run(str(engine_bin / "pip"), "install", "--no-compile", "--find-links", str(DIST), "--report",
+                    str(report), f"deepinfer-engine=={version}", external=True, env=env)
         _check_install_report(session, report, {f"deepinfer-{name}" for name in ("engine", *LOCAL_DEPS["engine"])})
         elsewhere = Path(tmp) / "elsewhere"
         elsewhere.mkdir()
@@ -173,8 +174,8 @@ def wheels(session: nox.Session) -> None:
 
         eplb_bin = _fresh_venv(session, Path(tmp) / "eplb-venv")
         report = Path(tmp) / "eplb-install.json"
-        session.run(str(eplb_bin / "pip"), "install", "--find-links", str(DIST), "--report", str(report),
-                    f"deepinfer-eplb=={version}", external=True, env=env)
+        session.run(str(eplb_bin / "pip"), "install", "--no-compile", "--find-links", str(DIST), "--report",
+                    str(report), f"deepinfer-eplb=={version}", external=True, env=env)
         _check_install_report(session, report, {"deepinfer-eplb"})
         frozen = subprocess.run([str(eplb_bin / "pip"), "freeze"], env=env, capture_output=True, text=True, check=True)
         names = sorted(line.split("==")[0].lower() for line in frozen.stdout.split())
