@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from deepinfer.kernels import KernelSet
 from deepinfer.model import DeepseekV4ForCausalLM, ForwardBatch, ModelCache
 
 
@@ -37,14 +38,16 @@ class DecodeGraphs:
         max_seqs: largest batch; max_blocks: block-table width; max_context_len: the context bound
             every graph gathers compressed entries for (the engine's max_model_len).
         interval: `DEEPINFER_CUDAGRAPH_BATCH_SIZE_INTERVAL`.
+        ops: the kernels the graphs capture (None: the model's default for its device); the runner
+            passes the batch-invariant set under DEEPINFER_BATCH_INVARIANT=1.
     """
 
     def __init__(self, model: DeepseekV4ForCausalLM, cache: ModelCache, *, max_seqs: int, max_blocks: int,
-                 max_context_len: int, interval: int = 8) -> None:
+                 max_context_len: int, interval: int = 8, ops: KernelSet | None = None) -> None:
         device = model.embed.weight.device
         if device.type != "cuda":
             raise ValueError(f"CUDA graphs need a CUDA model, got device {device}")
-        self.model, self.cache = model, cache
+        self.model, self.cache, self.ops = model, cache, ops
         self.sizes = graph_sizes(max_seqs, interval)
         self.max_context_len = max_context_len
         self.token_ids = torch.zeros(max_seqs, dtype=torch.int64, device=device)
@@ -73,11 +76,11 @@ class DecodeGraphs:
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):            # warm up (allocations, lazy inits) off the graph
             for _ in range(2):
-                self.model(batch, self.cache)
+                self.model(batch, self.cache, self.ops)
         torch.cuda.current_stream().wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self.pool):
-            self.outputs[size] = self.model(batch, self.cache)
+            self.outputs[size] = self.model(batch, self.cache, self.ops)
         self.pool = graph.pool()
         self.graphs[size] = graph
 

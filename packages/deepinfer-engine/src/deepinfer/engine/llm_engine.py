@@ -122,7 +122,7 @@ class LLMEngine:
             max_backtracking=self.env.max_backtracking_tokens,
             graph_max_seqs=None if args.enforce_eager else args.max_num_seqs,
             max_blocks_per_seq=sched_cfg.max_blocks_per_seq, max_model_len=sched_cfg.max_blocks_per_seq * block_size,
-            graph_interval=self.env.cudagraph_batch_size_interval,
+            graph_interval=self.env.cudagraph_batch_size_interval, batch_invariant=self.env.batch_invariant,
         )
         self._sched_cfg, self._vote_group = sched_cfg, vote_group
         self.scheduler = Scheduler(sched_cfg, BlockManager(self.runner.plan.num_kv_blocks), state_slots,

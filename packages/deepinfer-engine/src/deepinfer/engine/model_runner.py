@@ -10,6 +10,7 @@ import torch
 from torch import Tensor
 
 from deepinfer.cache import PagedStream, StateRegion, plan_paged_layout, plan_state_layout
+from deepinfer.kernels import kernels_for
 from deepinfer.model import DeepseekV4ForCausalLM, ForwardBatch, ModelCache
 from deepinfer.sched import SchedulerOutput, StepKind
 
@@ -56,6 +57,8 @@ class ModelRunner:
         graph_max_seqs: capture decode CUDA graphs up to this many sequences (CUDA only; None = eager).
         max_blocks_per_seq / max_model_len: the block-table width and context bound the graphs capture.
         graph_interval: spacing of graph sizes past the first powers of two.
+        batch_invariant: run the batch-invariant kernels (`DEEPINFER_BATCH_INVARIANT`): each sequence's
+            logits are then bitwise the same whatever else is in its step (docs/batch_invariance.md).
     """
 
     def __init__(
@@ -71,9 +74,11 @@ class ModelRunner:
         max_blocks_per_seq: int = 0,
         max_model_len: int = 0,
         graph_interval: int = 8,
+        batch_invariant: bool = False,
     ) -> None:
         self.model = model
         self.device = model.embed.weight.device
+        self.ops = kernels_for(self.device, batch_invariant=batch_invariant)
         spec = model.cache_spec(block_size, max_backtracking)
         state = plan_state_layout([StateRegion(r.name, r.num_bytes, r.stored) for r in spec.states], num_state_slots)
         streams = [PagedStream(s.name, s.bytes_per_row, s.tokens_per_row) for s in spec.streams]
@@ -101,7 +106,7 @@ class ModelRunner:
         # CUDA graphs need the graph-safe kernels, which run in bfloat16 (grouped-GEMM MoE).
         if graph_max_seqs and self.device.type == "cuda" and model.embed.weight.dtype == torch.bfloat16:
             self.graphs = DecodeGraphs(model, self.cache, max_seqs=graph_max_seqs, max_blocks=max_blocks_per_seq,
-                                       max_context_len=max_model_len, interval=graph_interval)
+                                       max_context_len=max_model_len, interval=graph_interval, ops=self.ops)
 
     def apply_cache_ops(self, out: SchedulerOutput) -> None:
         """Copy-on-write clones and zeroing the scheduler asked for (before the forward)."""
@@ -147,5 +152,5 @@ class ModelRunner:
         if self.graphs is not None and batch.uniform_decode and self.graphs.bucket(batch.num_seqs) is not None:
             logits = self.graphs.run(batch)
         else:
-            logits = self.model(batch, self.cache)
+            logits = self.model(batch, self.cache, self.ops)
         return logits[step.logits_rows]

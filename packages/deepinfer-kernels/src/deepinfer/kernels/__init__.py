@@ -4,16 +4,18 @@
 GPU kernels must match); `kernels_for(device)` resolves, per op, a registered device kernel or
 the reference. Registered for CUDA: Triton kernels (`triton_ops`, CUDA-graph safe) for the decode
 path — attention, indexer + top-k, compressor, mHC, RMSNorm, RoPE, routing, experts, GEMV; every
-other op runs its reference (see `backends.py`).
+other op runs its reference (see `backends.py`). `kernels_for(device, batch_invariant=True)` is the
+set whose every output row is bitwise the same whatever batch it runs in (`deepinfer.kernels.invariant`
+holds the PyTorch twins it uses where a reference op is not; docs/batch_invariance.md).
 """
 
 from importlib.metadata import version as _version
 
-from . import reference
+from . import invariant, reference
 from .backends import register_builtin_backends
 from .registry import OP_NAMES, KernelSet, kernels_for, register
 
 register_builtin_backends()
 
 __version__ = _version("deepinfer-kernels")
-__all__ = ["OP_NAMES", "KernelSet", "kernels_for", "reference", "register"]
+__all__ = ["OP_NAMES", "KernelSet", "invariant", "kernels_for", "reference", "register"]

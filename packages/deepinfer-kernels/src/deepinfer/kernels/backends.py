@@ -39,15 +39,58 @@ def _clamped_swiglu():
     return functools.partial(clamped_swiglu_fused, linear=_linear())
 
 
+def _triton_invariant(name: str, kernel: str, **kernels: str):
+    """A factory of the batch-invariant CUDA implementation: triton_ops.<kernel>, with keyword arguments
+    bound to the named triton_ops kernels (the PyTorch twins' `linear=` / `rms_norm=` slots), or,
+    where triton is missing, the PyTorch twin `invariant.<name>`."""
+    def factory():
+        try:
+            from . import triton_ops
+        except ImportError:
+            from . import invariant
+            return getattr(invariant, name)
+        from . import invariant
+        impl = getattr(triton_ops, kernel, None) or getattr(invariant, kernel)
+        bound = {arg: getattr(triton_ops, target) for arg, target in kernels.items()}
+        return functools.partial(impl, **bound) if bound else impl
+    return factory
+
+
+# op -> (implementation, its kernel arguments): triton_ops names, or a twin of `invariant` driven by
+# the Triton kernels. Ops not listed run their PyTorch twin (elementwise work only on CUDA:
+# compress_pool, router_scores, routing_weights) or, in `invariant.AS_REFERENCE`, their usual kernel.
+_INVARIANT_CUDA: dict[str, tuple[str, dict[str, str]]] = {
+    "linear": ("linear_invariant", {}),
+    "grouped_linear": ("grouped_linear_invariant", {}),
+    "clamped_swiglu": ("clamped_swiglu_fused", {"linear": "linear_invariant"}),
+    "moe_experts": ("moe_experts_invariant", {}),
+    "moe_experts_fp8": ("moe_experts_fp8_fused", {}),            # the expert kernels at any batch already
+    "moe_experts_mxfp4": ("moe_experts_mxfp4_fused", {}),
+    "route": ("route_fused", {}),                                 # one program per token
+    "hc_pre": ("hc_pre_invariant", {}),
+    "hc_post": ("hc_post_fused", {}),                             # one program per (token, channel block)
+    "hc_head": ("hc_head", {"linear": "linear_invariant", "rms_norm": "rms_norm_fused"}),
+    "sparse_attention": ("sparse_attention_fused", {}),           # one program per (query, head block)
+    "paged_decode_attention": ("paged_decode_attention_invariant", {}),
+    "indexer_scores": ("indexer_scores", {"linear": "linear_invariant"}),
+    "paged_indexer_scores": ("paged_indexer_scores_fused", {}),   # one program per (sequence, entry block)
+    "compress_decode": ("compress_decode_fused", {}),             # one program per sequence
+    "sample_race": ("sample_race_invariant", {}),
+}
+
+
 def register_builtin_backends() -> None:
     """CUDA: Triton kernels (static shapes, CUDA-graph safe) for mHC, RMSNorm, RoPE (alone or fused),
     the batched-decode ops that read the cache in place, the prefill's attention over gathered rows,
     top-k, routing, the experts (grouped GEMMs: Triton for small batches, cuBLAS beyond; FP8 and
     MXFP4 experts: Triton at any batch), the projections of 1–4 rows (GEMV; TileLang's for one row
-    where installed) and the sampler's filters + race (sort-free). Everything else: the reference."""
+    where installed) and the sampler's filters + race (sort-free). Everything else: the reference.
+    The batch-invariant set on CUDA: `_INVARIANT_CUDA`."""
     for name in ("hc_pre", "hc_post", "rms_norm", "apply_rope", "norm_rope", "compress_decode",
                  "paged_decode_attention", "paged_indexer_scores", "topk_lowest_index", "route", "moe_experts",
                  "moe_experts_fp8", "moe_experts_mxfp4", "sample_race", "sparse_attention"):
         register(name, "cuda", _triton(name))
     register("linear", "cuda", _linear)
     register("clamped_swiglu", "cuda", _clamped_swiglu)
+    for name, (kernel, kernels) in _INVARIANT_CUDA.items():
+        register(name, "cuda", _triton_invariant(name, kernel, **kernels), batch_invariant=True)

@@ -12,7 +12,7 @@ from .batch import ForwardBatch
 from .cache import CacheSpec, ModelCache, PagedStreamSpec, StateSpec
 from .config import CSA, SLIDING, DeepseekV4Config
 from .layers.attention import Attention
-from .layers.common import RMSNorm
+from .layers.common import RMSNorm, matmul_t
 from .layers.moe import Experts, MoE
 
 
@@ -149,6 +149,11 @@ class DeepseekV4ForCausalLM(nn.Module):
     def forward(self, batch: ForwardBatch, cache: ModelCache, ops: KernelSet | None = None) -> Tensor:
         """Run one step; writes this step's KV/state into `cache`.
 
+        Args:
+            ops: the kernels to run (default: `kernels_for` the batch's device); the engine passes
+                `kernels_for(device, batch_invariant=True)` under DEEPINFER_BATCH_INVARIANT=1, and then
+                each sequence's logits are bitwise the same whatever else is in the batch.
+
         Returns:
             logits [len(batch.logits_indices), vocab] float32 for the requested rows.
         """
@@ -162,7 +167,7 @@ class DeepseekV4ForCausalLM(nn.Module):
         x = ops.hc_head(h, self.hc_head_fn, self.hc_head_scale, self.hc_head_base, hc_eps=cfg.hc_eps,
                         norm_eps=cfg.rms_norm_eps)
         x = ops.rms_norm(x, self.norm.weight, cfg.rms_norm_eps)
-        return (x @ self.head.weight.t()).float()        # model-dtype GEMM, float32 logits
+        return matmul_t(x, self.head.weight, ops).float()        # model-dtype GEMM, float32 logits
 
 
 def keeps_fp32(name: str) -> bool:

@@ -75,8 +75,22 @@ def compress_decode(
         [num_seqs, width] float32 rows; unspecified where the window is still open (this twin
         pools the partial window, the fused kernel returns zeros).
     """
+    rows_k, rows_g = window_slots(kv, gate, ape, positions, slots, ring_kv, ring_gate, norm_weight.shape[0],
+                                  overlap=overlap)
+    entries = positions // ape.shape[0]
+    pooled = rms_norm(compress_pool(rows_k, rows_g), norm_weight, eps)
+    rows = apply_rope(pooled, entries * ape.shape[0], inv_freq)
+    if paged is not None:
+        store_closed_rows(paged, rows, positions, block_tables, ape.shape[0])
+    return rows
+
+
+def window_slots(kv: Tensor, gate: Tensor, ape: Tensor, positions: Tensor, slots: Tensor, ring_kv: Tensor,
+                 ring_gate: Tensor, width: int, *, overlap: bool) -> tuple[Tensor, Tensor]:
+    """The first half of `compress_decode`: write each token's float32 projections (gate + position
+    bias) into the rings, then gather the slots of the window it belongs to as `compress_pool` takes
+    them: (kv, gate) [num_seqs, slots, width] float32, missing slots with gate −inf and kv 0."""
     ratio, ring = ape.shape[0], ring_kv.shape[1]
-    width = norm_weight.shape[0]
     k = kv.float()
     g = gate.float() + ape[positions % ratio]
     ring_kv[slots, positions % ring] = k
@@ -92,11 +106,7 @@ def compress_decode(
     if overlap:
         rows_k = torch.cat((rows_k[:, :ratio, :width], rows_k[:, ratio:, width:]), dim=1)
         rows_g = torch.cat((rows_g[:, :ratio, :width], rows_g[:, ratio:, width:]), dim=1)
-    pooled = rms_norm(compress_pool(rows_k, rows_g), norm_weight, eps)
-    rows = apply_rope(pooled, entries * ratio, inv_freq)
-    if paged is not None:
-        store_closed_rows(paged, rows, positions, block_tables, ratio)
-    return rows
+    return rows_k, rows_g
 
 
 def paged_decode_attention(
@@ -119,6 +129,16 @@ def paged_decode_attention(
     Returns:
         [num_seqs, num_heads, head_dim] in q's dtype.
     """
+    rows, valid = decode_attention_rows(q, ring, slots, positions, window, paged, block_tables, entry_ids, ratio)
+    return sparse_attention(q, rows, valid, sink, scale)
+
+
+def decode_attention_rows(
+    q: Tensor, ring: Tensor, slots: Tensor, positions: Tensor, window: int, paged: Tensor | None,
+    block_tables: Tensor | None, entry_ids: Tensor | None, ratio: int,
+) -> tuple[Tensor, Tensor]:
+    """The rows `paged_decode_attention` attends over, gathered: ([num_seqs, window + n, head_dim] in
+    q's dtype, validity [num_seqs, window + n] bool)."""
     ring_len = ring.shape[1]
     key_pos = positions[:, None] - window + 1 + torch.arange(window, device=q.device)[None, :]
     rows = ring[slots[:, None], key_pos.clamp(min=0) % ring_len].to(q.dtype)
@@ -128,7 +148,7 @@ def paged_decode_attention(
         blocks, in_block, inside = entry_location(block_tables, entry_ids, ratio, block_size)
         rows = torch.cat((rows, paged[blocks, in_block].to(q.dtype)), dim=1)
         valid = torch.cat((valid, (entry_ids >= 0) & inside), dim=1)
-    return sparse_attention(q, rows, valid, sink, scale)
+    return rows, valid
 
 
 def paged_indexer_scores(
@@ -144,6 +164,12 @@ def paged_indexer_scores(
     Returns:
         [num_seqs, num_entries] float32.
     """
-    ids = torch.arange(num_entries, device=q.device)[None, :].expand(q.shape[0], -1)
+    return indexer_scores(q, entry_keys(paged_keys, block_tables, num_entries, ratio), head_weights, softmax_scale)
+
+
+def entry_keys(paged_keys: Tensor, block_tables: Tensor, num_entries: int, ratio: int) -> Tensor:
+    """Each sequence's index keys 0 … num_entries − 1, read through its block table (entries past the
+    table read block 0): [num_seqs, num_entries, index_dim]."""
+    ids = torch.arange(num_entries, device=paged_keys.device)[None, :].expand(block_tables.shape[0], -1)
     blocks, in_block, _ = entry_location(block_tables, ids, ratio, paged_keys.shape[1] * ratio)
-    return indexer_scores(q, paged_keys[blocks, in_block], head_weights, softmax_scale)
+    return paged_keys[blocks, in_block]

@@ -1,21 +1,32 @@
 """Triton kernels (CUDA). Importing this package needs `triton`; the registry imports it lazily."""
 
+from .gemm import grouped_linear_invariant, linear_invariant
 from .gemv import linear_fused
-from .mhc import hc_post_fused, hc_pre_fused
-from .moe import clamped_swiglu_fused, moe_experts_fp8_fused, moe_experts_fused, moe_experts_mxfp4_fused, route_fused
+from .mhc import hc_post_fused, hc_pre_fused, hc_pre_invariant
+from .moe import (
+    clamped_swiglu_fused,
+    moe_experts_fp8_fused,
+    moe_experts_fused,
+    moe_experts_invariant,
+    moe_experts_mxfp4_fused,
+    route_fused,
+)
 from .paged import (
     compress_decode_fused,
     paged_decode_attention_fused,
+    paged_decode_attention_invariant,
     paged_indexer_scores_fused,
     sparse_attention_fused,
 )
 from .rowwise import apply_rope_fused, norm_rope_fused, rms_norm_fused
-from .sampling import sample_race_fused
+from .sampling import sample_race_fused, sample_race_invariant
 from .topk import topk_lowest_index_fused
 
 __all__ = [
-    "apply_rope_fused", "clamped_swiglu_fused", "compress_decode_fused", "hc_post_fused", "hc_pre_fused",
-    "linear_fused", "moe_experts_fp8_fused", "moe_experts_fused", "moe_experts_mxfp4_fused", "norm_rope_fused",
-    "paged_decode_attention_fused", "paged_indexer_scores_fused", "rms_norm_fused", "route_fused",
-    "sample_race_fused", "sparse_attention_fused", "topk_lowest_index_fused",
+    "apply_rope_fused", "clamped_swiglu_fused", "compress_decode_fused", "grouped_linear_invariant", "hc_post_fused",
+    "hc_pre_fused", "hc_pre_invariant", "linear_fused", "linear_invariant", "moe_experts_fp8_fused",
+    "moe_experts_fused", "moe_experts_invariant", "moe_experts_mxfp4_fused", "norm_rope_fused",
+    "paged_decode_attention_fused", "paged_decode_attention_invariant", "paged_indexer_scores_fused",
+    "rms_norm_fused", "route_fused", "sample_race_fused", "sample_race_invariant", "sparse_attention_fused",
+    "topk_lowest_index_fused",
 ]

@@ -15,8 +15,9 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from .. import reference
+from .. import invariant, reference
 from ._launch import on_triton
+from .gemm import gemm_partials_invariant
 from .gemv import MAX_ROWS, gemv_partials
 
 _SPLITS = 8     # K ranges of the mHC projection (hc·dim long) for ≤ MAX_ROWS tokens
@@ -85,9 +86,32 @@ def hc_pre_fused(
         mixes = gemv_partials(flat, fn, _SPLITS)
     else:
         mixes = (flat.float() @ fn.t()).contiguous()[None]
-    collapsed = torch.empty(num_tokens, dim, dtype=streams.dtype, device=streams.device)
-    post = torch.empty(num_tokens, hc, dtype=torch.float32, device=streams.device)
-    comb = torch.empty(num_tokens, hc, hc, dtype=torch.float32, device=streams.device)
+    return _collapse(src, mixes, base, scale, sinkhorn_iters, hc_eps, norm_eps)
+
+
+def hc_pre_invariant(
+    streams: Tensor, fn: Tensor, scale: Tensor, base: Tensor, *, sinkhorn_iters: int, hc_eps: float, norm_eps: float
+) -> tuple[Tensor, Tensor, Tensor]:
+    """Same contract as `reference.hc_pre`, batch-invariant: the projection as `_SPLITS` float32 split-K
+    partials of `gemm_partials_invariant` at any token count (tiles independent of it), added in order
+    by the kernel. Where the kernels do not apply: the PyTorch twin `invariant.hc_pre`."""
+    num_tokens, hc, _ = streams.shape
+    if not on_triton(streams) or hc & (hc - 1) or num_tokens == 0:
+        return invariant.hc_pre(streams, fn, scale, base, sinkhorn_iters=sinkhorn_iters, hc_eps=hc_eps,
+                                norm_eps=norm_eps)
+    src = streams.contiguous()
+    mixes = gemm_partials_invariant(src.view(num_tokens, -1).float(), fn.float(), _SPLITS)
+    return _collapse(src, mixes, base, scale, sinkhorn_iters, hc_eps, norm_eps)
+
+
+def _collapse(src: Tensor, mixes: Tensor, base: Tensor, scale: Tensor, sinkhorn_iters: int, hc_eps: float,
+              norm_eps: float) -> tuple[Tensor, Tensor, Tensor]:
+    """Launch `_hc_pre_kernel` on contiguous streams and their projection's partials
+    [splits, tokens, (2 + hc) · hc] float32."""
+    num_tokens, hc, dim = src.shape
+    collapsed = torch.empty(num_tokens, dim, dtype=src.dtype, device=src.device)
+    post = torch.empty(num_tokens, hc, dtype=torch.float32, device=src.device)
+    comb = torch.empty(num_tokens, hc, hc, dtype=torch.float32, device=src.device)
     block_d = min(triton.next_power_of_2(dim), 512)
     _hc_pre_kernel[(num_tokens, triton.cdiv(dim, block_d))](
         src, mixes, base.float().contiguous(), scale.float().contiguous(), collapsed, post, comb, dim,

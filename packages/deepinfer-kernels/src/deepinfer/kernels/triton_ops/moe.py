@@ -14,6 +14,8 @@
   activations on a GPU: Triton's microscaling `dot_scaled` on the packed codes and e8m0 scales;
   else each tile's e2m1 codes decoded and scaled per 32 inputs here), for any batch (large ones
   aligned with torch ops).
+- `moe_experts_invariant`: the expert kernels at any batch (batch-invariant; FP8 and MXFP4 ones are
+  already so).
 - `clamped_swiglu_fused` (the shared expert): the gate + up projections (one GEMV over the stacked
   w1; w3), the activation in one kernel, the down projection.
 """
@@ -27,7 +29,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from .. import reference
+from .. import invariant, reference
 from ..torch_ops import moe_experts_grouped
 from ._launch import on_triton, precision
 from .gemv import linear_fused
@@ -281,6 +283,18 @@ def moe_experts_fused(x: Tensor, expert_ids: Tensor, weights: Tensor, w13: Tenso
     if (not on_triton(x) or pairs > FUSED_MAX_PAIRS or pairs == 0 or x.dtype != w13.dtype
             or not (x.is_contiguous() and w13.is_contiguous() and w2.is_contiguous())):
         return moe_experts_grouped(x, expert_ids, weights, w13, w2, limit)
+    return _experts(x, expert_ids, weights, w13, w2, limit, PLAIN, w13, w2, 1, w2.shape[-1])
+
+
+def moe_experts_invariant(x: Tensor, expert_ids: Tensor, weights: Tensor, w13: Tensor, w2: Tensor,
+                          limit: float) -> Tensor:
+    """Same contract as `reference.moe_experts`, batch-invariant: the expert kernels at every batch
+    (never cuBLAS's grouped GEMMs, whose tiles follow the batch). A token's rows sit in fixed-shape
+    tiles of its expert's rows; each output element is one dot product over K whichever rows share
+    the tile, and a token's slots are added in slot order. Elsewhere: the PyTorch twin."""
+    if (not on_triton(x) or expert_ids.numel() == 0 or x.dtype != w13.dtype
+            or not (x.is_contiguous() and w13.is_contiguous() and w2.is_contiguous())):
+        return invariant.moe_experts(x, expert_ids, weights, w13, w2, limit)
     return _experts(x, expert_ids, weights, w13, w2, limit, PLAIN, w13, w2, 1, w2.shape[-1])
 
 

@@ -10,7 +10,8 @@
   keys read through the block table. One program per (sequence, block of entries).
 
 Every wrapper keeps its reference twin's signature and falls back to it for inputs the kernels do
-not cover (non-CUDA tensors, a last dimension that is not contiguous).
+not cover (non-CUDA tensors, a last dimension that is not contiguous). `paged_decode_attention_invariant`
+is the batch-invariant form of the attention (fixed tiles and splits).
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from .. import reference
+from .. import invariant, reference
 from ._launch import on_triton, precision
 
 
@@ -324,6 +325,42 @@ def paged_decode_attention_fused(
             or (paged is not None and not paged.is_contiguous())):
         return reference.paged_decode_attention(q, ring, slots, positions, window, sink, scale, paged, block_tables,
                                                 entry_ids, ratio)
+    if q.shape[0] == 0:
+        return torch.empty_like(q)
+    tiles = _attention_tiles(q.element_size(), q.shape[2], q.shape[0])
+    num_tiles = triton.cdiv(window, tiles["BLOCK_N"]) + (triton.cdiv(entry_ids.shape[1], tiles["BLOCK_N"])
+                                                         if paged is not None else 0)
+    splits = _num_splits(q.shape[0], triton.cdiv(q.shape[1], tiles["BLOCK_H"]), num_tiles)
+    return _decode_attention(q, ring, slots, positions, window, sink, scale, paged, block_tables, entry_ids, ratio,
+                             tiles, splits)
+
+
+INVARIANT_SPLITS = 8   # key-tile splits of the batch-invariant decode attention, at every batch
+
+
+def paged_decode_attention_invariant(
+    q: Tensor, ring: Tensor, slots: Tensor, positions: Tensor, window: int, sink: Tensor, scale: float,
+    paged: Tensor | None = None, block_tables: Tensor | None = None, entry_ids: Tensor | None = None,
+    ratio: int = 1,
+) -> Tensor:
+    """Same contract as `reference.paged_decode_attention`, batch-invariant: the small-batch tiles and
+    INVARIANT_SPLITS key-tile splits whatever the batch and the number of entries (split s takes tiles
+    s, s + splits, …, so the tiles a longer batch pads on — no valid row — leave every split's state
+    exactly as it was). Where the kernel does not apply: the PyTorch twin."""
+    if (not on_triton(q) or ring.stride(-1) != 1 or q.stride(-1) != 1
+            or (paged is not None and not paged.is_contiguous())):
+        return invariant.paged_decode_attention(q, ring, slots, positions, window, sink, scale, paged, block_tables,
+                                                entry_ids, ratio)
+    return _decode_attention(q, ring, slots, positions, window, sink, scale, paged, block_tables, entry_ids, ratio,
+                             _attention_tiles(q.element_size(), q.shape[2], 1), INVARIANT_SPLITS)
+
+
+def _decode_attention(
+    q: Tensor, ring: Tensor, slots: Tensor, positions: Tensor, window: int, sink: Tensor, scale: float,
+    paged: Tensor | None, block_tables: Tensor | None, entry_ids: Tensor | None, ratio: int,
+    tiles: dict[str, int], splits: int,
+) -> Tensor:
+    """Launch `_paged_attention_kernel` (and `_combine_kernel` for several splits) with these tiles."""
     num_seqs, num_heads, head_dim = q.shape
     out = torch.empty_like(q)
     if num_seqs == 0:
@@ -331,10 +368,8 @@ def paged_decode_attention_fused(
     has_paged = paged is not None
     ids = entry_ids.contiguous() if has_paged else positions
     num_ids = ids.shape[1] if has_paged else 0
-    tiles = _attention_tiles(q.element_size(), head_dim, num_seqs)
-    block_h, block_n, block_d = tiles["BLOCK_H"], tiles["BLOCK_N"], tiles["BLOCK_D"]
+    block_h, block_d = tiles["BLOCK_H"], tiles["BLOCK_D"]
     head_blocks = triton.cdiv(num_heads, block_h)
-    splits = _num_splits(num_seqs, head_blocks, triton.cdiv(window, block_n) + triton.cdiv(num_ids, block_n))
     sink = sink.float().contiguous()
     part = torch.empty(num_seqs, num_heads, splits, 2 + block_d, dtype=torch.float32, device=q.device) \
         if splits > 1 else out

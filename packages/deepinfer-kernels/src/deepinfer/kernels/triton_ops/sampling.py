@@ -336,9 +336,31 @@ def sample_race_fused(logits: Tensor, temperature: Tensor, top_k: Tensor, top_p:
         min_rows = FUSED_MIN_ROWS_SORTING
     else:
         min_rows = FUSED_MIN_ROWS
-    if (not on_triton(logits) or num_rows < max(min_rows, 1) or logits.dtype != torch.float32
-            or noise.dtype != torch.float32 or logits.stride(-1) != 1 or noise.stride(-1) != 1):
+    if num_rows < max(min_rows, 1) or not _takes(logits, noise):
         return reference.sample_race(logits, temperature, top_k, top_p, min_p, noise, num_candidates)
+    return _race(logits, temperature, top_k, top_p, min_p, noise, num_candidates)
+
+
+def sample_race_invariant(logits: Tensor, temperature: Tensor, top_k: Tensor, top_p: Tensor, min_p: Tensor,
+                          noise: Tensor, num_candidates: int) -> Tensor:
+    """Same contract as `reference.sample_race`, batch-invariant: the kernels at every row count (the
+    reference and the kernels round differently, so switching by batch size could change a row's
+    token). Where the kernels do not apply: the reference."""
+    check_num_candidates(logits, num_candidates)
+    if logits.shape[0] == 0 or not _takes(logits, noise):
+        return reference.sample_race(logits, temperature, top_k, top_p, min_p, noise, num_candidates)
+    return _race(logits, temperature, top_k, top_p, min_p, noise, num_candidates)
+
+
+def _takes(logits: Tensor, noise: Tensor) -> bool:
+    return (on_triton(logits) and logits.dtype == torch.float32 and noise.dtype == torch.float32
+            and logits.stride(-1) == 1 and noise.stride(-1) == 1)
+
+
+def _race(logits: Tensor, temperature: Tensor, top_k: Tensor, top_p: Tensor, min_p: Tensor, noise: Tensor,
+          num_candidates: int) -> Tensor:
+    """The launch sequence of the module docstring (float32 logits and noise with unit-stride rows)."""
+    num_rows, vocab = logits.shape
     device = logits.device
     num_chunks = triton.cdiv(vocab, CHUNK)
     nc_block = triton.next_power_of_2(num_chunks)

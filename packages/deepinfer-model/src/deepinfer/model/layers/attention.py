@@ -21,7 +21,7 @@ from ..batch import ForwardBatch
 from ..cache import ModelCache
 from ..config import CSA, HCA, DeepseekV4Config
 from . import batched_decode
-from .common import RMSNorm, hadamard, linear, stacked_weight
+from .common import RMSNorm, hadamard, linear, matmul_t, stacked_weight
 from .compressor import Compressor
 
 RowPost = Callable[[Tensor, KernelSet], Tensor]   # quantisation applied to freshly compressed rows
@@ -147,7 +147,7 @@ class Attention(nn.Module):
 
     def _quant_index(self, x: Tensor, ops: KernelSet) -> Tensor:
         """Official V4 numerics of index queries and keys: Hadamard rotation, then FP4 (block 32)."""
-        return ops.fake_quant_fp4(x @ hadamard(x.shape[-1], x.device).to(x.dtype), 32)
+        return ops.fake_quant_fp4(matmul_t(x, hadamard(x.shape[-1], x.device).to(x.dtype), ops), 32)   # Hᵀ = H
 
     def _quant_kv(self, kv: Tensor, ops: KernelSet) -> Tensor:
         """Official V4 numerics: FP8 (block 64, ue8m0) on the nope dims; rope dims untouched."""

@@ -9,6 +9,8 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor, nn
 
+from deepinfer.kernels import KernelSet
+
 
 class RMSNorm(nn.Module):
     """Weighted RMSNorm holding its weight in float32 (parameter `weight`, [dim])."""
@@ -22,6 +24,13 @@ class RMSNorm(nn.Module):
 def linear(dim_in: int, dim_out: int) -> nn.Linear:
     """A bias-free projection (weights stored [out, in])."""
     return nn.Linear(dim_in, dim_out, bias=False)
+
+
+def matmul_t(x: Tensor, weight: Tensor, ops: KernelSet) -> Tensor:
+    """x @ weightᵀ for the model's GEMMs that are not layer projections (the LM head, the indexer's
+    Hadamard rotation): torch's matmul, or the kernel set's `linear` when the set is batch-invariant
+    (a BLAS GEMM picks its kernel by the number of rows, so a row's result would depend on its batch)."""
+    return ops.linear(x, weight) if ops.batch_invariant else x @ weight.t()
 
 
 def stacked_weight(owner: nn.Module, name: str, projections: Sequence[nn.Linear]) -> Tensor:
