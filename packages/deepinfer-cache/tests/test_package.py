@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import importlib.machinery
+import importlib.metadata
 from pathlib import Path
 
 import deepinfer.cache
@@ -16,7 +17,7 @@ def test_all_names_resolve() -> None:
     assert sorted(deepinfer.cache.__all__) == sorted(set(deepinfer.cache.__all__))
     for name in deepinfer.cache.__all__:
         assert getattr(deepinfer.cache, name) is not None
-    assert deepinfer.cache.__version__ == "0.1.0"
+    assert deepinfer.cache.__version__ == importlib.metadata.version("deepinfer-cache")
 
 
 def test_block_manager_is_the_compiled_extension() -> None:

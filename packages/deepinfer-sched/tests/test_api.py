@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import importlib.metadata
+
 import pytest
 
 import deepinfer.sched as sched_pkg
@@ -20,7 +22,7 @@ from deepinfer.sched import (
 def test_all_exports_exist_and_version_is_set() -> None:
     for name in sched_pkg.__all__:
         assert hasattr(sched_pkg, name), name
-    assert sched_pkg.__version__ == "0.1.0"
+    assert sched_pkg.__version__ == importlib.metadata.version("deepinfer-sched")
 
 
 @pytest.mark.parametrize(
