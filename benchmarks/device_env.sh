@@ -5,11 +5,13 @@
 # does not import deepinfer.cache (model, kernels, engine.cuda_graphs, sampler).
 _root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 _meta=${TMPDIR:-/tmp}/deepinfer-meta
-mkdir -p "$_meta"
+rm -rf "$_meta" && mkdir -p "$_meta"     # no stale version records
 for _pkg in "$_root"/packages/deepinfer-*; do
   _name=$(basename "$_pkg")
+  _version=$(sed -n 's/^version = "\(.*\)"/\1/p' "$_pkg/pyproject.toml")
   PYTHONPATH="$_pkg/src${PYTHONPATH:+:$PYTHONPATH}"
-  mkdir -p "$_meta/${_name//-/_}-0.1.0.dist-info"
-  printf 'Metadata-Version: 2.1\nName: %s\nVersion: 0.1.0\n' "$_name" > "$_meta/${_name//-/_}-0.1.0.dist-info/METADATA"
+  mkdir -p "$_meta/${_name//-/_}-$_version.dist-info"
+  printf 'Metadata-Version: 2.1\nName: %s\nVersion: %s\n' "$_name" "$_version" \
+    > "$_meta/${_name//-/_}-$_version.dist-info/METADATA"
 done
 export PYTHONPATH="$_meta:$PYTHONPATH"
