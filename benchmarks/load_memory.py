@@ -14,6 +14,8 @@ deepinfer-model source tree first on the child's path (e.g. the pre-streaming lo
 
 On a CPU target the model lives in host memory, so the number to read is the overhead:
 peak RSS − RSS before the load − model bytes, against the largest tensor and the checkpoint size.
+With `--device cuda` the model is on the GPU (its host bytes count as 0; the CUDA context is made
+before the "before" reading).
 """
 
 from __future__ import annotations
@@ -61,15 +63,18 @@ def sample():
         time.sleep(0.005)
 
 torch.set_num_threads(1)
+device = sys.argv[4]
+if device.startswith("cuda"):
+    torch.empty(1, device=device)           # the CUDA context's host memory is not the loader's
 before = status()
 thread = threading.Thread(target=sample, daemon=True)
 thread.start()
 started = time.perf_counter()
-model = load_model(sys.argv[1], dtype=getattr(torch, sys.argv[3]))
+model = load_model(sys.argv[1], dtype=getattr(torch, sys.argv[3]), device=device)
 seconds = time.perf_counter() - started
 done.set(); thread.join()
 after = status()
-model_bytes = sum(t.numel() * t.element_size() for t in model.state_dict().values())
+model_bytes = sum(t.numel() * t.element_size() for t in model.state_dict().values() if t.device.type == "cpu")
 import deepinfer.model
 print(json.dumps({"rss_before": before["VmRSS"], "anon_before": before["RssAnon"], "file_before": before["RssFile"],
                   "vm_hwm": after["VmHWM"], "peak_anon": peaks["RssAnon"], "peak_file": peaks["RssFile"],
@@ -156,6 +161,7 @@ def main() -> None:
     parser.add_argument("--src", default="", help="a deepinfer-model src folder to load with instead")
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    parser.add_argument("--device", default="cpu", help="cpu, or cuda: the model is then not in host memory")
     args = parser.parse_args()
     if not (args.dir / "model.safetensors.index.json").is_file():
         write_checkpoint(args.dir)
@@ -165,13 +171,14 @@ def main() -> None:
           f"{facts['num_tensors']} tensors, largest {facts['largest_tensor_bytes'] / mib:,.1f} MiB")
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     for _ in range(args.repeats):
-        run = subprocess.run([sys.executable, "-c", CHILD, str(args.dir), args.src, args.dtype], capture_output=True,
-                             text=True, env=env, check=True)
+        run = subprocess.run([sys.executable, "-c", CHILD, str(args.dir), args.src, args.dtype, args.device],
+                             capture_output=True, text=True, env=env, check=True)
         r = json.loads(run.stdout.strip().splitlines()[-1])
         overhead = r["vm_hwm"] - r["rss_before"] - r["model_bytes"]
         anon_overhead = r["peak_anon"] - r["anon_before"] - r["model_bytes"]
         print(json.dumps({**facts, **r, "overhead_bytes": overhead, "anon_overhead_bytes": anon_overhead}))
-        print(f"  loader {r['loader']} ({args.dtype})\n  model {r['model_bytes'] / mib:,.0f} MiB; RSS before "
+        print(f"  loader {r['loader']} ({args.dtype} on {args.device})\n  model in host memory "
+              f"{r['model_bytes'] / mib:,.0f} MiB; RSS before "
               f"{r['rss_before'] / mib:,.0f} MiB; peak RSS (VmHWM) {r['vm_hwm'] / mib:,.0f} MiB -> overhead "
               f"{overhead / mib:,.0f} MiB "
               f"({overhead / facts['checkpoint_bytes']:.2f}x checkpoint, "
