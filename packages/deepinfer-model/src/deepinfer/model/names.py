@@ -46,6 +46,11 @@ _HF_TO_OFFICIAL: tuple[tuple[str, str], ...] = (
     (r"\.mlp\.", ".ffn."),
     (r"^(layers\.\d+\.attn)\.norm\.", r"\1.kv_norm."),          # save_pretrained's KV norm
 )
+_COMPILED = tuple((re.compile(pattern), repl) for pattern, repl in _HF_TO_OFFICIAL)
+# Words that occur in transformers' spellings (and in save_pretrained's `attn.norm`) but in no
+# official key: a key without any of them is official already and skips the patterns.
+_HF_WORDS = re.compile(r"embed_tokens|hc_head\.|layernorm|_hc\.|self_attn|compressor\.(?:kv_proj|gate_proj|"
+                       r"position_bias|kv_norm)|\.attn\.(?:q_a|q_b|kv_proj|o_a|o_b|sinks|norm\.)|\.mlp\.")
 _EXPERT = re.compile(r"^(layers\.\d+\.ffn\.experts)\.(\d+)\.(w[123])\.(weight|scale)$")
 
 
@@ -55,8 +60,10 @@ def to_official(key: str) -> str:
         key = key[len("model."):]
     if key == "lm_head.weight":
         return "head.weight"
-    for pattern, repl in _HF_TO_OFFICIAL:
-        key = re.sub(pattern, repl, key)
+    if _HF_WORDS.search(key) is None:
+        return key
+    for pattern, repl in _COMPILED:
+        key = pattern.sub(repl, key)
     return key
 
 
