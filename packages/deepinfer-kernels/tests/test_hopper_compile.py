@@ -96,8 +96,29 @@ def attention_kernels():
             "SPLITS": 1, "HAS_PAGED": True, "PRECISION": "tf32", **paged._attention_tiles(2, 512, num_seqs)}
 
 
+def invariant_kernels():
+    """The batch-invariant GEMM at V4-Flash's projection shapes (its tiles depend on them alone), in
+    bfloat16 and float32 (the mHC projection's split-K partials), and the decode attention's fixed
+    tiles with its fixed split count."""
+    import torch
+
+    from deepinfer.kernels.triton_ops import gemm, paged
+
+    ints = ("rows", "n_out", "k_in", "x_row", "x_group", "w_row", "w_group", "out_row", "out_group", "out_split",
+            "k_split")
+    for dtype, t, precision in ((torch.bfloat16, "*bf16", "tf32"), (torch.float32, "*fp32", "ieee")):
+        signature = {"x_ptr": t, "w_ptr": t, "out_ptr": t, **dict.fromkeys(ints, "i32")}
+        for n_out, k_in, splits in ((4160, 4096, 1), (40960, 1024, 1), (4096, 8192, 1), (24, 16384, 8)):
+            yield gemm._gemm_kernel, signature, {"SPLITS": splits, "BLOCK_M": gemm.BLOCK_M, "PRECISION": precision,
+                                                 **gemm._plan(n_out, k_in, dtype, 1)}
+    for _, signature, constants in attention_kernels():
+        yield paged._paged_attention_kernel, signature, {
+            **constants, "SPLITS": paged.INVARIANT_SPLITS, **paged._attention_tiles(2, 512, 1)}
+        break
+
+
 @pytest.mark.parametrize(("fn", "signature", "constants"),
-                         [*sampling_kernels(), *expert_kernels(), *attention_kernels()],
+                         [*sampling_kernels(), *expert_kernels(), *attention_kernels(), *invariant_kernels()],
                          ids=lambda v: getattr(v, "__name__", None) if callable(v) else None)
 def test_kernel_compiles_for_hopper(fn, signature, constants) -> None:
     kernel = compile_for_hopper(fn, signature, constants)
