@@ -183,20 +183,23 @@ def _values(p: Placement, source: Tensor, scale: Tensor | None, ctx: _Context) -
 def _copy(p: Placement, source: Tensor, scale: Tensor | None, state: dict[str, Tensor], ctx: _Context) -> None:
     if scale is not None and p.stacked and p.expert is None:      # stacked quantised → float, expert by expert
         for expert, (part, part_scale) in _units(p, source, scale):
-            state[p.target][expert].copy_(_checked(p, _dequantised(p, part, part_scale, ctx.block)))
+            _fill(p, state[p.target][expert], _dequantised(p, part, part_scale, ctx.block))
         return
     slot = _slot(p, state, p.expert)
-    values = _values(p, source, scale, ctx)
-    slot.copy_(values)
-    if slot.dtype.is_floating_point:
-        if not _all_finite(slot):
-            _checked(p, values)                                   # names NaN / inf in the checkpoint
-            raise p.source.error(f"finite in the checkpoint but overflows {slot.dtype}")
-    elif p.target.endswith(".gate.tid2eid"):
+    _fill(p, slot, _values(p, source, scale, ctx))
+    if p.target.endswith(".gate.tid2eid"):
         low, high = int(slot.min()), int(slot.max())
         if low < 0 or high >= ctx.cfg.n_routed_experts:
             bad = low if low < 0 else high
             raise p.source.error(f"expert id {bad} out of range [0, {ctx.cfg.n_routed_experts})")
+
+
+def _fill(p: Placement, slot: Tensor, values: Tensor) -> None:
+    """Copy (and convert) `values` into `slot`; float results must be finite."""
+    slot.copy_(values)
+    if slot.dtype.is_floating_point and not _all_finite(slot):
+        _checked(p, values)                                       # names NaN / inf in the checkpoint
+        raise p.source.error(f"finite in the checkpoint but overflows {slot.dtype}")
 
 
 def _all_finite(values: Tensor) -> bool:
