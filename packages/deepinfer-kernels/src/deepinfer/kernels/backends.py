@@ -44,12 +44,11 @@ def _triton_invariant(name: str, kernel: str, **kernels: str):
     bound to the named triton_ops kernels (the PyTorch twins' `linear=` / `rms_norm=` slots), or,
     where triton is missing, the PyTorch twin `invariant.<name>`."""
     def factory():
+        from . import invariant
         try:
             from . import triton_ops
         except ImportError:
-            from . import invariant
             return getattr(invariant, name)
-        from . import invariant
         impl = getattr(triton_ops, kernel, None) or getattr(invariant, kernel)
         bound = {arg: getattr(triton_ops, target) for arg, target in kernels.items()}
         return functools.partial(impl, **bound) if bound else impl
