@@ -5,7 +5,8 @@ it is a per-token scale applied after the GEMM) — for ≤ 4 tokens as split-K 
 which the next kernel adds up; then programs per (token, channel chunk) compute
 that scale, sigmoid pre/post, the Sinkhorn-normalised comb matrix, and their chunk of the collapsed
 stream — instead of ~90 small ops. `hc_post_fused`: one program per (token, channel block)
-expands the block output and adds the comb-mixed residual.
+expands the block output and adds the comb-mixed residual. `hc_pre_invariant` (batch-invariant): the
+projection as 8 split-K partials of the fixed-tile GEMM (`gemm.py`) at every token count.
 """
 
 from __future__ import annotations
