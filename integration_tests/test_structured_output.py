@@ -222,7 +222,7 @@ def test_abort_while_compiling(tiny_text) -> None:
     try:
         engine.add_request("a", "def", SamplingParams(structured=spec))
         engine.abort_request("a")
-        assert not engine.has_unfinished_requests()
+        assert engine.has_unfinished_requests()       # until the next step reports the abort
         backend.release.set()
         assert engine.grammars.wait(30)
         outputs = engine.step()                      # the abort is reported once, then forgotten
