@@ -107,7 +107,7 @@ class LLMEngine:
             raise InvalidEngineArgs(f"max_model_len={self.max_model_len} must be <= the model's "
                                     f"max_position_embeddings={cfg.max_position_embeddings}")
         block_size = args.block_size or default_block_size(self.model)
-        state_slots = BlockManager.for_state_slots(args.max_num_seqs, self.env.num_state_slots_ratio)
+        num_state_slots = BlockManager.for_state_slots(args.max_num_seqs, self.env.num_state_slots_ratio).num_blocks
         sched_cfg = SchedulerConfig(
             block_size=block_size, max_model_len=self.max_model_len, max_num_seqs=args.max_num_seqs,
             max_num_batched_tokens=args.max_num_batched_tokens, max_num_prompts=args.max_num_prompts,
@@ -118,15 +118,14 @@ class LLMEngine:
         )
         self.runner = ModelRunner(
             self.model, block_size=block_size, num_kv_blocks=args.num_kv_blocks,
-            budget_bytes=self._kv_budget_bytes(), num_state_slots=state_slots.num_blocks,
+            budget_bytes=self._kv_budget_bytes(), num_state_slots=num_state_slots,
             max_backtracking=self.env.max_backtracking_tokens,
             graph_max_seqs=None if args.enforce_eager else args.max_num_seqs,
             max_blocks_per_seq=sched_cfg.max_blocks_per_seq, max_model_len=sched_cfg.max_blocks_per_seq * block_size,
             graph_interval=self.env.cudagraph_batch_size_interval, batch_invariant=self.env.batch_invariant,
         )
         self._sched_cfg, self._vote_group = sched_cfg, vote_group
-        self.scheduler = Scheduler(sched_cfg, BlockManager(self.runner.plan.num_kv_blocks), state_slots,
-                                   vote_group=vote_group)
+        self.scheduler = self._new_scheduler()
         # One caller at a time: add_request / abort_request / step / has_unfinished_requests take it.
         self._lock = threading.RLock()
         self.worker = Worker(self.runner, Sampler(seed=args.seed, force_top_k=self.env.sampler_force_topk),
@@ -140,6 +139,12 @@ class LLMEngine:
         self._finished_between_steps: list[Request] = []   # reported by the next step()
         self.worker.pre_sampler_sync_hooks.append(self._pump_grammars)
         self.init_pd_split()
+
+    def _new_scheduler(self) -> Scheduler:
+        """A scheduler over empty block managers: every KV block and state slot free."""
+        slots = BlockManager.for_state_slots(self.args.max_num_seqs, self.env.num_state_slots_ratio)
+        return Scheduler(self._sched_cfg, BlockManager(self.runner.plan.num_kv_blocks), slots,
+                         vote_group=self._vote_group)
 
     def _kv_budget_bytes(self) -> int:
         """Cache byte budget (paged KV + state slots): a fraction of the GPU minus the weights, or
@@ -396,9 +401,7 @@ class LLMEngine:
             if request_id not in self._awaiting_grammar and not req.finished:
                 req.fail(f"engine fault: {type(err).__name__}: {err}")
                 changed[request_id] = req
-        slots = BlockManager.for_state_slots(self.args.max_num_seqs, self.env.num_state_slots_ratio)
-        self.scheduler = Scheduler(self._sched_cfg, BlockManager(self.runner.plan.num_kv_blocks), slots,
-                                   vote_group=self._vote_group)
+        self.scheduler = self._new_scheduler()
 
     def _record_tokens(self, kind: StepKind, continuing: list[tuple[str, int]]) -> None:
         """Hand the scheduler the tokens of sequences that go on (one batched call for decode)."""
