@@ -122,3 +122,24 @@ def test_the_flag_reaches_the_model_runner() -> None:
                          ids=["bf16-cuda-graphs", "bf16-eager", "fp32-eager"])
 def test_a_request_s_logits_do_not_depend_on_its_batch_on_the_gpu(dtype: str, enforce_eager: bool) -> None:
     check_invariance("cuda", dtype, enforce_eager)
+
+
+def test_the_engine_s_sampler_samples_through_the_invariant_kernel_set(monkeypatch) -> None:
+    """On CUDA the default sampler picks the reference or the Triton kernel by batch size; with the
+    flag on it must ask for the invariant set, whose sampler is the same at every size."""
+    import deepinfer.engine.sampler as sampler_module
+    asked = []
+    kernels_for = sampler_module.kernels_for
+
+    def spy(device, batch_invariant=False):
+        asked.append(batch_invariant)
+        return kernels_for(device, batch_invariant=batch_invariant)
+
+    monkeypatch.setattr(sampler_module, "kernels_for", spy)
+    for flag in (True, False):
+        engine = make_engine(flag)
+        engine.add_request(None, TARGET, SamplingParams(temperature=0.8, seed=1, max_tokens=2, ignore_eos=True))
+        while engine.has_unfinished_requests():
+            engine.step()
+        assert asked and set(asked) == {flag}
+        asked.clear()

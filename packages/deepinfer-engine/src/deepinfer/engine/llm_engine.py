@@ -128,7 +128,8 @@ class LLMEngine:
         self.scheduler = self._new_scheduler()
         # One caller at a time: add_request / abort_request / step / has_unfinished_requests take it.
         self._lock = threading.RLock()
-        self.worker = Worker(self.runner, Sampler(seed=args.seed, force_top_k=self.env.sampler_force_topk),
+        self.worker = Worker(self.runner, Sampler(seed=args.seed, force_top_k=self.env.sampler_force_topk,
+                                                     batch_invariant=self.env.batch_invariant),
                              self.eos_token_ids, cfg.vocab_size)
         self._requests: dict[str, Request] = {}
         self._ids = itertools.count()

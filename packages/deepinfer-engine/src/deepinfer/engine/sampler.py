@@ -66,15 +66,19 @@ class Sampler:
         force_top_k: if set (>= 1), random rows only ever consider their `force_top_k` most likely
             tokens (each row's top_k is capped at it; top-p then works on the renormalised
             candidates). Logprobs are unaffected.
+        batch_invariant: sample through the batch-invariant kernel set (DEEPINFER_BATCH_INVARIANT):
+            on CUDA the same kernel at every batch size, so a row's token never depends on the batch.
     """
 
-    def __init__(self, *, seed: int | None = None, force_top_k: int | None = None) -> None:
+    def __init__(self, *, seed: int | None = None, force_top_k: int | None = None,
+                 batch_invariant: bool = False) -> None:
         if force_top_k is not None and force_top_k < 1:
             raise InvalidSamplingBatch(f"force_top_k={force_top_k} must be None or >= 1")
         if seed is not None and not 0 <= seed <= MAX_SEED:
             raise InvalidSamplingBatch(f"seed={seed} must be None or in [0, 2**64 - 1]")
         self._seed = seed
         self._force_top_k = force_top_k
+        self._batch_invariant = batch_invariant
         self._generators: dict[torch.device, torch.Generator] = {}
 
     def __call__(self, logits: Tensor, batch: SamplingBatch) -> SamplerOutput:
@@ -126,8 +130,9 @@ class Sampler:
         """[num_random, vocab] float32 (masked, unscaled) -> [num_random] int64 sampled ids."""
         top_k = batch.top_k if self._force_top_k is None else batch.top_k.clamp_max(self._force_top_k)
         noise = self._exponential_noise(logits.shape, batch, logits.device)
-        return kernels_for(logits.device).sample_race(logits, batch.temperature, top_k, batch.top_p, batch.min_p,
-                                                      noise, self._num_candidates(batch))
+        kernels = kernels_for(logits.device, batch_invariant=self._batch_invariant)
+        return kernels.sample_race(logits, batch.temperature, top_k, batch.top_p, batch.min_p, noise,
+                                   self._num_candidates(batch))
 
     def _num_candidates(self, batch: SamplingBatch) -> int:
         """The `sample_race` hint, from the batch's host-side summary: 0 when no row cuts by top-k or
