@@ -20,3 +20,14 @@ def test_kv_quant_is_chunking_invariant_and_changes_the_numerics() -> None:
     exact = hf_logits(hf, ids)
     gap = (one_shot - exact).abs().max().item()
     assert 1e-4 < gap < 0.5 * exact.abs().max().item()      # quantisation noise, not garbage
+
+
+def test_kv_quant_refuses_head_sizes_its_blocks_do_not_divide() -> None:
+    import pytest
+
+    from deepinfer.model import ConfigError, DeepseekV4Config, DeepseekV4ForCausalLM
+    from deepinfer.model.embedded import embedded_model_dir
+    cfg = DeepseekV4Config.from_model_dir(embedded_model_dir())     # 48 nope dims: not a multiple of 64
+    assert cfg.head_dim - cfg.qk_rope_head_dim == 48
+    with pytest.raises(ConfigError, match=r"kv_quant=True needs head_dim - qk_rope_head_dim"):
+        DeepseekV4ForCausalLM(cfg, kv_quant=True)

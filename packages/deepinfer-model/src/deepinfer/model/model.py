@@ -10,7 +10,7 @@ from deepinfer.kernels.reference import rope_inv_freq
 
 from .batch import ForwardBatch
 from .cache import CacheSpec, ModelCache, PagedStreamSpec, StateSpec
-from .config import CSA, SLIDING, DeepseekV4Config
+from .config import CSA, SLIDING, ConfigError, DeepseekV4Config
 from .layers.attention import Attention
 from .layers.common import RMSNorm, matmul_t
 from .layers.moe import Experts, MoE
@@ -64,6 +64,8 @@ class DeepseekV4ForCausalLM(nn.Module):
 
     def __init__(self, cfg: DeepseekV4Config, *, kv_quant: bool = False, expert_dtype: str | None = None) -> None:
         super().__init__()
+        if kv_quant:
+            _check_kv_quant(cfg)
         self.cfg, self.kv_quant, self.expert_dtype = cfg, kv_quant, expert_dtype
         self.embed = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(Block(cfg, i, expert_dtype) for i in range(cfg.num_hidden_layers))
@@ -202,3 +204,16 @@ def build_model(cfg: DeepseekV4Config, *, device: torch.device | str, dtype: tor
             module._buffers[name] = torch.empty(b.shape, dtype=target, device=device)
     model.reset_rope()
     return model
+
+
+def _check_kv_quant(cfg: DeepseekV4Config) -> None:
+    """kv_quant's official numerics need FP8 blocks of 64 over the KV's nope dims and, on CSA
+    layers, a power-of-two index head (Hadamard rotation) in FP4 blocks of 32."""
+    nope = cfg.head_dim - cfg.qk_rope_head_dim
+    if nope <= 0 or nope % 64:
+        raise ConfigError(f"kv_quant=True needs head_dim - qk_rope_head_dim = {cfg.head_dim} - "
+                          f"{cfg.qk_rope_head_dim} = {nope} to be a positive multiple of 64 (the FP8 block)")
+    index = cfg.index_head_dim
+    if CSA in cfg.attention_types and (index & (index - 1) or index % 32):
+        raise ConfigError(f"kv_quant=True needs index_head_dim={index} to be a power of two >= 32 (Hadamard "
+                          "rotation, FP4 block of 32)")
