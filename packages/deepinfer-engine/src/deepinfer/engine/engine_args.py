@@ -16,6 +16,7 @@ from deepinfer.sched import EngineType
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 EXPERT_DTYPES = ("fp8", "fp4")
+LOAD_FORMATS = ("safetensors", "dummy")      # deepinfer.model.LOAD_FORMATS (not imported: the CLI stays light)
 MAX_INT32 = 2**31 - 1
 # 16 TiB: more memory than any one host or GPU has; a larger budget is a typo (MB read as bytes).
 MAX_KV_CACHE_MEMORY_MB = 2**24
@@ -55,9 +56,13 @@ class EngineArgs:
     Attributes:
         model: model folder (config.json, model.safetensors, tokenizer.json); None = the embedded
             default model shipped with deepinfer-model.
+        load_format: "safetensors" reads the folder's checkpoint; "dummy" reads config.json alone and
+            makes seeded random weights of the real shapes on the device (seed: `seed`), to benchmark
+            a model whose checkpoint is not at hand (without tokenizer.json, prompts are token ids).
         device: "cpu" or a CUDA device ("cuda", "cuda:1").
         dtype: compute / weight dtype: "float32", "bfloat16" or "float16".
-        seed: seeds the sampler's shared generator (requests without their own seed).
+        seed: seeds the sampler's shared generator (requests without their own seed), and the weights
+            of load_format="dummy".
         max_model_len: longest sequence (prompt + output); None = min(model limit, 4096).
         block_size: tokens per paged KV block; None = the smallest multiple of every compress ratio ≥ 64.
         num_kv_blocks: paged KV blocks (block 0 included); None = as many as the memory budget holds.
@@ -84,6 +89,7 @@ class EngineArgs:
     """
 
     model: str | None = None
+    load_format: str = "safetensors"
     device: str = "cpu"
     dtype: str = "float32"
     seed: int = 0
@@ -106,6 +112,9 @@ class EngineArgs:
     def __post_init__(self) -> None:
         if self.model is not None and not isinstance(self.model, str):
             _fail("model", f"model={self.model!r} must be a folder path (str) or None")
+        if not isinstance(self.load_format, str) or self.load_format not in LOAD_FORMATS:
+            _fail("load_format", f"load_format={self.load_format!r} must be one of "
+                  f"{', '.join(map(repr, LOAD_FORMATS))}")
         if not isinstance(self.device, str):
             _fail("device", f"device={self.device!r} must be 'cpu' or 'cuda[:N]' (a str)")
         try:
@@ -154,6 +163,7 @@ def allowed_values(name: str) -> str:
         return f"int in [{low}, {high}]{none}"
     return {
         "model": "a folder path, or None",
+        "load_format": ", ".join(LOAD_FORMATS),
         "device": "cpu, cuda or cuda:N",
         "dtype": ", ".join(DTYPES),
         "kv_cache_memory_mb": f"float in (0, {MAX_KV_CACHE_MEMORY_MB}]",

@@ -94,7 +94,8 @@ class LLMEngine:
         cfg = DeepseekV4Config.from_model_dir(self.model_dir)
         started = time.perf_counter()
         self.model = load_model(self.model_dir, dtype=args.torch_dtype, device=args.device,
-                                kv_quant=args.kv_quant, expert_dtype=args.expert_dtype, cfg=cfg, progress=True)
+                                kv_quant=args.kv_quant, expert_dtype=args.expert_dtype, cfg=cfg, progress=True,
+                                load_format=args.load_format, seed=args.seed)
         self.load_seconds = time.perf_counter() - started            # wall time of load_model
         self.weight_bytes = sum(t.numel() * t.element_size() for t in self.model.state_dict().values())
         logger.info("loaded %s in %.2f s: %.1f MiB of weights on %s", self.model_dir, self.load_seconds,

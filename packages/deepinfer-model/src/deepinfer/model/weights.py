@@ -10,6 +10,10 @@ hash-routing ids to be in range) and copied into its place — a parameter, or o
 stacked `experts.w13` / `.w2` — before the next is read. Routed experts asked for in `expert_dtype`
 keep their stored FP8 / MXFP4 bytes, or are quantised expert by expert. Host memory beyond the model
 itself is bounded by the largest tensor (docs/benchmarks/load_memory.md).
+
+`load_format="dummy"` reads config.json alone and fills the model with seeded random weights of the
+real shapes on the device (`dummy.dummy_model`), for benchmarks of a model whose checkpoint is not
+at hand.
 """
 
 from __future__ import annotations
@@ -25,13 +29,15 @@ from deepinfer.kernels.reference import dequant_fp8_block, dequant_mxfp4, scale_
 
 from .checkpoint import TensorReader, WeightError, read_headers
 from .config import DeepseekV4Config
+from .dummy import dummy_model
 from .layers.moe import quantise_expert_matrix
 from .load_plan import COPY, DRAFT, KEEP, PACKED_FP4, Placement, plan_load
 from .model import DeepseekV4ForCausalLM, build_model
 
-__all__ = ["WeightError", "load_model"]
+__all__ = ["LOAD_FORMATS", "WeightError", "load_model"]
 
 _MODEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+LOAD_FORMATS = ("safetensors", "dummy")
 
 
 def load_model(
@@ -43,19 +49,24 @@ def load_model(
     expert_dtype: str | None = None,
     cfg: DeepseekV4Config | None = None,
     progress: bool = False,
+    load_format: str = "safetensors",
+    seed: int = 0,
 ) -> DeepseekV4ForCausalLM:
-    """Build the model of `model_dir` and stream its weights in.
+    """Build the model of `model_dir` and stream its weights in (or make them up: `load_format`).
 
     Args:
         model_dir: a folder with config.json and model.safetensors or model.safetensors.index.json
-            plus its shards.
+            plus its shards (config.json alone for load_format="dummy").
         dtype: the model's matrices (float32, bfloat16 or float16); norms, mHC, sinks and similar
             small tensors stay float32 (`model.keeps_fp32`).
         device: where the model lives; each tensor is moved there as it is read.
         kv_quant: see `DeepseekV4ForCausalLM`.
         expert_dtype: routed experts kept in "fp8" or "fp4" (see `DeepseekV4ForCausalLM`).
         cfg: the config, if already read from `model_dir`.
-        progress: show a tqdm bar over the checkpoint's bytes on stderr.
+        progress: show a tqdm bar over the checkpoint's bytes on stderr (nothing to show for "dummy").
+        load_format: "safetensors" (read the checkpoint) or "dummy" (no checkpoint is read: seeded
+            random weights of the real shapes, made on `device`; see `dummy.dummy_model`).
+        seed: the seed of the "dummy" weights (unused for "safetensors").
 
     Returns:
         The model in eval mode; `model.draft_weights` holds the `mtp.*` tensors (CPU, dequantised).
@@ -63,11 +74,16 @@ def load_model(
     Raises:
         ConfigError: bad config.json. WeightError: an unusable checkpoint file, or a missing,
         unexpected, duplicate, mis-shaped, mis-typed or non-finite tensor (the message names the key
-        and the file; no model is returned). ValueError: `dtype` is not a float dtype.
+        and the file; no model is returned). ValueError: `dtype` is not a float dtype, an unknown
+        `load_format`, or a negative `seed`.
     """
     if dtype not in _MODEL_DTYPES:
         raise ValueError(f"dtype={dtype} must be one of {', '.join(map(str, _MODEL_DTYPES))}")
+    if load_format not in LOAD_FORMATS:
+        raise ValueError(f"load_format={load_format!r} must be one of {', '.join(map(repr, LOAD_FORMATS))}")
     cfg = cfg or DeepseekV4Config.from_model_dir(model_dir)
+    if load_format == "dummy":
+        return dummy_model(cfg, dtype=dtype, device=device, kv_quant=kv_quant, expert_dtype=expert_dtype, seed=seed)
     expected = build_model(cfg, device="meta", dtype=dtype, kv_quant=kv_quant, expert_dtype=expert_dtype).state_dict()
     plan = plan_load(read_headers(model_dir), expected, cfg, expert_dtype, Path(model_dir))
     model = build_model(cfg, device=device, dtype=dtype, kv_quant=kv_quant, expert_dtype=expert_dtype)
