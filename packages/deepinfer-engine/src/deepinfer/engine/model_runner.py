@@ -35,7 +35,7 @@ class StepBatch:
 
     batch: ForwardBatch
     sample_seq_ids: tuple[str, ...]     # sequences to sample, in logits-row order
-    logits_rows: Tensor                 # [len(sample_seq_ids)] rows of the forward's logits
+    logits_rows: Tensor | None          # [len(sample_seq_ids)] rows of the forward's logits; None = all, in order
 
 
 def default_block_size(model: DeepseekV4ForCausalLM) -> int:
@@ -133,15 +133,11 @@ class ModelRunner:
                              torch.tensor(done, dtype=torch.int64, device=self.device))
         if out.kind is StepKind.DECODE and out.decode is not None and out.decode.num_seqs:
             d = out.decode
-            query_lens, seq_lens = d.query_lens.tolist(), d.seq_lens.tolist()
-            if any(q != 1 for q in query_lens):   # nextn = 0 until speculative decoding lands
-                raise ValueError(f"decode query lengths {query_lens} must all be 1 (nextn=0)")
-            batch = ForwardBatch.build(
-                [[t] for t in d.last_token_ids.tolist()], [s - 1 for s in seq_lens],
-                [row.tolist() for row in d.block_tables], d.state_slots.tolist(),
-                logits="last", device=self.device,
-            )
-            return StepBatch(batch, tuple(d.seq_ids), torch.arange(d.num_seqs, device=self.device))
+            if (d.query_lens != 1).any():   # nextn = 0 until speculative decoding lands
+                raise ValueError(f"decode query lengths {d.query_lens.tolist()} must all be 1 (nextn=0)")
+            batch = ForwardBatch.decode(d.last_token_ids, d.seq_lens, d.block_tables, d.state_slots,
+                                        device=self.device)
+            return StepBatch(batch, tuple(d.seq_ids), None)
         return None
 
     @torch.no_grad()
@@ -153,4 +149,4 @@ class ModelRunner:
             logits = self.graphs.run(batch)
         else:
             logits = self.model(batch, self.cache, self.ops)
-        return logits[step.logits_rows]
+        return logits if step.logits_rows is None else logits[step.logits_rows]

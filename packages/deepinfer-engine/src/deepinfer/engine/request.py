@@ -55,6 +55,8 @@ class Request:
         self.eos_token_ids = () if params.ignore_eos else eos_token_ids
         self.max_model_len = max_model_len
         self.output_token_ids: list[int] = []
+        self._text = ""    # = self.stops.text while running, kept up to date from the deltas (no join per step)
+        self._prompt_out: list[int] | None = None   # the prompt list every output of this request shares
         self.logprobs: list[dict[int, float]] | None = [] if params.logprobs is not None else None
         self.finish_reason: str | None = None
         self.stop_reason: str | int | None = None
@@ -85,6 +87,7 @@ class Request:
         may_stop = num_out >= self.params.min_tokens
         if self.detok is not None:
             update = self.stops.add(self.detok.add([token_id]), allow_stop=may_stop)
+            self._text += update.delta
             if update.stopped:
                 self._finish(FINISH_STOP, update.stop_str)
                 return
@@ -125,9 +128,14 @@ class Request:
             self.stops.finish()
 
     def to_output(self) -> RequestOutput:
+        """This request's cumulative output now. The token and logprob lists are fresh copies (a later
+        step never changes an output already handed out); prompt_token_ids is one list shared by all
+        outputs of the request, copied once, so a step costs nothing per prompt token."""
+        if self._prompt_out is None:
+            self._prompt_out = list(self.prompt_token_ids)
         completion = CompletionOutput(
             index=0,
-            text=self.stops.text,
+            text=self.stops.text if self.finished else self._text,
             token_ids=list(self.output_token_ids),
             finish_reason=self.finish_reason,
             logprobs=None if self.logprobs is None else list(self.logprobs),
@@ -135,4 +143,4 @@ class Request:
             ignored_reason=self.ignored_reason,
             error_reason=self.error_reason,
         )
-        return RequestOutput(self.request_id, self.prompt, list(self.prompt_token_ids), [completion], self.finished)
+        return RequestOutput(self.request_id, self.prompt, self._prompt_out, [completion], self.finished)

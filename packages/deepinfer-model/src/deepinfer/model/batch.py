@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -64,10 +65,13 @@ class ForwardBatch:
                 raise ValueError(f"start_positions[{i}]={start} must be >= 0")
             positions.extend(range(start, start + len(toks)))
             cu.append(cu[-1] + len(toks))
-        width = max((len(t) for t in block_tables), default=0)
-        table = torch.zeros(n, max(width, 1), dtype=torch.int32)
-        for i, t in enumerate(block_tables):
-            table[i, : len(t)] = torch.as_tensor(list(t), dtype=torch.int32)
+        lengths = [len(t) for t in block_tables]
+        width = max(lengths, default=0)
+        table = np.zeros((n, max(width, 1)), dtype=np.int32)
+        if width:     # one scatter into the padded table instead of a copy per row
+            table_rows = np.repeat(np.arange(n), lengths)
+            columns = np.arange(len(table_rows)) - np.repeat(np.cumsum(lengths) - lengths, lengths)
+            table[table_rows, columns] = np.concatenate([np.asarray(t, dtype=np.int64) for t in block_tables if len(t)])
         flat = [t for toks in token_ids for t in toks]
         rows = list(range(cu[-1])) if logits == "all" else [c - 1 for c in cu[1:]]
         return cls(
@@ -75,9 +79,53 @@ class ForwardBatch:
             positions=torch.tensor(positions, dtype=torch.int64, device=device),
             cu_seqlens=tuple(cu),
             start_positions=tuple(int(s) for s in start_positions),
-            block_tables=table.to(device),
+            block_tables=torch.from_numpy(table).to(device),
             state_slots=torch.tensor(list(state_slots), dtype=torch.int64, device=device),
             logits_indices=torch.tensor(rows, dtype=torch.int64, device=device),
             max_context_len=max(s + len(t) for s, t in zip(start_positions, token_ids)) if n else 0,
             uniform_decode=n > 0 and all(len(t) == 1 for t in token_ids),
+        )
+
+    @classmethod
+    def decode(
+        cls,
+        token_ids: np.ndarray,
+        seq_lens: np.ndarray,
+        block_tables: np.ndarray,
+        state_slots: np.ndarray,
+        *,
+        device: torch.device | str = "cpu",
+    ) -> ForwardBatch:
+        """A decode step of one query token per sequence, straight from the scheduler's arrays (one
+        copy each, no Python lists); the same batch as `build([[t] for t in token_ids],
+        seq_lens - 1, block_tables, state_slots)`.
+
+        Args:
+            token_ids: [num_seqs] integer input token of each sequence.
+            seq_lens: [num_seqs] integer K length after this step (>= 1): the token sits at seq_len − 1.
+            block_tables: [num_seqs, max_blocks] integer block ids, 0-padded.
+            state_slots: [num_seqs] integer state slot of each sequence.
+        Raises:
+            ValueError: mismatched shapes, no sequence, or a seq_len < 1.
+        """
+        n = len(token_ids)
+        if n == 0:
+            raise ValueError("a decode batch needs at least one sequence")
+        if seq_lens.shape != (n,) or state_slots.shape != (n,) or block_tables.ndim != 2 or len(block_tables) != n:
+            raise ValueError(f"token_ids [{n}], seq_lens {list(seq_lens.shape)}, state_slots "
+                             f"{list(state_slots.shape)} and block_tables {list(block_tables.shape)} must agree")
+        positions = seq_lens.astype(np.int64) - 1
+        if positions.min() < 0:
+            raise ValueError(f"seq_lens must be >= 1, got {int(seq_lens.min())}")
+        table = block_tables if block_tables.shape[1] else np.zeros((n, 1), dtype=np.int32)
+        return cls(
+            token_ids=torch.from_numpy(token_ids.astype(np.int64)).to(device),
+            positions=torch.from_numpy(positions).to(device),
+            cu_seqlens=tuple(range(n + 1)),
+            start_positions=tuple(positions.tolist()),
+            block_tables=torch.from_numpy(np.array(table, dtype=np.int32)).to(device),
+            state_slots=torch.from_numpy(state_slots.astype(np.int64)).to(device),
+            logits_indices=torch.arange(n, dtype=torch.int64, device=device),
+            max_context_len=int(positions.max()) + 1,
+            uniform_decode=True,
         )

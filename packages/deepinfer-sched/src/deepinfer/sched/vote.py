@@ -3,7 +3,8 @@ second confirmation round.
 
 Every `schedule()` call of every rank runs round one (one all-reduce of three ints), so the
 collective sequence is identical on all ranks; round two runs exactly when round one chose
-prefill, which every rank computes from the same reduced values.
+prefill, which every rank computes from the same reduced values. A group of one rank makes no
+collective call at all: the minimum over one rank is its own values, so the decisions are the same.
 """
 
 from __future__ import annotations
@@ -101,6 +102,8 @@ def _reduce(group: StepVoteGroup, values: tuple[int, ...]) -> tuple[int, ...]:
 
 def cast_vote(group: StepVoteGroup, wants_prefill: bool, has_running: bool) -> VoteResult:
     """Round one: MIN over (not wants, wants, not running) tells any/all/none."""
+    if group.world_size == 1:
+        return VoteResult(any_wants=wants_prefill, all_want=wants_prefill, none_running=not has_running)
     not_wants, wants, not_running = _reduce(
         group, (0 if wants_prefill else 1, 1 if wants_prefill else 0, 0 if has_running else 1)
     )
@@ -109,5 +112,7 @@ def cast_vote(group: StepVoteGroup, wants_prefill: bool, has_running: bool) -> V
 
 def confirm_prefill(group: StepVoteGroup, scheduled_prefill: bool) -> bool:
     """Round two: True if at least one rank actually scheduled a prefill chunk."""
+    if group.world_size == 1:
+        return scheduled_prefill
     (not_scheduled,) = _reduce(group, (0 if scheduled_prefill else 1,))
     return not_scheduled == 0

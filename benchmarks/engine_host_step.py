@@ -1,0 +1,172 @@
+"""Host time of one steady-state decode step of `LLMEngine` (issue #17), without the model forward.
+
+    .venv/bin/python benchmarks/engine_host_step.py [--num-seqs 32 256 1024] [--steps 100] [--repeats 5]
+
+The engine is built on the embedded model (bf16, CPU) with max_num_seqs and num_kv_blocks large
+enough for N running requests, then its model forward is replaced by a stand-in that returns
+ready-made float32 logits of the right shape ([rows asked for, vocab_size], one fixed random tensor)
+without computing anything: only the host work of `engine.step()` is timed (schedule, the cache ops
+and the model batch, the sampling batch, post-processing and the outputs). The N greedy requests
+(ignore_eos, prompts of --prompt-len tokens, so the decode block tables are about prompt_len /
+block_size wide: 64 blocks with the defaults) are prefilled and brought into steady decode before
+timing starts.
+
+Phases, timed with time.perf_counter around the engine's calls (the methods are wrapped):
+  schedule   `Scheduler.schedule()` (the step-kind vote included)
+  prepare    `ModelRunner.apply_cache_ops` + `ModelRunner.prepare` (the step's input tensors)
+  sampling   `Worker.execute_model_step` minus the stand-in forward: row parameters, the sampling
+             batch, the sampler and reading its tokens back; `sampler math` is the Sampler call
+             alone (tensor work that runs on the device in a GPU engine: logsumexp + argmax over
+             [N, 4096] on this CPU), reported separately so the pure host part is visible
+  post       `LLMEngine._post_process` (stop checks, detokenization, handing tokens back)
+  outputs    the rest of `step()`: building the RequestOutputs of the changed requests
+The sampler math is in the total; "host" = total − sampler math − forward stand-in.
+
+Each repeat times --steps consecutive steps of one engine (after --warmup untimed ones) and keeps
+the per-step median and p90; the table shows the median over repeats of those numbers, because the
+machine may be shared and noisy. Python's garbage collector stays on, as in a real engine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import platform
+import statistics
+import time
+from collections import defaultdict
+from collections.abc import Callable
+
+import numpy as np
+import torch
+
+from deepinfer.engine import EngineArgs, LLMEngine, SamplingParams
+from deepinfer.sched import StepKind
+
+PHASES = ("schedule", "prepare", "sampling", "sampler math", "post", "outputs")
+
+
+class StandInModel:
+    """Returns slices of one ready-made logits tensor: [len(batch.logits_indices), vocab_size] float32."""
+
+    def __init__(self, vocab_size: int, max_rows: int) -> None:
+        generator = torch.Generator().manual_seed(0)
+        self.logits = torch.randn(max_rows, vocab_size, generator=generator)
+
+    def __call__(self, batch, cache, ops) -> torch.Tensor:
+        return self.logits[: batch.logits_indices.shape[0]]
+
+
+class PhaseClock:
+    """Accumulates perf_counter time per phase within one step."""
+
+    def __init__(self) -> None:
+        self.current: dict[str, float] = defaultdict(float)
+
+    def wrap(self, phase: str, fn: Callable) -> Callable:
+        def timed(*args, **kwargs):
+            start = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self.current[phase] += time.perf_counter() - start
+        return timed
+
+    def take(self) -> dict[str, float]:
+        taken, self.current = dict(self.current), defaultdict(float)
+        return taken
+
+
+def build_engine(num_seqs: int, prompt_len: int, block_size: int, max_decode_tokens: int) -> LLMEngine:
+    blocks_per_seq = -(-(prompt_len + max_decode_tokens + 8) // block_size)
+    args = EngineArgs(
+        model=None, device="cpu", dtype="bfloat16", seed=0, block_size=block_size,
+        max_model_len=prompt_len + max_decode_tokens + 8 * block_size, max_num_seqs=num_seqs,
+        num_kv_blocks=num_seqs * blocks_per_seq + 2, max_num_batched_tokens=max(8192, prompt_len),
+        max_num_prompts=num_seqs,
+    )
+    engine = LLMEngine(args)
+    engine.runner.model = StandInModel(engine.model.cfg.vocab_size, max(num_seqs, 64))
+    return engine
+
+
+def run_repeat(num_seqs: int, steps: int, warmup: int, prompt_len: int, block_size: int) -> dict[str, list[float]]:
+    engine = build_engine(num_seqs, prompt_len, block_size, steps + warmup + 16)
+    rng = np.random.default_rng(num_seqs)
+    vocab = engine.model.cfg.vocab_size
+    params = SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=steps + warmup + 8)
+    for index in range(num_seqs):
+        engine.add_request(f"req-{index}", rng.integers(0, vocab, prompt_len).tolist(), params)
+    for _ in range(100_000):          # prefill everything, then the first decode steps
+        engine.step()
+        out = engine.scheduler.num_waiting
+        if out == 0 and engine.scheduler.num_running == num_seqs:
+            break
+    clock = PhaseClock()
+    scheduler, runner, worker = engine.scheduler, engine.runner, engine.worker
+    schedule = scheduler.schedule
+    kinds: list[StepKind] = []
+
+    def schedule_and_note():
+        out = schedule()
+        kinds.append(out.kind)
+        return out
+
+    scheduler.schedule = clock.wrap("schedule", schedule_and_note)
+    runner.apply_cache_ops = clock.wrap("prepare", runner.apply_cache_ops)
+    runner.prepare = clock.wrap("prepare", runner.prepare)
+    runner.forward = clock.wrap("forward", runner.forward)
+    worker.execute_model_step = clock.wrap("sampling", worker.execute_model_step)
+    worker.sampler = clock.wrap("sampler math", worker.sampler)
+    engine._post_process = clock.wrap("post", engine._post_process)
+    times: dict[str, list[float]] = defaultdict(list)
+    for step in range(warmup + steps):
+        kinds.clear()
+        start = time.perf_counter()
+        outputs = engine.step()
+        total = time.perf_counter() - start
+        phases = clock.take()
+        if kinds != [StepKind.DECODE] or len(outputs) != num_seqs:
+            raise RuntimeError(f"step {step} is not a steady decode step of {num_seqs} sequences: {kinds}, "
+                               f"{len(outputs)} outputs")
+        if step < warmup:
+            continue
+        phases["sampling"] -= phases.get("forward", 0.0)
+        phases["outputs"] = total - sum(phases[p] for p in ("schedule", "prepare", "sampling", "post", "forward"))
+        times["total"].append(total)
+        times["host"].append(total - phases["sampler math"] - phases.get("forward", 0.0))
+        for phase in PHASES:
+            times[phase].append(phases[phase])
+    return times
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--num-seqs", type=int, nargs="+", default=[32, 256, 1024])
+    parser.add_argument("--steps", type=int, default=100)
+    parser.add_argument("--warmup", type=int, default=10)
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--prompt-len", type=int, default=1000)
+    parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
+    args = parser.parse_args()
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
+    print(f"{platform.processor() or platform.machine()}, torch {torch.__version__}, {torch.get_num_threads()} "
+          f"threads; steps={args.steps} warmup={args.warmup} repeats={args.repeats} prompt_len={args.prompt_len} "
+          f"block_size={args.block_size}")
+    columns = ("total", "host", *PHASES)
+    print("| N | " + " | ".join(f"{c} ms" for c in columns) + " | total p90 ms |")
+    print("|---:|" + "---:|" * (len(columns) + 1))
+    for num_seqs in args.num_seqs:
+        medians: dict[str, list[float]] = defaultdict(list)
+        for _ in range(args.repeats):
+            times = run_repeat(num_seqs, args.steps, args.warmup, args.prompt_len, args.block_size)
+            for name, values in times.items():
+                medians[name].append(statistics.median(values))
+            medians["p90"].append(float(np.percentile(times["total"], 90)))
+        cells = [f"{1e3 * statistics.median(medians[c]):.3f}" for c in (*columns, "p90")]
+        print(f"| {num_seqs} | " + " | ".join(cells) + " |", flush=True)
+
+
+if __name__ == "__main__":
+    main()
