@@ -75,7 +75,7 @@ def load_model(
         ConfigError: bad config.json. WeightError: an unusable checkpoint file, or a missing,
         unexpected, duplicate, mis-shaped, mis-typed or non-finite tensor (the message names the key
         and the file; no model is returned). ValueError: `dtype` is not a float dtype, an unknown
-        `load_format`, or a negative `seed`.
+        `load_format`, or a negative `seed` with "dummy".
     """
     if dtype not in _MODEL_DTYPES:
         raise ValueError(f"dtype={dtype} must be one of {', '.join(map(str, _MODEL_DTYPES))}")
