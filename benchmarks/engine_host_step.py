@@ -90,10 +90,11 @@ def build_engine(num_seqs: int, prompt_len: int, block_size: int, max_decode_tok
 
 
 def run_repeat(num_seqs: int, steps: int, warmup: int, prompt_len: int, block_size: int) -> dict[str, list[float]]:
-    engine = build_engine(num_seqs, prompt_len, block_size, steps + warmup + 16)
+    # Requests admitted early decode while later ones prefill: room for those steps too.
+    engine = build_engine(num_seqs, prompt_len, block_size, steps + warmup + 1024)
     rng = np.random.default_rng(num_seqs)
     vocab = engine.model.cfg.vocab_size
-    params = SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=steps + warmup + 8)
+    params = SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=steps + warmup + 1000)
     for index in range(num_seqs):
         engine.add_request(f"req-{index}", rng.integers(0, vocab, prompt_len).tolist(), params)
     for _ in range(100_000):          # prefill everything, then the first decode steps

@@ -9,7 +9,7 @@ from deepinfer.engine import LLM, SamplingParams
 from deepinfer.engine.model_runner import StepBatch
 from deepinfer.engine.sampler import Sampler
 from deepinfer.engine.sampling_batch import RequestRng
-from deepinfer.engine.worker import NON_FINITE_LOGITS, RowParams, Worker
+from deepinfer.engine.worker import NON_FINITE_LOGITS, RowParams, StepRows, Worker
 
 VOCAB_SIZE = 12
 
@@ -40,8 +40,8 @@ def test_worker_fails_only_the_row_with_non_finite_logits(poison: float | str) -
 
     rngs = {seq_id: RequestRng.for_params(p) for seq_id, p in params.items()}
 
-    def rows(seq_id: str) -> RowParams:
-        return RowParams(params[seq_id], rngs[seq_id], 0)
+    def rows(seq_ids: tuple[str, ...]) -> StepRows:
+        return StepRows.from_rows([RowParams(params[seq_id], rngs[seq_id], 0) for seq_id in seq_ids])
 
     tokens = worker.execute_model_step(_step(("greedy", "bad", "seeded")), rows)
     assert [(t.seq_id, t.error) for t in tokens] == [("greedy", None), ("bad", NON_FINITE_LOGITS),
@@ -64,7 +64,10 @@ def test_worker_reads_the_step_back_in_one_copy(monkeypatch: pytest.MonkeyPatch)
         return tolist(tensor)
 
     monkeypatch.setattr(torch.Tensor, "tolist", counting_tolist)
-    tokens = worker.execute_model_step(_step(("a", "b")), lambda _: RowParams(SamplingParams(), None, 0))
+    def rows(ids: tuple[str, ...]) -> StepRows:
+        return StepRows([SamplingParams()] * len(ids), [None] * len(ids), [0] * len(ids))
+
+    tokens = worker.execute_model_step(_step(("a", "b")), rows)
     assert calls == [(2, 2)]
     assert [t.error for t in tokens] == [NON_FINITE_LOGITS, None]
 

@@ -20,7 +20,7 @@ from deepinfer.engine.token_bitmask import (
     fill_token_bitmask,
     unpack_token_bitmask,
 )
-from deepinfer.engine.worker import RowParams, Worker
+from deepinfer.engine.worker import RowParams, StepRows, Worker
 
 VOCAB = ["<eos>", "y", "e", "s", "n", "o", "ye", "yes", "x", "z"]   # token id = index; 0 = EOS
 PADDED_VOCAB = 70                                                      # model vocab: ids 10..69 unused
@@ -150,10 +150,13 @@ def test_worker_never_keeps_a_step_with_a_grammar_row_in_flight(compiler) -> Non
     plain = SamplingParams(temperature=0)
     state = _state(compiler, 'root ::= "no"')
 
-    def rows(seq_id: str) -> RowParams:
+    def row(seq_id: str) -> RowParams:
         if seq_id == "json":
             return RowParams(plain, None, 0, grammar=state, needs_previous_result=True)
         return RowParams(plain, None, 0)
+
+    def rows(seq_ids: tuple[str, ...]) -> StepRows:
+        return StepRows.from_rows([row(seq_id) for seq_id in seq_ids])
 
     done = worker.execute_model_step(step, rows, keep_in_flight=True)
     assert [(t.seq_id, t.token_id, t.error) for t in done] == [("free", 8, None), ("json", 4, None)]

@@ -35,7 +35,7 @@ from .request import Request
 from .sampler import Sampler
 from .sampling_params import SamplingParams
 from .tokenizer import Tokenizer, load_tokenizer, require_tokenizer
-from .worker import RowParams, SampledToken, Worker
+from .worker import SampledToken, StepRows, Worker
 
 logger = logging.getLogger(__name__)
 PromptInput = str | dict[str, Any]
@@ -417,9 +417,13 @@ class LLMEngine:
             for seq_id, token in continuing:
                 self.scheduler.append_tokens(seq_id, [token])
 
-    def _row_params(self, seq_id: str) -> RowParams:
-        req = self._requests[seq_id]
-        return RowParams(req.params, req.rng, len(req.output_token_ids), req.grammar, req.needs_previous_result)
+    def _row_params(self, seq_ids: tuple[str, ...]) -> StepRows:
+        """The sampling parameters of a step's rows, a few passes over its requests (no object per row)."""
+        reqs = list(map(self._requests.__getitem__, seq_ids))
+        grammars = None if self.grammars is None else [r.grammar for r in reqs]   # no pool: no grammar
+        return StepRows([r.params for r in reqs], [r.rng for r in reqs], [len(r.output_token_ids) for r in reqs],
+                        grammars if grammars is not None and any(g is not None for g in grammars) else None,
+                        any(r.needs_previous_result for r in reqs))
 
     # ------------------------------------------------------------------ disaggregation hooks
     # No-ops in NORMAL engines. A prefill/decode-disaggregated deployment overrides them

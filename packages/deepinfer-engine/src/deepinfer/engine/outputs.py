@@ -125,3 +125,30 @@ class RequestOutput:
                 f"finished={self.finished} must equal whether every output has a finish_reason "
                 f"({all_finished}) for request {self.request_id!r}"
             )
+
+
+_set = object.__setattr__
+
+
+def running_output(request_id: str, prompt: str | None, prompt_token_ids: list[int], text: str,
+                   token_ids: list[int], logprobs: list[dict[int, float]] | None) -> RequestOutput:
+    """The `RequestOutput` of a request that is still running (one sample, no finish reason), built
+    without the field checks: they only concern finish reasons, which a running output has none of,
+    and the logprobs length, which the engine keeps equal to the token count (`Request.add_token`).
+    The engine builds one per running request per step; finished outputs go through the checks."""
+    completion = object.__new__(CompletionOutput)
+    _set(completion, "index", 0)
+    _set(completion, "text", text)
+    _set(completion, "token_ids", token_ids)
+    _set(completion, "finish_reason", None)
+    _set(completion, "logprobs", logprobs)
+    _set(completion, "stop_reason", None)
+    _set(completion, "ignored_reason", None)
+    _set(completion, "error_reason", None)
+    output = object.__new__(RequestOutput)
+    _set(output, "request_id", request_id)
+    _set(output, "prompt", prompt)
+    _set(output, "prompt_token_ids", prompt_token_ids)
+    _set(output, "outputs", [completion])
+    _set(output, "finished", False)
+    return output

@@ -14,6 +14,7 @@ from .outputs import (
     FINISH_STOP,
     CompletionOutput,
     RequestOutput,
+    running_output,
 )
 from .sampling_batch import RequestRng
 from .sampling_params import SamplingParams
@@ -54,6 +55,8 @@ class Request:
         self.stops = StopStringChecker(params.stop, include_stop_str_in_output=params.include_stop_str_in_output)
         self.eos_token_ids = () if params.ignore_eos else eos_token_ids
         self.max_model_len = max_model_len
+        room = max(1, max_model_len - len(prompt_token_ids))
+        self._max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
         self.output_token_ids: list[int] = []
         self._text = ""    # = self.stops.text while running, kept up to date from the deltas (no join per step)
         self._prompt_out: list[int] | None = None   # the prompt list every output of this request shares
@@ -68,8 +71,7 @@ class Request:
     @property
     def max_tokens(self) -> int:
         """Output tokens allowed: SamplingParams.max_tokens, capped by max_model_len − prompt."""
-        room = max(1, self.max_model_len - len(self.prompt_token_ids))
-        return room if self.params.max_tokens is None else min(self.params.max_tokens, room)
+        return self._max_tokens
 
     @property
     def finished(self) -> bool:
@@ -95,7 +97,7 @@ class Request:
             self._finish(FINISH_STOP, None)
         elif may_stop and token_id in self.params.stop_token_ids:
             self._finish(FINISH_STOP, token_id)
-        elif num_out >= self.max_tokens:
+        elif num_out >= self._max_tokens:
             self._finish(FINISH_LENGTH, None)
 
     def abort(self) -> None:
@@ -133,9 +135,12 @@ class Request:
         outputs of the request, copied once, so a step costs nothing per prompt token."""
         if self._prompt_out is None:
             self._prompt_out = list(self.prompt_token_ids)
+        if not self.finished:
+            return running_output(self.request_id, self.prompt, self._prompt_out, self._text,
+                                  self.output_token_ids[:], None if self.logprobs is None else self.logprobs[:])
         completion = CompletionOutput(
             index=0,
-            text=self.stops.text if self.finished else self._text,
+            text=self.stops.text,
             token_ids=list(self.output_token_ids),
             finish_reason=self.finish_reason,
             logprobs=None if self.logprobs is None else list(self.logprobs),

@@ -145,17 +145,19 @@ def build_sampling_batch(
         )
     if vocab_size < 1:
         raise InvalidSamplingBatch(f"vocab_size={vocab_size} must be >= 1")
-    greedy_rows: list[int] = []
-    random_rows: list[int] = []
+    # A few passes over the rows, each a comprehension: no per-row function call in the common case.
+    mismatched = [row for row, (p, rng) in enumerate(zip(params, rngs)) if (rng is None) != (p.seed is None)]
+    if mismatched:
+        row = mismatched[0]
+        raise InvalidSamplingBatch(f"rngs[{row}] must be a RequestRng exactly when params[{row}].seed is set")
+    greedy = [p.is_greedy for p in params]
+    greedy_rows = [row for row, is_greedy in enumerate(greedy) if is_greedy]
+    random_rows = [row for row, is_greedy in enumerate(greedy) if not is_greedy] if len(greedy_rows) < num_seqs \
+        else []
     banned_rows: list[int] = []
     banned_ids: list[int] = []
-    for row, (p, rng, num_out) in enumerate(zip(params, rngs, num_output_tokens)):
-        if (rng is None) != (p.seed is None):
-            raise InvalidSamplingBatch(
-                f"rngs[{row}] must be a RequestRng exactly when params[{row}].seed is set"
-            )
-        (greedy_rows if p.is_greedy else random_rows).append(row)
-        kept = banned_token_ids(p, num_out, eos_token_ids, vocab_size)
+    for row in [row for row, (p, num_out) in enumerate(zip(params, num_output_tokens)) if num_out < p.min_tokens]:
+        kept = banned_token_ids(params[row], num_output_tokens[row], eos_token_ids, vocab_size)
         banned_rows += [row] * len(kept)
         banned_ids += kept
     chosen = [params[row] for row in random_rows]

@@ -58,6 +58,26 @@ class RowParams:
 
 
 @dataclass(frozen=True, slots=True)
+class StepRows:
+    """What the sampler needs to know about every row of one step, one entry per row in logits-row
+    order (per-row sequences rather than one object per row: the engine fills them in a few passes)."""
+
+    params: Sequence[SamplingParams]
+    rngs: Sequence[RequestRng | None]
+    num_output_tokens: Sequence[int]
+    grammars: Sequence[GrammarState | None] | None = None   # None = no row is constrained
+    needs_previous_result: bool = False     # some row's step must be post-processed before its next one
+
+    @classmethod
+    def from_rows(cls, rows: Sequence[RowParams]) -> StepRows:
+        """The step's rows from one `RowParams` per row."""
+        grammars = [r.grammar for r in rows]
+        return cls([r.params for r in rows], [r.rng for r in rows], [r.num_output_tokens for r in rows],
+                   grammars if any(g is not None for g in grammars) else None,
+                   any(r.needs_previous_result for r in rows))
+
+
+@dataclass(frozen=True, slots=True)
 class _InFlight:
     seq_ids: tuple[str, ...]
     batch: SamplingBatch
@@ -79,9 +99,12 @@ class Worker:
         self.pre_sampler_sync_hooks: list[Callable[[], None]] = []
 
     def execute_model_step(
-        self, step: StepBatch | None, row_params: Callable[[str], RowParams], *, keep_in_flight: bool = False
+        self, step: StepBatch | None, row_params: Callable[[tuple[str, ...]], StepRows], *,
+        keep_in_flight: bool = False,
     ) -> list[SampledToken]:
-        """Run one step; returns the tokens whose post-processing completed during this call."""
+        """Run one step; returns the tokens whose post-processing completed during this call.
+
+        `row_params(step.sample_seq_ids)` gives the rows' sampling parameters (called once a step)."""
         logits = self.runner.forward(step) if step is not None else None          # (1) launch forward N
         done = self._post_process(self._pending)                                   # (2) post-process N−1
         self._pending = None
@@ -105,27 +128,27 @@ class Worker:
         return done
 
     def _launch_sampling(
-        self, step: StepBatch | None, logits: torch.Tensor | None, row_params: Callable[[str], RowParams]
+        self, step: StepBatch | None, logits: torch.Tensor | None,
+        row_params: Callable[[tuple[str, ...]], StepRows],
     ) -> _InFlight | None:
         if step is None or logits is None or not step.sample_seq_ids:
             return None
-        rows = [row_params(seq_id) for seq_id in step.sample_seq_ids]
-        num_output_tokens = [r.num_output_tokens for r in rows]
+        rows = row_params(step.sample_seq_ids)
+        num_output_tokens = rows.num_output_tokens
         masks = None
-        if any(r.grammar is not None for r in rows):
-            banned = [banned_token_ids(r.params, r.num_output_tokens, self.eos_token_ids, self.vocab_size)
-                      if r.grammar is not None else () for r in rows]
-            masks = fill_token_bitmask([r.grammar for r in rows], num_output_tokens, banned, self.vocab_size)
+        if rows.grammars is not None:
+            banned = [banned_token_ids(p, num_out, self.eos_token_ids, self.vocab_size) if g is not None else ()
+                      for p, num_out, g in zip(rows.params, num_output_tokens, rows.grammars)]
+            masks = fill_token_bitmask(list(rows.grammars), list(num_output_tokens), banned, self.vocab_size)
         batch = build_sampling_batch(
-            [r.params for r in rows], rngs=[r.rng for r in rows], num_output_tokens=num_output_tokens,
+            rows.params, rngs=rows.rngs, num_output_tokens=num_output_tokens,
             eos_token_ids=self.eos_token_ids, vocab_size=self.vocab_size, device=logits.device,
             token_bitmask=None if masks is None else masks.bitmask, bitmask_rows=() if masks is None else masks.rows,
         )
         sampled = self.sampler(logits.float(), batch)
         readback = torch.stack((sampled.token_ids, sampled.finite_rows.to(torch.int64)))
         dead_rows = {} if masks is None else dict(zip(masks.dead_rows, masks.dead_reasons))
-        return _InFlight(step.sample_seq_ids, batch, sampled, readback, dead_rows,
-                         any(r.needs_previous_result for r in rows))
+        return _InFlight(step.sample_seq_ids, batch, sampled, readback, dead_rows, rows.needs_previous_result)
 
     @staticmethod
     def _post_process(flight: _InFlight | None) -> list[SampledToken]:
