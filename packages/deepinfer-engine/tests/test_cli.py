@@ -258,7 +258,7 @@ def test_generate_prints_outputs_logprobs_and_finish_reasons(capsys: pytest.Capt
     for line in lines[1:3]:                   # the two output tokens, each with its two alternatives
         match = re.fullmatch(r"  logprob\[\d\] (\S+) (-?\d+\.\d{4}) \| (.*)", line)
         assert match and len(match.group(3).split(", ")) in (2, 3) and f"{match[1]} {match[2]}" in match[3]
-    err_lines = err.splitlines()
+    err_lines = [line for line in err.splitlines() if line and not line.startswith("Loading weights")]  # the bar
     assert re.fullmatch(r"loaded \S+embedded in \d+\.\d\d s, \d+\.\d MiB of weights", err_lines[0])
     assert err_lines[1:] == ["[2 tokens, finish_reason=stop, stop_reason=':']",
                              "[0 tokens, finish_reason=ignored: prompt longer than max_model_len]"]

@@ -73,8 +73,8 @@ def test_without_load_format_a_config_only_folder_is_a_load_error(capsys: pytest
         1, "", f"deepinfer: error: {config_only}: no model.safetensors or model.safetensors.index.json\n")
     code, out, err = _run(capsys, "bench", "--load-format", "pickle", "--model", str(config_only))
     assert (code, out) == (2, "")
-    assert err.splitlines()[-1] == ("deepinfer bench: error: argument --load-format: load_format='pickle' must be "
-                                    "one of 'safetensors', 'dummy'")
+    assert err.splitlines()[-1] == ("deepinfer bench: error: argument --load-format: invalid choice: 'pickle' "
+                                    "(choose from 'safetensors', 'dummy')")
 
 
 def test_the_engine_seed_fixes_the_dummy_weights_and_so_the_outputs(config_only: Path) -> None:

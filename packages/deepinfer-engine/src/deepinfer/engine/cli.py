@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 from .bench import BenchWorkload, InvalidBenchArgs, run_bench
 from .dataclass_flags import add_dataclass_flags, dataclass_kwargs, flag_name
-from .engine_args import DTYPES, EXPERT_DTYPES, EngineArgs, InvalidEngineArgs, allowed_values
+from .engine_args import DTYPES, EXPERT_DTYPES, LOAD_FORMATS, EngineArgs, InvalidEngineArgs, allowed_values
 from .sampling_params import InvalidSamplingParams, SamplingParams, StructuredOutput
 
 if TYPE_CHECKING:
@@ -99,7 +99,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def _engine_flags(parser: argparse.ArgumentParser, title: str) -> None:
     add_dataclass_flags(parser.add_argument_group(title), EngineArgs, allowed=allowed_values,
-                        choices={"dtype": tuple(DTYPES), "expert_dtype": EXPERT_DTYPES})
+                        choices={"dtype": tuple(DTYPES), "expert_dtype": EXPERT_DTYPES, "load_format": LOAD_FORMATS})
 
 
 def _sampling_flags(parser: argparse.ArgumentParser) -> None:
