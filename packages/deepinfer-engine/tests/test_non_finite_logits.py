@@ -43,7 +43,8 @@ def test_worker_fails_only_the_row_with_non_finite_logits(poison: float | str) -
     def rows(seq_ids: tuple[str, ...]) -> StepRows:
         return StepRows.from_rows([RowParams(params[seq_id], rngs[seq_id], 0) for seq_id in seq_ids])
 
-    tokens = worker.execute_model_step(_step(("greedy", "bad", "seeded")), rows)
+    (sampled,) = worker.execute_model_step(_step(("greedy", "bad", "seeded")), rows)
+    tokens = sampled.tokens()
     assert [(t.seq_id, t.error) for t in tokens] == [("greedy", None), ("bad", NON_FINITE_LOGITS),
                                                      ("seeded", None)]
     assert tokens[0].token_id == 7 and tokens[2].token_id == 7
@@ -64,10 +65,12 @@ def test_worker_reads_the_step_back_in_one_copy(monkeypatch: pytest.MonkeyPatch)
         return tolist(tensor)
 
     monkeypatch.setattr(torch.Tensor, "tolist", counting_tolist)
+
     def rows(ids: tuple[str, ...]) -> StepRows:
         return StepRows([SamplingParams()] * len(ids), [None] * len(ids), [0] * len(ids))
 
-    tokens = worker.execute_model_step(_step(("a", "b")), rows)
+    (sampled,) = worker.execute_model_step(_step(("a", "b")), rows)
+    tokens = sampled.tokens()
     assert calls == [(2, 2)]
     assert [t.error for t in tokens] == [NON_FINITE_LOGITS, None]
 

@@ -158,9 +158,9 @@ def test_worker_never_keeps_a_step_with_a_grammar_row_in_flight(compiler) -> Non
     def rows(seq_ids: tuple[str, ...]) -> StepRows:
         return StepRows.from_rows([row(seq_id) for seq_id in seq_ids])
 
-    done = worker.execute_model_step(step, rows, keep_in_flight=True)
+    done = [t for sampled in worker.execute_model_step(step, rows, keep_in_flight=True) for t in sampled.tokens()]
     assert [(t.seq_id, t.token_id, t.error) for t in done] == [("free", 8, None), ("json", 4, None)]
     assert worker.flush() == []
     only_free = StepBatch(None, ("free",), torch.arange(1))     # type: ignore[arg-type]
     assert worker.execute_model_step(only_free, rows, keep_in_flight=True) == []   # kept: ZOS-style
-    assert [t.token_id for t in worker.flush()] == [8]
+    assert [sampled.token_ids for sampled in worker.flush()] == [[8]]

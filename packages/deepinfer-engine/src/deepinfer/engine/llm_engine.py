@@ -35,7 +35,7 @@ from .request import Request
 from .sampler import Sampler
 from .sampling_params import SamplingParams
 from .tokenizer import Tokenizer, load_tokenizer, require_tokenizer
-from .worker import SampledToken, StepRows, Worker
+from .worker import SampledStep, StepRows, Worker
 
 logger = logging.getLogger(__name__)
 PromptInput = str | dict[str, Any]
@@ -362,25 +362,33 @@ class LLMEngine:
             for seq_id in step_ids:
                 self._fail(seq_id, err, changed)
 
-    def _post_process(self, out: SchedulerOutput, sampled: list[SampledToken], changed: dict[str, Request]) -> None:
-        continuing: list[tuple[str, int]] = []
-        for token in sampled:
-            req = self._requests.get(token.seq_id)
-            if req is None or req.finished:
-                continue
-            if token.error is not None:
-                req.fail(token.error)
-            else:
-                req.add_token(token.token_id, token.logprobs)
-            if not req.finished and self.args.engine_type is EngineType.PROMPT:
-                req.hand_over()
-            if req.finished:
-                self.scheduler.finish_seq(token.seq_id, _SCHED_REASON.get(req.finish_reason, FinishReason.STOP))
-            else:
-                continuing.append((token.seq_id, token.token_id))
-            changed[req.request_id] = req
-        self._record_tokens(out.kind, continuing)
-        handed = [r.request_id for r in changed.values() if r.finish_reason == FINISH_PREFILLED]
+    def _post_process(self, out: SchedulerOutput, sampled: list[SampledStep], changed: dict[str, Request]) -> None:
+        continuing_ids: list[str] = []
+        continuing_tokens: list[int] = []
+        requests = self._requests
+        prompt_engine = self.args.engine_type is EngineType.PROMPT
+        for step in sampled:
+            errors = step.errors
+            for row, (seq_id, token_id, logprobs) in enumerate(zip(step.seq_ids, step.token_ids, step.logprobs)):
+                req = requests.get(seq_id)
+                if req is None or req.finish_reason is not None:
+                    continue
+                error = errors.get(row) if errors else None
+                if error is not None:
+                    req.fail(error)
+                else:
+                    req.add_token(token_id, logprobs)
+                if prompt_engine and req.finish_reason is None:
+                    req.hand_over()
+                if req.finish_reason is not None:
+                    self.scheduler.finish_seq(seq_id, _SCHED_REASON.get(req.finish_reason, FinishReason.STOP))
+                else:
+                    continuing_ids.append(seq_id)
+                    continuing_tokens.append(token_id)
+                changed[req.request_id] = req
+        self._record_tokens(out.kind, continuing_ids, continuing_tokens)
+        handed = [r.request_id for r in changed.values() if r.finish_reason == FINISH_PREFILLED] if prompt_engine \
+            else None     # only a PROMPT engine hands requests over
         if handed:
             self.pe_prepare_save_kvcache(handed)
             self.pe_do_save_kvcache(handed)
@@ -405,16 +413,15 @@ class LLMEngine:
                 changed[request_id] = req
         self.scheduler = self._new_scheduler()
 
-    def _record_tokens(self, kind: StepKind, continuing: list[tuple[str, int]]) -> None:
+    def _record_tokens(self, kind: StepKind, seq_ids: list[str], token_ids: list[int]) -> None:
         """Hand the scheduler the tokens of sequences that go on (one batched call for decode)."""
-        if not continuing:
+        if not seq_ids:
             return
         if kind is StepKind.DECODE:
-            ids = tuple(seq_id for seq_id, _ in continuing)
-            tokens = np.array([[token] for _, token in continuing], dtype=np.int64)
-            self.scheduler.append_decode_tokens(ids, tokens, np.ones(len(ids), dtype=np.int64))
+            tokens = np.array(token_ids, dtype=np.int64)[:, None]
+            self.scheduler.append_decode_tokens(tuple(seq_ids), tokens, np.ones(len(seq_ids), dtype=np.int64))
         else:
-            for seq_id, token in continuing:
+            for seq_id, token in zip(seq_ids, token_ids):
                 self.scheduler.append_tokens(seq_id, [token])
 
     def _row_params(self, seq_ids: tuple[str, ...]) -> StepRows:

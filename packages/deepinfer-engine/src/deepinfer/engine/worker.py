@@ -47,6 +47,23 @@ class SampledToken:
 
 
 @dataclass(frozen=True, slots=True)
+class SampledStep:
+    """The sampled tokens of one step, one entry per row in logits-row order (per-row lists rather
+    than one object per token: the engine walks them in one loop)."""
+
+    seq_ids: tuple[str, ...]
+    token_ids: list[int]                        # meaningless for the rows in errors
+    logprobs: list[dict[int, float] | None]     # the asked-for logprobs; None where none were asked or errors
+    errors: dict[int, str]                      # row -> why it failed (its grammar allowed no token,
+                                                # NON_FINITE_LOGITS); usually empty
+
+    def tokens(self) -> list[SampledToken]:
+        """The same, one `SampledToken` per row."""
+        return [SampledToken(seq_id, token_id, logprobs, self.errors.get(row))
+                for row, (seq_id, token_id, logprobs) in enumerate(zip(self.seq_ids, self.token_ids, self.logprobs))]
+
+
+@dataclass(frozen=True, slots=True)
 class RowParams:
     """What the sampler needs to know about one row's request."""
 
@@ -101,8 +118,8 @@ class Worker:
     def execute_model_step(
         self, step: StepBatch | None, row_params: Callable[[tuple[str, ...]], StepRows], *,
         keep_in_flight: bool = False,
-    ) -> list[SampledToken]:
-        """Run one step; returns the tokens whose post-processing completed during this call.
+    ) -> list[SampledStep]:
+        """Run one step; returns the steps whose post-processing completed during this call (oldest first).
 
         `row_params(step.sample_seq_ids)` gives the rows' sampling parameters (called once a step)."""
         logits = self.runner.forward(step) if step is not None else None          # (1) launch forward N
@@ -114,14 +131,14 @@ class Worker:
         if keep_in_flight and current is not None and not current.needs_previous_result:
             self._pending = current
         else:
-            done.extend(self._post_process(current))
+            done += self._post_process(current)
         return done
 
     def discard_in_flight(self) -> None:
         """Forget the step kept in flight, unprocessed (after a fault: its requests are failed)."""
         self._pending = None
 
-    def flush(self) -> list[SampledToken]:
+    def flush(self) -> list[SampledStep]:
         """Post-process the step still in flight (none while ZOS is off)."""
         done = self._post_process(self._pending)
         self._pending = None
@@ -151,13 +168,16 @@ class Worker:
         return _InFlight(step.sample_seq_ids, batch, sampled, readback, dead_rows, rows.needs_previous_result)
 
     @staticmethod
-    def _post_process(flight: _InFlight | None) -> list[SampledToken]:
+    def _post_process(flight: _InFlight | None) -> list[SampledStep]:
         if flight is None:
             return []
         token_ids, finite = flight.readback.tolist()     # the step's one wait for the device
         logprobs = logprob_dicts(flight.sampled, flight.batch, token_ids)
-        tokens = []
-        for i, seq_id in enumerate(flight.seq_ids):
-            error = flight.dead_rows.get(i) or (None if finite[i] else NON_FINITE_LOGITS)
-            tokens.append(SampledToken(seq_id, token_ids[i], None if error else logprobs[i], error))
-        return tokens
+        errors = dict(flight.dead_rows)
+        if 0 in finite:
+            for row, is_finite in enumerate(finite):
+                if not is_finite:
+                    errors.setdefault(row, NON_FINITE_LOGITS)
+        for row in errors:
+            logprobs[row] = None
+        return [SampledStep(flight.seq_ids, token_ids, logprobs, errors)]
