@@ -170,3 +170,40 @@ def test_vote_helpers_on_one_rank() -> None:
     assert not result.prefill_chosen(AttemptPoint.NONE)
     assert result.prefill_chosen(AttemptPoint.ALL) and result.prefill_chosen(AttemptPoint.ANY)
     assert confirm_prefill(group, True) and not confirm_prefill(group, False)
+
+
+class NoCollectiveGroup:
+    """A one-rank group that fails the test if the vote makes a collective call."""
+
+    world_size = 1
+    rank = 0
+
+    def all_reduce_min(self, values):
+        raise AssertionError(f"a one-rank vote made a collective call with {tuple(values)}")
+
+
+def test_one_rank_vote_makes_no_collective_call_and_decides_the_same(make_sched) -> None:
+    group = NoCollectiveGroup()
+    for wants in (False, True):
+        for running in (False, True):
+            assert cast_vote(group, wants, running) == cast_vote(SingleRankVoteGroup(), wants, running)
+    assert confirm_prefill(group, True) and not confirm_prefill(group, False)
+    config = dict(prefill_attempt_interval=3, prefill_any_attempt_interval=5, max_num_seqs=2)
+    scheds = [make_sched(vote_group=group, **config), make_sched(**config)]
+    for sched in scheds:
+        sched.add_seq("a", [1, 2, 3], 100)
+    history: list[list[tuple[StepKind, int]]] = [[], []]
+    for step in range(12):
+        for sched, seen in zip(scheds, history):
+            if step == 4:
+                sched.add_seq("b", [4, 5], 100)    # arrives mid-decode: waits for an attempt point
+            out = sched.schedule()
+            seen.append((out.kind, out.num_decode_steps))
+            for chunk in out.prefill:
+                if chunk.completes_prefill:
+                    sched.append_tokens(chunk.seq_id, [7])
+            if out.decode is not None:
+                for seq_id in out.decode.seq_ids:
+                    sched.append_tokens(seq_id, [7])
+    assert history[0] == history[1]
+    assert {kind for kind, _ in history[0]} == {StepKind.PREFILL, StepKind.DECODE}

@@ -58,7 +58,9 @@ class Request:
         room = max(1, max_model_len - len(prompt_token_ids))
         self._max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
         self.output_token_ids: list[int] = []
-        self._text = ""    # = self.stops.text while running, kept up to date from the deltas (no join per step)
+        # The released text, = self.stops.text, kept from the deltas (no join per step); without stop
+        # strings the checker would release every delta as is, so it is skipped.
+        self._text = ""
         self._prompt_out: list[int] | None = None   # the prompt list every output of this request shares
         self.logprobs: list[dict[int, float]] | None = [] if params.logprobs is not None else None
         self.finish_reason: str | None = None
@@ -88,11 +90,15 @@ class Request:
         num_out = len(self.output_token_ids)
         may_stop = num_out >= self.params.min_tokens
         if self.detok is not None:
-            update = self.stops.add(self.detok.add([token_id]), allow_stop=may_stop)
-            self._text += update.delta
-            if update.stopped:
-                self._finish(FINISH_STOP, update.stop_str)
-                return
+            delta = self.detok.add([token_id])
+            if not self.params.stop:
+                self._text += delta
+            else:
+                update = self.stops.add(delta, allow_stop=may_stop)
+                self._text += update.delta
+                if update.stopped:
+                    self._finish(FINISH_STOP, update.stop_str)
+                    return
         if may_stop and token_id in self.eos_token_ids:
             self._finish(FINISH_STOP, None)
         elif may_stop and token_id in self.params.stop_token_ids:
@@ -126,8 +132,11 @@ class Request:
         self.finish_reason, self.stop_reason = reason, stop_reason
         if self.detok is not None and self.stops.stop_str is None:
             tail = self.detok.finish()
-            self.stops.add(tail, allow_stop=False)
-            self.stops.finish()
+            if not self.params.stop:
+                self._text += tail
+            else:
+                self._text += self.stops.add(tail, allow_stop=False).delta
+                self._text += self.stops.finish()
 
     def to_output(self) -> RequestOutput:
         """This request's cumulative output now. The token and logprob lists are fresh copies (a later
@@ -140,7 +149,7 @@ class Request:
                                   self.output_token_ids[:], None if self.logprobs is None else self.logprobs[:])
         completion = CompletionOutput(
             index=0,
-            text=self.stops.text,
+            text=self._text,
             token_ids=list(self.output_token_ids),
             finish_reason=self.finish_reason,
             logprobs=None if self.logprobs is None else list(self.logprobs),
