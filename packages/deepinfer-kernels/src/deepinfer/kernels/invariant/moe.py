@@ -12,8 +12,7 @@ from collections.abc import Callable
 import torch
 from torch import Tensor
 
-from ..reference.moe import SCORING_FUNCS, select_experts
-from ..reference.quant import dequant_fp8_block, dequant_mxfp4
+from ..reference.moe import SCORING_FUNCS, fp8_expert, mxfp4_expert, select_experts
 from ._pointwise import sigmoid, silu, softplus, sum_along
 from .linear import Linear, linear
 
@@ -64,9 +63,7 @@ def moe_experts_fp8(
     limit: float, block: int,
 ) -> Tensor:
     """Same contract as `reference.moe_experts_fp8`."""
-    return _active_experts(x, expert_ids, weights, lambda e: (
-        dequant_fp8_block(w13[e], w13_scale[e], block).to(x.dtype),
-        dequant_fp8_block(w2[e], w2_scale[e], block).to(x.dtype)), limit)
+    return _active_experts(x, expert_ids, weights, fp8_expert(w13, w13_scale, w2, w2_scale, block, x.dtype), limit)
 
 
 def moe_experts_mxfp4(
@@ -74,8 +71,7 @@ def moe_experts_mxfp4(
     limit: float,
 ) -> Tensor:
     """Same contract as `reference.moe_experts_mxfp4`."""
-    return _active_experts(x, expert_ids, weights, lambda e: (
-        dequant_mxfp4(w13[e], w13_scale[e]).to(x.dtype), dequant_mxfp4(w2[e], w2_scale[e]).to(x.dtype)), limit)
+    return _active_experts(x, expert_ids, weights, mxfp4_expert(w13, w13_scale, w2, w2_scale, x.dtype), limit)
 
 
 def _active_experts(x: Tensor, expert_ids: Tensor, weights: Tensor,

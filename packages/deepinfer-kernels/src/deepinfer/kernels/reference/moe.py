@@ -120,9 +120,7 @@ def moe_experts_fp8(
     Returns:
         [num_tokens, hidden] in x's dtype.
     """
-    return _active_experts(x, expert_ids, weights, lambda e: (
-        dequant_fp8_block(w13[e], w13_scale[e], block).to(x.dtype),
-        dequant_fp8_block(w2[e], w2_scale[e], block).to(x.dtype)), limit)
+    return _active_experts(x, expert_ids, weights, fp8_expert(w13, w13_scale, w2, w2_scale, block, x.dtype), limit)
 
 
 def moe_experts_mxfp4(
@@ -140,5 +138,19 @@ def moe_experts_mxfp4(
     Returns:
         [num_tokens, hidden] in x's dtype.
     """
-    return _active_experts(x, expert_ids, weights, lambda e: (
-        dequant_mxfp4(w13[e], w13_scale[e]).to(x.dtype), dequant_mxfp4(w2[e], w2_scale[e]).to(x.dtype)), limit)
+    return _active_experts(x, expert_ids, weights, mxfp4_expert(w13, w13_scale, w2, w2_scale, x.dtype), limit)
+
+
+def fp8_expert(w13: Tensor, w13_scale: Tensor, w2: Tensor, w2_scale: Tensor, block: int,
+               dtype: torch.dtype) -> Callable[[int], tuple[Tensor, Tensor]]:
+    """e -> expert e's (w13, w2) dequantised from FP8 block-scaled storage to `dtype` (shapes as
+    `moe_experts_fp8`); shared with the batch-invariant twin."""
+    return lambda e: (dequant_fp8_block(w13[e], w13_scale[e], block).to(dtype),
+                      dequant_fp8_block(w2[e], w2_scale[e], block).to(dtype))
+
+
+def mxfp4_expert(w13: Tensor, w13_scale: Tensor, w2: Tensor, w2_scale: Tensor,
+                 dtype: torch.dtype) -> Callable[[int], tuple[Tensor, Tensor]]:
+    """e -> expert e's (w13, w2) dequantised from MXFP4 storage to `dtype` (shapes as
+    `moe_experts_mxfp4`); shared with the batch-invariant twin."""
+    return lambda e: (dequant_mxfp4(w13[e], w13_scale[e]).to(dtype), dequant_mxfp4(w2[e], w2_scale[e]).to(dtype))
