@@ -86,6 +86,10 @@ class EngineArgs:
             checkpoint has them so, else quantised on load; None = the model dtype. Needs the hidden
             and expert sizes divisible by the FP8 block (the checkpoint's, else 128) / by 32.
         enforce_eager: never capture CUDA graphs (decode on CUDA replays graphs keyed by batch size otherwise).
+        zero_overhead_scheduling: ZOS (DESIGN.md §7): the host schedules and launches decode step N + 1
+            before it reads step N's sampled tokens, which feed step N + 1 on the device, so host work
+            overlaps the GPU; a request's end is then seen one step late (its extra token is dropped).
+            None = on for NORMAL and COMPLETION engines, off for PROMPT engines.
     """
 
     model: str | None = None
@@ -108,6 +112,7 @@ class EngineArgs:
     kv_quant: bool = False
     expert_dtype: str | None = None
     enforce_eager: bool = False
+    zero_overhead_scheduling: bool | None = None
 
     def __post_init__(self) -> None:
         if self.model is not None and not isinstance(self.model, str):
@@ -142,6 +147,9 @@ class EngineArgs:
         for name in BOOL_FIELDS:
             if not isinstance(getattr(self, name), bool):
                 _fail(name, f"{name}={getattr(self, name)!r} must be a bool")
+        if self.zero_overhead_scheduling is not None and not isinstance(self.zero_overhead_scheduling, bool):
+            _fail("zero_overhead_scheduling", f"zero_overhead_scheduling={self.zero_overhead_scheduling!r} must be "
+                  "a bool or None")
         if not isinstance(self.engine_type, EngineType):
             _fail("engine_type", f"engine_type={self.engine_type!r} must be an EngineType (NORMAL, PROMPT or "
                   "COMPLETION)")
@@ -149,6 +157,13 @@ class EngineArgs:
     @property
     def torch_dtype(self) -> torch.dtype:
         return DTYPES[self.dtype]
+
+    @property
+    def zos(self) -> bool:
+        """Whether ZOS is on: zero_overhead_scheduling, or by default on unless a PROMPT engine."""
+        if self.zero_overhead_scheduling is not None:
+            return self.zero_overhead_scheduling
+        return self.engine_type is not EngineType.PROMPT
 
 
 def allowed_values(name: str) -> str:
@@ -174,6 +189,7 @@ def allowed_values(name: str) -> str:
         "kv_quant": "bool",
         "expert_dtype": ", ".join(EXPERT_DTYPES) + ", or None",
         "enforce_eager": "bool",
+        "zero_overhead_scheduling": "bool, or None",
     }[name]
 
 
