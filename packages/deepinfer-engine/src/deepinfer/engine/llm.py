@@ -1,4 +1,5 @@
-"""LLM: the offline entry point — `LLM(model=DIR).generate(prompts, sampling_params)`."""
+"""LLM: the offline entry point — `LLM(model=DIR).generate(prompts, sampling_params)` and
+`LLM().chat(messages, sampling_params)`."""
 
 from __future__ import annotations
 
@@ -10,11 +11,14 @@ from tqdm.auto import tqdm
 
 from deepinfer.sched import EngineType
 
+from .chat_messages import ChatMessage
+from .chat_template import ChatTemplate, chat_prompt, load_chat_template
 from .engine_args import EngineArgs
 from .llm_engine import LLMEngine, PromptInput
 from .outputs import RequestOutput
 from .request import Request
 from .sampling_params import SamplingParams
+from .tokenizer import require_tokenizer
 
 
 class LLM:
@@ -36,6 +40,7 @@ class LLM:
             engine_args.setdefault("stop_preempted_request", False)
         self.engine = LLMEngine(EngineArgs(model=model, device=device, dtype=dtype, **engine_args))
         self._lock = threading.Lock()
+        self._chat_templates: dict[str | None, ChatTemplate] = {}
 
     def generate(
         self,
@@ -74,6 +79,47 @@ class LLM:
                     err.args = (f"prompts[{i}]: {err}", *err.args[1:])   # same type, says which prompt
                     raise
             return self._run(requests, use_tqdm)
+
+    def chat(
+        self,
+        messages: Sequence[Any],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        *,
+        chat_template: str | None = None,
+        chat_template_kwargs: dict[str, Any] | None = None,
+        add_generation_prompt: bool = True,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        """Generate the next assistant turn of one conversation or of each of several.
+
+        Args:
+            messages: one conversation (a list of `{"role": ..., "content": ...}` dicts) or a list
+                of conversations.
+            sampling_params: as `generate` (one per conversation when a list).
+            chat_template: a named template ("deepseek_v4", "plain") or a jinja file; None = the
+                model folder's (see `chat_template.load_chat_template`).
+            chat_template_kwargs: the template's options (e.g. {"thinking": True} for deepseek_v4).
+            add_generation_prompt: end the prompt where the assistant's answer starts.
+        Returns:
+            One RequestOutput per conversation, in order; `prompt` holds the rendered text.
+        Raises:
+            InvalidChatRequest: a malformed message or option (`field` names it);
+            ChatTemplateError: no usable template; ValueError: as `generate`.
+        """
+        one = not messages or isinstance(messages[0], dict | ChatMessage)
+        conversations = [messages] if one else list(messages)
+        template = self.chat_template(chat_template)
+        tokenizer = require_tokenizer(self.engine.tokenizer, self.engine.model_dir)
+        prompts = [chat_prompt(template, tokenizer, conversation, add_generation_prompt=add_generation_prompt,
+                               options=chat_template_kwargs) for conversation in conversations]
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+
+    def chat_template(self, override: str | None = None) -> ChatTemplate:
+        """The chat template in use: `override` (a name or jinja file), else the model folder's."""
+        if override not in self._chat_templates:
+            self._chat_templates[override] = load_chat_template(
+                self.engine.model_dir, embedded=self.engine.args.model is None, override=override)
+        return self._chat_templates[override]
 
     def _run(self, requests: list[Request], use_tqdm: bool) -> list[RequestOutput]:
         order = {req.request_id: i for i, req in enumerate(requests)}
