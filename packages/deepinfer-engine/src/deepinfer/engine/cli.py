@@ -1,6 +1,6 @@
-"""The `deepinfer` command: `deepinfer generate`, `deepinfer bench` and `deepinfer --version`.
+"""The `deepinfer` command: `deepinfer generate`, `deepinfer bench`, `deepinfer serve` and `deepinfer --version`.
 
-The engine flags of both subcommands are made from `EngineArgs` (names, help and defaults: see
+The engine flags of every subcommand are made from `EngineArgs` (names, help and defaults: see
 `dataclass_flags`); a flag left out is not passed, so `LLM` (generate) and `LLMEngine` (bench) apply
 their own defaults. Exit status: 0 on success; 2 on a usage error (the message names the flag); 1
 when the engine cannot be built or loaded, with one line `deepinfer: error: ...` and no traceback.
@@ -16,6 +16,8 @@ from collections.abc import Sequence
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
+
+from deepinfer.sched import EngineType
 
 from .bench import BenchWorkload, InvalidBenchArgs, run_bench
 from .dataclass_flags import add_dataclass_flags, dataclass_kwargs, flag_name
@@ -79,6 +81,14 @@ def build_parser() -> argparse.ArgumentParser:
     _bench_flags(bench)
     _engine_flags(bench, "engine arguments (EngineArgs)")
     bench.set_defaults(run=_bench, parser=bench)
+    serve = sub.add_parser("serve", help="an OpenAI-compatible HTTP server",
+                           description="Serve the model over HTTP: /v1/completions, /v1/chat/completions, "
+                                       "/v1/models, /health, /version, /metrics. SIGTERM drains the requests in "
+                                       "flight, then exits.")
+    _serve_flags(serve)
+    _engine_flags(serve, "engine arguments (EngineArgs; a flag left out is not passed; preempted requests are "
+                         "recomputed unless --stop-preempted-request)")
+    serve.set_defaults(run=_serve, parser=serve)
     return parser
 
 
@@ -145,6 +155,23 @@ def _bench_flags(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--max-concurrency", type=int, default=defaults["max_concurrency"], metavar="C",
                        help="most requests in the engine at once [default: no limit]")
     group.add_argument("--output-json", metavar="FILE", default=None, help="also write the result to FILE")
+
+
+def _serve_flags(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("server")
+    group.add_argument("--host", default="127.0.0.1", help="address to bind; 0.0.0.0 = every interface "
+                       "[default: 127.0.0.1]")
+    group.add_argument("--port", type=int, default=8000, help="TCP port [default: 8000]")
+    group.add_argument("--served-model-name", default=None, metavar="NAME",
+                       help="the model name clients send [default: --model as given, or deepinfer-embedded]")
+    group.add_argument("--api-key", default=None, metavar="KEY",
+                       help="require `Authorization: Bearer KEY` on /v1/* [default: no check]")
+    group.add_argument("--chat-template", default=None, metavar="NAME|FILE",
+                       help="deepseek_v4, plain, or a jinja file [default: the model folder's]")
+    group.add_argument("--max-num-waiting", type=int, default=1024, metavar="N",
+                       help="requests waiting to run before new ones get 503 [default: 1024]")
+    group.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug"),
+                       help="server log level [default: info]")
 
 
 # ---------------------------------------------------------------------------------------- generate
@@ -252,6 +279,29 @@ def _bench(ns: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
             Path(ns.output_json).write_text(text + "\n")
         except OSError as error:
             raise _CommandError(f"cannot write --output-json {ns.output_json!r}: {error.strerror or error}") from None
+    return 0
+
+
+# ---------------------------------------------------------------------------------------- serve
+
+def _serve(ns: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    engine_kwargs, _ = _engine_args(ns, parser)
+    if engine_kwargs.get("engine_type", EngineType.NORMAL) is not EngineType.COMPLETION:
+        engine_kwargs.setdefault("stop_preempted_request", False)     # as LLM: every request gets its output
+    args = EngineArgs(**engine_kwargs)
+    from .serve import ServeOptions, run_server
+
+    name = ns.served_model_name or engine_kwargs.get("model") or "deepinfer-embedded"
+    try:
+        options = ServeOptions(host=ns.host, port=ns.port, served_model_name=name, api_key=ns.api_key,
+                               chat_template=ns.chat_template, max_num_waiting=ns.max_num_waiting,
+                               log_level=ns.log_level)
+    except ValueError as error:
+        parser.error(str(error))
+    from .llm_engine import LLMEngine
+
+    engine = _build(lambda: LLMEngine(args), args)
+    run_server(engine, options)
     return 0
 
 

@@ -1,0 +1,15 @@
+"""deepinfer.engine.serve — the OpenAI-compatible HTTP server (`deepinfer serve`).
+
+    from deepinfer.engine.serve import ServeOptions, run_server
+    run_server(LLMEngine(EngineArgs()), ServeOptions(port=8000))      # blocks; SIGTERM drains, then returns
+
+`build_app(AsyncLLM(engine), served_model_name=...)` gives the FastAPI app alone (to embed or test).
+FastAPI, uvicorn and prometheus_client are imported here only, so `import deepinfer.engine` stays light.
+"""
+
+from .app import build_app
+from .errors import APIError
+from .protocol import NOT_SUPPORTED_YET
+from .server import ServeOptions, run_server
+
+__all__ = ["NOT_SUPPORTED_YET", "APIError", "ServeOptions", "build_app", "run_server"]

@@ -1,0 +1,208 @@
+"""The OpenAI-compatible HTTP app (FastAPI) over one `AsyncLLM`.
+
+Routes: POST /v1/completions, POST /v1/chat/completions (server-sent events when "stream": true,
+ending with `data: [DONE]`), GET /v1/models, /health, /version, /metrics. Errors are OpenAI-shaped
+(`errors.APIError`): 400 naming the bad field, 401 without the API key, 404 for an unknown model,
+503 when the waiting queue is full or the server is draining. A client that disconnects from a
+stream aborts its request (Starlette cancels the response, closing `AsyncLLM.generate`).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from ..async_llm import AsyncLLM, EngineQueueFull, EngineStopped
+from ..chat_messages import InvalidChatRequest
+from ..chat_template import ChatTemplate, ChatTemplateError, chat_prompt, load_chat_template
+from ..grammar_backend import StructuredOutputUnavailable
+from ..outputs import FINISH_IGNORED, RequestOutput
+from ..tokenizer import require_tokenizer
+from .errors import APIError, bad_request
+from .metrics import RequestTracker, ServerMetrics
+from .protocol import GenerateRequest, parse_chat, parse_completion
+from .responses import ResponseWriter
+
+logger = logging.getLogger(__name__)
+
+
+class _Server:
+    """The state behind the routes: the engine, the served name, the chat template and the metrics."""
+
+    def __init__(self, llm: AsyncLLM, served_model_name: str, chat_template: str | None) -> None:
+        self.llm = llm
+        self.name = served_model_name
+        self.metrics = ServerMetrics(llm)
+        self.created = int(time.time())
+        self._template_override = chat_template
+        self._template: ChatTemplate | None = None
+
+    def template(self) -> ChatTemplate:
+        if self._template is None:
+            engine = self.llm.engine
+            try:
+                self._template = load_chat_template(engine.model_dir, embedded=engine.args.model is None,
+                                                    override=self._template_override)
+            except ChatTemplateError as error:
+                raise bad_request(f"chat is not available for this model: {error}", "messages") from None
+        return self._template
+
+    def check_model(self, model: str | None) -> None:
+        if model is not None and model != self.name:
+            raise APIError(404, f"model {model!r} does not exist; this server serves {self.name!r}", param="model",
+                           code="model_not_found")
+
+    async def generate(self, req: GenerateRequest, chat: bool) -> Response:
+        self.check_model(req.model)
+        field = "messages" if chat else "prompt"
+        if chat:
+            engine = self.llm.engine
+            try:
+                tokenizer = require_tokenizer(engine.tokenizer, engine.model_dir)
+                prompt: Any = chat_prompt(self.template(), tokenizer, req.messages,
+                                          add_generation_prompt=req.add_generation_prompt,
+                                          options=req.chat_template_kwargs)
+            except InvalidChatRequest as error:
+                raise bad_request(str(error), error.field) from None
+            except (ChatTemplateError, ValueError) as error:
+                raise bad_request(str(error), field) from None
+        else:
+            prompt = req.prompt if isinstance(req.prompt, str) else {"prompt_token_ids": req.prompt}
+        request_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+        tracker = self.metrics.track()
+        outputs = self.llm.generate(prompt, req.params, request_id, delta=req.stream)
+        try:
+            first = await anext(outputs)
+        except EngineQueueFull as error:
+            raise APIError(503, str(error), code="queue_full") from None
+        except EngineStopped as error:
+            raise APIError(503, str(error), code="shutting_down") from None
+        except StructuredOutputUnavailable as error:
+            raise bad_request(str(error), "response_format") from None
+        except ValueError as error:
+            raise bad_request(str(error), field) from None
+        completion = first.outputs[0]
+        if completion.finish_reason == FINISH_IGNORED:
+            tracker.finish(FINISH_IGNORED, len(first.prompt_token_ids), 0)
+            raise bad_request(f"the request was not run: {completion.ignored_reason}", field)
+        writer = ResponseWriter(request_id, self.name, chat, req, self.llm.engine.tokenizer)
+        if req.stream:
+            return StreamingResponse(self._stream(writer, first, outputs, tracker), media_type="text/event-stream")
+        last = first
+        tracker.on_tokens(len(completion.token_ids))
+        try:
+            async for last in outputs:
+                tracker.on_tokens(len(last.outputs[0].token_ids) - len(completion.token_ids))
+                completion = last.outputs[0]
+        finally:
+            await outputs.aclose()
+            tracker.finish(completion.finish_reason or "abort", len(last.prompt_token_ids), len(completion.token_ids))
+        return JSONResponse(writer.full(last))
+
+    async def _stream(self, writer: ResponseWriter, first: RequestOutput, outputs: AsyncIterator[RequestOutput],
+                      tracker: RequestTracker) -> AsyncIterator[str]:
+        out, num_tokens, reason = first, 0, "abort"
+        try:
+            for chunk in writer.start():
+                yield chunk
+            while True:
+                completion = out.outputs[0]
+                tracker.on_tokens(len(completion.token_ids))
+                num_tokens += len(completion.token_ids)
+                for chunk in writer.delta(out):
+                    yield chunk
+                if out.finished:
+                    reason = completion.finish_reason or "abort"
+                    break
+                out = await anext(outputs)
+            for chunk in writer.end(out, num_tokens):
+                yield chunk
+        finally:
+            await outputs.aclose()            # aborts the request unless it finished
+            tracker.finish(reason, len(first.prompt_token_ids), num_tokens)
+
+
+def build_app(llm: AsyncLLM, *, served_model_name: str, api_key: str | None = None,
+              chat_template: str | None = None, drain_on_shutdown: bool = True) -> FastAPI:
+    """The FastAPI app serving `llm` under `served_model_name`.
+
+    Args:
+        api_key: when set, /v1/* needs `Authorization: Bearer <api_key>` (401 otherwise).
+        chat_template: a named chat template or a jinja file; None = the model folder's.
+        drain_on_shutdown: at shutdown (SIGTERM), let accepted requests finish before the engine
+            thread stops (else abort them).
+    """
+    server = _Server(llm, served_model_name, chat_template)
+
+    @asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        yield
+        await llm.shutdown(drain=drain_on_shutdown)
+
+    app = FastAPI(title="DeepInfer", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    app.state.server = server
+
+    @app.exception_handler(APIError)
+    async def _api_error(_: Request, error: APIError) -> JSONResponse:
+        return JSONResponse(error.body(), status_code=error.status)
+
+    @app.exception_handler(Exception)
+    async def _internal(_: Request, error: Exception) -> JSONResponse:
+        logger.exception("request failed")
+        return JSONResponse(APIError(500, f"internal error: {type(error).__name__}: {error}").body(), status_code=500)
+
+    @app.middleware("http")
+    async def _auth(request: Request, call_next: Any) -> Response:
+        if api_key is not None and request.url.path.startswith("/v1/") and \
+                request.headers.get("authorization") != f"Bearer {api_key}":
+            error = APIError(401, "a valid API key is required: Authorization: Bearer <key>", code="invalid_api_key")
+            return JSONResponse(error.body(), status_code=401)
+        return await call_next(request)
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        return await server.generate(parse_completion(await _json_body(request)), chat=False)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        return await server.generate(parse_chat(await _json_body(request)), chat=True)
+
+    @app.get("/v1/models")
+    async def models() -> dict[str, Any]:
+        card = {"id": server.name, "object": "model", "created": server.created, "owned_by": "deepinfer",
+                "max_model_len": llm.engine.max_model_len}
+        return {"object": "list", "data": [card]}
+
+    @app.get("/health")
+    async def health() -> Response:
+        alive = llm.is_running
+        return JSONResponse({"status": "ok" if alive else "engine stopped"}, status_code=200 if alive else 503)
+
+    @app.get("/version")
+    async def version() -> dict[str, str]:
+        from .. import __version__
+        return {"version": __version__}
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(server.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    return app
+
+
+async def _json_body(request: Request) -> object:
+    raw = await request.body()
+    try:
+        return json.loads(raw)
+    except (UnicodeDecodeError, json.JSONDecodeError) as error:
+        raise bad_request(f"the request body is not valid JSON: {error}", None) from None
+    except RecursionError:
+        raise bad_request("the request body is not valid JSON: nested too deeply", None) from None

@@ -1,0 +1,88 @@
+"""Prometheus metrics of one server, on a registry of its own (GET /metrics).
+
+Names (all prefixed `deepinfer_`): `request_success_total{finished_reason}`, `num_requests_running`,
+`num_requests_waiting`, `kv_cache_usage_perc` (0..1), `kv_cache_free_blocks`,
+`prompt_tokens_total`, `generation_tokens_total`, and the histograms
+`time_to_first_token_seconds`, `inter_token_latency_seconds`, `e2e_request_latency_seconds`.
+"""
+
+from __future__ import annotations
+
+import time
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+from ..async_llm import AsyncLLM
+
+_LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+                    20.0, 40.0, 80.0, 160.0)
+
+
+class ServerMetrics:
+    """The metrics of one server; the gauges read `llm.stats` (the engine thread's last snapshot) when scraped."""
+
+    def __init__(self, llm: AsyncLLM) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.finished = Counter("deepinfer_request_success", "Finished requests by finish reason",
+                                ["finished_reason"], registry=r)
+        self.prompt_tokens = Counter("deepinfer_prompt_tokens", "Prompt tokens of finished requests", registry=r)
+        self.generation_tokens = Counter("deepinfer_generation_tokens", "Generated tokens of finished requests",
+                                         registry=r)
+        self.ttft = Histogram("deepinfer_time_to_first_token_seconds", "Arrival to first output token",
+                              buckets=_LATENCY_BUCKETS, registry=r)
+        self.itl = Histogram("deepinfer_inter_token_latency_seconds", "Time between output tokens",
+                             buckets=_LATENCY_BUCKETS, registry=r)
+        self.e2e = Histogram("deepinfer_e2e_request_latency_seconds", "Arrival to last output",
+                             buckets=_LATENCY_BUCKETS, registry=r)
+        gauges = {"deepinfer_num_requests_running": ("Requests decoding", lambda: llm.stats.num_running),
+                  "deepinfer_num_requests_waiting": ("Requests accepted, not running", lambda: llm.stats.num_waiting),
+                  "deepinfer_kv_cache_usage_perc": ("Fraction of KV blocks in use", lambda: llm.stats.kv_cache_usage),
+                  "deepinfer_kv_cache_free_blocks": ("Free KV blocks", lambda: llm.stats.num_free_kv_blocks)}
+        for name, (text, read) in gauges.items():
+            Gauge(name, text, registry=r).set_function(read)
+
+    def render(self) -> bytes:
+        """The Prometheus text exposition of every metric."""
+        return generate_latest(self.registry)
+
+    def track(self) -> RequestTracker:
+        """A tracker for one request arriving now."""
+        return RequestTracker(self)
+
+
+class RequestTracker:
+    """Times one request: feed it each output's new token count, then `finish` once."""
+
+    __slots__ = ("_arrival", "_done", "_last", "_metrics")
+
+    def __init__(self, metrics: ServerMetrics) -> None:
+        self._metrics = metrics
+        self._arrival = time.perf_counter()
+        self._last: float | None = None      # time of the latest output with tokens
+        self._done = False
+
+    def on_tokens(self, num_new_tokens: int) -> None:
+        """An output carrying num_new_tokens new tokens arrived: the first gives the TTFT; a later
+        one spreads its interval evenly over its tokens (outputs coalesce when the consumer lags)."""
+        if num_new_tokens <= 0:
+            return
+        now = time.perf_counter()
+        if self._last is None:
+            self._metrics.ttft.observe(now - self._arrival)
+        else:
+            gap = (now - self._last) / num_new_tokens
+            for _ in range(num_new_tokens):
+                self._metrics.itl.observe(gap)
+        self._last = now
+
+    def finish(self, reason: str, num_prompt_tokens: int, num_output_tokens: int) -> None:
+        """Count the request as finished with `reason` (once; later calls do nothing)."""
+        if self._done:
+            return
+        self._done = True
+        metrics = self._metrics
+        metrics.finished.labels(finished_reason=reason).inc()
+        metrics.prompt_tokens.inc(num_prompt_tokens)
+        metrics.generation_tokens.inc(num_output_tokens)
+        metrics.e2e.observe(time.perf_counter() - self._arrival)

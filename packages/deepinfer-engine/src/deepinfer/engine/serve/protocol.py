@@ -1,0 +1,201 @@
+"""Request bodies of /v1/completions and /v1/chat/completions -> frozen requests with SamplingParams.
+
+Every field is either used, refused with "not supported yet" (unless it holds its neutral value,
+e.g. n=1 or presence_penalty=0), or unknown and refused: none is silently ignored. A bad value is a
+400 naming the field (`APIError.param`); the range checks are SamplingParams' own.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from ..sampling_params import InvalidSamplingParams, SamplingParams, StructuredOutput
+from .errors import APIError, bad_request, from_sampling_error
+
+# Request field -> SamplingParams field (same name): passed as given; null = the default.
+SAMPLING_FIELDS = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop", "stop_token_ids",
+                   "ignore_eos", "min_tokens", "include_stop_str_in_output")
+
+
+def _is(*neutral: object) -> Callable[[object], bool]:
+    return lambda value: any(value is n or (type(value) is type(n) and value == n) for n in neutral)
+
+
+# Fields the engine does not implement yet: accepted only with their neutral value.
+NOT_SUPPORTED_YET: dict[str, Callable[[object], bool]] = {
+    "n": _is(None, 1),
+    "best_of": _is(None, 1),
+    "presence_penalty": _is(None, 0, 0.0),
+    "frequency_penalty": _is(None, 0, 0.0),
+    "repetition_penalty": _is(None, 1, 1.0),
+    "length_penalty": _is(None, 1, 1.0),
+    "use_beam_search": _is(None, False),
+    "logit_bias": _is(None, {}),
+    "allowed_token_ids": _is(None),
+    "bad_words": _is(None, []),
+    "prompt_logprobs": _is(None),
+    "skip_special_tokens": _is(None, True),
+}
+COMPLETION_ONLY = {"prompt": None, "echo": _is(None, False), "suffix": _is(None), "logprobs": None}
+CHAT_ONLY = {"messages": None, "max_completion_tokens": None, "logprobs": None, "top_logprobs": None,
+             "chat_template_kwargs": None, "add_generation_prompt": None, "tools": _is(None, []),
+             "tool_choice": _is(None, "none", "auto"), "parallel_tool_calls": None}
+# Used by both endpoints; "user" is an end-user id for the caller's own records (it changes nothing).
+COMMON = {"model", "stream", "stream_options", "response_format", "structured_outputs", "user", *SAMPLING_FIELDS}
+
+
+@dataclass(frozen=True, slots=True)
+class GenerateRequest:
+    """A checked request of either endpoint.
+
+    Attributes:
+        model: the requested model name, or None (= the served one).
+        params: the request's SamplingParams (logprobs set when any were asked for).
+        stream: answer by server-sent events.
+        include_usage: stream_options.include_usage: a last chunk with `usage`.
+        prompt: /v1/completions: the prompt text, or its token ids; None for chat.
+        messages: /v1/chat/completions: the raw messages (checked when rendered); None otherwise.
+        chat_template_kwargs: the chat template's options.
+        add_generation_prompt: end the chat prompt where the assistant's answer starts.
+    """
+
+    model: str | None
+    params: SamplingParams
+    stream: bool
+    include_usage: bool
+    prompt: str | list[int] | None = None
+    messages: list[Any] | None = None
+    chat_template_kwargs: Mapping[str, Any] | None = None
+    add_generation_prompt: bool = True
+
+
+def parse_completion(body: object) -> GenerateRequest:
+    """Check a /v1/completions body. Raises: APIError (400) naming the field at fault."""
+    body = _object(body)
+    _check_fields(body, COMPLETION_ONLY)
+    logprobs = body.get("logprobs")
+    common = _common(body, default_max_tokens=16, logprobs=logprobs)
+    return GenerateRequest(**common, prompt=_prompt(body.get("prompt")))
+
+
+def parse_chat(body: object) -> GenerateRequest:
+    """Check a /v1/chat/completions body. Raises: APIError (400) naming the field at fault."""
+    body = _object(body)
+    _check_fields(body, CHAT_ONLY)
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise bad_request("messages must be a non-empty list of {'role': ..., 'content': ...} objects", "messages")
+    if body.get("max_completion_tokens") is not None:
+        body = {**body, "max_tokens": body["max_completion_tokens"]}
+    want = _bool(body, "logprobs", False)
+    top = body.get("top_logprobs")
+    if top is not None and not want:
+        raise bad_request("top_logprobs needs logprobs=true", "top_logprobs")
+    kwargs = body.get("chat_template_kwargs")
+    if kwargs is not None and not isinstance(kwargs, dict):
+        raise bad_request(f"chat_template_kwargs={kwargs!r} must be an object", "chat_template_kwargs")
+    common = _common(body, default_max_tokens=None, logprobs=(0 if top is None else top) if want else None)
+    return GenerateRequest(**common, messages=messages, chat_template_kwargs=kwargs,
+                           add_generation_prompt=_bool(body, "add_generation_prompt", True))
+
+
+def _object(body: object) -> dict[str, Any]:
+    if not isinstance(body, dict):
+        raise bad_request("the request body must be a JSON object", None)
+    return body
+
+
+def _check_fields(body: dict[str, Any], endpoint_fields: Mapping[str, Callable[[object], bool] | None]) -> None:
+    for name, value in body.items():
+        neutral = NOT_SUPPORTED_YET.get(name) or endpoint_fields.get(name)
+        if name not in COMMON and name not in NOT_SUPPORTED_YET and name not in endpoint_fields:
+            raise bad_request(f"{name} is not a known field of this endpoint", name)
+        if neutral is not None and not neutral(value):
+            raise bad_request(f"{name}={value!r} is not supported yet", name)
+
+
+def _common(body: dict[str, Any], *, default_max_tokens: int | None, logprobs: object) -> dict[str, Any]:
+    model = body.get("model")
+    if model is not None and not isinstance(model, str):
+        raise bad_request(f"model={model!r} must be a str", "model")
+    stream = _bool(body, "stream", False)
+    include_usage = False
+    options = body.get("stream_options")
+    if options is not None:
+        if not isinstance(options, dict) or set(options) - {"include_usage"}:
+            raise bad_request(f"stream_options={options!r} must be an object with only include_usage", "stream_options")
+        if not stream:
+            raise bad_request("stream_options needs stream=true", "stream_options")
+        include_usage = _bool(options, "include_usage", False, where="stream_options.include_usage")
+    fields: dict[str, Any] = {"max_tokens": default_max_tokens}
+    fields.update({name: body[name] for name in SAMPLING_FIELDS
+                   if name in body and (body[name] is not None or name == "max_tokens")})
+    try:
+        params = SamplingParams(**fields, logprobs=logprobs, structured=_structured(body))
+    except InvalidSamplingParams as error:
+        raise from_sampling_error(error, _structured_field(body)) from None
+    return {"model": model, "params": params, "stream": stream, "include_usage": include_usage}
+
+
+def _structured_field(body: dict[str, Any]) -> str:
+    return "structured_outputs" if body.get("structured_outputs") is not None else "response_format"
+
+
+def _structured(body: dict[str, Any]) -> StructuredOutput | None:
+    """response_format (OpenAI) or structured_outputs (vLLM's spelling) -> StructuredOutput."""
+    response_format, vllm = body.get("response_format"), body.get("structured_outputs")
+    if response_format is not None and vllm is not None:
+        raise bad_request("give response_format or structured_outputs, not both", "structured_outputs")
+    try:
+        if vllm is not None:
+            if not isinstance(vllm, dict) or set(vllm) - {"json", "regex", "grammar", "choice"}:
+                raise bad_request(f"structured_outputs={vllm!r} must be an object with one of json, regex, grammar, "
+                                  "choice", "structured_outputs")
+            return StructuredOutput(**vllm)
+        if response_format is None:
+            return None
+        kind = response_format.get("type") if isinstance(response_format, dict) else None
+        if kind == "text":
+            return None
+        if kind == "json_object":
+            return StructuredOutput(json={"type": "object"})
+        if kind == "json_schema":
+            spec = response_format.get("json_schema")
+            schema = spec.get("schema") if isinstance(spec, dict) else None
+            if schema is None:
+                raise bad_request("response_format.json_schema.schema is required (a JSON schema)",
+                                  "response_format.json_schema.schema")
+            return StructuredOutput(json=schema)
+    except InvalidSamplingParams as error:
+        raise from_sampling_error(error, _structured_field(body)) from None
+    raise bad_request(f"response_format={response_format!r}: type must be 'text', 'json_object' or 'json_schema'",
+                      "response_format")
+
+
+def _bool(body: Mapping[str, Any], name: str, default: bool, *, where: str | None = None) -> bool:
+    value = body.get(name)
+    if value is None:
+        return default
+    if not isinstance(value, bool):
+        raise bad_request(f"{where or name}={value!r} must be true or false", where or name)
+    return value
+
+
+def _prompt(prompt: object) -> str | list[int]:
+    """One prompt: a str, a list of token ids, or a one-element list of either."""
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
+        prompt = prompt[0]
+    if isinstance(prompt, str):
+        if not prompt:
+            raise bad_request("prompt must not be empty", "prompt")
+        return prompt
+    if isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+        return prompt
+    if isinstance(prompt, list) and len(prompt) > 1 and all(isinstance(p, str | list) for p in prompt):
+        raise bad_request("prompt: several prompts in one request are not supported yet", "prompt")
+    raise bad_request("prompt must be a non-empty str or a non-empty list of token ids", "prompt")
+
+
+__all__ = ["APIError", "GenerateRequest", "NOT_SUPPORTED_YET", "parse_chat", "parse_completion"]

@@ -1,0 +1,131 @@
+"""Engine outputs -> OpenAI response bodies and server-sent-event chunks, for both endpoints.
+
+Finish reasons pass through ("stop", "length", "abort", "error"); "preempted" is reported as
+"abort" (the client may retry). Logprobs follow OpenAI's two shapes: completions
+`{"tokens", "token_logprobs", "top_logprobs", "text_offset"}`, chat
+`{"content": [{"token", "logprob", "bytes", "top_logprobs": [...]}]}`.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import time
+from collections.abc import Iterator
+from typing import Any
+
+from ..outputs import FINISH_PREEMPTED, CompletionOutput, RequestOutput
+from ..tokenizer import Tokenizer
+from .protocol import GenerateRequest
+
+DONE = "data: [DONE]\n\n"
+
+
+def sse(payload: dict[str, Any]) -> str:
+    """One server-sent event carrying `payload` as compact JSON."""
+    return f"data: {json.dumps(payload, ensure_ascii=False, separators=(',', ':'))}\n\n"
+
+
+def finish_reason(completion: CompletionOutput) -> str | None:
+    reason = completion.finish_reason
+    return "abort" if reason == FINISH_PREEMPTED else reason
+
+
+class ResponseWriter:
+    """Writes one request's response (streamed or whole).
+
+    Args:
+        request_id: the response id ("cmpl-..." / "chatcmpl-...").
+        model: the served model name.
+        chat: chat.completion shapes (else text_completion).
+        req: the checked request (stream options, logprobs count).
+        tokenizer: decodes logprob tokens; None = token ids are shown as "token_id:N".
+    """
+
+    def __init__(self, request_id: str, model: str, chat: bool, req: GenerateRequest,
+                 tokenizer: Tokenizer | None) -> None:
+        self._id, self._model, self._chat, self._req = request_id, model, chat, req
+        self._created = int(time.time())
+        self._text_offset = 0
+        self._token_text = functools.lru_cache(maxsize=4096)(
+            (lambda t: tokenizer.decode([t], skip_special_tokens=False)) if tokenizer is not None
+            else (lambda t: f"token_id:{t}"))
+
+    # ------------------------------------------------------------------ streaming
+
+    def start(self) -> Iterator[str]:
+        """The chunks before any text (chat: the assistant role)."""
+        if self._chat:
+            yield sse(self._chunk({"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                                   "finish_reason": None}))
+
+    def delta(self, out: RequestOutput) -> Iterator[str]:
+        """The chunk of one delta output (nothing when it carries no text, no token and no finish)."""
+        completion = out.outputs[0]
+        if not completion.text and not completion.token_ids and not out.finished:
+            return
+        logprobs = self._logprobs(completion)
+        if self._chat:
+            choice: dict[str, Any] = {"index": 0, "delta": {"content": completion.text} if completion.text else {}}
+        else:
+            choice = {"index": 0, "text": completion.text}
+        choice.update(logprobs=logprobs, finish_reason=finish_reason(completion))
+        if out.finished:
+            choice["stop_reason"] = completion.stop_reason
+        yield sse(self._chunk(choice))
+
+    def end(self, last: RequestOutput, num_output_tokens: int) -> Iterator[str]:
+        """The usage chunk (when asked for) and `data: [DONE]`."""
+        if self._req.include_usage:
+            yield sse({**self._chunk(None), "choices": [], "usage": _usage(last, num_output_tokens)})
+        yield DONE
+
+    # ------------------------------------------------------------------ whole
+
+    def full(self, last: RequestOutput) -> dict[str, Any]:
+        """The non-streamed response body for the final (cumulative) output."""
+        completion = last.outputs[0]
+        choice: dict[str, Any] = {"index": 0}
+        if self._chat:
+            choice["message"] = {"role": "assistant", "content": completion.text}
+        else:
+            choice["text"] = completion.text
+        choice.update(logprobs=self._logprobs(completion), finish_reason=finish_reason(completion),
+                      stop_reason=completion.stop_reason)
+        return {"id": self._id, "object": "chat.completion" if self._chat else "text_completion",
+                "created": self._created, "model": self._model, "choices": [choice],
+                "usage": _usage(last, len(completion.token_ids))}
+
+    # ------------------------------------------------------------------ pieces
+
+    def _chunk(self, choice: dict[str, Any] | None) -> dict[str, Any]:
+        return {"id": self._id, "object": "chat.completion.chunk" if self._chat else "text_completion",
+                "created": self._created, "model": self._model, "choices": [] if choice is None else [choice]}
+
+    def _logprobs(self, completion: CompletionOutput) -> dict[str, Any] | None:
+        if completion.logprobs is None:
+            return None
+        top_n = self._req.params.logprobs or 0
+        entries = []
+        for token_id, alternatives in zip(completion.token_ids, completion.logprobs):
+            ranked = sorted(alternatives.items(), key=lambda item: (-item[1], item[0]))[:top_n]
+            entries.append((token_id, alternatives[token_id], ranked))
+        text = self._token_text
+        if self._chat:
+            return {"content": [{"token": text(t), "logprob": lp, "bytes": list(text(t).encode()),
+                                 "top_logprobs": [{"token": text(a), "logprob": alp, "bytes": list(text(a).encode())}
+                                                  for a, alp in ranked]}
+                                for t, lp, ranked in entries]}
+        offsets = []
+        for token_id, _, _ in entries:
+            offsets.append(self._text_offset)
+            self._text_offset += len(text(token_id))
+        return {"tokens": [text(t) for t, _, _ in entries], "token_logprobs": [lp for _, lp, _ in entries],
+                "top_logprobs": [{text(a): alp for a, alp in ranked} for _, _, ranked in entries],
+                "text_offset": offsets}
+
+
+def _usage(out: RequestOutput, num_output_tokens: int) -> dict[str, int]:
+    num_prompt = len(out.prompt_token_ids)
+    return {"prompt_tokens": num_prompt, "completion_tokens": num_output_tokens,
+            "total_tokens": num_prompt + num_output_tokens}

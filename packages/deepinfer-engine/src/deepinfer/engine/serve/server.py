@@ -1,0 +1,60 @@
+"""Run the app under uvicorn: `run_server(engine, ServeOptions(...))` blocks until SIGINT / SIGTERM.
+
+On SIGTERM uvicorn stops accepting connections and waits for the responses in flight (streams
+included); the app's shutdown then waits until every accepted request has finished and stops the
+engine thread (`AsyncLLM.shutdown(drain=True)`), and `run_server` returns.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import uvicorn
+
+from ..async_llm import DEFAULT_MAX_NUM_WAITING, AsyncLLM
+from ..llm_engine import LLMEngine
+from .app import build_app
+
+
+@dataclass(frozen=True, slots=True)
+class ServeOptions:
+    """How `deepinfer serve` listens and answers.
+
+    Attributes:
+        host: address to bind ("127.0.0.1" = this machine only; "0.0.0.0" = every interface).
+        port: TCP port, in [0, 65535] (0 = any free port).
+        served_model_name: the model name clients send and /v1/models lists.
+        api_key: when set, /v1/* needs `Authorization: Bearer <api_key>`.
+        chat_template: a named chat template ("deepseek_v4", "plain") or a jinja file; None = the model folder's.
+        max_num_waiting: requests accepted but not running before new ones get 503.
+        log_level: uvicorn's log level ("info", "warning", ...).
+    """
+
+    host: str = "127.0.0.1"
+    port: int = 8000
+    served_model_name: str = "deepinfer"
+    api_key: str | None = None
+    chat_template: str | None = None
+    max_num_waiting: int = DEFAULT_MAX_NUM_WAITING
+    log_level: str = "info"
+
+    def __post_init__(self) -> None:
+        if isinstance(self.port, bool) or not isinstance(self.port, int) or not 0 <= self.port <= 65535:
+            raise ValueError(f"port={self.port!r} must be an int in [0, 65535]")
+        if isinstance(self.max_num_waiting, bool) or not isinstance(self.max_num_waiting, int) or \
+                self.max_num_waiting < 1:
+            raise ValueError(f"max_num_waiting={self.max_num_waiting!r} must be an int >= 1")
+        if not isinstance(self.served_model_name, str) or not self.served_model_name:
+            raise ValueError(f"served_model_name={self.served_model_name!r} must be a non-empty str")
+        if self.api_key is not None and (not isinstance(self.api_key, str) or not self.api_key):
+            raise ValueError("api_key must be a non-empty str or None")
+
+
+def run_server(engine: LLMEngine, options: ServeOptions) -> None:
+    """Serve `engine` over HTTP until SIGINT / SIGTERM; returns once in-flight requests are done."""
+    llm = AsyncLLM(engine, max_num_waiting=options.max_num_waiting)
+    app = build_app(llm, served_model_name=options.served_model_name, api_key=options.api_key,
+                    chat_template=options.chat_template)
+    config = uvicorn.Config(app, host=options.host, port=options.port, log_level=options.log_level,
+                            access_log=False, timeout_keep_alive=30)
+    uvicorn.Server(config).run()
