@@ -63,7 +63,7 @@ def test_transformers_field_names() -> None:
     [
         ({"compress_ratios": [0, 0] + [4, 64] * 20 + [4]}, "compress_ratios[3]=64"),
         ({"my_new_field": 1}, "my_new_field"),
-        ({"model_type": "deepseek_v41"}, "model_type='deepseek_v41'"),
+        ({"model_type": "deepseek_v5"}, "model_type='deepseek_v5'"),
         ({"num_key_value_heads": 2}, "num_key_value_heads=2"),
         ({"hidden_act": "gelu"}, "hidden_act='gelu'"),
         ({"qk_rope_head_dim": 7}, "qk_rope_head_dim=7"),

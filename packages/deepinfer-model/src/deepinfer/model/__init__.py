@@ -1,4 +1,4 @@
-"""deepinfer.model — the DeepSeek-V4 model runtime.
+"""deepinfer.model — the DeepSeek-V4 and DeepSeek-V4.1 model runtime.
 
 Config (`DeepseekV4Config`), safetensors loading tensor by tensor with FP8 / MXFP4 dequantisation and
 name / shape / dtype / finiteness checks (`load_model`), or seeded random weights of the real shapes
@@ -7,6 +7,11 @@ the model over a packed variable-length batch (`DeepseekV4ForCausalLM`, `Forward
 (`CacheSpec` declares paged streams and per-sequence state; `ModelCache` holds the tensor views), and
 the embedded default: a tiny V4 trained on Python source, shipped inside this package
 (`embedded_model_dir()`; model card in its README.md).
+
+DeepSeek-V4.1 (`DeepseekV41Config`, `DeepseekV41ForCausalLM`): `DeepseekV4Config.from_dict` /
+`from_model_dir` return a `DeepseekV41Config` for a V4.1 config.json (composite `deepseek_v41` or flat
+`deepseek_v41_text`), and `load_model` builds the V4.1 model from it, with the Engram token map taken
+from the folder's tokenizer.json (`compressed_token_map`).
 """
 
 from importlib.metadata import version as _version
@@ -14,9 +19,11 @@ from importlib.metadata import version as _version
 from .batch import ForwardBatch
 from .cache import CacheSpec, ModelCache, PagedStreamSpec, StateSpec
 from .config import ConfigError, DeepseekV4Config, QuantConfig
+from .config_v41 import DeepseekV41Config
 from .dummy import dummy_model
 from .embedded import embedded_model_dir
 from .model import DeepseekV4ForCausalLM
+from .model_v41 import DeepseekV41ForCausalLM
 from .weights import LOAD_FORMATS, WeightError, load_model
 
 __version__ = _version("deepinfer-model")
@@ -26,6 +33,8 @@ __all__ = [
     "ConfigError",
     "DeepseekV4Config",
     "DeepseekV4ForCausalLM",
+    "DeepseekV41Config",
+    "DeepseekV41ForCausalLM",
     "ForwardBatch",
     "ModelCache",
     "PagedStreamSpec",

@@ -11,11 +11,16 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field, fields
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from deepinfer.kernels.reference import YarnScaling
 
 from .config_checks import CSA, HCA, SLIDING, ConfigError, integer, number, validate
+
+if TYPE_CHECKING:
+    from .config_v41 import DeepseekV41Config
+
+V41_MODEL_TYPES = ("deepseek_v41", "deepseek_v41_text")
 
 __all__ = ["CSA", "HCA", "SLIDING", "ConfigError", "DeepseekV4Config", "QuantConfig"]
 _HF_LAYER_TYPES = {
@@ -103,12 +108,18 @@ class DeepseekV4Config:
         return self.qk_rope_head_dim
 
     @classmethod
-    def from_dict(cls, raw: dict[str, Any]) -> DeepseekV4Config:
-        """Build from a config.json mapping (official or transformers field names)."""
+    def from_dict(cls, raw: dict[str, Any]) -> DeepseekV4Config | DeepseekV41Config:
+        """Build from a config.json mapping (official or transformers field names). A DeepSeek-V4.1
+        config (`model_type` deepseek_v41 / deepseek_v41_text, or a `text_config`) gives a
+        `DeepseekV41Config` (see config_v41)."""
+        if isinstance(raw, dict) and (raw.get("model_type") in V41_MODEL_TYPES or "text_config" in raw):
+            from .config_v41 import DeepseekV41Config
+
+            return DeepseekV41Config.from_dict(raw)
         return cls(**_normalise(raw))
 
     @classmethod
-    def from_model_dir(cls, model_dir: str | Path) -> DeepseekV4Config:
+    def from_model_dir(cls, model_dir: str | Path) -> DeepseekV4Config | DeepseekV41Config:
         """Read `<model_dir>/config.json` (plain JSON; nothing in the folder is executed).
 
         Raises:
@@ -157,7 +168,8 @@ def _normalise(raw: dict[str, Any]) -> dict[str, Any]:
     raw = dict(raw)
     model_type = raw.get("model_type", "deepseek_v4")
     if model_type != "deepseek_v4":
-        raise ConfigError(f"model_type={model_type!r} is not supported (only 'deepseek_v4')")
+        raise ConfigError(f"model_type={model_type!r} is not supported (only 'deepseek_v4', "
+                          f"'deepseek_v41' or 'deepseek_v41_text')")
     if "text_config" in raw or "vision_config" in raw:
         raise ConfigError("text_config/vision_config: composite (V4.1) configs are not supported")
     own = {f.name for f in fields(DeepseekV4Config)} - {"attention_types", "yarn", "quant", "extra"}

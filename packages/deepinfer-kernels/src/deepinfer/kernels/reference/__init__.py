@@ -32,19 +32,43 @@ from .quant import (
 )
 from .rope import YarnScaling, apply_rope, norm_rope, rope_inv_freq
 from .sampling import sample_race
+from .v41_engram import engram_gate, engram_hash, engram_offsets, engram_primes
+from .v41_indexer import candidate_blocks, topk_finite
+from .v41_mhc import hc_collapse, hc_expand, hc_mixes
+from .v41_quant import (
+    dequant_fp4_rows,
+    dequant_mxfp8_rows,
+    fake_quant_fp4_rows,
+    fake_quant_mxfp8,
+    packed_row_bytes,
+    quant_fp4_rows,
+    quant_mxfp8_rows,
+)
 
 __all__ = [
     "YarnScaling",
     "apply_rope",
+    "candidate_blocks",
     "clamped_swiglu",
     "compress_decode",
     "compress_pool",
+    "dequant_fp4_rows",
     "dequant_fp8_block",
     "dequant_mxfp4",
+    "dequant_mxfp8_rows",
+    "engram_gate",
+    "engram_hash",
+    "engram_offsets",
+    "engram_primes",
     "fake_quant_fp4",
+    "fake_quant_fp4_rows",
     "fake_quant_fp8",
+    "fake_quant_mxfp8",
     "grouped_linear",
+    "hc_collapse",
+    "hc_expand",
     "hc_head",
+    "hc_mixes",
     "hc_post",
     "hc_pre",
     "indexer_scores",
@@ -53,10 +77,13 @@ __all__ = [
     "moe_experts_fp8",
     "moe_experts_mxfp4",
     "norm_rope",
+    "packed_row_bytes",
     "paged_decode_attention",
     "paged_indexer_scores",
+    "quant_fp4_rows",
     "quant_fp8_block",
     "quant_mxfp4",
+    "quant_mxfp8_rows",
     "rms_norm",
     "rope_inv_freq",
     "route",
@@ -66,5 +93,6 @@ __all__ = [
     "scale_to_float",
     "select_experts",
     "sparse_attention",
+    "topk_finite",
     "topk_lowest_index",
 ]

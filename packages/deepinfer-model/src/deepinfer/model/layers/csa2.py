@@ -1,0 +1,243 @@
+"""DeepSeek-V4.1 attention (CSA2, spec §2.9.2–§2.9.4): a sliding window of raw KV on every layer,
+plus, on layers with a compress ratio, the compressed KV of their group's KV source.
+
+Roles (from the config's lists):
+- KV source (`kv_source_layer_ids`): owns a compressor (ratio 2: gated softmax pooling of two tokens;
+  ratio 1: a per-token projection) and the index-key projection (`indexer.wk`, `indexer.k_norm`).
+  Each completed group's latent gives, before RoPE, the index key; then RoPE at the group's first
+  position and the cache's FP4 rounding give the compressed KV row. Both land in the source's paged
+  streams `layers.{s}.kv` / `layers.{s}.index_k`; no other layer has streams of its own.
+- Index source (`index_source_layer_ids`): scores its queries against the index keys of its KV
+  source and publishes its top-k (ties to the lowest entry). The candidate source
+  (`candidate_source_layer_id`) also publishes its candidate blocks, and every later index source
+  scores only inside them (two-level top-k).
+- Every other layer with a ratio reuses the last published top-k over its KV source's entries.
+
+The published top-k and candidates live for one forward (`Published`); the persistent state (window
+rings, compressor rings, paged rows) is in the cache, so chunked prefill and decode give what one
+prefill gives. With no index source before it, a layer attends to its window only.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor, nn
+
+from deepinfer.kernels import KernelSet
+from deepinfer.kernels.reference import candidate_blocks, indexer_scores, topk_finite
+from deepinfer.kernels.reference.paged import entry_location
+
+from ..batch import ForwardBatch
+from ..cache import ModelCache
+from ..config_v41 import DeepseekV41Config
+from .common import RMSNorm, linear
+from .v41_codecs import RowCodec
+
+PREFILL_QUERY_BLOCK = 1024     # queries gathered at once (their rows are the prefill's largest transient)
+
+
+@dataclass
+class Published:
+    """What index sources hand to the layers after them during one forward, per sequence."""
+
+    picks: list[Tensor | None] = field(default_factory=list)        # [q, k] entry ids, −1 none
+    candidates: list[Tensor | None] = field(default_factory=list)   # [q, entries] bool
+
+
+@dataclass(frozen=True, slots=True)
+class Codecs:
+    """The row formats of a V4.1 model's caches."""
+
+    window: RowCodec
+    kv: RowCodec
+    index: RowCodec
+
+    @classmethod
+    def for_model(cls, cfg: DeepseekV41Config, dtype: torch.dtype) -> Codecs:
+        return cls(RowCodec.choose("mxfp8", cfg.head_dim, dtype), RowCodec.choose("fp4_e4m3", cfg.head_dim, dtype),
+                   RowCodec.choose("fp4_ue8m0", cfg.index_head_dim, dtype))
+
+
+class Compressor(nn.Module):
+    """`wkv` [head_dim, hidden], `wgate` (ratio 2 only), `norm` [head_dim]."""
+
+    def __init__(self, cfg: DeepseekV41Config, ratio: int) -> None:
+        super().__init__()
+        self.ratio = ratio
+        self.wkv = linear(cfg.hidden_size, cfg.head_dim)
+        self.wgate = linear(cfg.hidden_size, cfg.head_dim) if ratio > 1 else None
+        self.norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
+
+
+class Indexer(nn.Module):
+    """`wq_b` [heads·dim, q_lora], `weights_proj` [heads, hidden]; on KV sources also `wk`
+    [dim, head_dim] and `k_norm` [dim] (the index keys)."""
+
+    def __init__(self, cfg: DeepseekV41Config, owns_keys: bool) -> None:
+        super().__init__()
+        self.num_heads, self.head_dim = cfg.index_n_heads, cfg.index_head_dim
+        self.wq_b = linear(cfg.q_lora_rank, cfg.index_n_heads * cfg.index_head_dim)
+        self.weights_proj = linear(cfg.hidden_size, cfg.index_n_heads)
+        if owns_keys:
+            self.wk = linear(cfg.head_dim, cfg.index_head_dim)
+            self.k_norm = RMSNorm(cfg.index_head_dim, cfg.rms_norm_eps)
+
+
+class Attention(nn.Module):
+    """One V4.1 layer's attention; parameter names are the official checkpoint's."""
+
+    def __init__(self, cfg: DeepseekV41Config, layer: int) -> None:
+        super().__init__()
+        self.cfg, self.layer = cfg, layer
+        self.ratio = cfg.compress_ratios[layer]
+        self.source = cfg.kv_source_of(layer)
+        h, d = cfg.num_attention_heads, cfg.head_dim
+        self.wq_a = linear(cfg.hidden_size, cfg.q_lora_rank)
+        self.q_norm = RMSNorm(cfg.q_lora_rank, cfg.rms_norm_eps)
+        self.wq_b = linear(cfg.q_lora_rank, h * d)
+        self.wkv = linear(cfg.hidden_size, d)
+        self.kv_norm = RMSNorm(d, cfg.rms_norm_eps)
+        self.wo_a = linear(h * d // cfg.o_groups, cfg.o_groups * cfg.o_lora_rank)
+        self.wo_b = linear(cfg.o_groups * cfg.o_lora_rank, cfg.hidden_size)
+        self.attn_sink = nn.Parameter(torch.zeros(h, dtype=torch.float32))
+        is_kv_source = layer in cfg.kv_source_layer_ids
+        self.compressor = Compressor(cfg, self.ratio) if is_kv_source else None
+        self.indexer = Indexer(cfg, is_kv_source) if layer in cfg.index_source_layer_ids else None
+
+    def forward(self, x: Tensor, batch: ForwardBatch, cache: ModelCache, ops: KernelSet, inv_freq: Tensor,
+                codecs: Codecs, published: Published) -> Tensor:
+        """x [num_tokens, hidden] (normed) → [num_tokens, hidden]; reads and writes this layer's cache
+        (and, on a KV source, its paged streams)."""
+        cfg, eps, pos = self.cfg, self.cfg.rms_norm_eps, batch.positions
+        t, h, d = x.shape[0], cfg.num_attention_heads, cfg.head_dim
+        qr = ops.rms_norm(ops.linear(x, self.wq_a.weight), self.q_norm.weight, eps)
+        q = ops.apply_rope(ops.linear(qr, self.wq_b.weight).view(t, h, d), pos, inv_freq)
+        kv = ops.apply_rope(ops.rms_norm(ops.linear(x, self.wkv.weight), self.kv_norm.weight, eps), pos, inv_freq)
+        kv = codecs.window.round_trip(kv)
+        index_q = index_w = None
+        if self.indexer is not None:
+            ix = self.indexer
+            index_q = ops.apply_rope(ops.linear(qr, ix.wq_b.weight).view(t, ix.num_heads, ix.head_dim), pos, inv_freq)
+            index_q = codecs.index.round_trip(index_q)
+            index_w = ops.linear(x, ix.weights_proj.weight).float() * ix.num_heads**-0.5
+        comp = self._compressor_inputs(x, ops) if self.compressor is not None else None
+        out = torch.empty_like(q)
+        for i in range(batch.num_seqs):
+            a, b = batch.cu_seqlens[i], batch.cu_seqlens[i + 1]
+            start, slot, table = batch.start_positions[i], batch.state_slots[i], batch.block_tables[i]
+            window = self._window_rows(kv[a:b], pos[a:b], start, cache.state[f"layers.{self.layer}.window"][slot],
+                                       codecs)
+            entries = None
+            if self.ratio:
+                if comp is not None:
+                    self._compress(comp[0][a:b], None if comp[1] is None else comp[1][a:b], start, slot, table,
+                                   cache, ops, inv_freq, codecs)
+                r_src = cfg.compress_ratios[self.source]
+                num_entries = (start + b - a) // r_src
+                if self.indexer is not None and num_entries:
+                    self._select(i, index_q[a:b], index_w[a:b], pos[a:b], num_entries, table, cache, codecs,
+                                 published)
+                picks = published.picks[i]
+                if picks is not None and num_entries:
+                    entries = (picks, num_entries, table)
+            for lo in range(a, b, PREFILL_QUERY_BLOCK):
+                hi = min(b, lo + PREFILL_QUERY_BLOCK)
+                rows, valid = window[0][lo - a:hi - a], window[1][lo - a:hi - a]
+                if entries is not None:
+                    comp_rows, comp_valid = self._entry_rows(entries[0][lo - a:hi - a], entries[1], entries[2],
+                                                             cache, codecs, q.dtype)
+                    rows, valid = torch.cat((rows, comp_rows), dim=1), torch.cat((valid, comp_valid), dim=1)
+                out[lo:hi] = ops.sparse_attention(q[lo:hi], rows, valid, self.attn_sink, d**-0.5)
+        out = ops.apply_rope(out, pos, inv_freq, inverse=True)
+        grouped = ops.grouped_linear(out.reshape(t, cfg.o_groups, -1), self.wo_a.weight)
+        return ops.linear(grouped.flatten(1), self.wo_b.weight)
+
+    # --- window -------------------------------------------------------------------------------------
+    def _window_rows(self, kv: Tensor, pos: Tensor, start: int, ring: Tensor, codecs: Codecs) -> tuple[Tensor, Tensor]:
+        """Rows [q, W, head_dim] and validity [q, W] of each query's window (positions p − W + 1 … p);
+        stores the chunk's rows in the ring (slot = position mod ring length)."""
+        w, q_len, ring_len = self.cfg.sliding_window, kv.shape[0], ring.shape[0]
+        key_pos = pos[:, None] - w + 1 + torch.arange(w, device=kv.device)[None, :]
+        from_ring = codecs.window.decode(ring[key_pos.clamp(min=0) % ring_len], kv.dtype)
+        rows = torch.where((key_pos >= start)[..., None], kv[(key_pos - start).clamp(0, q_len - 1)], from_ring)
+        keep = max(start, start + q_len - ring_len)
+        ring[torch.arange(keep, start + q_len, device=kv.device) % ring_len] = codecs.window.encode(kv[keep - start:])
+        return rows, key_pos >= 0
+
+    # --- KV source: compression and index keys ------------------------------------------------------
+    def _compressor_inputs(self, x: Tensor, ops: KernelSet) -> tuple[Tensor, Tensor | None]:
+        """Ratio 1: the normed latent of every token (model dtype). Ratio 2: (kv, gate) in float32."""
+        c = self.compressor
+        if c.wgate is None:
+            return ops.rms_norm(ops.linear(x, c.wkv.weight), c.norm.weight, self.cfg.rms_norm_eps), None
+        xf = x.float()
+        return xf @ c.wkv.weight.float().t(), xf @ c.wgate.weight.float().t()     # pooled in float32
+
+    def _compress(self, kv: Tensor, gate: Tensor | None, start: int, slot: Tensor, table: Tensor, cache: ModelCache,
+                  ops: KernelSet, inv_freq: Tensor, codecs: Codecs) -> None:
+        """Emit the groups that complete in this chunk of one sequence into the layer's paged streams."""
+        r, end = self.ratio, start + kv.shape[0]
+        if gate is None:
+            latents, ids = kv, torch.arange(start, end, device=kv.device)
+        else:
+            ring_k = cache.state[f"layers.{self.layer}.compressor.kv"][slot]
+            ring_g = cache.state[f"layers.{self.layer}.compressor.gate"][slot]
+            ring_len = ring_k.shape[0]
+            first, stop = start // r, end // r
+            ids = torch.arange(first, stop, device=kv.device)
+            latents = None
+            if stop > first:
+                p = torch.arange(first * r, stop * r, device=kv.device)
+                inside = (p >= start)[:, None]
+                kk = torch.where(inside, kv[(p - start).clamp(min=0)], ring_k[p % ring_len]).view(-1, r, kv.shape[1])
+                gg = torch.where(inside, gate[(p - start).clamp(min=0)], ring_g[p % ring_len]).view(-1, r, kv.shape[1])
+                pooled = (kk * gg.softmax(dim=1)).sum(dim=1)
+                latents = ops.rms_norm(pooled.to(self.wq_a.weight.dtype), self.compressor.norm.weight,
+                                       self.cfg.rms_norm_eps)
+            keep = max(start, end - ring_len)
+            write = torch.arange(keep, end, device=kv.device)
+            ring_k[write % ring_len] = kv[keep - start:]
+            ring_g[write % ring_len] = gate[keep - start:]
+            if latents is None:
+                return
+        positions = ids * r
+        ix = self.indexer
+        keys = ops.rms_norm(ops.linear(latents, ix.wk.weight), ix.k_norm.weight, self.cfg.rms_norm_eps)
+        keys = ops.apply_rope(keys, positions, inv_freq)
+        rows = ops.apply_rope(latents, positions, inv_freq)
+        blocks, slots, _ = entry_location(table, ids, r, cache.spec.block_size)
+        cache.paged[f"layers.{self.layer}.index_k"][blocks, slots] = codecs.index.encode(keys)
+        cache.paged[f"layers.{self.layer}.kv"][blocks, slots] = codecs.kv.encode(rows)
+
+    # --- index sources ------------------------------------------------------------------------------
+    def _select(self, i: int, index_q: Tensor, index_w: Tensor, pos: Tensor, num_entries: int, table: Tensor,
+                cache: ModelCache, codecs: Codecs, published: Published) -> None:
+        """Score one sequence's queries against its KV source's index keys and publish the top-k."""
+        cfg, src = self.cfg, self.source
+        ids = torch.arange(num_entries, device=pos.device)
+        blocks, slots, _ = entry_location(table, ids, cfg.compress_ratios[src], cache.spec.block_size)
+        keys = codecs.index.decode(cache.paged[f"layers.{src}.index_k"][blocks, slots], torch.float32)
+        scores = indexer_scores(index_q, keys, index_w, self.indexer.head_dim**-0.5)
+        visible = torch.div(pos + 1, self.ratio, rounding_mode="floor")
+        scores = scores.masked_fill(ids[None, :] >= visible[:, None], float("-inf"))
+        candidate = cfg.candidate_source_layer_id
+        if self.layer == candidate:
+            published.candidates[i] = candidate_blocks(scores, visible, cfg.candidate_topk_blocks,
+                                                       cfg.candidate_block_size)
+        elif 0 <= candidate < self.layer and published.candidates[i] is not None:
+            allowed = published.candidates[i]
+            if allowed.shape[1] < num_entries:
+                allowed = torch.cat((allowed, allowed.new_zeros(allowed.shape[0], num_entries - allowed.shape[1])), 1)
+            scores = scores.masked_fill(~allowed[:, :num_entries], float("-inf"))
+        published.picks[i] = topk_finite(scores, cfg.index_topk)
+
+    def _entry_rows(self, picks: Tensor, num_entries: int, table: Tensor, cache: ModelCache, codecs: Codecs,
+                    dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+        """The compressed KV rows [q, k, head_dim] the picks name, and their validity [q, k]."""
+        r = self.cfg.compress_ratios[self.source]
+        valid = (picks >= 0) & (picks < num_entries)
+        blocks, slots, _ = entry_location(table, torch.where(valid, picks, 0).flatten(), r, cache.spec.block_size)
+        rows = codecs.kv.decode(cache.paged[f"layers.{self.source}.kv"][blocks, slots], dtype)
+        return rows.view(*picks.shape, -1), valid
