@@ -101,8 +101,9 @@ class JinjaChatTemplate:
                options: Mapping[str, Any] | None = None) -> str:
         import jinja2
 
-        variables = {**self._special, **(options or {}), "messages": [m.to_dict() for m in messages],
-                     "add_generation_prompt": add_generation_prompt}
+        # tools / documents are None unless given, as in transformers (`tools is not none` must be false).
+        variables = {"tools": None, "documents": None, **self._special, **(options or {}),
+                     "messages": [m.to_dict() for m in messages], "add_generation_prompt": add_generation_prompt}
         try:
             return self._template.render(**variables)
         except ChatTemplateError:

@@ -1,0 +1,140 @@
+"""Load on localhost, bounded in count and time: 200 concurrent streams all complete, well formed,
+none lost or mixed up; 50 streams dropped mid-way are aborted and give their KV blocks back."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import httpx
+import pytest
+import uvicorn
+
+from deepinfer.engine import EngineArgs, LLMEngine
+from deepinfer.engine.async_llm import AsyncLLM
+from deepinfer.engine.serve import build_app
+
+NUM_STREAMS = 200
+NUM_DROPPED = 50
+
+
+@dataclass
+class Served:
+    base_url: str
+    engine: LLMEngine
+    server: uvicorn.Server
+    thread: threading.Thread
+
+
+@pytest.fixture(scope="module")
+def served() -> Iterator[Served]:
+    engine = LLMEngine(EngineArgs(seed=0, stop_preempted_request=False))
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    server = uvicorn.Server(uvicorn.Config(build_app(AsyncLLM(engine), served_model_name="tiny"), log_level="warning"))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not server.started:
+        assert time.monotonic() < deadline and thread.is_alive(), "the server did not start"
+        time.sleep(0.01)
+    yield Served(f"http://127.0.0.1:{sock.getsockname()[1]}", engine, server, thread)
+    server.should_exit = True
+    thread.join(timeout=30)
+
+
+def _metric(text: str, name: str) -> float:
+    match = re.search(rf"^{re.escape(name)} (\S+)$", text, re.MULTILINE)
+    assert match, f"{name} not in /metrics"
+    return float(match.group(1))
+
+
+def _events(body: str) -> list[str]:
+    """The data of each server-sent event; asserts the framing (`data: ...` + blank line, nothing else)."""
+    assert body.endswith("\n\n"), body[-80:]
+    events = body[:-2].split("\n\n")
+    assert all(e.startswith("data: ") and "\n" not in e for e in events), events[:3]
+    return [e.removeprefix("data: ") for e in events]
+
+
+def _check_stream(body: str, max_tokens: int) -> tuple[str, dict[str, int]]:
+    """Asserts a well-formed completion stream; returns (response id, usage)."""
+    events = _events(body)
+    assert events[-1] == "[DONE]" and "[DONE]" not in events[:-1]
+    chunks = [json.loads(e) for e in events[:-1]]
+    ids = {c["id"] for c in chunks}
+    assert len(ids) == 1
+    *choice_chunks, usage_chunk = chunks
+    reasons = [c["choices"][0]["finish_reason"] for c in choice_chunks]
+    assert reasons[-1] == "length" and all(r is None for r in reasons[:-1])
+    assert usage_chunk["choices"] == [] and usage_chunk["usage"]["completion_tokens"] == max_tokens
+    assert 1 <= len(choice_chunks) <= max_tokens
+    return ids.pop(), usage_chunk["usage"]
+
+
+def test_200_concurrent_streams_complete_well_formed_none_lost(served: Served) -> None:
+    tokenizer = served.engine.tokenizer
+    prompts = [f"def f{i}(" + "x, " * (i % 11) for i in range(NUM_STREAMS)]
+    max_tokens = [1 + i % 5 for i in range(NUM_STREAMS)]
+
+    async def one(http: httpx.AsyncClient, i: int) -> tuple[str, dict[str, int]]:
+        body = {"prompt": prompts[i], "max_tokens": max_tokens[i], "temperature": 0, "ignore_eos": True,
+                "stream": True, "stream_options": {"include_usage": True}}
+        async with http.stream("POST", "/v1/completions", json=body) as reply:
+            assert reply.status_code == 200 and reply.headers["content-type"].startswith("text/event-stream")
+            return _check_stream((await reply.aread()).decode(), max_tokens[i])
+
+    async def run() -> list[tuple[str, dict[str, int]]]:
+        limits = httpx.Limits(max_connections=NUM_STREAMS)
+        async with httpx.AsyncClient(base_url=served.base_url, limits=limits, timeout=60) as http:
+            return await asyncio.wait_for(asyncio.gather(*(one(http, i) for i in range(NUM_STREAMS))), 45)
+
+    started = time.monotonic()
+    results = asyncio.run(run())
+    assert time.monotonic() - started < 45
+    assert len({rid for rid, _ in results}) == NUM_STREAMS            # no stream answered twice
+    for i, (_, usage) in enumerate(results):                          # each got its own request's answer
+        assert usage["prompt_tokens"] == len(tokenizer.encode(prompts[i]))
+        assert usage["completion_tokens"] == max_tokens[i]
+
+
+def test_dropped_streams_are_aborted_and_free_their_blocks(served: Served) -> None:
+    url = served.base_url
+    before = httpx.get(f"{url}/metrics").text
+    free_at_start = _metric(before, "deepinfer_kv_cache_free_blocks")
+    aborts_before = _metric(before, 'deepinfer_request_success_total{finished_reason="abort"}') \
+        if 'finished_reason="abort"' in before else 0.0
+
+    async def drop(http: httpx.AsyncClient, i: int) -> int:
+        body = {"prompt": f"class C{i}:", "max_tokens": 2000, "ignore_eos": True, "stream": True}
+        async with http.stream("POST", "/v1/completions", json=body) as reply:
+            num_events = 0
+            async for line in reply.aiter_lines():
+                num_events += line.startswith("data: ")
+                if num_events == 3:
+                    return num_events                 # leaving the block closes the connection mid-stream
+        return num_events
+
+    async def run() -> list[int]:
+        limits = httpx.Limits(max_connections=NUM_DROPPED, max_keepalive_connections=0)
+        async with httpx.AsyncClient(base_url=url, limits=limits, timeout=60) as http:
+            return await asyncio.wait_for(asyncio.gather(*(drop(http, i) for i in range(NUM_DROPPED))), 30)
+
+    assert asyncio.run(run()) == [3] * NUM_DROPPED
+    deadline = time.monotonic() + 15            # 2000 tokens each would take minutes: only aborts end them this fast
+    while True:
+        text = httpx.get(f"{url}/metrics").text
+        settled = (_metric(text, "deepinfer_num_requests_running"), _metric(text, "deepinfer_num_requests_waiting"),
+                   _metric(text, "deepinfer_kv_cache_free_blocks"))
+        if settled == (0, 0, free_at_start) or time.monotonic() > deadline:
+            break
+        time.sleep(0.05)
+    assert settled == (0, 0, free_at_start)
+    assert _metric(text, 'deepinfer_request_success_total{finished_reason="abort"}') == aborts_before + NUM_DROPPED
+    assert httpx.post(f"{url}/v1/completions", json={"prompt": "x", "max_tokens": 2}).status_code == 200
