@@ -1,12 +1,17 @@
 """Run the app under uvicorn: `run_server(engine, ServeOptions(...))` blocks until SIGINT / SIGTERM.
 
-On SIGTERM uvicorn stops accepting connections and waits for the responses in flight (streams
-included); the app's shutdown then waits until every accepted request has finished and stops the
-engine thread (`AsyncLLM.shutdown(drain=True)`), and `run_server` returns.
+On SIGTERM (or SIGINT) uvicorn stops accepting connections and waits for the responses in flight
+(streams included); the app's shutdown then waits until every accepted request has finished and
+stops the engine thread (`AsyncLLM.shutdown(drain=True)`), and `run_server` returns, so that
+`deepinfer serve` exits 0 after a drain (uvicorn would re-raise the signal and die by it).
 """
 
 from __future__ import annotations
 
+import contextlib
+import signal
+import threading
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import uvicorn
@@ -57,4 +62,20 @@ def run_server(engine: LLMEngine, options: ServeOptions) -> None:
                     chat_template=options.chat_template)
     config = uvicorn.Config(app, host=options.host, port=options.port, log_level=options.log_level,
                             access_log=False, timeout_keep_alive=30)
-    uvicorn.Server(config).run()
+    with _signals_end_quietly():
+        uvicorn.Server(config).run()
+
+
+@contextlib.contextmanager
+def _signals_end_quietly() -> Iterator[None]:
+    """While serving, SIGINT / SIGTERM belong to uvicorn (graceful shutdown); the handler it restores
+    and re-raises into afterwards is this no-op, so a drained server returns instead of dying."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = {sig: signal.signal(sig, lambda *_: None) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
