@@ -8,6 +8,7 @@ that cannot load fails before a byte of weights is read (`WeightError` naming th
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -23,7 +24,11 @@ INTEGERS = (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8)
 PACKED_FP4 = (torch.int8, torch.uint8)              # two e2m1 codes per byte
 FP8_SCALES = (torch.float8_e8m0fnu, torch.float32)
 FP4_SCALES = (torch.float8_e8m0fnu, torch.uint8)    # uint8 = e8m0 bits
-COPY, KEEP, QUANTISE, DRAFT = "copy", "keep", "quantise", "draft"
+COPY, KEEP, QUANTISE, DRAFT, TABLE = "copy", "keep", "quantise", "draft", "table"
+# DeepSeek-V4.1 checkpoint parts this text-only engine does not serve (the vision tower, its aligner
+# and the image delimiter embeddings), skipped when planning a V4.1 load.
+_V41_SKIPPED = re.compile(r"^(vision|aligner)\.|^image_(start|end|newline)$")
+ENGRAM_TABLE = ".engram.embed.weight"     # FP8 rows with one e8m0 scale per row and 32 channels
 
 
 @dataclass(frozen=True, slots=True)
@@ -32,7 +37,8 @@ class Placement:
 
     mode: COPY (float or integer values, dequantised first if scaled, converted to the target's
     dtype), KEEP (quantised expert bytes and scale as stored), QUANTISE (float values → the
-    model's `expert_dtype`), DRAFT (kept aside, dequantised, on CPU).
+    model's `expert_dtype`), DRAFT (kept aside, dequantised, on CPU), TABLE (a V4.1 Engram table's
+    FP8 rows and e8m0 scales as stored, into `….embed.weight` / `….embed.scale`).
     """
 
     source: StoredTensor
@@ -56,8 +62,9 @@ def plan_load(stored: dict[str, StoredTensor], expected: dict[str, Tensor], cfg:
     scale_of = {key: _scale_key(key, stored) for key in stored}
     scales = {s for s in scale_of.values() if s is not None}
     placements, unexpected = [], []
+    v41 = not isinstance(cfg, DeepseekV4Config)
     for key, tensor in stored.items():
-        if key in scales:
+        if key in scales or (v41 and _V41_SKIPPED.search(to_official(key))):
             continue
         scale = stored[scale_of[key]] if scale_of[key] else None
         placement = _place(tensor, scale, expected, expert_dtype)
@@ -102,6 +109,8 @@ def _place(tensor: StoredTensor, scale: StoredTensor | None, expected: dict[str,
         return Placement(tensor, scale, target, _mode(tensor, scale, expert_dtype), expert, rows, stacked=True)
     if name not in expected:
         return None
+    if name.endswith(ENGRAM_TABLE) and scale is not None and name[:-len("weight")] + "scale" in expected:
+        return Placement(tensor, scale, name, TABLE)
     stacked = name.endswith((".experts.w13", ".experts.w2"))
     return Placement(tensor, scale, name, _mode(tensor, scale, expert_dtype) if stacked else COPY, stacked=stacked)
 
@@ -129,6 +138,8 @@ def _check_coverage(placements: list[Placement], expected: dict[str, Tensor], cf
         if clash is not None:
             raise WeightError(f"{p.target!r} is given twice: by {clash.source.where()} and by {p.source.where()}")
         units[(p.expert, p.row_start)] = p
+        if p.mode == TABLE:
+            filled[p.target[:-len("weight")] + "scale"] = {(None, 0): p}
     inter = cfg.moe_intermediate_size
     for name, t in expected.items():
         units = filled.get(name, {})
@@ -181,7 +192,9 @@ def _check(p: Placement, expected: dict[str, Tensor], cfg: DeepseekV4Config, exp
         return
     if integer_target:
         raise src.error(f"has a scale tensor ({scale.key!r}) but {p.target!r} holds integers")
-    if src.dtype == torch.float8_e4m3fn:
+    if src.dtype == torch.float8_e4m3fn and p.target.endswith(ENGRAM_TABLE):
+        allowed, want = FP4_SCALES, shape[:-1] + (shape[-1] // 32,)        # one e8m0 per row and 32 channels
+    elif src.dtype == torch.float8_e4m3fn:
         allowed, want = FP8_SCALES, _blocks(shape, block)
     elif src.dtype in PACKED_FP4:
         if shape[-1] % 32:

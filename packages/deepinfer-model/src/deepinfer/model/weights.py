@@ -29,10 +29,14 @@ from deepinfer.kernels.reference import dequant_fp8_block, dequant_mxfp4, scale_
 
 from .checkpoint import TensorReader, WeightError, read_headers
 from .config import DeepseekV4Config
+from .config_v41 import DeepseekV41Config
 from .dummy import dummy_model
+from .engram_vocab import compressed_token_map
 from .layers.moe import quantise_expert_matrix
-from .load_plan import COPY, DRAFT, KEEP, PACKED_FP4, Placement, plan_load
+from .load_plan import COPY, DRAFT, ENGRAM_TABLE, KEEP, PACKED_FP4, TABLE, Placement, plan_load
 from .model import DeepseekV4ForCausalLM, build_model
+from .model_v41 import DeepseekV41ForCausalLM, build_model_v41
+from .names import to_official
 
 __all__ = ["LOAD_FORMATS", "WeightError", "load_model"]
 
@@ -47,11 +51,12 @@ def load_model(
     device: torch.device | str = "cpu",
     kv_quant: bool = False,
     expert_dtype: str | None = None,
-    cfg: DeepseekV4Config | None = None,
+    cfg: DeepseekV4Config | DeepseekV41Config | None = None,
     progress: bool = False,
     load_format: str = "safetensors",
     seed: int = 0,
-) -> DeepseekV4ForCausalLM:
+    engram_on_host: bool = False,
+) -> DeepseekV4ForCausalLM | DeepseekV41ForCausalLM:
     """Build the model of `model_dir` and stream its weights in (or make them up: `load_format`).
 
     Args:
@@ -67,9 +72,17 @@ def load_model(
         load_format: "safetensors" (read the checkpoint) or "dummy" (no checkpoint is read: seeded
             random weights of the real shapes, made on `device`; see `dummy.dummy_model`).
         seed: the seed of the "dummy" weights (unused for "safetensors").
+        engram_on_host: DeepSeek-V4.1 only: keep the Engram tables in host memory (pinned when
+            `device` is CUDA) and copy only the rows each step needs (`DeepseekV41ForCausalLM`).
+
+    A DeepSeek-V4.1 folder (`DeepseekV41Config`) gives a `DeepseekV41ForCausalLM`: its cache
+    quantisation is part of the model (`kv_quant` has no effect on it), Engram tables stored as FP8
+    rows stay FP8 (dequantised per looked-up row), the Engram token map comes from the folder's
+    tokenizer.json, and the checkpoint's vision tower, aligner and image embeddings are skipped.
 
     Returns:
-        The model in eval mode; `model.draft_weights` holds the `mtp.*` tensors (CPU, dequantised).
+        The model in eval mode; `model.draft_weights` holds the `mtp.*` tensors (CPU, dequantised):
+        the MTP head of V4, the DSpark stages `mtp.0..2` of V4.1.
 
     Raises:
         ConfigError: bad config.json. WeightError: an unusable checkpoint file, or a missing,
@@ -82,6 +95,9 @@ def load_model(
     if load_format not in LOAD_FORMATS:
         raise ValueError(f"load_format={load_format!r} must be one of {', '.join(map(repr, LOAD_FORMATS))}")
     cfg = cfg or DeepseekV4Config.from_model_dir(model_dir)
+    if isinstance(cfg, DeepseekV41Config):
+        return _load_v41(model_dir, cfg, dtype, torch.device(device), expert_dtype, progress, load_format, seed,
+                         engram_on_host)
     if load_format == "dummy":
         return dummy_model(cfg, dtype=dtype, device=device, kv_quant=kv_quant, expert_dtype=expert_dtype, seed=seed)
     expected = build_model(cfg, device="meta", dtype=dtype, kv_quant=kv_quant, expert_dtype=expert_dtype).state_dict()
@@ -93,8 +109,38 @@ def load_model(
     return model.eval()
 
 
+def _load_v41(model_dir: str | Path, cfg: DeepseekV41Config, dtype: torch.dtype, device: torch.device,
+              expert_dtype: str | None, progress: bool, load_format: str, seed: int,
+              engram_on_host: bool) -> DeepseekV41ForCausalLM:
+    if load_format == "dummy":
+        if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
+            raise ValueError(f"seed={seed!r} must be an int >= 0")
+        model = build_model_v41(cfg, device=device, dtype=dtype, expert_dtype=expert_dtype,
+                                engram_on_host=engram_on_host)
+        model.init_weights(seed)
+        if cfg.engram_layer_ids:           # no tokenizer is read: token id modulo the compressed vocabulary
+            model.bind_token_map(torch.arange(cfg.vocab_size) % cfg.engram_compressed_vocab_size)
+        model.place_engram_tables()
+        return model.eval()
+    headers = read_headers(model_dir)
+    fp8_engram = any(to_official(k).endswith(ENGRAM_TABLE) and t.dtype == torch.float8_e4m3fn
+                     for k, t in headers.items())
+    token_map = compressed_token_map(model_dir, cfg.vocab_size) if cfg.engram_layer_ids else None
+    build = dict(dtype=dtype, expert_dtype=expert_dtype, engram_on_host=engram_on_host, fp8_engram=fp8_engram)
+    expected = build_model_v41(cfg, device="meta", **build).state_dict()
+    plan = plan_load(headers, expected, cfg, expert_dtype, Path(model_dir))
+    model = build_model_v41(cfg, device=device, **build)
+    with torch.no_grad():
+        model.draft_weights = _stream(plan, model.state_dict(), _Context(cfg, expert_dtype, device), progress)
+    if token_map is not None:
+        model.bind_token_map(token_map)
+    model.place_engram_tables()
+    return model.eval()
+
+
 class _Context:
-    def __init__(self, cfg: DeepseekV4Config, expert_dtype: str | None, device: torch.device) -> None:
+    def __init__(self, cfg: DeepseekV4Config | DeepseekV41Config, expert_dtype: str | None,
+                 device: torch.device) -> None:
         self.cfg, self.expert_dtype, self.device = cfg, expert_dtype, device
         self.block = cfg.quant.fp8_block if cfg.quant else 128
 
@@ -134,6 +180,10 @@ def _place(p: Placement, reader: TensorReader, state: dict[str, Tensor], ctx: _C
             _keep(p, part, part_scale, state, expert, ctx)
     elif p.mode == COPY:
         _copy(p, source, scale, state, ctx)
+    elif p.mode == TABLE:
+        _checked(p, _table_rows(source, scale))
+        state[p.target].copy_(source)
+        state[p.target[:-len("weight")] + "scale"].copy_(scale.view(torch.uint8))
     else:
         for expert, (part, part_scale) in _units(p, source, scale):
             values = _checked(p, _dequantised(p, part, part_scale, ctx.block))
@@ -178,9 +228,16 @@ def _scale_slot(p: Placement, state: dict[str, Tensor], expert: int, ctx: _Conte
     return scales[p.row_start // grain:(p.row_start + ctx.cfg.moe_intermediate_size) // grain]
 
 
+def _table_rows(source: Tensor, scale: Tensor) -> Tensor:
+    """An Engram table's FP8 rows times their e8m0 scales (one per row and 32 channels), float32."""
+    return (source.float().unflatten(-1, (-1, 32)) * scale_to_float(scale.view(torch.uint8)).unsqueeze(-1)).flatten(-2)
+
+
 def _dequantised(p: Placement, source: Tensor, scale: Tensor | None, block: int) -> Tensor:
     if scale is None:
         return source
+    if p.target.endswith(ENGRAM_TABLE):
+        return _table_rows(source, scale)
     try:
         if source.dtype == torch.float8_e4m3fn:
             return dequant_fp8_block(source, scale, block)

@@ -1,0 +1,82 @@
+"""Loading DeepSeek-V4.1 folders: official names with FP8 / MXFP4 / FP8 Engram tables, transformers'
+names, the Engram vocabulary from tokenizer.json, DSpark stages kept aside."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from v41_checkpoint import folder_model, official_tensors, tokenizer, transformers_tensors, write_folder
+from v41_helpers import run_chunks
+
+from deepinfer.model import DeepseekV41ForCausalLM, WeightError, load_model
+from deepinfer.model.engram_vocab import token_map_of
+
+TOKENS = [5, 9, 3, 40, 41, 7, 7, 12, 60, 61, 62, 3, 4, 90, 15, 16, 17, 9, 5, 3, 22]
+
+
+def test_compressed_vocabulary_by_hand() -> None:
+    m = token_map_of(tokenizer(), 100).tolist()
+    ids = {w: i for i, w in enumerate(["<s>", "</s>", "<pad>", "Hello", "hello", "HELLO", "café", "cafe", "Café",
+                                        " ", "\t", "the", "The", " the", "ﬁ", "fi"])}
+    assert m[ids["Hello"]] == m[ids["hello"]] == m[ids["HELLO"]]                 # lowercase
+    assert m[ids["café"]] == m[ids["cafe"]] == m[ids["Café"]]                    # accents stripped
+    assert m[ids["ﬁ"]] == m[ids["fi"]]                                           # NFKC
+    assert m[ids[" "]] == m[ids["\t"]] != m[ids["<s>"]]                           # whitespace → one space, kept
+    assert m[ids[" the"]] == m[ids["the"]] == m[ids["The"]]                       # stripped
+    assert m[:3] == [0, 1, 2] and m[3] == 3 and m[96:] == [m[95]] * 4            # first-appearance order, padding
+    assert max(m) + 1 == 96 - 2 - 2 - 1 - 1 - 2                                  # 12 of 96 ids merged
+
+
+def test_official_fp8_mxfp4_folder_generates_the_same_logits(tmp_path) -> None:
+    model, raw = folder_model()
+    tensors = official_tensors(model, quantised=True)         # model now holds the dequantised values
+    want = run_chunks(model, [TOKENS], [[len(TOKENS)]])[0]
+    folder = write_folder(tmp_path / "official", model, raw, tensors, composite=True)
+    loaded = load_model(folder)
+    assert isinstance(loaded, DeepseekV41ForCausalLM) and loaded.cfg.quant.fp8_block == 32
+    assert loaded.layers[1].engram.embed.weight.dtype == torch.float8_e4m3fn          # the table stays FP8
+    assert set(loaded.draft_weights) == {"mtp.0.main_proj.weight"}
+    torch.testing.assert_close(run_chunks(loaded, [TOKENS], [[7, 1, 13]])[0], want, atol=2e-4, rtol=0)
+    host = load_model(folder, expert_dtype="fp4", engram_on_host=True)
+    torch.testing.assert_close(run_chunks(host, [TOKENS], [[len(TOKENS)]])[0], want, atol=2e-4, rtol=0)
+
+
+def test_transformers_names_folder(tmp_path) -> None:
+    model, raw = folder_model(seed=3)
+    want = run_chunks(model, [TOKENS], [[len(TOKENS)]])[0]
+    folder = write_folder(tmp_path / "hf", model, raw, transformers_tensors(model), composite=False)
+    torch.testing.assert_close(run_chunks(load_model(folder), [TOKENS], [[len(TOKENS)]])[0], want, atol=2e-4,
+                               rtol=0)
+    half = load_model(folder, dtype=torch.bfloat16)
+    assert half.layers[0].attn_norm.weight.dtype == torch.bfloat16                     # bf16 norms
+    assert half.layers[0].hc_attn_fn.dtype == half.layers[0].attn.attn_sink.dtype == torch.float32
+    got = run_chunks(half, [TOKENS], [[len(TOKENS)]])[0]
+    assert torch.nn.functional.cosine_similarity(got, want, dim=-1).min() > 0.95
+
+
+def test_missing_and_misshaped_weights_are_named(tmp_path) -> None:
+    model, raw = folder_model()
+    tensors = official_tensors(model, quantised=False)
+    del tensors["layers.7.attn.indexer.wk.weight"]
+    with pytest.raises(WeightError, match="missing weight 'layers.7.attn.indexer.wk.weight'"):
+        load_model(write_folder(tmp_path / "a", model, raw, tensors, composite=False))
+    tensors = official_tensors(model, quantised=True)
+    tensors["layers.1.engram.embed.scale"] = tensors["layers.1.engram.embed.scale"][:, :0]
+    with pytest.raises(WeightError, match="layers.1.engram.embed.scale.*scale shape"):
+        load_model(write_folder(tmp_path / "b", model, raw, tensors, composite=True))
+
+
+def test_engram_needs_the_tokenizer(tmp_path) -> None:
+    model, raw = folder_model()
+    folder = write_folder(tmp_path / "c", model, raw, official_tensors(model, quantised=False), composite=False)
+    (folder / "tokenizer.json").unlink()
+    with pytest.raises(Exception, match="tokenizer.json does not exist"):
+        load_model(folder)
+
+
+def test_dummy_v41_model_runs(tmp_path) -> None:
+    model, raw = folder_model()
+    folder = write_folder(tmp_path / "d", model, raw, {}, composite=False)
+    dummy = load_model(folder, load_format="dummy", seed=1)
+    logits = run_chunks(dummy, [TOKENS], [[len(TOKENS)]])[0]
+    assert torch.isfinite(logits).all() and logits.std() > 0
