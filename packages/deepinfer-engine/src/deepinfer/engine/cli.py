@@ -21,7 +21,7 @@ from deepinfer.sched import EngineType
 
 from .bench import BenchWorkload, InvalidBenchArgs, run_bench
 from .dataclass_flags import add_dataclass_flags, dataclass_kwargs, flag_name
-from .engine_args import DTYPES, EXPERT_DTYPES, LOAD_FORMATS, EngineArgs, InvalidEngineArgs, allowed_values
+from .engine_args import AUTO, DTYPES, EXPERT_DTYPES, LOAD_FORMATS, EngineArgs, InvalidEngineArgs, allowed_values
 from .sampling_params import InvalidSamplingParams, SamplingParams, StructuredOutput
 
 if TYPE_CHECKING:
@@ -109,7 +109,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def _engine_flags(parser: argparse.ArgumentParser, title: str) -> None:
     add_dataclass_flags(parser.add_argument_group(title), EngineArgs, allowed=allowed_values,
-                        choices={"dtype": tuple(DTYPES), "expert_dtype": EXPERT_DTYPES, "load_format": LOAD_FORMATS})
+                        choices={"dtype": (AUTO, *DTYPES), "expert_dtype": EXPERT_DTYPES,
+                                 "load_format": LOAD_FORMATS})
 
 
 def _sampling_flags(parser: argparse.ArgumentParser) -> None:
@@ -271,7 +272,7 @@ def _bench(ns: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     result = run_bench(engine, workload.num_prompts, workload.input_len, workload.output_len, workload.seed,
                        num_warmup=workload.num_warmup, request_rate=workload.request_rate,
                        max_concurrency=workload.max_concurrency, progress=True)
-    result.update(device=args.device, dtype=args.dtype, model=str(engine.model_dir))
+    result.update(device=engine.args.device, dtype=engine.args.dtype, model=str(engine.model_dir))
     text = json.dumps(result, indent=2, allow_nan=False)
     print(text)
     if ns.output_json is not None:
@@ -322,7 +323,7 @@ def _build(make: Any, args: EngineArgs) -> Any:
     """Build an LLM / LLMEngine with `make()`, print its load line; load failures become _CommandError."""
     import torch
 
-    if torch.device(args.device).type == "cuda" and not torch.cuda.is_available():
+    if args.device != AUTO and torch.device(args.device).type == "cuda" and not torch.cuda.is_available():
         raise _CommandError(f"device={args.device!r} needs CUDA, which this torch ({torch.__version__}) cannot use")
     try:
         built = make()

@@ -3,10 +3,15 @@
 The docstring's `Attributes:` section is the one description of each field: the `deepinfer` CLI
 builds its engine flags from it and `python -m deepinfer.engine.gen_docs` writes it to
 docs/engine_args.md, together with the allowed values below (`allowed_values`).
+
+Construction only checks values; `resolved()` turns the machine- and model-dependent defaults
+("auto" device and dtype, the cache budget, a Hugging Face repo id) into concrete ones, as
+`LLMEngine` does first thing.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import NoReturn
 
@@ -18,6 +23,9 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 EXPERT_DTYPES = ("fp8", "fp4")
 LOAD_FORMATS = ("safetensors", "dummy")      # deepinfer.model.LOAD_FORMATS (not imported: the CLI stays light)
 MAX_INT32 = 2**31 - 1
+AUTO = "auto"
+DEFAULT_KV_CACHE_MEMORY_MB = 256.0
+DEFAULT_GPU_MEMORY_UTILIZATION = 0.9
 # 16 TiB: more memory than any one host or GPU has; a larger budget is a typo (MB read as bytes).
 MAX_KV_CACHE_MEMORY_MB = 2**24
 
@@ -33,6 +41,7 @@ INT_RANGES: dict[str, tuple[int, int]] = {
     "prefill_max_sum_seqlen_k": (1, MAX_INT32),
 }
 OPTIONAL_FIELDS = frozenset({"model", "max_model_len", "block_size", "num_kv_blocks", "gpu_memory_utilization",
+                             "kv_cache_memory_mb",
                              "max_num_prompts", "prefill_max_sum_seqlen_k", "expert_dtype"})
 BOOL_FIELDS = ("stop_preempted_request", "kv_quant", "enforce_eager")
 
@@ -54,22 +63,25 @@ class EngineArgs:
     """Engine configuration.
 
     Attributes:
-        model: model folder (config.json, model.safetensors, tokenizer.json); None = the embedded
-            default model shipped with deepinfer-model.
+        model: model folder (config.json, model.safetensors, tokenizer.json), or a Hugging Face repo id
+            ("org/name") already in the local Hugging Face cache (read offline, never downloaded);
+            None = the embedded default model shipped with deepinfer-model.
         load_format: "safetensors" reads the folder's checkpoint; "dummy" reads config.json alone and
             makes seeded random weights of the real shapes on the device (seed: `seed`), to benchmark
             a model whose checkpoint is not at hand (without tokenizer.json, prompts are token ids).
-        device: "cpu" or a CUDA device ("cuda", "cuda:1").
-        dtype: compute / weight dtype: "float32", "bfloat16" or "float16".
+        device: "cpu", a CUDA device ("cuda", "cuda:1"), or "auto" = "cuda" when torch sees a GPU, else "cpu".
+        dtype: compute / weight dtype: "float32", "bfloat16" or "float16"; "auto" = float32 on CPU, and on
+            CUDA the config's torch_dtype when it is float16, else bfloat16.
         seed: seeds the sampler's shared generator (requests without their own seed), and the weights
             of load_format="dummy".
         max_model_len: longest sequence (prompt + output); None = min(model limit, 4096).
         block_size: tokens per paged KV block; None = the smallest multiple of every compress ratio ≥ 64.
         num_kv_blocks: paged KV blocks (block 0 included); None = as many as the memory budget holds.
         kv_cache_memory_mb: budget of the cache (paged KV blocks + state slots) in MiB when
-            num_kv_blocks is None (CPU, or CUDA without gpu_memory_utilization).
+            num_kv_blocks is None (CPU, or CUDA without gpu_memory_utilization); None = 256.
         gpu_memory_utilization: on CUDA, size the cache so that weights + cache take this fraction of the
-            GPU's memory (activations come out of the rest; None = use kv_cache_memory_mb).
+            GPU's memory (activations come out of the rest); None = 0.9 on CUDA when neither
+            num_kv_blocks nor kv_cache_memory_mb is set, else use kv_cache_memory_mb.
         max_num_seqs: sequences holding cache at once (one state slot each, × the slot ratio).
         max_num_batched_tokens: prefill tokens per step; longer prompts are chunked.
         max_num_prompts: sequences per prefill step; None = max_num_seqs.
@@ -94,13 +106,13 @@ class EngineArgs:
 
     model: str | None = None
     load_format: str = "safetensors"
-    device: str = "cpu"
-    dtype: str = "float32"
+    device: str = AUTO
+    dtype: str = AUTO
     seed: int = 0
     max_model_len: int | None = None
     block_size: int | None = None
     num_kv_blocks: int | None = None
-    kv_cache_memory_mb: float = 256.0
+    kv_cache_memory_mb: float | None = None
     gpu_memory_utilization: float | None = None
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
@@ -121,21 +133,23 @@ class EngineArgs:
             _fail("load_format", f"load_format={self.load_format!r} must be one of "
                   f"{', '.join(map(repr, LOAD_FORMATS))}")
         if not isinstance(self.device, str):
-            _fail("device", f"device={self.device!r} must be 'cpu' or 'cuda[:N]' (a str)")
-        try:
-            device = torch.device(self.device)
-        except (RuntimeError, TypeError):
-            _fail("device", f"device={self.device!r} must be 'cpu' or 'cuda[:N]'")
-        if device.type not in ("cpu", "cuda"):
-            _fail("device", f"device={self.device!r} must be 'cpu' or 'cuda[:N]'")
-        if not isinstance(self.dtype, str) or self.dtype not in DTYPES:
-            _fail("dtype", f"dtype={self.dtype!r} must be one of {sorted(DTYPES)}")
+            _fail("device", f"device={self.device!r} must be 'auto', 'cpu' or 'cuda[:N]' (a str)")
+        if self.device != AUTO:
+            try:
+                device = torch.device(self.device)
+            except (RuntimeError, TypeError):
+                _fail("device", f"device={self.device!r} must be 'auto', 'cpu' or 'cuda[:N]'")
+            if device.type not in ("cpu", "cuda"):
+                _fail("device", f"device={self.device!r} must be 'auto', 'cpu' or 'cuda[:N]'")
+        if not isinstance(self.dtype, str) or (self.dtype not in DTYPES and self.dtype != AUTO):
+            _fail("dtype", f"dtype={self.dtype!r} must be 'auto' or one of {sorted(DTYPES)}")
         for name, (low, high) in INT_RANGES.items():
             value = getattr(self, name)
             if value is not None or name not in OPTIONAL_FIELDS:
                 _int(name, value, low, high)
         mb = self.kv_cache_memory_mb
-        if isinstance(mb, bool) or not isinstance(mb, int | float) or not 0 < mb <= MAX_KV_CACHE_MEMORY_MB:
+        if mb is not None and (isinstance(mb, bool) or not isinstance(mb, int | float)
+                               or not 0 < mb <= MAX_KV_CACHE_MEMORY_MB):
             _fail("kv_cache_memory_mb", f"kv_cache_memory_mb={mb!r} must be > 0 and <= {MAX_KV_CACHE_MEMORY_MB} "
                   "(MiB, 16 TiB)")
         util = self.gpu_memory_utilization
@@ -156,7 +170,45 @@ class EngineArgs:
 
     @property
     def torch_dtype(self) -> torch.dtype:
+        """The dtype as torch's; needs a resolved dtype (not "auto")."""
+        if self.dtype == AUTO:
+            raise ValueError("dtype='auto' has no torch dtype until resolved(): use EngineArgs.resolved()")
         return DTYPES[self.dtype]
+
+    def resolved(self) -> EngineArgs:
+        """A copy whose defaults are made concrete for this machine and model (idempotent):
+
+        - model: a Hugging Face repo id -> its snapshot folder in the local cache;
+        - device "auto" -> "cuda" if torch.cuda.is_available() else "cpu";
+        - dtype "auto" -> "float32" on CPU; on CUDA "float16" if config.json asks for it, else "bfloat16";
+        - gpu_memory_utilization None -> 0.9 on CUDA when num_kv_blocks and kv_cache_memory_mb are None;
+        - kv_cache_memory_mb None -> 256.
+
+        Raises:
+            InvalidEngineArgs: a repo id that is not in the local Hugging Face cache (field "model").
+        """
+        from .model_source import ModelNotCached, config_dtype, resolve_model_source
+
+        model = self.model
+        if model is not None:
+            try:
+                model = resolve_model_source(model)
+            except ModelNotCached as error:
+                _fail("model", str(error))
+        device = self.device
+        if device == AUTO:
+            device = "cuda" if torch.cuda.is_available() else "cpu"
+        on_cuda = torch.device(device).type == "cuda"
+        dtype = self.dtype
+        if dtype == AUTO:
+            dtype = "float32" if not on_cuda else \
+                "float16" if config_dtype(model or _embedded_model_dir()) == "float16" else "bfloat16"
+        util = self.gpu_memory_utilization
+        if util is None and on_cuda and self.num_kv_blocks is None and self.kv_cache_memory_mb is None:
+            util = DEFAULT_GPU_MEMORY_UTILIZATION
+        mb = DEFAULT_KV_CACHE_MEMORY_MB if self.kv_cache_memory_mb is None else self.kv_cache_memory_mb
+        return dataclasses.replace(self, model=model, device=device, dtype=dtype, gpu_memory_utilization=util,
+                                   kv_cache_memory_mb=mb)
 
     @property
     def zos(self) -> bool:
@@ -177,11 +229,11 @@ def allowed_values(name: str) -> str:
         low, high = INT_RANGES[name]
         return f"int in [{low}, {high}]{none}"
     return {
-        "model": "a folder path, or None",
+        "model": "a folder path, a cached Hugging Face repo id, or None",
         "load_format": ", ".join(LOAD_FORMATS),
-        "device": "cpu, cuda or cuda:N",
-        "dtype": ", ".join(DTYPES),
-        "kv_cache_memory_mb": f"float in (0, {MAX_KV_CACHE_MEMORY_MB}]",
+        "device": "auto, cpu, cuda or cuda:N",
+        "dtype": ", ".join((AUTO, *DTYPES)),
+        "kv_cache_memory_mb": f"float in (0, {MAX_KV_CACHE_MEMORY_MB}], or None",
         "gpu_memory_utilization": "float in (0, 1), or None",
         "chunk_checkpoints": f"ints in [1, {MAX_INT32}], strictly increasing",
         "stop_preempted_request": "bool",
@@ -191,6 +243,11 @@ def allowed_values(name: str) -> str:
         "enforce_eager": "bool",
         "zero_overhead_scheduling": "bool, or None",
     }[name]
+
+
+def _embedded_model_dir() -> str:
+    from deepinfer.model import embedded_model_dir
+    return str(embedded_model_dir())
 
 
 def _check_checkpoints(checkpoints: object) -> None:

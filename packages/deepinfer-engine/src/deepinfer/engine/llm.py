@@ -25,9 +25,10 @@ class LLM:
     """Offline generation over one LLMEngine.
 
     Args:
-        model: model folder; None = the embedded default model.
-        device: "cpu" or "cuda[:N]".
-        dtype: "float32", "bfloat16" or "float16".
+        model: model folder, or a Hugging Face repo id in the local cache; None = the embedded default model.
+        device: "auto" (CUDA when present, else CPU), "cpu" or "cuda[:N]".
+        dtype: "auto" (float32 on CPU; bfloat16, or the config's float16, on CUDA), "float32",
+            "bfloat16" or "float16".
         **engine_args: any other `EngineArgs` field (max_model_len, max_num_seqs, ...). Unlike
             `LLMEngine`, whose caller can retry, `LLM` recomputes preempted requests by default
             (stop_preempted_request=False) so that every prompt gets its full output.
@@ -35,7 +36,7 @@ class LLM:
     `generate` calls from several threads run one at a time.
     """
 
-    def __init__(self, model: str | None = None, device: str = "cpu", dtype: str = "float32", **engine_args: Any):
+    def __init__(self, model: str | None = None, device: str = "auto", dtype: str = "auto", **engine_args: Any):
         if engine_args.get("engine_type", EngineType.NORMAL) is not EngineType.COMPLETION:
             engine_args.setdefault("stop_preempted_request", False)
         self.engine = LLMEngine(EngineArgs(model=model, device=device, dtype=dtype, **engine_args))

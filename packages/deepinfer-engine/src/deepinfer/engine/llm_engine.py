@@ -88,7 +88,7 @@ class LLMEngine:
 
     def __init__(self, args: EngineArgs, *, env: EngineEnv | None = None,
                  vote_group: StepVoteGroup | None = None) -> None:
-        self.args = args
+        self.args = args = args.resolved()       # "auto" device / dtype, cache budget, HF repo id
         self.env = env or read_env()
         self.model_dir = resolve_model_dir(args.model)
         cfg = DeepseekV4Config.from_model_dir(self.model_dir)
