@@ -4,8 +4,11 @@
     llm = LLM(model="path/to/model")            # None = the embedded default model
     outs = llm.generate(["def fibonacci("], SamplingParams(temperature=0, max_tokens=32))
 
+`AsyncLLM` drives an LLMEngine from its own thread for asyncio callers (`async for out in
+llm.generate(...)`); `deepinfer serve` (`deepinfer.engine.serve`) puts an OpenAI-compatible HTTP
+server in front of it, and `LLM.chat` renders conversations with the model's chat template.
 `LLMEngine` exposes the step loop (add_request / abort_request / step / has_unfinished_requests);
-`EngineArgs` holds every engine knob, validated; `deepinfer generate` and `deepinfer bench` are the CLI.
+`EngineArgs` holds every engine knob, validated; `deepinfer generate`, `bench` and `serve` are the CLI.
 Names are imported on first use, so a submodule (e.g. `deepinfer.engine.cuda_graphs`) can be used
 without loading the whole engine. `SamplingParams(structured=StructuredOutput(json=schema))`
 constrains an output (JSON schema, regex, EBNF grammar or choice) through xgrammar (the `structured`
@@ -22,6 +25,7 @@ __version__ = _version("deepinfer-engine")
 
 _EXPORTS = {
     "LLM": ".llm",
+    "AsyncLLM": ".async_llm",
     "CompletionOutput": ".outputs",
     "EngineArgs": ".engine_args",
     "EngineType": "deepinfer.sched",
@@ -35,6 +39,7 @@ _EXPORTS = {
 }
 __all__ = [
     "LLM",
+    "AsyncLLM",
     "CompletionOutput",
     "EngineArgs",
     "EngineType",
@@ -50,6 +55,7 @@ __all__ = [
 if TYPE_CHECKING:
     from deepinfer.sched import EngineType
 
+    from .async_llm import AsyncLLM
     from .engine_args import EngineArgs, InvalidEngineArgs
     from .grammar_backend import StructuredOutputUnavailable
     from .llm import LLM
