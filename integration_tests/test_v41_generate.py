@@ -1,0 +1,49 @@
+"""LLM(model=DIR) on tiny DeepSeek-V4.1 folders (official FP8 / MXFP4 names and transformers' names):
+the engine builds the V4.1 model through deepinfer.model's public API and its greedy tokens are the
+model's own (prefill then one token per decode step); the embedded default stays V4."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parents[1] / "packages" / "deepinfer-model" / "tests"))
+
+from v41_checkpoint import folder_model, official_tensors, transformers_tensors, write_folder
+from v41_helpers import run_chunks
+
+from deepinfer.engine import LLM, SamplingParams
+from deepinfer.model import DeepseekV4Config, DeepseekV41ForCausalLM, embedded_model_dir
+
+PROMPTS = [[5, 9, 3, 40, 41, 7, 7, 12, 60], [61, 62, 3, 4, 90, 15, 16, 17, 9, 5, 3, 22, 23, 24]]
+
+
+def _greedy(model, prompt: list[int], steps: int) -> list[int]:
+    tokens = list(prompt)
+    for _ in range(steps):
+        logits = run_chunks(model, [tokens], [[len(tokens)]])[0]
+        tokens.append(int(logits[-1].argmax()))
+    return tokens[len(prompt):]
+
+
+@pytest.mark.parametrize("spelling", ["official", "transformers"])
+def test_llm_generates_from_a_tiny_v41_folder(tmp_path, spelling) -> None:
+    model, raw = folder_model(seed=4)
+    if spelling == "official":
+        tensors = official_tensors(model, quantised=True)
+    else:
+        tensors = transformers_tensors(model)
+    folder = write_folder(tmp_path / spelling, model, raw, tensors, composite=spelling == "official")
+    llm = LLM(model=str(folder), seed=0)
+    assert isinstance(llm.engine.model, DeepseekV41ForCausalLM)
+    outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], SamplingParams(max_tokens=6, temperature=0.0),
+                        use_tqdm=False)
+    for prompt, out in zip(PROMPTS, outs):
+        assert list(out.outputs[0].token_ids) == _greedy(model, prompt, 6)
+
+
+def test_the_embedded_default_stays_v4() -> None:
+    assert type(DeepseekV4Config.from_model_dir(embedded_model_dir())) is DeepseekV4Config
+    assert type(LLM(seed=0).engine.model).__name__ == "DeepseekV4ForCausalLM"
