@@ -282,8 +282,8 @@ _SIZES = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads
           "candidate_topk_blocks", "candidate_block_size", "engram_vocab_size", "engram_n_heads",
           "engram_head_dim", "engram_compressed_vocab_size", "dspark_n_routed_experts",
           "dspark_num_experts_per_tok")
-_POSITIVE_REALS = ("rope_theta", "compress_rope_theta", "routed_scaling_factor", "swiglu_limit", "hc_eps",
-                   "rms_norm_eps", "gate_temp")
+_POSITIVE_REALS = ("rope_theta", "compress_rope_theta", "routed_scaling_factor", "hc_eps", "rms_norm_eps",
+                   "gate_temp")
 
 
 def _validate(cfg: DeepseekV41Config) -> None:
@@ -293,7 +293,10 @@ def _validate(cfg: DeepseekV41Config) -> None:
         number(getattr(cfg, name), name)
     n, vocab = cfg.num_hidden_layers, cfg.vocab_size
     integer(cfg.num_experts_per_tok, "num_experts_per_tok", 1, cfg.n_routed_experts)
-    integer(cfg.n_shared_experts, "n_shared_experts", 0, 1)
+    integer(cfg.n_shared_experts, "n_shared_experts", 0, 1)     # V4.1 always has its one shared expert
+    number(cfg.swiglu_limit, "swiglu_limit", above=-1.0)
+    if cfg.swiglu_limit < 0:
+        raise ConfigError(f"swiglu_limit={cfg.swiglu_limit!r} must be >= 0 (0: no clamp)")
     integer(cfg.num_nextn_predict_layers, "num_nextn_predict_layers", 0)
     integer(cfg.engram_max_ngram_size, "engram_max_ngram_size", 2)
     integer(cfg.engram_pad_id, "engram_pad_id", 0, vocab - 1)

@@ -39,15 +39,18 @@ class Gate(nn.Module):
 
 
 class MoE(nn.Module):
-    """`gate`, `experts` (stacked as V4's), `shared_experts`. Router logits in float32, divided by
-    `gate_temp`; the weights are renormalised only when more than one expert is picked."""
+    """`gate`, `experts` (stacked as V4's), `shared_experts` (always one, whatever `n_shared_experts`
+    says, as in the released model and transformers). Router logits in float32, divided by
+    `gate_temp`; the weights are renormalised only when more than one expert is picked; a
+    `swiglu_limit` of 0 means no clamp."""
 
     def __init__(self, cfg: DeepseekV41Config, expert_dtype: str | None) -> None:
         super().__init__()
         self.cfg = cfg
         self.gate = Gate(cfg)
         self.experts = Experts(cfg, expert_dtype)       # type: ignore[arg-type]  (reads the shared fields)
-        self.shared_experts = SharedExpert(cfg) if cfg.n_shared_experts else None   # type: ignore[arg-type]
+        self.shared_experts = SharedExpert(cfg)             # type: ignore[arg-type]
+        self.limit = cfg.swiglu_limit or float("inf")
 
     def forward(self, x: Tensor, ops: KernelSet) -> Tensor:
         cfg = self.cfg
@@ -55,11 +58,9 @@ class MoE(nn.Module):
         expert_ids, weights = ops.route(logits, self.gate.bias, cfg.num_experts_per_tok, scoring_func=cfg.scoring_func,
                                         normalize=cfg.norm_topk_prob and cfg.num_experts_per_tok > 1,
                                         scaling=cfg.routed_scaling_factor)
-        out = self.experts(x, expert_ids, weights, cfg.swiglu_limit, ops)
-        if self.shared_experts is not None:
-            s = self.shared_experts
-            out = out + ops.clamped_swiglu(x, s.w1.weight, s.w3.weight, s.w2.weight, cfg.swiglu_limit)
-        return out
+        s = self.shared_experts
+        return self.experts(x, expert_ids, weights, self.limit, ops) + ops.clamped_swiglu(
+            x, s.w1.weight, s.w3.weight, s.w2.weight, self.limit)
 
 
 class Block(nn.Module):
