@@ -19,6 +19,7 @@ from deepinfer.kernels.reference import hc_collapse, hc_expand, hc_mixes, rope_i
 
 from .batch import ForwardBatch
 from .cache import CacheSpec, ModelCache, PagedStreamSpec, StateSpec
+from .ced import DEFAULT_KEEP_TOKENS, Frozen, Truncation, TruncationPlan, check_truncation, first_consumer_layer
 from .config_checks import ConfigError
 from .config_v41 import DeepseekV41Config
 from .layers.common import RMSNorm, matmul_t
@@ -88,13 +89,20 @@ class Block(nn.Module):
                         norm_eps=cfg.rms_norm_eps)
 
     def forward(self, h: Tensor, pre_mix: Tensor, hash_ids: Tensor | None, batch: ForwardBatch, cache: ModelCache,
-                ops: KernelSet, inv_freq: Tensor, codecs: Codecs, published: Published) -> tuple[Tensor, Tensor]:
+                ops: KernelSet, inv_freq: Tensor, codecs: Codecs, published: Published,
+                frozen: Frozen | None = None) -> tuple[Tensor, Tensor]:
+        """`frozen`: rows left out of this (compact, truncated) batch whose window KV this layer still
+        writes, from their state at the first consumer layer (see `ced`)."""
         eps = self.cfg.rms_norm_eps
         if self.engram is not None:
             h = self.engram(h, hash_ids[:, self.engram.index])
         attn_pre, post, comb = self._mixes(h, "attn")
         x = ops.rms_norm(hc_collapse(h, pre_mix), self.attn_norm.weight, eps)
-        h = hc_expand(self.attn(x, batch, cache, ops, inv_freq, codecs, published), h, post, comb)
+        prefix = None
+        if frozen is not None:
+            prefix = (ops.rms_norm(hc_collapse(frozen.h, frozen.pre_mix), self.attn_norm.weight, eps),
+                      frozen.positions, frozen.cu)
+        h = hc_expand(self.attn(x, batch, cache, ops, inv_freq, codecs, published, prefix), h, post, comb)
         ffn_pre, post, comb = self._mixes(h, "ffn")
         x = ops.rms_norm(hc_collapse(h, attn_pre), self.ffn_norm.weight, eps)
         return hc_expand(self.ffn(x, ops), h, post, comb), ffn_pre
@@ -134,6 +142,7 @@ class DeepseekV41ForCausalLM(nn.Module):
         self.register_buffer("compress_inv_freq", torch.empty(cfg.qk_rope_head_dim // 2), persistent=False)
         self.reset_rope()
         self.hasher: EngramHasher | None = None
+        self.truncation = Truncation()
         if token_map is not None:
             self.bind_token_map(token_map)
         self.draft_weights: dict[str, Tensor] = {}   # mtp.* tensors (DSpark stages), for deepinfer-spec
@@ -145,6 +154,18 @@ class DeepseekV41ForCausalLM(nn.Module):
             ConfigError: its number of distinct ids is not `engram_compressed_vocab_size`.
         """
         self.hasher = EngramHasher(self.cfg, token_map) if self.cfg.engram_layer_ids else None
+
+    def set_prefill_truncation(self, mode: str, keep_tokens: int = DEFAULT_KEEP_TOKENS) -> None:
+        """CED / YOCO prefill truncation (`ced`): "off", "compact" or "mask" (the engine's
+        DEEPINFER_YOCO_PREFILL_TRUNCATION_MODE / _KEEP_TOKENS).
+
+        Raises:
+            ConfigError: a bad mode or count, or a model that breaks DESIGN.md §8's constraints (no
+                layer after the last KV source, an Engram layer after it, DSpark targets on both sides).
+        """
+        truncation = Truncation(mode, keep_tokens)
+        check_truncation(self.cfg, truncation)
+        self.truncation = truncation
 
     def reset_rope(self) -> None:
         """(Re)compute the RoPE frequency buffers on the model's device (after `to_empty`)."""
@@ -231,7 +252,8 @@ class DeepseekV41ForCausalLM(nn.Module):
         Returns:
             logits [len(batch.logits_indices), vocab] float32 for the requested rows.
         Raises:
-            ValueError: the model has Engram layers but no token map (`bind_token_map`).
+            ValueError: the model has Engram layers but no token map (`bind_token_map`), or prefill
+                truncation is on and logits of a row outside a sequence's tail are asked for.
         """
         cfg = self.cfg
         ops = ops or kernels_for(batch.token_ids.device)
@@ -246,9 +268,20 @@ class DeepseekV41ForCausalLM(nn.Module):
         pre_mix[:, 0] = 1.0
         codecs = self.codecs()
         published = Published([None] * batch.num_seqs, [None] * batch.num_seqs)
+        plan = TruncationPlan.plan(batch, self.truncation)
+        start_truncation = first_consumer_layer(cfg) if plan is not None else -1
+        frozen = kept = None
         for layer, block in enumerate(self.layers):
             inv_freq = self.main_inv_freq if cfg.compress_ratios[layer] == 0 else self.compress_inv_freq
-            h, pre_mix = block(h, pre_mix, hash_ids, batch, cache, ops, inv_freq, codecs, published)
+            if layer == start_truncation:
+                if self.truncation.mode == "compact":
+                    batch, h, pre_mix, frozen = plan.compact(batch, h, pre_mix, published)
+                else:
+                    kept = (h, pre_mix)
+            h, pre_mix = block(h, pre_mix, hash_ids, batch, cache, ops, inv_freq, codecs, published, frozen)
+            if kept is not None:          # mask mode: rows outside the tails stay as they entered layer S
+                h = torch.where(plan.in_tail[:, None, None], h, kept[0])
+                pre_mix = torch.where(plan.in_tail[:, None], pre_mix, kept[1])
         rows = batch.logits_indices
         x = ops.rms_norm(hc_collapse(h[rows], pre_mix[rows]), self.norm.weight, cfg.rms_norm_eps)
         return matmul_t(x, self.head.weight, ops).float()

@@ -107,10 +107,15 @@ class Attention(nn.Module):
         self.indexer = Indexer(cfg, is_kv_source) if layer in cfg.index_source_layer_ids else None
 
     def forward(self, x: Tensor, batch: ForwardBatch, cache: ModelCache, ops: KernelSet, inv_freq: Tensor,
-                codecs: Codecs, published: Published) -> Tensor:
+                codecs: Codecs, published: Published, prefix: tuple[Tensor, Tensor, tuple[int, ...]] | None = None,
+                ) -> Tensor:
         """x [num_tokens, hidden] (normed) → [num_tokens, hidden]; reads and writes this layer's cache
-        (and, on a KV source, its paged streams)."""
+        (and, on a KV source, its paged streams). `prefix` (prefill truncation): the normed inputs
+        [n, hidden], positions [n] and per-sequence row offsets of rows just before each sequence's
+        rows in `batch`, whose window KV is written to the rings first."""
         cfg, eps, pos = self.cfg, self.cfg.rms_norm_eps, batch.positions
+        if prefix is not None:
+            self._write_prefix(prefix, batch, cache, ops, inv_freq, codecs)
         t, h, d = x.shape[0], cfg.num_attention_heads, cfg.head_dim
         qr = ops.rms_norm(ops.linear(x, self.wq_a.weight), self.q_norm.weight, eps)
         q = ops.apply_rope(ops.linear(qr, self.wq_b.weight).view(t, h, d), pos, inv_freq)
@@ -155,6 +160,20 @@ class Attention(nn.Module):
         return ops.linear(grouped.flatten(1), self.wo_b.weight)
 
     # --- window -------------------------------------------------------------------------------------
+    def _write_prefix(self, prefix: tuple[Tensor, Tensor, tuple[int, ...]], batch: ForwardBatch, cache: ModelCache,
+                      ops: KernelSet, inv_freq: Tensor, codecs: Codecs) -> None:
+        x, pos, cu = prefix
+        if not x.shape[0]:
+            return
+        eps = self.cfg.rms_norm_eps
+        kv = ops.apply_rope(ops.rms_norm(ops.linear(x, self.wkv.weight), self.kv_norm.weight, eps), pos, inv_freq)
+        rows = codecs.window.encode(kv)
+        rings = cache.state[f"layers.{self.layer}.window"]
+        for i in range(batch.num_seqs):
+            a, b = cu[i], cu[i + 1]
+            keep = max(a, b - rings.shape[1])
+            rings[batch.state_slots[i], pos[keep:b] % rings.shape[1]] = rows[keep:b]
+
     def _window_rows(self, kv: Tensor, pos: Tensor, start: int, ring: Tensor, codecs: Codecs) -> tuple[Tensor, Tensor]:
         """Rows [q, W, head_dim] and validity [q, W] of each query's window (positions p − W + 1 … p);
         stores the chunk's rows in the ring (slot = position mod ring length)."""
