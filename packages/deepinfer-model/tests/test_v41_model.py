@@ -163,3 +163,30 @@ def test_a_token_map_of_the_wrong_size_is_refused() -> None:
     unbound = DeepseekV41ForCausalLM(DeepseekV41Config.from_dict(tiny_text()))
     with pytest.raises(ValueError, match="bind_token_map"):
         run_chunks(unbound, [[5, 6]], [[2]])
+
+
+def test_matches_an_independent_full_sequence_twin(model, tokens, one_shot) -> None:
+    """The engine path (paged rows, rings, per-sequence gathers) against `v41_twin` (whole-sequence
+    masks in transformers' shape), on every row of a prompt that crosses many candidate blocks."""
+    from v41_twin import twin_logits
+
+    torch.testing.assert_close(one_shot, twin_logits(model, tokens), atol=ATOL, rtol=0)
+
+
+@pytest.mark.parametrize("overrides", [
+    # transformers' defaults for every list (sources 2 and 7, index = sources, candidate 7), no Engram
+    {"compress_ratios": None, "kv_source_layer_ids": None, "index_source_layer_ids": None,
+     "candidate_source_layer_id": None, "dspark_target_layer_ids": None, "engram_layer_ids": None,
+     "engram_num_embeddings": None},
+    # plain rows (48 % 32 != 0), a KV source that is not an index source (5), no second level,
+    # top-1 routing without renormalisation, no SwiGLU clamp, 4 streams
+    {"head_dim": 48, "index_head_dim": 24, "qk_rope_head_dim": 8, "index_source_layer_ids": [2, 7, 9],
+     "candidate_source_layer_id": -1, "num_experts_per_tok": 1, "swiglu_limit": 0, "hc_mult": 4},
+])
+def test_twin_on_other_schedules(overrides) -> None:
+    from v41_twin import twin_logits
+
+    model = tiny_model(seed=4, **overrides)
+    tokens = torch.randint(3, 96, (26,), generator=torch.Generator().manual_seed(6)).tolist()
+    got = run_chunks(model, [tokens], [[11, 1, 1, 13]])[0]
+    torch.testing.assert_close(got, twin_logits(model, tokens), atol=ATOL, rtol=0)

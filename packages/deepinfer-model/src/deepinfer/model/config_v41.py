@@ -126,6 +126,12 @@ class DeepseekV41Config:
             return None
         return max((s for s in self.kv_source_layer_ids if s <= layer), default=None)
 
+    def key_source_of(self, layer: int) -> int | None:
+        """The layer whose index keys index source `layer` scores: the closest at or before it that is
+        both a KV source and an index source (only those project keys)."""
+        return max((s for s in self.kv_source_layer_ids if s <= layer and s in self.index_source_layer_ids),
+                   default=None)
+
     @property
     def num_encoder_layers(self) -> int:
         """Layers before the CED decoder (the first ratio-1 layer); their window rings are the

@@ -236,7 +236,8 @@ class DeepseekV41ForCausalLM(nn.Module):
         for s in cfg.kv_source_layer_ids:
             r = cfg.compress_ratios[s]
             streams.append(PagedStreamSpec(f"layers.{s}.kv", codecs.kv.row_dim, r, codecs.kv.dtype))
-            streams.append(PagedStreamSpec(f"layers.{s}.index_k", codecs.index.row_dim, r, codecs.index.dtype))
+            if s in cfg.index_source_layer_ids:             # only sources that index project keys
+                streams.append(PagedStreamSpec(f"layers.{s}.index_k", codecs.index.row_dim, r, codecs.index.dtype))
             if r > 1:
                 for part in ("kv", "gate"):
                     dropped.append(StateSpec(f"layers.{s}.compressor.{part}", (r + max_backtracking, cfg.head_dim),

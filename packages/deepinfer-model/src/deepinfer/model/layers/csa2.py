@@ -3,12 +3,14 @@ plus, on layers with a compress ratio, the compressed KV of their group's KV sou
 
 Roles (from the config's lists):
 - KV source (`kv_source_layer_ids`): owns a compressor (ratio 2: gated softmax pooling of two tokens;
-  ratio 1: a per-token projection) and the index-key projection (`indexer.wk`, `indexer.k_norm`).
-  Each completed group's latent gives, before RoPE, the index key; then RoPE at the group's first
-  position and the cache's FP4 rounding give the compressed KV row. Both land in the source's paged
-  streams `layers.{s}.kv` / `layers.{s}.index_k`; no other layer has streams of its own.
-- Index source (`index_source_layer_ids`): scores its queries against the index keys of its KV
-  source and publishes its top-k (ties to the lowest entry). The candidate source
+  ratio 1: a per-token projection); when it is an index source too, the index-key projection
+  (`indexer.wk`, `indexer.k_norm`). Each completed group's latent gives, before RoPE, the index key;
+  then RoPE at the group's first position and the cache's FP4 rounding give the compressed KV row.
+  They land in the source's paged streams `layers.{s}.kv` / `layers.{s}.index_k`; no other layer
+  has streams of its own.
+- Index source (`index_source_layer_ids`): scores its queries against the index keys of the last
+  layer that publishes keys (`key_source_of`) and publishes its top-k (ties to the lowest entry);
+  the picks name rows of the layer's KV source. The candidate source
   (`candidate_source_layer_id`) also publishes its candidate blocks, and every later index source
   scores only inside them (two-level top-k).
 - Every other layer with a ratio reuses the last published top-k over its KV source's entries.
@@ -139,11 +141,12 @@ class Attention(nn.Module):
                 if comp is not None:
                     self._compress(comp[0][a:b], None if comp[1] is None else comp[1][a:b], start, slot, table,
                                    cache, ops, inv_freq, codecs)
-                r_src = cfg.compress_ratios[self.source]
-                num_entries = (start + b - a) // r_src
-                if self.indexer is not None and num_entries:
-                    self._select(i, index_q[a:b], index_w[a:b], pos[a:b], num_entries, table, cache, codecs,
-                                 published)
+                num_entries = (start + b - a) // cfg.compress_ratios[self.source]
+                key_source = cfg.key_source_of(self.layer)
+                num_keys = 0 if key_source is None else (start + b - a) // cfg.compress_ratios[key_source]
+                if self.indexer is not None and num_keys:
+                    self._select(i, index_q[a:b], index_w[a:b], pos[a:b], key_source, num_keys, table, cache,
+                                 codecs, published)
                 picks = published.picks[i]
                 if picks is not None and num_entries:
                     entries = (picks, num_entries, table)
@@ -222,19 +225,20 @@ class Attention(nn.Module):
             if latents is None:
                 return
         positions = ids * r
-        ix = self.indexer
-        keys = ops.rms_norm(ops.linear(latents, ix.wk.weight), ix.k_norm.weight, self.cfg.rms_norm_eps)
-        keys = ops.apply_rope(keys, positions, inv_freq)
-        rows = ops.apply_rope(latents, positions, inv_freq)
         blocks, slots, _ = entry_location(table, ids, r, cache.spec.block_size)
-        cache.paged[f"layers.{self.layer}.index_k"][blocks, slots] = codecs.index.encode(keys)
+        ix = self.indexer
+        if ix is not None:
+            keys = ops.rms_norm(ops.linear(latents, ix.wk.weight), ix.k_norm.weight, self.cfg.rms_norm_eps)
+            keys = ops.apply_rope(keys, positions, inv_freq)
+            cache.paged[f"layers.{self.layer}.index_k"][blocks, slots] = codecs.index.encode(keys)
+        rows = ops.apply_rope(latents, positions, inv_freq)
         cache.paged[f"layers.{self.layer}.kv"][blocks, slots] = codecs.kv.encode(rows)
 
     # --- index sources ------------------------------------------------------------------------------
-    def _select(self, i: int, index_q: Tensor, index_w: Tensor, pos: Tensor, num_entries: int, table: Tensor,
-                cache: ModelCache, codecs: Codecs, published: Published) -> None:
-        """Score one sequence's queries against its KV source's index keys and publish the top-k."""
-        cfg, src = self.cfg, self.source
+    def _select(self, i: int, index_q: Tensor, index_w: Tensor, pos: Tensor, src: int, num_entries: int,
+                table: Tensor, cache: ModelCache, codecs: Codecs, published: Published) -> None:
+        """Score one sequence's queries against the index keys of layer `src` and publish the top-k."""
+        cfg = self.cfg
         ids = torch.arange(num_entries, device=pos.device)
         blocks, slots, _ = entry_location(table, ids, cfg.compress_ratios[src], cache.spec.block_size)
         keys = codecs.index.decode(cache.paged[f"layers.{src}.index_k"][blocks, slots], torch.float32)
