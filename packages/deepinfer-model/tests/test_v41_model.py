@@ -190,3 +190,13 @@ def test_twin_on_other_schedules(overrides) -> None:
     tokens = torch.randint(3, 96, (26,), generator=torch.Generator().manual_seed(6)).tolist()
     got = run_chunks(model, [tokens], [[11, 1, 1, 13]])[0]
     torch.testing.assert_close(got, twin_logits(model, tokens), atol=ATOL, rtol=0)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_eager_matches_cpu(model, tokens, one_shot) -> None:
+    """The same model on CUDA (the registry's GPU kernels where V4 has them, the V4.1 twins elsewhere)."""
+    cuda = tiny_model(seed=0).cuda()
+    cuda.reset_rope()
+    got = run_chunks(cuda, [tokens], [[20] + [1] * 17], device="cuda")[0].cpu()
+    torch.testing.assert_close(got, one_shot, atol=2e-3, rtol=0)

@@ -28,12 +28,12 @@ def tiny_model(seed: int = 0, **overrides) -> DeepseekV41ForCausalLM:
 
 
 def run_chunks(model: DeepseekV41ForCausalLM, seqs: list[list[int]], cuts: list[list[int]], *,
-               block_size: int = 8, backtracking: int = 2) -> list[torch.Tensor]:
+               block_size: int = 8, backtracking: int = 2, device: str = "cpu") -> list[torch.Tensor]:
     """Feed each sequence in chunks of the given lengths (all sequences in each step, one batch);
     returns the logits of every token, per sequence."""
     spec = model.cache_spec(block_size, backtracking)
     num_blocks = 1 + sum(-(-len(s) // block_size) for s in seqs)
-    cache = ModelCache.allocate(spec, num_blocks, len(seqs) + 1)
+    cache = ModelCache.allocate(spec, num_blocks, len(seqs) + 1, device=device)
     tables, nxt = [], 1
     for s in seqs:
         n = -(-len(s) // block_size)
@@ -45,7 +45,7 @@ def run_chunks(model: DeepseekV41ForCausalLM, seqs: list[list[int]], cuts: list[
         active = [i for i, c in enumerate(cuts) if step < len(c)]
         batch = ForwardBatch.build([seqs[i][starts[i]:starts[i] + cuts[i][step]] for i in active],
                                    [starts[i] for i in active], [tables[i] for i in active],
-                                   [i + 1 for i in active], logits="all")
+                                   [i + 1 for i in active], logits="all", device=device)
         with torch.no_grad():
             logits = model(batch, cache)
         for k, i in enumerate(active):

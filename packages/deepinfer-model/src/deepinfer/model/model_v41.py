@@ -255,8 +255,12 @@ class DeepseekV41ForCausalLM(nn.Module):
         Raises:
             ValueError: the model has Engram layers but no token map (`bind_token_map`), or prefill
                 truncation is on and logits of a row outside a sequence's tail are asked for.
+            RuntimeError: called while a CUDA graph is being captured (no graph-safe path yet).
         """
         cfg = self.cfg
+        if batch.token_ids.is_cuda and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError("DeepSeek-V4.1 has no CUDA-graph decode path yet (its attention loops over "
+                               "sequences with host-side positions): run the engine with enforce_eager=True")
         ops = ops or kernels_for(batch.token_ids.device)
         hash_ids = None
         if cfg.engram_layer_ids:
