@@ -195,8 +195,14 @@ def test_twin_on_other_schedules(overrides) -> None:
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_cuda_eager_matches_cpu(model, tokens, one_shot) -> None:
-    """The same model on CUDA (the registry's GPU kernels where V4 has them, the V4.1 twins elsewhere)."""
+    """The same model on CUDA (the registry's GPU kernels where V4 has them, the V4.1 twins elsewhere),
+    with its Engram tables on the device and then in pinned host memory."""
     cuda = tiny_model(seed=0).cuda()
     cuda.reset_rope()
     got = run_chunks(cuda, [tokens], [[20] + [1] * 17], device="cuda")[0].cpu()
+    torch.testing.assert_close(got, one_shot, atol=2e-3, rtol=0)
+    cuda.engram_on_host = True
+    cuda.place_engram_tables()
+    assert cuda.layers[1].engram.embed.weight.is_pinned()
+    got = run_chunks(cuda, [tokens], [[37]], device="cuda")[0].cpu()
     torch.testing.assert_close(got, one_shot, atol=2e-3, rtol=0)
