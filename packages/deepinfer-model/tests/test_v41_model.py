@@ -206,3 +206,12 @@ def test_cuda_eager_matches_cpu(model, tokens, one_shot) -> None:
     assert cuda.layers[1].engram.embed.weight.is_pinned()
     got = run_chunks(cuda, [tokens], [[37]], device="cuda")[0].cpu()
     torch.testing.assert_close(got, one_shot, atol=2e-3, rtol=0)
+
+
+def test_query_blocks_do_not_change_the_result(model, tokens, one_shot, monkeypatch) -> None:
+    """Long prefills gather window rows, picks and index scores in blocks of queries; tiny blocks here."""
+    from deepinfer.model.layers import csa2
+
+    monkeypatch.setattr(csa2, "PREFILL_QUERY_BLOCK", 5)
+    monkeypatch.setattr(csa2, "INDEX_QUERY_BLOCK", 3)
+    torch.testing.assert_close(run_chunks(model, [tokens], [[29, 8]])[0], one_shot, atol=ATOL, rtol=0)

@@ -38,6 +38,7 @@ from .common import RMSNorm, linear
 from .v41_codecs import RowCodec
 
 PREFILL_QUERY_BLOCK = 1024     # queries gathered at once (their rows are the prefill's largest transient)
+INDEX_QUERY_BLOCK = 128        # queries scored at once by an indexer ([queries, heads, keys] float32)
 
 
 @dataclass
@@ -134,30 +135,40 @@ class Attention(nn.Module):
         for i in range(batch.num_seqs):
             a, b = batch.cu_seqlens[i], batch.cu_seqlens[i + 1]
             start, slot, table = batch.start_positions[i], batch.state_slots[i], batch.block_tables[i]
-            window = self._window_rows(kv[a:b], pos[a:b], start, cache.state[f"layers.{self.layer}.window"][slot],
-                                       codecs)
-            entries = None
+            ring = cache.state[f"layers.{self.layer}.window"][slot]
+            ring_rows = codecs.window.decode(ring, kv.dtype)      # read before this chunk overwrites slots
+            num_entries, keys, picks, candidates = 0, None, [], []
             if self.ratio:
                 if comp is not None:
                     self._compress(comp[0][a:b], None if comp[1] is None else comp[1][a:b], start, slot, table,
                                    cache, ops, inv_freq, codecs)
                 num_entries = (start + b - a) // cfg.compress_ratios[self.source]
                 key_source = cfg.key_source_of(self.layer)
-                num_keys = 0 if key_source is None else (start + b - a) // cfg.compress_ratios[key_source]
-                if self.indexer is not None and num_keys:
-                    self._select(i, index_q[a:b], index_w[a:b], pos[a:b], key_source, num_keys, table, cache,
-                                 codecs, published)
-                picks = published.picks[i]
-                if picks is not None and num_entries:
-                    entries = (picks, num_entries, table)
+                if self.indexer is not None and key_source is not None:
+                    keys = self._keys(key_source, (start + b - a) // cfg.compress_ratios[key_source], table, cache,
+                                      codecs)
             for lo in range(a, b, PREFILL_QUERY_BLOCK):
                 hi = min(b, lo + PREFILL_QUERY_BLOCK)
-                rows, valid = window[0][lo - a:hi - a], window[1][lo - a:hi - a]
-                if entries is not None:
-                    comp_rows, comp_valid = self._entry_rows(entries[0][lo - a:hi - a], entries[1], entries[2],
-                                                             cache, codecs, q.dtype)
+                rows, valid = self._window_rows(kv[a:b], lo - a, hi - a, pos[lo:hi], start, ring_rows)
+                block_picks = None
+                if keys is not None:
+                    block_picks, block_candidates = self._select(i, index_q[lo:hi], index_w[lo:hi], pos[lo:hi],
+                                                                 lo - a, keys, published)
+                    picks.append(block_picks)
+                    candidates.append(block_candidates)
+                elif published.picks[i] is not None:
+                    block_picks = published.picks[i][lo - a:hi - a]
+                if block_picks is not None and num_entries:
+                    comp_rows, comp_valid = self._entry_rows(block_picks, num_entries, table, cache, codecs, q.dtype)
                     rows, valid = torch.cat((rows, comp_rows), dim=1), torch.cat((valid, comp_valid), dim=1)
                 out[lo:hi] = ops.sparse_attention(q[lo:hi], rows, valid, self.attn_sink, d**-0.5)
+            if picks:
+                published.picks[i] = torch.cat(picks)
+                if candidates[0] is not None:
+                    published.candidates[i] = torch.cat(candidates)
+            keep = max(start, start + b - a - ring.shape[0])
+            write = torch.arange(keep, start + b - a, device=kv.device)
+            ring[write % ring.shape[0]] = codecs.window.encode(kv[a + keep - start:b])
         out = ops.apply_rope(out, pos, inv_freq, inverse=True)
         grouped = ops.grouped_linear(out.reshape(t, cfg.o_groups, -1), self.wo_a.weight)
         return ops.linear(grouped.flatten(1), self.wo_b.weight)
@@ -177,15 +188,15 @@ class Attention(nn.Module):
             keep = max(a, b - rings.shape[1])
             rings[batch.state_slots[i], pos[keep:b] % rings.shape[1]] = rows[keep:b]
 
-    def _window_rows(self, kv: Tensor, pos: Tensor, start: int, ring: Tensor, codecs: Codecs) -> tuple[Tensor, Tensor]:
-        """Rows [q, W, head_dim] and validity [q, W] of each query's window (positions p − W + 1 … p);
-        stores the chunk's rows in the ring (slot = position mod ring length)."""
-        w, q_len, ring_len = self.cfg.sliding_window, kv.shape[0], ring.shape[0]
+    def _window_rows(self, kv: Tensor, lo: int, hi: int, pos: Tensor, start: int,
+                     ring_rows: Tensor) -> tuple[Tensor, Tensor]:
+        """Rows [q, W, head_dim] and validity [q, W] of the windows (positions p − W + 1 … p) of the
+        chunk's queries lo … hi − 1: this chunk's `kv` rows, else the ring's (decoded, slot = position
+        mod ring length)."""
+        w, q_len = self.cfg.sliding_window, kv.shape[0]
         key_pos = pos[:, None] - w + 1 + torch.arange(w, device=kv.device)[None, :]
-        from_ring = codecs.window.decode(ring[key_pos.clamp(min=0) % ring_len], kv.dtype)
+        from_ring = ring_rows[key_pos.clamp(min=0) % ring_rows.shape[0]]
         rows = torch.where((key_pos >= start)[..., None], kv[(key_pos - start).clamp(0, q_len - 1)], from_ring)
-        keep = max(start, start + q_len - ring_len)
-        ring[torch.arange(keep, start + q_len, device=kv.device) % ring_len] = codecs.window.encode(kv[keep - start:])
         return rows, key_pos >= 0
 
     # --- KV source: compression and index keys ------------------------------------------------------
@@ -235,26 +246,38 @@ class Attention(nn.Module):
         cache.paged[f"layers.{self.layer}.kv"][blocks, slots] = codecs.kv.encode(rows)
 
     # --- index sources ------------------------------------------------------------------------------
-    def _select(self, i: int, index_q: Tensor, index_w: Tensor, pos: Tensor, src: int, num_entries: int,
-                table: Tensor, cache: ModelCache, codecs: Codecs, published: Published) -> None:
-        """Score one sequence's queries against the index keys of layer `src` and publish the top-k."""
+    def _keys(self, src: int, num_keys: int, table: Tensor, cache: ModelCache, codecs: Codecs) -> Tensor | None:
+        """The index keys [num_keys, index_head_dim] float32 of layer `src` for one sequence (None if none yet)."""
+        if not num_keys:
+            return None
+        ids = torch.arange(num_keys, device=table.device)
+        blocks, slots, _ = entry_location(table, ids, self.cfg.compress_ratios[src], cache.spec.block_size)
+        return codecs.index.decode(cache.paged[f"layers.{src}.index_k"][blocks, slots], torch.float32)
+
+    def _select(self, i: int, index_q: Tensor, index_w: Tensor, pos: Tensor, row: int, keys: Tensor,
+                published: Published) -> tuple[Tensor, Tensor | None]:
+        """Top-k of queries `row` … of sequence i against `keys` (and, at the candidate source, their
+        candidate mask), in sub-blocks of INDEX_QUERY_BLOCK queries (the [queries, heads, keys] scores
+        are the indexer's largest transient)."""
         cfg = self.cfg
-        ids = torch.arange(num_entries, device=pos.device)
-        blocks, slots, _ = entry_location(table, ids, cfg.compress_ratios[src], cache.spec.block_size)
-        keys = codecs.index.decode(cache.paged[f"layers.{src}.index_k"][blocks, slots], torch.float32)
-        scores = indexer_scores(index_q, keys, index_w, self.indexer.head_dim**-0.5)
-        visible = torch.div(pos + 1, self.ratio, rounding_mode="floor")
-        scores = scores.masked_fill(ids[None, :] >= visible[:, None], float("-inf"))
+        picks, masks = [], []
+        ids = torch.arange(keys.shape[0], device=keys.device)
         candidate = cfg.candidate_source_layer_id
-        if self.layer == candidate:
-            published.candidates[i] = candidate_blocks(scores, visible, cfg.candidate_topk_blocks,
-                                                       cfg.candidate_block_size)
-        elif 0 <= candidate < self.layer and published.candidates[i] is not None:
-            allowed = published.candidates[i]
-            if allowed.shape[1] < num_entries:
-                allowed = torch.cat((allowed, allowed.new_zeros(allowed.shape[0], num_entries - allowed.shape[1])), 1)
-            scores = scores.masked_fill(~allowed[:, :num_entries], float("-inf"))
-        published.picks[i] = topk_finite(scores, cfg.index_topk)
+        for lo in range(0, index_q.shape[0], INDEX_QUERY_BLOCK):
+            hi = min(index_q.shape[0], lo + INDEX_QUERY_BLOCK)
+            scores = indexer_scores(index_q[lo:hi], keys, index_w[lo:hi], self.indexer.head_dim**-0.5)
+            visible = torch.div(pos[lo:hi] + 1, self.ratio, rounding_mode="floor")
+            scores = scores.masked_fill(ids[None, :] >= visible[:, None], float("-inf"))
+            if self.layer == candidate:
+                masks.append(candidate_blocks(scores, visible, cfg.candidate_topk_blocks, cfg.candidate_block_size))
+            elif 0 <= candidate < self.layer and published.candidates[i] is not None:
+                allowed = published.candidates[i][row + lo:row + hi]
+                width = min(allowed.shape[1], keys.shape[0])
+                outside = torch.ones_like(scores, dtype=torch.bool)
+                outside[:, :width] = ~allowed[:, :width]
+                scores = scores.masked_fill(outside, float("-inf"))
+            picks.append(topk_finite(scores, cfg.index_topk))
+        return torch.cat(picks), (torch.cat(masks) if masks else None)
 
     def _entry_rows(self, picks: Tensor, num_entries: int, table: Tensor, cache: ModelCache, codecs: Codecs,
                     dtype: torch.dtype) -> tuple[Tensor, Tensor]:
