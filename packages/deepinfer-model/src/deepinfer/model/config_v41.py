@@ -30,8 +30,16 @@ _RELEASED_KV_SOURCES = (2, 8, 14, 20)
 _RELEASED_INDEX_SOURCES = (2, 8, 14, 20, 24, 28, 32, 36)
 _log = logging.getLogger("deepinfer.model")
 
+# transformers' generic PreTrainedConfig fields (written when not at their default), at either level.
+_GENERIC = frozenset({
+    "architectures", "torch_dtype", "dtype", "transformers_version", "_name_or_path", "output_attentions",
+    "output_hidden_states", "return_dict", "chunk_size_feed_forward", "is_encoder_decoder", "id2label", "label2id",
+    "problem_type", "tokenizer_class", "prefix", "sep_token_id", "decoder_start_token_id", "task_specific_params",
+    "finetuning_task", "use_cache", "initializer_range", "pad_token_id", "tie_word_embeddings", "bos_token_id",
+    "eos_token_id", "_attn_implementation_autoset", "_commit_hash",
+})
 # Fields that do not change inference (training knobs, bookkeeping, values checked elsewhere).
-_IGNORED = frozenset({
+_IGNORED = _GENERIC | frozenset({
     "architectures", "torch_dtype", "dtype", "transformers_version", "initializer_range", "use_cache",
     "attention_dropout", "router_aux_loss_coef", "output_router_logits", "router_jitter_noise", "topk_method",
     "pad_token_id", "_name_or_path", "output_attentions", "output_hidden_states", "return_dict", "model_type",
@@ -152,10 +160,8 @@ def parse_v41(raw: dict[str, Any]) -> dict[str, Any]:
     model_type = raw.get("model_type")
     quant_raw = raw.get("quantization_config")
     if model_type == "deepseek_v41" or "text_config" in raw:
-        unknown = sorted(set(raw) - {"text_config", "vision_config", "image_token_id", "quantization_config",
-                                     "model_type", "architectures", "dtype", "torch_dtype", "transformers_version",
-                                     "tie_word_embeddings", "_name_or_path", "pad_token_id", "bos_token_id",
-                                     "eos_token_id", "use_cache", "initializer_range"})
+        unknown = sorted(set(raw) - _GENERIC - {"text_config", "vision_config", "image_token_id",
+                                                "quantization_config", "model_type"})
         if unknown:
             raise ConfigError(f"unsupported config field(s): {', '.join(unknown)}")
         if "vision_config" in raw:
