@@ -201,6 +201,7 @@ def test_cuda_eager_matches_cpu(model, tokens, one_shot) -> None:
     cuda.reset_rope()
     got = run_chunks(cuda, [tokens], [[20] + [1] * 17], device="cuda")[0].cpu()
     torch.testing.assert_close(got, one_shot, atol=2e-3, rtol=0)
+    _graph_replay_matches_eager(cuda)
     cuda.engram_on_host = True
     cuda.place_engram_tables()
     assert cuda.layers[1].engram.embed.weight.is_pinned()
@@ -215,3 +216,68 @@ def test_query_blocks_do_not_change_the_result(model, tokens, one_shot, monkeypa
     monkeypatch.setattr(csa2, "PREFILL_QUERY_BLOCK", 5)
     monkeypatch.setattr(csa2, "INDEX_QUERY_BLOCK", 3)
     torch.testing.assert_close(run_chunks(model, [tokens], [[29, 8]])[0], one_shot, atol=ATOL, rtol=0)
+
+
+def test_batched_decode_path_equals_the_per_sequence_path(model) -> None:
+    """A uniform decode step (static shapes, no host positions) against the same step forced through
+    the per-sequence path: three sequences at different positions, one graph padding row (slot 0,
+    block 0, position 0) and a context bound larger than any sequence (as a captured graph has)."""
+    import dataclasses
+
+    gen = torch.Generator().manual_seed(8)
+    prompts = [torch.randint(3, 96, (n,), generator=gen).tolist() for n in (13, 6, 24)]
+    spec = model.cache_spec(8, 2)
+    tables = [[1, 2, 3, 4], [5, 6, 7, 8], [9, 10, 11, 12]]
+
+    def prefilled() -> ModelCache:
+        cache = ModelCache.allocate(spec, 13, 4)
+        with torch.no_grad():
+            model(ForwardBatch.build(prompts, [0, 0, 0], tables, [1, 2, 3]), cache)
+        return cache
+
+    step = ForwardBatch.build([[7], [8], [9], [0]], [13, 6, 24, 0], tables + [[0]], [1, 2, 3, 0], logits="all")
+    step = dataclasses.replace(step, max_context_len=31)
+    assert step.uniform_decode
+    batched, per_seq = prefilled(), prefilled()
+    with torch.no_grad():
+        got = model(step, batched)[:3]
+        want = model(dataclasses.replace(step, uniform_decode=False), per_seq)[:3]
+    torch.testing.assert_close(got, want, atol=ATOL, rtol=0)
+    for name in ("layers.2.kv", "layers.7.kv", "layers.7.index_k"):
+        torch.testing.assert_close(batched.paged[name][1:], per_seq.paged[name][1:], atol=0, rtol=0)
+    for name, ring in batched.state.items():
+        torch.testing.assert_close(ring[1:], per_seq.state[name][1:], atol=ATOL, rtol=0)
+
+
+def _graph_replay_matches_eager(model) -> None:
+    """A decode step captured in a CUDA graph (static buffers, as the engine's DecodeGraphs) and
+    replayed with new inputs gives the eager logits."""
+    import dataclasses
+
+    spec = model.cache_spec(8, 2)
+    prompts = [[5, 6, 7, 8, 9, 10, 11], [12, 13, 14, 15]]
+    tables = [[1, 2, 3], [4, 5, 6]]
+
+    def cache() -> ModelCache:
+        c = ModelCache.allocate(spec, 7, 3, device="cuda")
+        with torch.no_grad():
+            model(ForwardBatch.build(prompts, [0, 0], tables, [1, 2], device="cuda"), c)
+        return c
+
+    step = dataclasses.replace(ForwardBatch.build([[20], [21]], [7, 4], tables, [1, 2], device="cuda"),
+                               max_context_len=24)
+    eager_cache, graph_cache = cache(), cache()
+    with torch.no_grad():
+        want = model(step, eager_cache)
+        static = dataclasses.replace(step, token_ids=step.token_ids.clone(), positions=step.positions.clone())
+        model(static, cache())                                   # warm-up on a throw-away cache
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = model(static, graph_cache)
+    graph_cache2 = cache()
+    for name, t in graph_cache2.paged.items():
+        graph_cache.paged[name].copy_(t)
+    for name, t in graph_cache2.state.items():
+        graph_cache.state[name].copy_(t)
+    graph.replay()
+    torch.testing.assert_close(out, want, atol=2e-3, rtol=0)

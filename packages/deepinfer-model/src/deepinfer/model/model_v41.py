@@ -255,12 +255,12 @@ class DeepseekV41ForCausalLM(nn.Module):
         Raises:
             ValueError: the model has Engram layers but no token map (`bind_token_map`), or prefill
                 truncation is on and logits of a row outside a sequence's tail are asked for.
-            RuntimeError: called while a CUDA graph is being captured (no graph-safe path yet).
+            RuntimeError: a step that is not a uniform decode called while a CUDA graph is captured.
         """
         cfg = self.cfg
-        if batch.token_ids.is_cuda and torch.cuda.is_current_stream_capturing():
-            raise RuntimeError("DeepSeek-V4.1 has no CUDA-graph decode path yet (its attention loops over "
-                               "sequences with host-side positions): run the engine with enforce_eager=True")
+        if not batch.uniform_decode and batch.token_ids.is_cuda and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError("only a uniform decode step of DeepSeek-V4.1 can be captured in a CUDA graph (the "
+                               "per-sequence path reads positions on the host)")
         ops = ops or kernels_for(batch.token_ids.device)
         hash_ids = None
         if cfg.engram_layer_ids:

@@ -34,6 +34,7 @@ from deepinfer.kernels.reference.paged import entry_location
 from ..batch import ForwardBatch
 from ..cache import ModelCache
 from ..config_v41 import DeepseekV41Config
+from . import csa2_decode
 from .common import RMSNorm, linear
 from .v41_codecs import RowCodec
 
@@ -43,10 +44,13 @@ INDEX_QUERY_BLOCK = 128        # queries scored at once by an indexer ([queries,
 
 @dataclass
 class Published:
-    """What index sources hand to the layers after them during one forward, per sequence."""
+    """What index sources hand to the layers after them during one forward: per sequence (`picks`,
+    `candidates`), or for a whole decode batch at once (`batched_*`, see `csa2_decode`)."""
 
     picks: list[Tensor | None] = field(default_factory=list)        # [q, k] entry ids, −1 none
     candidates: list[Tensor | None] = field(default_factory=list)   # [q, entries] bool
+    batched_picks: Tensor | None = None                              # [num_seqs, k]
+    batched_candidates: Tensor | None = None                         # [num_seqs, entries]
 
 
 @dataclass(frozen=True, slots=True)
@@ -131,6 +135,20 @@ class Attention(nn.Module):
             index_q = codecs.index.round_trip(index_q)
             index_w = ops.linear(x, ix.weights_proj.weight).float() * ix.num_heads**-0.5
         comp = self._compressor_inputs(x, ops) if self.compressor is not None else None
+        if batch.uniform_decode:
+            out = csa2_decode.attention(self, q, kv, index_q, index_w, comp, batch, cache, ops, inv_freq, codecs,
+                                        published)
+        else:
+            out = self._per_sequence(q, kv, index_q, index_w, comp, batch, cache, ops, inv_freq, codecs, published)
+        out = ops.apply_rope(out, pos, inv_freq, inverse=True)
+        grouped = ops.grouped_linear(out.reshape(t, cfg.o_groups, -1), self.wo_a.weight)
+        return ops.linear(grouped.flatten(1), self.wo_b.weight)
+
+    def _per_sequence(self, q: Tensor, kv: Tensor, index_q: Tensor | None, index_w: Tensor | None,
+                      comp: tuple[Tensor, Tensor | None] | None, batch: ForwardBatch, cache: ModelCache,
+                      ops: KernelSet, inv_freq: Tensor, codecs: Codecs, published: Published) -> Tensor:
+        """Any query lengths: one sequence at a time, in blocks of at most PREFILL_QUERY_BLOCK queries."""
+        cfg, pos, d = self.cfg, batch.positions, self.cfg.head_dim
         out = torch.empty_like(q)
         for i in range(batch.num_seqs):
             a, b = batch.cu_seqlens[i], batch.cu_seqlens[i + 1]
@@ -169,9 +187,7 @@ class Attention(nn.Module):
             keep = max(start, start + b - a - ring.shape[0])
             write = torch.arange(keep, start + b - a, device=kv.device)
             ring[write % ring.shape[0]] = codecs.window.encode(kv[a + keep - start:b])
-        out = ops.apply_rope(out, pos, inv_freq, inverse=True)
-        grouped = ops.grouped_linear(out.reshape(t, cfg.o_groups, -1), self.wo_a.weight)
-        return ops.linear(grouped.flatten(1), self.wo_b.weight)
+        return out
 
     # --- window -------------------------------------------------------------------------------------
     def _write_prefix(self, prefix: tuple[Tensor, Tensor, tuple[int, ...]], batch: ForwardBatch, cache: ModelCache,

@@ -77,6 +77,8 @@ class EngramHasher:
                 setattr(self, name, getattr(self, name).to(device))
         ids = self.token_map[batch.token_ids]
         ring = history.shape[1]
+        if batch.uniform_decode:         # one token per sequence: static shapes, no host positions
+            return self._decode(ids, batch.positions, batch.state_slots, history)
         cols = []
         for shift in range(self.max_ngram):
             src = batch.positions - shift
@@ -94,6 +96,17 @@ class EngramHasher:
             pos = torch.arange(keep, start + b - a, device=device)
             history[batch.state_slots[i], pos % ring] = ids[a + keep - start:b]
         return engram_hash(torch.stack(cols, dim=-1), self.multipliers, self.primes, self.offsets)
+
+
+    def _decode(self, ids: Tensor, pos: Tensor, slots: Tensor, history: Tensor) -> Tensor:
+        ring = history.shape[1]
+        shifts = torch.arange(self.max_ngram, device=ids.device)
+        src = pos[:, None] - shifts[None, :]                                       # [n, max_ngram]
+        past = history[slots[:, None], src.clamp(min=0) % ring]
+        cols = torch.where(src >= 0, past, torch.full_like(past, self.pad))
+        cols[:, 0] = ids
+        history[slots, pos % ring] = ids
+        return engram_hash(cols, self.multipliers, self.primes, self.offsets)
 
 
 class EngramEmbedding(nn.Module):
