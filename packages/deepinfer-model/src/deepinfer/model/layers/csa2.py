@@ -167,7 +167,7 @@ class Attention(nn.Module):
                                       codecs)
             for lo in range(a, b, PREFILL_QUERY_BLOCK):
                 hi = min(b, lo + PREFILL_QUERY_BLOCK)
-                rows, valid = self._window_rows(kv[a:b], lo - a, hi - a, pos[lo:hi], start, ring_rows)
+                rows, valid = self._window_rows(kv[a:b], pos[lo:hi], start, ring_rows)
                 block_picks = None
                 if keys is not None:
                     block_picks, block_candidates = self._select(i, index_q[lo:hi], index_w[lo:hi], pos[lo:hi],
@@ -204,11 +204,10 @@ class Attention(nn.Module):
             keep = max(a, b - rings.shape[1])
             rings[batch.state_slots[i], pos[keep:b] % rings.shape[1]] = rows[keep:b]
 
-    def _window_rows(self, kv: Tensor, lo: int, hi: int, pos: Tensor, start: int,
-                     ring_rows: Tensor) -> tuple[Tensor, Tensor]:
-        """Rows [q, W, head_dim] and validity [q, W] of the windows (positions p − W + 1 … p) of the
-        chunk's queries lo … hi − 1: this chunk's `kv` rows, else the ring's (decoded, slot = position
-        mod ring length)."""
+    def _window_rows(self, kv: Tensor, pos: Tensor, start: int, ring_rows: Tensor) -> tuple[Tensor, Tensor]:
+        """Rows [q, W, head_dim] and validity [q, W] of the windows (positions p − W + 1 … p) of
+        queries at `pos` in a chunk starting at `start`: the chunk's `kv` rows, else the ring's
+        (decoded, slot = position mod ring length)."""
         w, q_len = self.cfg.sliding_window, kv.shape[0]
         key_pos = pos[:, None] - w + 1 + torch.arange(w, device=kv.device)[None, :]
         from_ring = ring_rows[key_pos.clamp(min=0) % ring_rows.shape[0]]
