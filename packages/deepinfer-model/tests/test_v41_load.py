@@ -80,3 +80,16 @@ def test_dummy_v41_model_runs(tmp_path) -> None:
     dummy = load_model(folder, load_format="dummy", seed=1)
     logits = run_chunks(dummy, [TOKENS], [[len(TOKENS)]])[0]
     assert torch.isfinite(logits).all() and logits.std() > 0
+
+
+def test_partial_utf8_tokens_key_by_their_vocabulary_string() -> None:
+    """Byte-level tokens that decode to U+FFFD (half of a UTF-8 character) keep distinct ids, keyed by
+    their raw vocabulary string; whole characters normalise ("é" → "e")."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    vocab = {"e": 0, "Ã": 1, "©": 2, "Ã©": 3, "Ã¨": 4, "¨": 5}        # Ã© = "é", Ã¨ = "è" in byte-level form
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[("Ã", "©"), ("Ã", "¨")]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    assert "\ufffd" in tok.decode([1]) and tok.decode([3]) == "é"
+    assert token_map_of(tok, 6).tolist() == [0, 1, 2, 0, 0, 3]
