@@ -18,8 +18,10 @@ import torch
 from torch import Tensor
 
 from .config import DeepseekV4Config
+from .config_v41 import DeepseekV41Config
 from .layers.moe import Experts
 from .model import DeepseekV4ForCausalLM, build_model
+from .model_v41 import DeepseekV41ForCausalLM, build_model_v41
 
 __all__ = ["dummy_model"]
 
@@ -30,14 +32,15 @@ _TABLE_ROWS = 4096        # hash-table rows drawn at a time (a [rows, n_routed_e
 
 
 def dummy_model(
-    cfg: DeepseekV4Config,
+    cfg: DeepseekV4Config | DeepseekV41Config,
     *,
     dtype: torch.dtype = torch.float32,
     device: torch.device | str = "cpu",
     kv_quant: bool = False,
     expert_dtype: str | None = None,
     seed: int = 0,
-) -> DeepseekV4ForCausalLM:
+    engram_on_host: bool = False,
+) -> DeepseekV4ForCausalLM | DeepseekV41ForCausalLM:
     """A model of `cfg`'s shapes with seeded random weights, built and filled on `device`.
 
     Each tensor is drawn from its own generator, seeded by (`seed`, its name), so a tensor's values
@@ -69,6 +72,8 @@ def dummy_model(
         raise ValueError(f"dtype={dtype} must be torch.float32, torch.bfloat16 or torch.float16")
     if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
         raise ValueError(f"seed={seed!r} must be an int >= 0")
+    if isinstance(cfg, DeepseekV41Config):
+        return _dummy_v41(cfg, dtype, device, expert_dtype, seed, engram_on_host)
     model = build_model(cfg, device=device, dtype=dtype, kv_quant=kv_quant, expert_dtype=expert_dtype)
     gen = torch.Generator(device=torch.device(device))
     with torch.no_grad():
@@ -129,3 +134,16 @@ def _hash_table(table: Tensor, num_experts: int, gen: torch.Generator) -> None:
         rows = min(_TABLE_ROWS, vocab - start)
         keys = torch.rand(rows, num_experts, generator=gen, device=table.device)
         table[start:start + rows] = keys.topk(top_k, dim=1).indices
+
+
+def _dummy_v41(cfg: DeepseekV41Config, dtype: torch.dtype, device: torch.device | str, expert_dtype: str | None,
+               seed: int, engram_on_host: bool) -> DeepseekV41ForCausalLM:
+    """A DeepSeek-V4.1 model with `DeepseekV41ForCausalLM.init_weights(seed)` weights (normal(0, 0.02)
+    matrices, unit norms and mHC scales, zero biases, sinks and mHC bases) and, no tokenizer being
+    read, the Engram token map `token id mod engram_compressed_vocab_size`."""
+    model = build_model_v41(cfg, device=device, dtype=dtype, expert_dtype=expert_dtype, engram_on_host=engram_on_host)
+    model.init_weights(seed)
+    if cfg.engram_layer_ids:
+        model.bind_token_map(torch.arange(cfg.vocab_size) % cfg.engram_compressed_vocab_size)
+    model.place_engram_tables()
+    return model.eval()

@@ -113,15 +113,8 @@ def _load_v41(model_dir: str | Path, cfg: DeepseekV41Config, dtype: torch.dtype,
               expert_dtype: str | None, progress: bool, load_format: str, seed: int,
               engram_on_host: bool) -> DeepseekV41ForCausalLM:
     if load_format == "dummy":
-        if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
-            raise ValueError(f"seed={seed!r} must be an int >= 0")
-        model = build_model_v41(cfg, device=device, dtype=dtype, expert_dtype=expert_dtype,
-                                engram_on_host=engram_on_host)
-        model.init_weights(seed)
-        if cfg.engram_layer_ids:           # no tokenizer is read: token id modulo the compressed vocabulary
-            model.bind_token_map(torch.arange(cfg.vocab_size) % cfg.engram_compressed_vocab_size)
-        model.place_engram_tables()
-        return model.eval()
+        return dummy_model(cfg, dtype=dtype, device=device, expert_dtype=expert_dtype, seed=seed,
+                           engram_on_host=engram_on_host)
     headers = read_headers(model_dir)
     fp8_engram = any(to_official(k).endswith(ENGRAM_TABLE) and t.dtype == torch.float8_e4m3fn
                      for k, t in headers.items())
