@@ -23,7 +23,7 @@ from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 
 from .llm_engine import LLMEngine, PromptInput
-from .outputs import RequestOutput
+from .outputs import RequestOutput, running_output
 from .sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -275,11 +275,14 @@ def _post(stream: _Stream, out: RequestOutput | None, error: BaseException | Non
 
 def _delta(out: RequestOutput, num_tokens: int, num_chars: int) -> RequestOutput:
     """`out` with its sample cut to what follows the first num_tokens tokens / num_chars characters
-    (the engine only appends to both, so the cut is exact)."""
+    (the engine only appends to both, so the cut is exact). A running output is rebuilt without the
+    field checks (`running_output`: it has no finish reason to check), as the engine builds it."""
     completion = out.outputs[0]
+    text, token_ids = completion.text[num_chars:], completion.token_ids[num_tokens:]
     logprobs = None if completion.logprobs is None else completion.logprobs[num_tokens:]
-    new = dataclasses.replace(completion, text=completion.text[num_chars:], token_ids=completion.token_ids[num_tokens:],
-                              logprobs=logprobs)
+    if not out.finished:
+        return running_output(out.request_id, out.prompt, out.prompt_token_ids, text, token_ids, logprobs)
+    new = dataclasses.replace(completion, text=text, token_ids=token_ids, logprobs=logprobs)
     return dataclasses.replace(out, outputs=[new])
 
 

@@ -159,24 +159,25 @@ def build_app(llm: AsyncLLM, *, served_model_name: str, api_key: str | None = No
         logger.exception("request failed")
         return JSONResponse(APIError(500, f"internal error: {type(error).__name__}: {error}").body(), status_code=500)
 
-    @app.middleware("http")
-    async def _auth(request: Request, call_next: Any) -> Response:
-        if api_key is not None and request.url.path.startswith("/v1/") and \
-                request.headers.get("authorization") != f"Bearer {api_key}":
-            error = APIError(401, "a valid API key is required: Authorization: Bearer <key>", code="invalid_api_key")
-            return JSONResponse(error.body(), status_code=401)
-        return await call_next(request)
+    def check_key(request: Request) -> None:
+        # A check in each /v1 route rather than an HTTP middleware: Starlette's BaseHTTPMiddleware
+        # relays every chunk of a streamed response through an extra task, which costs per token.
+        if api_key is not None and request.headers.get("authorization") != f"Bearer {api_key}":
+            raise APIError(401, "a valid API key is required: Authorization: Bearer <key>", code="invalid_api_key")
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
+        check_key(request)
         return await server.generate(parse_completion(await _json_body(request)), chat=False)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
+        check_key(request)
         return await server.generate(parse_chat(await _json_body(request)), chat=True)
 
     @app.get("/v1/models")
-    async def models() -> dict[str, Any]:
+    async def models(request: Request) -> dict[str, Any]:
+        check_key(request)
         card = {"id": server.name, "object": "model", "created": server.created, "owned_by": "deepinfer",
                 "max_model_len": llm.engine.max_model_len}
         return {"object": "list", "data": [card]}

@@ -1,0 +1,238 @@
+"""Serving benchmark (issue #20): `deepinfer serve` under a concurrency and a request-rate sweep, and
+its overhead against the offline engine at 64 concurrent requests.
+
+    .venv/bin/python benchmarks/serve_bench.py [--concurrency 1 8 64] [--request-rates 4 16]
+        [--input-len 64] [--output-len 64] [--threads 1] [--base-url URL] [--output-json FILE]
+
+Without --base-url it starts `deepinfer serve` (the embedded model unless --model) in a child
+process, then runs --repeats pairs at --overhead-concurrency: the offline engine
+(`deepinfer.engine.bench.run_bench`: an `LLMEngine` stepped in this process, no HTTP; the server
+idle meanwhile) and the server over HTTP, alternately; then the sweep on the server alone.
+Every request is the same kind as bench's: random token ids (seeded; the same prompts for the
+offline run and every server point), greedy, EOS ignored, exactly --output-len tokens, streamed
+(`stream_options.include_usage`).
+
+Per point: request and output-token throughput, and p50 / p90 / p99 of
+  TTFT  first streamed chunk - the request's start (its arrival, or when a concurrency slot freed);
+  TPOT  (last chunk - first chunk) / (completion_tokens - 1), per request;
+  ITL   gaps between consecutive chunks of a request (a chunk holds the tokens of one engine step
+        unless the client lagged; `tokens_per_chunk` says how often that happened).
+Server overhead = 1 - server output tok/s / offline output tok/s of a pair (median over pairs), and
+the CPU overhead = server process CPU time per output token (all its threads: engine, event loop)
+/ the offline run's CPU time per output token - 1, which other load on a shared machine disturbs
+far less than wall-clock throughput. The
+client runs in this process, on the same machine as the server: on a small CPU it competes with the
+server for cores (--threads sets the torch threads of both engines, OMP_NUM_THREADS of the child).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import os
+import platform
+import random
+import socket
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+import numpy as np
+import torch
+
+from deepinfer.engine import EngineArgs, LLMEngine
+from deepinfer.engine.bench import BenchWorkload, run_bench
+
+PERCENTILES = (50, 90, 99)
+
+
+@dataclass(frozen=True, slots=True)
+class Trace:
+    """One streamed request: its start, the arrival time of each chunk, and its completion tokens."""
+
+    start: float
+    chunk_times: tuple[float, ...]
+    num_tokens: int
+
+
+def _percentiles(name: str, seconds: list[float]) -> dict[str, float | None]:
+    if not seconds:
+        return {f"p{p}_{name}_ms": None for p in PERCENTILES}
+    values = np.percentile(np.asarray(seconds) * 1000.0, PERCENTILES)
+    return {f"p{p}_{name}_ms": round(float(v), 2) for p, v in zip(PERCENTILES, values)}
+
+
+def metrics(traces: list[Trace], elapsed: float) -> dict[str, Any]:
+    """Throughput and TTFT / TPOT / ITL percentiles of the traces over `elapsed` seconds."""
+    num_tokens = sum(t.num_tokens for t in traces)
+    num_chunks = sum(len(t.chunk_times) for t in traces)
+    result: dict[str, Any] = {
+        "num_completed": len(traces), "elapsed_s": round(elapsed, 3),
+        "request_throughput": round(len(traces) / elapsed, 2), "output_tokens_per_s": round(num_tokens / elapsed, 2),
+        "tokens_per_chunk": round(num_tokens / num_chunks, 3),
+    }
+    result |= _percentiles("ttft", [t.chunk_times[0] - t.start for t in traces])
+    result |= _percentiles("tpot", [(t.chunk_times[-1] - t.chunk_times[0]) / (t.num_tokens - 1)
+                                    for t in traces if t.num_tokens > 1])
+    result |= _percentiles("itl", [b - a for t in traces for a, b in zip(t.chunk_times, t.chunk_times[1:])])
+    return result
+
+
+async def _one(http: httpx.AsyncClient, prompt: list[int], output_len: int, start: float) -> Trace:
+    body = {"prompt": prompt, "max_tokens": output_len, "temperature": 0, "ignore_eos": True, "stream": True,
+            "stream_options": {"include_usage": True}}
+    times: list[float] = []
+    usage = None
+    async with http.stream("POST", "/v1/completions", json=body) as reply:
+        reply.raise_for_status()
+        async for line in reply.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[6:])
+            if chunk["choices"] and chunk["choices"][0]["text"]:
+                times.append(time.perf_counter())
+            usage = chunk.get("usage") or usage
+    assert usage is not None and usage["completion_tokens"] == output_len, usage
+    return Trace(start, tuple(times), usage["completion_tokens"])
+
+
+def process_cpu_s(pid: int) -> float:
+    """User + system CPU seconds used so far by process `pid` (all its threads), from /proc."""
+    with open(f"/proc/{pid}/stat") as stat:
+        fields = stat.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+async def run_point(base_url: str, prompts: list[list[int]], output_len: int, *, request_rate: float,
+                    max_concurrency: int | None, seed: int, server_pid: int | None = None) -> dict[str, Any]:
+    """Send every prompt (Poisson arrivals at request_rate, at most max_concurrency at once); the metrics,
+    with the server's CPU milliseconds per output token when its pid is known."""
+    rng = random.Random(seed)
+    offsets, at = [], 0.0
+    for _ in prompts:
+        offsets.append(at)
+        at += 0.0 if math.isinf(request_rate) else rng.expovariate(request_rate)
+    slots = asyncio.Semaphore(max_concurrency or len(prompts))
+    limits = httpx.Limits(max_connections=max_concurrency or len(prompts))
+    cpu_before = process_cpu_s(server_pid) if server_pid is not None else None
+    async with httpx.AsyncClient(base_url=base_url, limits=limits, timeout=600) as http:
+        t0 = time.perf_counter()
+
+        async def arrive(prompt: list[int], offset: float) -> Trace:
+            await asyncio.sleep(max(0.0, t0 + offset - time.perf_counter()))
+            arrival = time.perf_counter()
+            async with slots:
+                return await _one(http, prompt, output_len, max(arrival, time.perf_counter()))
+
+        traces = await asyncio.gather(*(arrive(p, o) for p, o in zip(prompts, offsets)))
+        elapsed = max(t.chunk_times[-1] for t in traces) - t0
+    result = {"request_rate": "inf" if math.isinf(request_rate) else request_rate,
+              "max_concurrency": max_concurrency, **metrics(list(traces), elapsed)}
+    if cpu_before is not None:
+        cpu_s = process_cpu_s(server_pid) - cpu_before
+        result["cpu_ms_per_token"] = round(1000 * cpu_s / sum(t.num_tokens for t in traces), 4)
+    return result
+
+
+def start_server(args: argparse.Namespace) -> tuple[subprocess.Popen, str]:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    command = [sys.executable, "-m", "deepinfer.engine.cli", "serve", "--port", str(port), "--log-level", "warning",
+               "--max-num-seqs", str(args.max_num_seqs), "--seed", str(args.seed)]
+    if args.model:
+        command += ["--model", args.model]
+    child = subprocess.Popen(command, env={**os.environ, "OMP_NUM_THREADS": str(args.threads)},
+                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 120
+    while True:
+        if child.poll() is not None:
+            raise RuntimeError(f"deepinfer serve exited with {child.returncode}")
+        try:
+            if httpx.get(f"{url}/health", timeout=1).status_code == 200:
+                return child, url
+        except httpx.TransportError:
+            pass
+        if time.monotonic() > deadline:
+            child.kill()
+            raise RuntimeError("deepinfer serve did not come up in 120 s")
+        time.sleep(0.2)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--base-url", default=None, help="bench this running server (no offline comparison)")
+    parser.add_argument("--model", default=None, help="model folder or cached repo id [default: the embedded model]")
+    parser.add_argument("--input-len", type=int, default=64)
+    parser.add_argument("--output-len", type=int, default=64)
+    parser.add_argument("--concurrency", type=int, nargs="*", default=[1, 8, 64])
+    parser.add_argument("--request-rates", type=float, nargs="*", default=[4.0, 16.0])
+    parser.add_argument("--overhead-concurrency", type=int, default=64)
+    parser.add_argument("--repeats", type=int, default=3, help="offline / server pairs at --overhead-concurrency, "
+                        "run alternately so that a shared machine's noise hits both alike")
+    parser.add_argument("--prompts-per-slot", type=int, default=2, help="prompts per point = this x concurrency "
+                        "(at least 8); rate points send 2 x overhead-concurrency")
+    parser.add_argument("--max-num-seqs", type=int, default=64)
+    parser.add_argument("--threads", type=int, default=1, help="torch / OMP threads of each engine")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--output-json", default=None)
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    result: dict[str, Any] = {"machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPUs",
+                              "torch": torch.__version__, "args": vars(args)}
+    num_overhead = args.prompts_per_slot * args.overhead_concurrency
+    engine = LLMEngine(EngineArgs(model=args.model, max_num_seqs=args.max_num_seqs, seed=args.seed))
+    vocab_size = engine.model.cfg.vocab_size
+
+    def prompts(count: int) -> list[list[int]]:
+        return BenchWorkload(count, args.input_len, args.output_len, args.seed).requests(vocab_size).prompts
+
+    def point(count: int, request_rate: float, max_concurrency: int | None) -> dict[str, Any]:
+        out = asyncio.run(run_point(url, prompts(count), args.output_len, request_rate=request_rate,
+                                    max_concurrency=max_concurrency, seed=args.seed,
+                                    server_pid=None if child is None else child.pid))
+        print(json.dumps(out), flush=True)
+        return out
+
+    child, url = start_server(args) if args.base_url is None else (None, args.base_url)
+    try:
+        point(4, math.inf, 4)                                   # warm-up
+        if child is not None:                                   # the offline engine only shares our machine
+            pairs = []
+            run_bench(engine, 8, args.input_len, args.output_len, args.seed)          # warm-up
+            for _ in range(args.repeats):
+                cpu_before = time.process_time()
+                offline = run_bench(engine, num_overhead, args.input_len, args.output_len, args.seed,
+                                    max_concurrency=args.overhead_concurrency)
+                offline["cpu_ms_per_token"] = round(1000 * (time.process_time() - cpu_before)
+                                                    / (num_overhead * args.output_len), 4)
+                served = point(num_overhead, math.inf, args.overhead_concurrency)
+                pairs.append({"offline": offline, "server": served,
+                              "overhead": round(1 - served["output_tokens_per_s"] / offline["output_tokens_per_s"], 4),
+                              "cpu_overhead": round(served["cpu_ms_per_token"] / offline["cpu_ms_per_token"] - 1, 4)})
+            result["overhead"] = {"concurrency": args.overhead_concurrency,
+                                  "median": statistics.median(p["overhead"] for p in pairs),
+                                  "median_cpu": statistics.median(p["cpu_overhead"] for p in pairs), "pairs": pairs}
+        del engine
+        result["server"] = [point(max(8, args.prompts_per_slot * c), math.inf, c) for c in args.concurrency]
+        result["server"] += [point(num_overhead, rate, None) for rate in args.request_rates]
+    finally:
+        if child is not None:
+            child.terminate()
+            child.wait(timeout=120)
+    text = json.dumps(result, indent=2)
+    print(text)
+    if args.output_json:
+        with open(args.output_json, "w") as out:
+            out.write(text + "\n")
+
+
+if __name__ == "__main__":
+    main()
