@@ -122,8 +122,6 @@ class DeepseekV41ForCausalLM(nn.Module):
             otherwise; a forward of a model with Engram layers needs it).
     """
 
-    kv_quant = True          # V4.1's cache quantisation is part of the model (the packed cache formats)
-
     def __init__(self, cfg: DeepseekV41Config, *, expert_dtype: str | None = None, engram_on_host: bool = False,
                  fp8_engram: bool = False, token_map: Tensor | None = None) -> None:
         super().__init__()
