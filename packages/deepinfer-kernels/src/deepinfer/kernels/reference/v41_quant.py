@@ -20,6 +20,8 @@ Rounding (what the checkpoint was trained with):
 
 from __future__ import annotations
 
+import functools
+
 import torch
 from torch import Tensor
 
@@ -56,10 +58,18 @@ def _blocks(x: Tensor, block: int) -> Tensor:
     return x.float().reshape(*x.shape[:-1], dim // block, block)
 
 
+@functools.cache
+def _constants(device: torch.device) -> tuple[Tensor, Tensor, Tensor]:
+    """(midpoints, ties-up flags, signed e2m1 values) on `device`, made once (a copy from the host is
+    not allowed while a CUDA graph is captured)."""
+    values = torch.tensor(_E2M1 + tuple(-x for x in _E2M1), dtype=torch.float32, device=device)
+    return (torch.tensor(_MIDPOINTS, dtype=torch.float32, device=device), torch.tensor(_TIE_UP, device=device),
+            values)
+
+
 def e2m1_codes(v: Tensor) -> Tensor:
     """Codes (uint8, bit 3 = sign) of float32 values already within ±6, rounded to nearest even."""
-    mid = torch.tensor(_MIDPOINTS, dtype=torch.float32, device=v.device)
-    tie_up = torch.tensor(_TIE_UP, device=v.device)
+    mid, tie_up, _ = _constants(v.device)
     mag = v.abs().contiguous()
     code = torch.bucketize(mag, mid, right=False)             # midpoints strictly below |v|
     at_tie = (mag.unsqueeze(-1) == mid) & tie_up
@@ -69,8 +79,7 @@ def e2m1_codes(v: Tensor) -> Tensor:
 
 def e2m1_values(codes: Tensor) -> Tensor:
     """float32 values of uint8 e2m1 codes (bit 3 = sign)."""
-    lut = torch.tensor(_E2M1 + tuple(-x for x in _E2M1), dtype=torch.float32, device=codes.device)
-    return lut[codes.long()]
+    return _constants(codes.device)[2][codes.long()]
 
 
 def _ue8m0(amax: Tensor, qmax: float) -> Tensor:
