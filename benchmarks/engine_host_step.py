@@ -14,8 +14,8 @@ timing starts.
 Phases, timed with time.perf_counter around the engine's calls (the methods are wrapped):
   schedule   `Scheduler.schedule()` (the step-kind vote included)
   prepare    `ModelRunner.apply_cache_ops` + `ModelRunner.prepare` (the step's input tensors)
-  sampling   `Worker.execute_model_step` minus the stand-in forward: row parameters, the sampling
-             batch, the sampler and reading its tokens back; `sampler math` is the Sampler call
+  sampling   `SamplingStage.launch` + `SamplingStage.collect`: row parameters, the sampling batch,
+             the sampler and reading its tokens back; `sampler math` is the Sampler call
              alone (tensor work that runs on the device in a GPU engine: logsumexp + argmax over
              [N, 4096] on this CPU), reported separately so the pure host part is visible
   post       `LLMEngine._post_process` (stop checks, detokenization, handing tokens back)
@@ -103,7 +103,7 @@ def run_repeat(num_seqs: int, steps: int, warmup: int, prompt_len: int, block_si
         if out == 0 and engine.scheduler.num_running == num_seqs:
             break
     clock = PhaseClock()
-    scheduler, runner, worker = engine.scheduler, engine.runner, engine.worker
+    scheduler, runner, sampling = engine.scheduler, engine.runner, engine.sampling
     schedule = scheduler.schedule
     kinds: list[StepKind] = []
 
@@ -116,8 +116,9 @@ def run_repeat(num_seqs: int, steps: int, warmup: int, prompt_len: int, block_si
     runner.apply_cache_ops = clock.wrap("prepare", runner.apply_cache_ops)
     runner.prepare = clock.wrap("prepare", runner.prepare)
     runner.forward = clock.wrap("forward", runner.forward)
-    worker.execute_model_step = clock.wrap("sampling", worker.execute_model_step)
-    worker.sampler = clock.wrap("sampler math", worker.sampler)
+    sampling.launch = clock.wrap("sampling", sampling.launch)
+    sampling.collect = clock.wrap("sampling", sampling.collect)
+    sampling.sampler = clock.wrap("sampler math", sampling.sampler)
     engine._post_process = clock.wrap("post", engine._post_process)
     times: dict[str, list[float]] = defaultdict(list)
     for step in range(warmup + steps):
@@ -131,7 +132,6 @@ def run_repeat(num_seqs: int, steps: int, warmup: int, prompt_len: int, block_si
                                f"{len(outputs)} outputs")
         if step < warmup:
             continue
-        phases["sampling"] -= phases.get("forward", 0.0)
         phases["outputs"] = total - sum(phases[p] for p in ("schedule", "prepare", "sampling", "post", "forward"))
         times["total"].append(total)
         times["host"].append(total - phases["sampler math"] - phases.get("forward", 0.0))

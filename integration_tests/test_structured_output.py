@@ -159,7 +159,6 @@ def test_a_slow_compile_does_not_hold_back_other_requests(tiny_text) -> None:
         engine.add_request("free", {"prompt_token_ids": prompt}, SamplingParams(temperature=0, max_tokens=6))
         engine.add_request("fast", {"prompt_token_ids": prompt},
                            SamplingParams(temperature=0, max_tokens=20, structured=StructuredOutput(choice=CHOICES)))
-        assert engine._requests["slow"].needs_previous_result and not engine._requests["free"].needs_previous_result
         tokens_at: dict[str, list[int]] = {}
         step = _run_steps(engine, lambda: "free:done" in tokens_at and "fast:done" in tokens_at, 0, tokens_at)
         for _ in range(3):                                  # idle steps: the slow one still waits

@@ -129,15 +129,17 @@ def test_metrics_of_known_traces() -> None:
     traces = [RequestTrace(0.0, (1.0, 1.5, 2.5), "length"),     # TTFT 1, TPOT 0.75, ITL 0.5, 1
               RequestTrace(1.0, (1.25, 1.5), "length"),         # TTFT 0.25, TPOT 0.25, ITL 0.25
               RequestTrace(2.0, (4.0,), "stop")]                # TTFT 2
-    assert bench_metrics(traces, elapsed=5.0, input_len=10) == {
+    assert bench_metrics(traces, elapsed=5.0, input_len=10, decode_steps=[0.002, 0.004, 0.003]) == {
         "elapsed_s": 5.0, "num_completed": 3, "finish_reasons": {"length": 2, "stop": 1},
-        "request_throughput": 0.6, "output_tokens_per_s": 1.2, "total_tokens_per_s": 7.2,
+        "request_throughput": 0.6, "output_tokens_per_s": 1.2, "total_tokens_per_s": 7.2, "num_decode_steps": 3,
         "mean_ttft_ms": 1083.333, "p50_ttft_ms": 1000.0, "p90_ttft_ms": 1800.0, "p99_ttft_ms": 1980.0,
         "mean_tpot_ms": 500.0, "p50_tpot_ms": 500.0, "p90_tpot_ms": 700.0, "p99_tpot_ms": 745.0,
         "mean_itl_ms": 583.333, "p50_itl_ms": 500.0, "p90_itl_ms": 900.0, "p99_itl_ms": 990.0,
+        "mean_decode_step_ms": 3.0, "p50_decode_step_ms": 3.0, "p90_decode_step_ms": 3.8, "p99_decode_step_ms": 3.98,
     }
     one_token = bench_metrics([RequestTrace(0.0, (0.5,), "length")], elapsed=1.0, input_len=1)
     assert one_token["p99_tpot_ms"] is None and one_token["mean_itl_ms"] is None
+    assert one_token["num_decode_steps"] == 0 and one_token["mean_decode_step_ms"] is None
     assert one_token["p50_ttft_ms"] == 500.0
     with pytest.raises(ValueError, match="elapsed=0.0 must be > 0 seconds"):
         bench_metrics(traces, elapsed=0.0, input_len=10)

@@ -44,8 +44,7 @@ def test_every_variable_is_read() -> None:
 def test_variables_describe_every_field_in_order() -> None:
     assert [var.field for var in VARIABLES] == [field.name for field in dataclasses.fields(EngineEnv)]
     assert all(var.description and var.allowed for var in VARIABLES)
-    assert [var.name for var in VARIABLES if var.missing_feature] == ["DEEPINFER_DISABLE_SYNC_GUARD",
-                                                                     "DEEPINFER_USE_NEXTN_DECODE"]
+    assert [var.name for var in VARIABLES if var.missing_feature] == ["DEEPINFER_USE_NEXTN_DECODE"]
 
 
 @pytest.mark.parametrize(
@@ -54,9 +53,6 @@ def test_variables_describe_every_field_in_order() -> None:
         ("DEEPINFER_USE_NEXTN_DECODE", "5", "DEEPINFER_USE_NEXTN_DECODE=5 is not supported yet: speculative "
          r"decoding is not implemented \(unset it, or set it to 0\)"),
         ("DEEPINFER_USE_NEXTN_DECODE", "1", "DEEPINFER_USE_NEXTN_DECODE=1 is not supported yet"),
-        ("DEEPINFER_DISABLE_SYNC_GUARD", "true",
-         r"DEEPINFER_DISABLE_SYNC_GUARD=1 is not supported yet: the sync guard of ZOS \(zero-overhead "
-         r"scheduling\) is not implemented \(unset it, or set it to 0\)"),
     ],
 )
 def test_variables_of_missing_features_are_refused(name: str, raw: str, message: str) -> None:
@@ -69,8 +65,7 @@ def test_missing_features_accept_their_default_and_are_refused_on_direct_constru
     assert env.use_nextn_decode == 0 and env.disable_sync_guard is False
     with pytest.raises(InvalidEnvVar, match="DEEPINFER_USE_NEXTN_DECODE=2 is not supported yet"):
         EngineEnv(use_nextn_decode=2)
-    with pytest.raises(InvalidEnvVar, match="DEEPINFER_DISABLE_SYNC_GUARD=1 is not supported yet"):
-        EngineEnv(disable_sync_guard=True)
+    assert EngineEnv(disable_sync_guard=True).disable_sync_guard         # implemented: accepted
     assert read_env({"DEEPINFER_BATCH_INVARIANT": "true"}).batch_invariant is True
 
 

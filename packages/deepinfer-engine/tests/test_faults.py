@@ -73,7 +73,7 @@ STAGES = {
     "input preparation, prefill": (lambda e: e.runner, "prepare", lambda out: out.kind is StepKind.PREFILL),
     "input preparation, decode": (lambda e: e.runner, "prepare", is_decode),
     "forward": (lambda e: e.runner, "forward", lambda step: True),
-    "sampling": (lambda e: e.worker, "sampler", lambda logits, batch: True),
+    "sampling": (lambda e: e.sampling, "sampler", lambda logits, batch: True),
     "post-processing, prefill": (lambda e: e.scheduler, "append_tokens", lambda *a: True),
     "post-processing, decode": (lambda e: e.scheduler, "append_decode_tokens", lambda *a: True),
 }

@@ -17,8 +17,8 @@ from deepinfer.engine.llm_engine import resolve_model_dir
 from deepinfer.engine.outputs import CompletionOutput, RequestOutput, running_output
 from deepinfer.engine.request import Request
 from deepinfer.engine.sampling_batch import InvalidSamplingBatch, RequestRng, build_sampling_batch
+from deepinfer.engine.sampling_stage import NON_FINITE_LOGITS, RowParams, SampledStep, SampledToken, StepRows
 from deepinfer.engine.tokenizer import load_tokenizer
-from deepinfer.engine.worker import NON_FINITE_LOGITS, RowParams, SampledStep, SampledToken, StepRows
 from deepinfer.model import ForwardBatch
 
 
@@ -83,7 +83,7 @@ def test_step_rows_from_rows_and_sampled_step_tokens() -> None:
     rng = RequestRng.for_params(seeded)
     rows = StepRows.from_rows([RowParams(greedy, None, 2), RowParams(seeded, rng, 0)])
     assert (list(rows.params), list(rows.rngs), list(rows.num_output_tokens)) == ([greedy, seeded], [None, rng], [2, 0])
-    assert rows.grammars is None and not rows.needs_previous_result
+    assert rows.grammars is None
     step = SampledStep(("a", "b"), [5, 6], [{5: -0.1}, None], {1: NON_FINITE_LOGITS})
     assert step.tokens() == [SampledToken("a", 5, {5: -0.1}), SampledToken("b", 6, None, NON_FINITE_LOGITS)]
 

@@ -9,41 +9,28 @@ from deepinfer.engine import LLM, SamplingParams
 from deepinfer.engine.model_runner import StepBatch
 from deepinfer.engine.sampler import Sampler
 from deepinfer.engine.sampling_batch import RequestRng
-from deepinfer.engine.worker import NON_FINITE_LOGITS, RowParams, StepRows, Worker
+from deepinfer.engine.sampling_stage import NON_FINITE_LOGITS, RowParams, SamplingStage, StepRows
 
 VOCAB_SIZE = 12
 
 
-class _FixedLogitsRunner:
-    def __init__(self, logits: torch.Tensor) -> None:
-        self.logits = logits
-
-    def forward(self, step: StepBatch) -> torch.Tensor:
-        return self.logits[: len(step.sample_seq_ids)]
-
-
-def _step(seq_ids: tuple[str, ...]) -> StepBatch:
-    return StepBatch(None, seq_ids, torch.arange(len(seq_ids)))   # type: ignore[arg-type]
-
-
 @pytest.mark.parametrize("poison", [float("nan"), float("inf"), "all -inf"])
-def test_worker_fails_only_the_row_with_non_finite_logits(poison: float | str) -> None:
+def test_sampling_fails_only_the_row_with_non_finite_logits(poison: float | str) -> None:
     logits = torch.zeros(3, VOCAB_SIZE)
     logits[:, 7] = 5.0
     if poison == "all -inf":
         logits[1] = -torch.inf
     else:
         logits[1, 3] = poison
-    worker = Worker(_FixedLogitsRunner(logits), Sampler(seed=0), eos_token_ids=[0], vocab_size=VOCAB_SIZE)
+    stage = SamplingStage(Sampler(seed=0), eos_token_ids=[0], vocab_size=VOCAB_SIZE)
     params = {"greedy": SamplingParams(temperature=0.0, logprobs=1), "bad": SamplingParams(logprobs=1),
               "seeded": SamplingParams(top_k=1, seed=4)}
 
     rngs = {seq_id: RequestRng.for_params(p) for seq_id, p in params.items()}
 
-    def rows(seq_ids: tuple[str, ...]) -> StepRows:
-        return StepRows.from_rows([RowParams(params[seq_id], rngs[seq_id], 0) for seq_id in seq_ids])
-
-    (sampled,) = worker.execute_model_step(_step(("greedy", "bad", "seeded")), rows)
+    seq_ids = ("greedy", "bad", "seeded")
+    rows = StepRows.from_rows([RowParams(params[seq_id], rngs[seq_id], 0) for seq_id in seq_ids])
+    sampled = stage.collect(stage.launch(seq_ids, logits, rows, guarded=True))
     tokens = sampled.tokens()
     assert [(t.seq_id, t.error) for t in tokens] == [("greedy", None), ("bad", NON_FINITE_LOGITS),
                                                      ("seeded", None)]
@@ -51,12 +38,12 @@ def test_worker_fails_only_the_row_with_non_finite_logits(poison: float | str) -
     assert tokens[0].logprobs is not None and tokens[1].logprobs is None
 
 
-def test_worker_reads_the_step_back_in_one_copy(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_sampling_reads_the_step_back_in_one_copy(monkeypatch: pytest.MonkeyPatch) -> None:
     # Token ids and the finite flags come to the host together: one `.tolist()` per step (plus those
     # of the logprobs, only when a row asked for them).
     logits = torch.zeros(2, VOCAB_SIZE)
     logits[0, 1] = float("nan")
-    worker = Worker(_FixedLogitsRunner(logits), Sampler(seed=0), eos_token_ids=[0], vocab_size=VOCAB_SIZE)
+    stage = SamplingStage(Sampler(seed=0), eos_token_ids=[0], vocab_size=VOCAB_SIZE)
     calls = []
     tolist = torch.Tensor.tolist
 
@@ -66,10 +53,8 @@ def test_worker_reads_the_step_back_in_one_copy(monkeypatch: pytest.MonkeyPatch)
 
     monkeypatch.setattr(torch.Tensor, "tolist", counting_tolist)
 
-    def rows(ids: tuple[str, ...]) -> StepRows:
-        return StepRows([SamplingParams()] * len(ids), [None] * len(ids), [0] * len(ids))
-
-    (sampled,) = worker.execute_model_step(_step(("a", "b")), rows)
+    rows = StepRows([SamplingParams()] * 2, [None] * 2, [0] * 2)
+    sampled = stage.collect(stage.launch(("a", "b"), logits, rows))
     tokens = sampled.tokens()
     assert calls == [(2, 2)]
     assert [t.error for t in tokens] == [NON_FINITE_LOGITS, None]

@@ -1,5 +1,5 @@
 """Token bitmasks: unpack / apply (reference vs xgrammar's CPU kernel), filling from grammar states,
-the sampler's masked sampling, and the worker honouring `needs_previous_result`."""
+the sampler's masked sampling, and the sampling stage applying a grammar row's mask."""
 
 from __future__ import annotations
 
@@ -11,16 +11,15 @@ import xgrammar
 
 from deepinfer.engine import SamplingParams
 from deepinfer.engine.grammar_backend import GrammarState
-from deepinfer.engine.model_runner import StepBatch
 from deepinfer.engine.sampler import Sampler
 from deepinfer.engine.sampling_batch import InvalidSamplingBatch, RequestRng, build_sampling_batch
+from deepinfer.engine.sampling_stage import RowParams, SamplingStage, StepRows
 from deepinfer.engine.token_bitmask import (
     allocate_token_bitmask,
     apply_token_bitmask,
     fill_token_bitmask,
     unpack_token_bitmask,
 )
-from deepinfer.engine.worker import RowParams, StepRows, Worker
 
 VOCAB = ["<eos>", "y", "e", "s", "n", "o", "ye", "yes", "x", "z"]   # token id = index; 0 = EOS
 PADDED_VOCAB = 70                                                      # model vocab: ids 10..69 unused
@@ -134,33 +133,12 @@ def test_sampling_batch_checks_bitmask_fields() -> None:
         dataclasses.replace(every_row, token_bitmask=None, bitmask_rows=torch.tensor([0]))
 
 
-class _FixedLogitsRunner:
-    def __init__(self, logits: torch.Tensor) -> None:
-        self.logits = logits
-
-    def forward(self, step: StepBatch) -> torch.Tensor:
-        return self.logits[: len(step.sample_seq_ids)]
-
-
-def test_worker_never_keeps_a_step_with_a_grammar_row_in_flight(compiler) -> None:
+def test_sampling_stage_masks_grammar_rows_only(compiler) -> None:
     logits = torch.zeros(2, PADDED_VOCAB)
     logits[:, 8] = 1.0
-    worker = Worker(_FixedLogitsRunner(logits), Sampler(seed=0), eos_token_ids=[0], vocab_size=PADDED_VOCAB)
-    step = StepBatch(None, ("free", "json"), torch.arange(2))   # type: ignore[arg-type]
+    stage = SamplingStage(Sampler(seed=0), eos_token_ids=[0], vocab_size=PADDED_VOCAB)
     plain = SamplingParams(temperature=0)
     state = _state(compiler, 'root ::= "no"')
-
-    def row(seq_id: str) -> RowParams:
-        if seq_id == "json":
-            return RowParams(plain, None, 0, grammar=state, needs_previous_result=True)
-        return RowParams(plain, None, 0)
-
-    def rows(seq_ids: tuple[str, ...]) -> StepRows:
-        return StepRows.from_rows([row(seq_id) for seq_id in seq_ids])
-
-    done = [t for sampled in worker.execute_model_step(step, rows, keep_in_flight=True) for t in sampled.tokens()]
-    assert [(t.seq_id, t.token_id, t.error) for t in done] == [("free", 8, None), ("json", 4, None)]
-    assert worker.flush() == []
-    only_free = StepBatch(None, ("free",), torch.arange(1))     # type: ignore[arg-type]
-    assert worker.execute_model_step(only_free, rows, keep_in_flight=True) == []   # kept: ZOS-style
-    assert [sampled.token_ids for sampled in worker.flush()] == [[8]]
+    rows = StepRows.from_rows([RowParams(plain, None, 0), RowParams(plain, None, 0, grammar=state)])
+    sampled = stage.collect(stage.launch(("free", "json"), logits, rows, guarded=True))
+    assert [(t.seq_id, t.token_id, t.error) for t in sampled.tokens()] == [("free", 8, None), ("json", 4, None)]

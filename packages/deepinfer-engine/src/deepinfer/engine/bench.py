@@ -7,6 +7,9 @@ The metrics (`bench_metrics`) are those of an online client:
 - TTFT: first token - the request's start (its arrival, or later when it waited for a concurrency slot).
 - TPOT, per request of n >= 2 tokens: (last token - first token) / (n - 1).
 - ITL: every gap between consecutive tokens of a request (tokens of one step share a time stamp).
+- decode step: the wall time of each `engine.step()` call that ran a decode step. In steady state
+  this is the engine's decode step time (with ZOS: the GPU's step, when the host keeps up); unlike
+  TPOT it leaves out the prefill steps that interleave with decoding.
 """
 
 from __future__ import annotations
@@ -21,6 +24,8 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 from tqdm.auto import tqdm
+
+from deepinfer.sched import StepKind
 
 from .sampling_params import SamplingParams
 
@@ -137,13 +142,13 @@ def run_bench(engine: LLMEngine, num_prompts: int, input_len: int, output_len: i
     _run_to_completion(engine, requests.warmup_prompts, params)
     prompts, offsets = requests.prompts, requests.arrival_offsets
     with tqdm(total=num_prompts, disable=not progress, desc="bench", unit="req") as bar:
-        traces, elapsed = _run_timed(engine, prompts, params, offsets, max_concurrency, bar)
+        traces, elapsed, decode_steps = _run_timed(engine, prompts, params, offsets, max_concurrency, bar)
     result: dict[str, Any] = {
         "num_prompts": num_prompts, "input_len": input_len, "output_len": output_len, "num_warmup": num_warmup,
         "request_rate": "inf" if math.isinf(request_rate) else request_rate, "max_concurrency": max_concurrency,
         "seed": seed,
     }
-    result.update(bench_metrics(traces, elapsed, input_len))
+    result.update(bench_metrics(traces, elapsed, input_len, decode_steps))
     return result
 
 
@@ -158,14 +163,18 @@ def arrival_offsets(num_requests: int, request_rate: float, rng: random.Random) 
     return offsets
 
 
-def bench_metrics(traces: Sequence[RequestTrace], elapsed: float, input_len: int) -> dict[str, Any]:
+def bench_metrics(traces: Sequence[RequestTrace], elapsed: float, input_len: int,
+                  decode_steps: Sequence[float] = ()) -> dict[str, Any]:
     """Throughput and latency of finished requests over `elapsed` seconds.
 
+    Args:
+        decode_steps: seconds of each `step()` call that ran a decode step.
     Returns:
         elapsed_s, num_completed, finish_reasons (reason -> count), request_throughput (requests/s),
-        output_tokens_per_s, total_tokens_per_s (prompt + output), and for each of ttft, tpot and itl
-        mean_<m>_ms, p50_<m>_ms, p90_<m>_ms, p99_<m>_ms (None when no request has such a value, e.g.
-        TPOT and ITL of one-token outputs). Rates and times are rounded to 2 and 3 decimals.
+        output_tokens_per_s, total_tokens_per_s (prompt + output), num_decode_steps, and for each of
+        ttft, tpot, itl and decode_step mean_<m>_ms, p50_<m>_ms, p90_<m>_ms, p99_<m>_ms (None when there
+        is no such value, e.g. TPOT and ITL of one-token outputs). Rates and times are rounded to 2 and 3
+        decimals.
     Raises:
         ValueError: elapsed <= 0.
     """
@@ -183,8 +192,9 @@ def bench_metrics(traces: Sequence[RequestTrace], elapsed: float, input_len: int
         "request_throughput": round(len(traces) / elapsed, 2),
         "output_tokens_per_s": round(output_tokens / elapsed, 2),
         "total_tokens_per_s": round((output_tokens + len(traces) * input_len) / elapsed, 2),
+        "num_decode_steps": len(decode_steps),
     }
-    for name, values in (("ttft", ttft), ("tpot", tpot), ("itl", itl)):
+    for name, values in (("ttft", ttft), ("tpot", tpot), ("itl", itl), ("decode_step", list(decode_steps))):
         result.update(_summary(name, values))
     return result
 
@@ -207,12 +217,13 @@ def _run_to_completion(engine: LLMEngine, prompts: list[list[int]], params: Samp
 
 
 def _run_timed(engine: LLMEngine, prompts: list[list[int]], params: SamplingParams, offsets: list[float],
-               max_concurrency: int | None, bar: tqdm) -> tuple[list[RequestTrace], float]:
-    """Send the prompts at their arrival offsets; returns the traces (in finishing order) and the
-    seconds from the start to the last finish."""
+               max_concurrency: int | None, bar: tqdm) -> tuple[list[RequestTrace], float, list[float]]:
+    """Send the prompts at their arrival offsets; returns the traces (in finishing order), the
+    seconds from the start to the last finish and the seconds of each decode `step()` call."""
     starts: dict[str, float] = {}
     token_times: dict[str, list[float]] = {}
     traces: list[RequestTrace] = []
+    decode_steps: list[float] = []
     t0 = time.perf_counter()
     # Times at which each free concurrency slot became free; a request starts no earlier.
     free_slots: deque[float] = deque([t0] * max_concurrency) if max_concurrency is not None else deque()
@@ -232,8 +243,11 @@ def _run_timed(engine: LLMEngine, prompts: list[list[int]], params: SamplingPara
                 raise RuntimeError("the engine went idle before every request finished")
             time.sleep(max(0.0, t0 + offsets[next_prompt] - time.perf_counter()))
             continue
+        before = time.perf_counter()
         outputs = engine.step()
         now = time.perf_counter()
+        if engine.last_step_kind is StepKind.DECODE:
+            decode_steps.append(now - before)
         for out in outputs:
             if out.request_id not in starts:
                 continue
@@ -246,7 +260,7 @@ def _run_timed(engine: LLMEngine, prompts: list[list[int]], params: SamplingPara
                     free_slots.append(now)
                 last_finish = now
                 bar.update(1)
-    return traces, last_finish - t0
+    return traces, last_finish - t0, decode_steps
 
 
 def _int(name: str, value: object, low: int, high: int) -> None:

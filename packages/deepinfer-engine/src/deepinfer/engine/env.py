@@ -93,9 +93,8 @@ VARIABLES: tuple[EnvVar, ...] = (
     EnvVar("max_backtracking_tokens", "int", "an int >= 0",
            "spare slots of each sequence's window ring, kept for rejected draft tokens", lambda v: v >= 0),
     EnvVar("disable_sync_guard", "bool", "a bool",
-           "turn off the guard that forbids host-device synchronisation inside the overlapped step loop "
-           "(debugging)", lambda v: True,
-           missing_feature="the sync guard of ZOS (zero-overhead scheduling)"),
+           "turn off the guard that forbids host-device synchronisation while a ZOS decode step is "
+           "launched (`forbid_cuda_sync`; debugging)", lambda v: True),
     EnvVar("batch_invariant", "bool", "a bool",
            "batch-invariant kernels: a request's outputs do not depend on the other requests of its batch",
            lambda v: True),

@@ -1,4 +1,19 @@
-"""LLMEngine: requests in, one scheduler step + one model step per `step()`, outputs out."""
+"""LLMEngine: requests in, one scheduler step + one model step per `step()`, outputs out.
+
+One step (DESIGN.md §3), owned here: schedule → apply the cache ops → (1) launch the forward of step
+N → (2) collect and post-process step N − 1 if it is still in flight → (3) launch sampling of step N
+→ (4) pre_sampler_sync (grammar pump) → post-process step N at once, or, for a ZOS decode step, keep it
+in flight for the next call.
+
+ZOS (DESIGN.md §7, `EngineArgs.zero_overhead_scheduling`): the host schedules and launches decode step
+N + 1 before it has read step N's tokens; the runner feeds N's sampled tokens to N + 1 on the device.
+A request's end (EOS, stop string, max_tokens) is therefore seen one step late: its row of step N + 1
+runs, and its token is dropped; the scheduler gives back that step's reservation when the request is
+finished. A sequence preempted for recompute while a step of it is in flight has that step's token
+dropped too (the recompute produces it again: a seeded request's noise is keyed by position).
+Structured-output rows need no special case: step N's tokens reach the grammars in (2), before step
+N + 1's masks are filled in (3). Each ZOS launch runs under `forbid_cuda_sync`.
+"""
 
 from __future__ import annotations
 
@@ -7,6 +22,7 @@ import logging
 import threading
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -34,8 +50,9 @@ from .outputs import FINISH_ABORT, FINISH_ERROR, FINISH_LENGTH, FINISH_PREEMPTED
 from .request import Request
 from .sampler import Sampler
 from .sampling_params import SamplingParams
+from .sampling_stage import InFlightSampling, SampledStep, SamplingStage, StepRows
+from .sync_guard import forbid_cuda_sync
 from .tokenizer import Tokenizer, load_tokenizer, require_tokenizer
-from .worker import SampledStep, StepRows, Worker
 
 logger = logging.getLogger(__name__)
 PromptInput = str | dict[str, Any]
@@ -47,6 +64,29 @@ MAX_REQUEST_ID_LEN = 256
 
 # With nothing to run but requests waiting for their grammar, `step()` waits this long for a compile.
 IDLE_GRAMMAR_WAIT_S = 0.05
+
+
+@dataclass(frozen=True, slots=True)
+class _InFlightStep:
+    """A launched step whose sampled tokens are not post-processed yet.
+
+    Attributes:
+        out: the scheduler's output for the step.
+        reqs: the request of each sampled row, in row order (objects, not ids: an id may be reused by a
+            new request before this step is post-processed).
+        sampling: the launched sampling.
+        recomputed: ids of rows preempted for recompute since the step was scheduled: their token is
+            dropped (the recompute samples it again).
+        preempted: ids of rows preempted for good since the step was scheduled (the scheduler has
+            freed them): their token still counts, then the request finishes as "preempted", as it
+            would have with the step post-processed before the preemption.
+    """
+
+    out: SchedulerOutput
+    reqs: list[Request]
+    sampling: InFlightSampling
+    recomputed: set[str] = field(default_factory=set)
+    preempted: set[str] = field(default_factory=set)
 
 
 def resolve_model_dir(model: str | None) -> Path:
@@ -129,9 +169,12 @@ class LLMEngine:
         self.scheduler = self._new_scheduler()
         # One caller at a time: add_request / abort_request / step / has_unfinished_requests take it.
         self._lock = threading.RLock()
-        self.worker = Worker(self.runner, Sampler(seed=args.seed, force_top_k=self.env.sampler_force_topk,
-                                                     batch_invariant=self.env.batch_invariant),
-                             self.eos_token_ids, cfg.vocab_size)
+        self.zos = args.zos
+        self.sampling = SamplingStage(Sampler(seed=args.seed, force_top_k=self.env.sampler_force_topk,
+                                              batch_invariant=self.env.batch_invariant),
+                                      self.eos_token_ids, cfg.vocab_size, sync_guard=not self.env.disable_sync_guard)
+        self._in_flight: _InFlightStep | None = None    # a ZOS decode step launched by the last step()
+        self.last_step_kind: StepKind | None = None      # the kind of step the last step() scheduled
         self._requests: dict[str, Request] = {}
         self._ids = itertools.count()
         # Structured output (DESIGN.md §8): requests wait here, outside the scheduler, until the
@@ -139,7 +182,6 @@ class LLMEngine:
         self.grammars: GrammarCompilePool | None = None     # made at the first constrained request
         self._awaiting_grammar: dict[str, Request] = {}
         self._finished_between_steps: list[Request] = []   # reported by the next step()
-        self.worker.pre_sampler_sync_hooks.append(self._pump_grammars)
         self.init_pd_split()
 
     def _new_scheduler(self) -> Scheduler:
@@ -246,7 +288,7 @@ class LLMEngine:
         return self.grammars
 
     def _pump_grammars(self) -> None:
-        """pre_sampler_sync hook: queue requests whose grammar compiled; fail those whose did not."""
+        """The pre_sampler_sync work: queue requests whose grammar compiled; fail those whose did not."""
         if self.grammars is None:
             return
         for done in self.grammars.pop_completed():
@@ -325,10 +367,13 @@ class LLMEngine:
             except Exception as err:       # the scheduler's state is suspect: every request it held fails
                 self._fail_all_scheduled(err, changed)
             else:
+                self.last_step_kind = out.kind
                 self._run_step(out, changed)
             for req in self._finished_between_steps:
                 changed[req.request_id] = req
             self._finished_between_steps.clear()
+            if self._in_flight is not None and not self.scheduler.has_unfinished():
+                self._in_flight = None        # every row of it belongs to a request that has ended
             outputs = [r.to_output() for r in changed.values()]
             for req in changed.values():
                 if req.finished:
@@ -336,15 +381,22 @@ class LLMEngine:
             return outputs
 
     def _run_step(self, out: SchedulerOutput, changed: dict[str, Request]) -> None:
+        previous, self._in_flight = self._in_flight, None
         for ignored in out.ignored:
             req = self._requests.get(ignored.seq_id)
             if req is not None and not req.finished:
                 req.ignore(str(ignored.reason.value))
                 changed[req.request_id] = req
         recomputed = set(out.recomputed_seq_ids)
+        in_flight = {r.request_id for r in previous.reqs} if previous is not None and out.preempted_seq_ids else ()
         for seq_id in out.preempted_seq_ids:
             req = self._requests.get(seq_id)
-            if req is not None and seq_id not in recomputed:
+            if seq_id in recomputed:
+                if seq_id in in_flight:
+                    previous.recomputed.add(seq_id)
+            elif seq_id in in_flight:
+                previous.preempted.add(seq_id)      # finished once its in-flight token is in, below
+            elif req is not None:
                 req.preempt()
                 changed[seq_id] = req
         if len(out.preempted_seq_ids) > len(recomputed):
@@ -352,48 +404,73 @@ class LLMEngine:
                            "a client may retry them, or build the engine with stop_preempted_request=False "
                            "to recompute instead", len(out.preempted_seq_ids) - len(recomputed), len(recomputed))
         step_ids = [chunk.seq_id for chunk in out.prefill] + list(out.decode.seq_ids if out.decode else ())
+        keep_in_flight = self.zos and out.kind is StepKind.DECODE
+        guarded = keep_in_flight and self.sampling.sync_guard
+        device = self.runner.device
         try:
             self.runner.apply_cache_ops(out)
-            step = self.runner.prepare(out)
-            sampled = self.worker.execute_model_step(step, self._row_params)
-            self._post_process(out, sampled, changed)
+            with forbid_cuda_sync(device, enabled=guarded):
+                step = self.runner.prepare(out)
+            logits = None
+            if step is not None:                                                   # (1) forward N
+                with forbid_cuda_sync(device, enabled=guarded and self.runner.replays_graph(step)):
+                    logits = self.runner.forward(step)
+            if previous is not None:                                               # (2) post-process N − 1
+                done, previous = previous, None
+                self._post_process(done, self.sampling.collect(done.sampling), changed)
+            current = None
+            if step is not None and logits is not None and step.sample_seq_ids:    # (3) sample N
+                reqs = list(map(self._requests.__getitem__, step.sample_seq_ids))
+                sampling = self.sampling.launch(step.sample_seq_ids, logits, self._step_rows(reqs), guarded=guarded)
+                self.runner.record_sampled(step, sampling.token_ids)
+                current = _InFlightStep(out, reqs, sampling)
+            self._pump_grammars()                                                  # (4) pre_sampler_sync
+            if current is not None and keep_in_flight:
+                self._in_flight = current
+            elif current is not None:
+                self._post_process(current, self.sampling.collect(current.sampling), changed)
         except Exception as err:
-            logger.exception("step failed; its %d request(s) finish with reason 'error'", len(step_ids))
-            self.worker.discard_in_flight()
+            failed = len(step_ids) + (len(previous.reqs) if previous is not None else 0)
+            logger.exception("step failed; its %d request(s) finish with reason 'error'", failed)
+            self._in_flight = None
             for seq_id in step_ids:
                 self._fail(seq_id, err, changed)
+            for req in previous.reqs if previous is not None else ():
+                if not req.finished:
+                    self._fail(req.request_id, err, changed)
 
-    def _post_process(self, out: SchedulerOutput, sampled: list[SampledStep], changed: dict[str, Request]) -> None:
+    def _post_process(self, step: _InFlightStep, sampled: SampledStep, changed: dict[str, Request]) -> None:
         continuing_ids: list[str] = []
         continuing_tokens: list[int] = []
-        requests = self._requests
         prompt_engine = self.args.engine_type is EngineType.PROMPT
-        for step in sampled:
-            errors = step.errors
-            for row, (seq_id, token_id, logprobs) in enumerate(zip(step.seq_ids, step.token_ids, step.logprobs)):
-                req = requests.get(seq_id)
-                if req is None or req.finish_reason is not None:
-                    continue
-                error = errors.get(row) if errors else None
-                if error is not None:
-                    req.fail(error)
-                else:
-                    req.add_token(token_id, logprobs)
-                if prompt_engine and req.finish_reason is None:
-                    req.hand_over()
-                if req.finish_reason is not None:
-                    self.scheduler.finish_seq(seq_id, _SCHED_REASON.get(req.finish_reason, FinishReason.STOP))
-                else:
-                    continuing_ids.append(seq_id)
-                    continuing_tokens.append(token_id)
-                changed[req.request_id] = req
-        self._record_tokens(out.kind, continuing_ids, continuing_tokens)
+        errors = sampled.errors
+        preempted = step.preempted | step.recomputed
+        for row, (req, token_id, logprobs) in enumerate(zip(step.reqs, sampled.token_ids, sampled.logprobs)):
+            seq_id = req.request_id
+            if req.finish_reason is not None or (preempted and seq_id in step.recomputed):
+                continue            # ended (or to be recomputed) since the step was launched: token dropped
+            error = errors.get(row) if errors else None
+            if error is not None:
+                req.fail(error)
+            else:
+                req.add_token(token_id, logprobs)
+            if prompt_engine and req.finish_reason is None:
+                req.hand_over()
+            changed[seq_id] = req
+            if preempted and seq_id in step.preempted:
+                req.preempt()       # the scheduler has already freed it
+            elif req.finish_reason is not None:
+                self.scheduler.finish_seq(seq_id, _SCHED_REASON.get(req.finish_reason, FinishReason.STOP))
+            else:
+                continuing_ids.append(seq_id)
+                continuing_tokens.append(token_id)
+        self._record_tokens(step.out.kind, continuing_ids, continuing_tokens)
         handed = [r.request_id for r in changed.values() if r.finish_reason == FINISH_PREFILLED] if prompt_engine \
             else None     # only a PROMPT engine hands requests over
         if handed:
             self.pe_prepare_save_kvcache(handed)
             self.pe_do_save_kvcache(handed)
-            self.send_processed_prompts(out)
+            self.send_processed_prompts(step.out)
 
     def _fail(self, seq_id: str, err: BaseException, changed: dict[str, Request]) -> None:
         """Finish one sequence's request as "error" because of `err` and free what it holds."""
@@ -407,7 +484,7 @@ class LLMEngine:
         """A fault inside `schedule()`: fail every request the scheduler held and start a fresh
         scheduler over empty block managers (requests still compiling their grammar are kept)."""
         logger.exception("scheduling failed; every scheduled request finishes with reason 'error'")
-        self.worker.discard_in_flight()
+        self._in_flight = None
         for request_id, req in list(self._requests.items()):
             if request_id not in self._awaiting_grammar and not req.finished:
                 req.fail(f"engine fault: {type(err).__name__}: {err}")
@@ -425,13 +502,12 @@ class LLMEngine:
             for seq_id, token in zip(seq_ids, token_ids):
                 self.scheduler.append_tokens(seq_id, [token])
 
-    def _row_params(self, seq_ids: tuple[str, ...]) -> StepRows:
-        """The sampling parameters of a step's rows, a few passes over its requests (no object per row)."""
-        reqs = list(map(self._requests.__getitem__, seq_ids))
-        grammars = None if self.grammars is None else [r.grammar for r in reqs]   # no pool: no grammar
+    def _step_rows(self, reqs: list[Request]) -> StepRows:
+        """The sampling parameters of a step's rows, a few passes over its requests (no object per row).
+        A request that ended since the step was scheduled samples unconstrained (its token is dropped)."""
+        grammars = None if self.grammars is None else [None if r.finished else r.grammar for r in reqs]
         return StepRows([r.params for r in reqs], [r.rng for r in reqs], [len(r.output_token_ids) for r in reqs],
-                        grammars if grammars is not None and any(g is not None for g in grammars) else None,
-                        any(r.needs_previous_result for r in reqs))
+                        grammars if grammars is not None and any(g is not None for g in grammars) else None)
 
     # ------------------------------------------------------------------ disaggregation hooks
     # No-ops in NORMAL engines. A prefill/decode-disaggregated deployment overrides them

@@ -1,4 +1,12 @@
-"""ModelRunner: owns the model and its cache memory, turns scheduler steps into model batches."""
+"""ModelRunner: owns the model, its cache memory and the per-row device state of decode steps; turns
+scheduler steps into model batches.
+
+Per-row state (ZOS, DESIGN.md §7): `row_tokens[row]` holds, on the device, the token last sampled for
+the sequence at scheduler row `row` (`DecodeBatch.rows`, stable while the sequence lives). A decode step
+whose sequences have a step in flight (`last_token_ids` = −1) takes their input tokens from there, so
+the host never waits for a sampled token before launching the next forward; only rows whose last token
+the host already knows (new, or after a prefill) read it from the step's pinned host copy.
+"""
 
 from __future__ import annotations
 
@@ -12,9 +20,10 @@ from torch import Tensor
 from deepinfer.cache import PagedStream, StateRegion, plan_paged_layout, plan_state_layout
 from deepinfer.kernels import kernels_for
 from deepinfer.model import DeepseekV4ForCausalLM, ForwardBatch, ModelCache
-from deepinfer.sched import SchedulerOutput, StepKind
+from deepinfer.sched import DecodeBatch, SchedulerOutput, StepKind
 
 from .cuda_graphs import DecodeGraphs
+from .staging import to_device
 
 
 @dataclass(frozen=True, slots=True)
@@ -36,6 +45,7 @@ class StepBatch:
     batch: ForwardBatch
     sample_seq_ids: tuple[str, ...]     # sequences to sample, in logits-row order
     logits_rows: Tensor | None          # [len(sample_seq_ids)] rows of the forward's logits; None = all, in order
+    rows: Tensor | None = None          # decode steps: [num_seqs] int64 scheduler row of each sequence (device)
 
 
 def default_block_size(model: DeepseekV4ForCausalLM) -> int:
@@ -102,6 +112,7 @@ class ModelRunner:
         )
         self.plan = CachePlan(block_size, num_blocks, num_state_slots, paged_bytes, state.total_bytes,
                               state.state_size_to_disk)
+        self.row_tokens = torch.zeros(0, dtype=torch.int64, device=self.device)   # [rows] last sampled token
         self.graphs = None
         # CUDA graphs need the graph-safe kernels, which run in bfloat16 (grouped-GEMM MoE).
         if graph_max_seqs and self.device.type == "cuda" and model.embed.weight.dtype == torch.bfloat16:
@@ -132,20 +143,54 @@ class ModelRunner:
             return StepBatch(batch, tuple(chunks[i].seq_id for i in done),
                              torch.tensor(done, dtype=torch.int64, device=self.device))
         if out.kind is StepKind.DECODE and out.decode is not None and out.decode.num_seqs:
-            d = out.decode
-            if (d.query_lens != 1).any():   # nextn = 0 until speculative decoding lands
-                raise ValueError(f"decode query lengths {d.query_lens.tolist()} must all be 1 (nextn=0)")
-            batch = ForwardBatch.decode(d.last_token_ids, d.seq_lens, d.block_tables, d.state_slots,
-                                        device=self.device)
-            return StepBatch(batch, tuple(d.seq_ids), None)
+            return self._decode_step(out.decode)
         return None
+
+    def _decode_step(self, d: DecodeBatch) -> StepBatch:
+        if (d.query_lens != 1).any():   # nextn = 0 until speculative decoding lands
+            raise ValueError(f"decode query lengths {d.query_lens.tolist()} must all be 1 (nextn=0)")
+        n = d.num_seqs
+        move = self._to_device
+        host_tokens_and_rows = np.empty((2, n), dtype=np.int64)
+        host_tokens_and_rows[0] = d.last_token_ids
+        host_tokens_and_rows[1] = d.rows
+        staged = move(host_tokens_and_rows)
+        tokens, rows = staged[0], staged[1]
+        self._ensure_rows(int(d.rows.max()) + 1)
+        if d.last_token_ids.min() < 0:          # ZOS: these rows' tokens are still on the device
+            tokens = torch.where(tokens >= 0, tokens, self.row_tokens.index_select(0, rows))
+        batch = ForwardBatch.decode(tokens, d.seq_lens, d.block_tables, d.state_slots, device=self.device,
+                                    to_device=move)
+        return StepBatch(batch, tuple(d.seq_ids), None, rows)
+
+    def record_sampled(self, step: StepBatch, token_ids: Tensor) -> None:
+        """Keep a decode step's sampled tokens ([num_seqs] int64, on the device) by row, for the next
+        step's input (no host copy, no wait)."""
+        if step.rows is not None:
+            self.row_tokens.index_copy_(0, step.rows, token_ids)
+
+    def _ensure_rows(self, num_rows: int) -> None:
+        """Grow `row_tokens` to at least num_rows rows (doubling; device-side copy, no wait)."""
+        if num_rows > self.row_tokens.shape[0]:
+            grown = torch.zeros(max(num_rows, 2 * self.row_tokens.shape[0], 64), dtype=torch.int64,
+                                device=self.device)
+            grown[: self.row_tokens.shape[0]] = self.row_tokens
+            self.row_tokens = grown
+
+    def _to_device(self, array: np.ndarray) -> Tensor:
+        return to_device(array, self.device)
+
+    def replays_graph(self, step: StepBatch) -> bool:
+        """Whether `forward(step)` replays a CUDA graph (rather than running the model eagerly)."""
+        batch = step.batch
+        return self.graphs is not None and batch.uniform_decode and self.graphs.bucket(batch.num_seqs) is not None
 
     @torch.no_grad()
     def forward(self, step: StepBatch) -> Tensor:
         """Run the model (a CUDA-graph replay for decode steps that fit one); returns float32 logits
         [len(step.sample_seq_ids), vocab]."""
         batch = step.batch
-        if self.graphs is not None and batch.uniform_decode and self.graphs.bucket(batch.num_seqs) is not None:
+        if self.replays_graph(step):
             logits = self.graphs.run(batch)
         else:
             logits = self.model(batch, self.cache, self.ops)

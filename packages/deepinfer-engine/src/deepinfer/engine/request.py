@@ -29,9 +29,7 @@ class Request:
     limits (max_tokens, or max_model_len counting the prompt).
 
     A structured-output request gets its `grammar` state from the engine once compiled; every token
-    is first fed to it, and a token the grammar rejects fails the request ("error"). Such a request
-    `needs_previous_result`: its step N must be post-processed (the grammar advanced) before its
-    step N + 1 is scheduled (DESIGN.md §9).
+    is first fed to it, and a token the grammar rejects fails the request ("error").
     """
 
     def __init__(
@@ -68,7 +66,6 @@ class Request:
         self.ignored_reason: str | None = None
         self.error_reason: str | None = None
         self.grammar: GrammarState | None = None
-        self.needs_previous_result = params.structured is not None
 
     @property
     def max_tokens(self) -> int:

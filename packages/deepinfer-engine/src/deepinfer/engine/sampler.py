@@ -9,10 +9,10 @@ reference).
 
 Random rows are sampled by an exponential race: token = argmax_i p_i / E_i with E_i ~ Exp(1) drawn
 independently per token, which picks token i with probability p_i / sum(p). Each row's noise is one
-draw of `vocab_size` values from that row's generator, so a seeded request (its own `RequestRng`,
-advanced only by its own draws) gets the same tokens whatever else is in the batch and at whatever
-row it sits (tested on CPU, and on an H200 with torch 2.11). Unseeded rows share the sampler's
-generator.
+draw of `vocab_size` values from that row's generator; a seeded request's generator is seeded from
+(its seed, the output position) for each draw (`RequestRng.generator_for`), so it gets the same tokens
+whatever else is in the batch, at whatever row it sits, and whatever draws were thrown away (tested
+on CPU, and on an H200 with torch 2.11). Unseeded rows share the sampler's generator.
 """
 
 from __future__ import annotations
@@ -153,14 +153,13 @@ class Sampler:
             shared = torch.empty(num_unseeded, vocab_size, dtype=torch.float32, device=device)
             shared.exponential_(generator=self._shared_generator(device))
             noise.index_copy_(0, batch.unseeded_positions, shared)
-        for position, rng in enumerate(batch.rngs):
+        for position, (rng, draw_position) in enumerate(zip(batch.rngs, batch.draw_positions)):
             if rng is not None:
                 if rng.generator.device.type != device.type:
                     raise InvalidSamplingBatch(
                         f"RequestRng(seed={rng.seed}) lives on {rng.generator.device}, logits on {device}"
                     )
-                noise[position].exponential_(generator=rng.generator)
-                rng.num_draws += 1
+                noise[position].exponential_(generator=rng.generator_for(draw_position))
         # Exp(1) can round to 0; p / 0 would win the race (or give NaN for p = 0).
         return noise.clamp_min_(torch.finfo(torch.float32).tiny)
 

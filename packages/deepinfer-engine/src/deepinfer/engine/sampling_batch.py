@@ -8,13 +8,16 @@ path makes no host-device synchronisation.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 from torch import Tensor
 
 from .sampling_params import MAX_SEED, SamplingParams
+from .staging import to_device
 from .token_bitmask import bitmask_width
 
 
@@ -25,8 +28,10 @@ class InvalidSamplingBatch(ValueError):
 class RequestRng:
     """The random state of one seeded request, kept by the engine for the request's whole life.
 
-    Seeded once with `seed`; only the sampler's draws for this request advance it (one draw of
-    vocab_size exponentials per sampled non-greedy step; greedy steps draw nothing).
+    The noise of output token i is drawn from the generator seeded with a mix of (seed, i)
+    (`generator_for`): a seeded request's tokens depend only on its seed, its position and its
+    logits, not on draws that were thrown away (a ZOS step past the request's end, a preempted step
+    that is recomputed) nor on the rest of the batch.
     """
 
     __slots__ = ("seed", "generator", "num_draws")
@@ -36,13 +41,29 @@ class RequestRng:
             raise InvalidSamplingBatch(f"seed={seed!r} must be an int in [0, 2**64 - 1]")
         self.seed = seed
         self.generator = torch.Generator(device=device)
-        self.generator.manual_seed(seed)
         self.num_draws = 0
 
     @classmethod
     def for_params(cls, params: SamplingParams, device: torch.device | str = "cpu") -> RequestRng | None:
         """The generator state for a new request: a `RequestRng` if params.seed is set, else None."""
         return None if params.seed is None else cls(params.seed, device)
+
+    def generator_for(self, position: int) -> torch.Generator:
+        """The generator, seeded for the draw of output token `position` (>= 0); counts the draw."""
+        self.generator.manual_seed(_splitmix64((self.seed + _GOLDEN * (position + 1)) & _MASK64))
+        self.num_draws += 1
+        return self.generator
+
+
+_MASK64 = 2**64 - 1
+_GOLDEN = 0x9E3779B97F4A7C15
+
+
+def _splitmix64(x: int) -> int:
+    """SplitMix64's output function: a bijective mix of a 64-bit integer."""
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return x ^ (x >> 31)
 
 
 @dataclass(frozen=True, slots=True)
@@ -63,6 +84,7 @@ class SamplingBatch:
     top_p: Tensor                # [num_random] float32 in [1e-20, 1]
     min_p: Tensor                # [num_random] float32, 0 or in [1e-20, 1]
     rngs: tuple[RequestRng | None, ...]   # [num_random]; None = the sampler's shared generator
+    draw_positions: tuple[int, ...]       # [num_random] output position each random row samples
     unseeded_positions: Tensor   # [num_unseeded] int64, positions in random_rows whose rng is None
     banned_rows: Tensor          # [num_banned] int64 row index, pairs with banned_token_ids
     banned_token_ids: Tensor     # [num_banned] int64 token id that row must not sample (min_tokens)
@@ -84,8 +106,9 @@ class SamplingBatch:
         for name in ("temperature", "top_k", "top_p", "min_p"):
             if getattr(self, name).shape != (num_random,):
                 raise InvalidSamplingBatch(f"{name} must have shape [num_random={num_random}]")
-        if len(self.rngs) != num_random:
-            raise InvalidSamplingBatch(f"len(rngs)={len(self.rngs)} must equal num_random={num_random}")
+        if len(self.rngs) != num_random or len(self.draw_positions) != num_random:
+            raise InvalidSamplingBatch(f"len(rngs)={len(self.rngs)} and len(draw_positions)="
+                                       f"{len(self.draw_positions)} must equal num_random={num_random}")
         if len(self.num_logprobs) != self.num_seqs:
             raise InvalidSamplingBatch(
                 f"len(num_logprobs)={len(self.num_logprobs)} must equal num_seqs={self.num_seqs}"
@@ -129,7 +152,7 @@ def build_sampling_batch(
             below their min_tokens get EOS (unless ignore_eos) and stop_token_ids banned.
         eos_token_ids: the model's EOS token ids.
         vocab_size: logits width; banned ids >= vocab_size cannot be sampled and are skipped.
-        device: where the logits live.
+        device: where the logits live (str or torch.device).
         token_bitmask: None, or int32 [len(bitmask_rows), ceil(vocab_size / 32)] on the host: the
             grammar mask of each constrained row (`token_bitmask.fill_token_bitmask`).
         bitmask_rows: the logits row of each token_bitmask row.
@@ -137,6 +160,7 @@ def build_sampling_batch(
     Raises:
         InvalidSamplingBatch: lengths differ, or rngs do not match the seeds.
     """
+    device = torch.device(device)
     num_seqs = len(params)
     if len(rngs) != num_seqs or len(num_output_tokens) != num_seqs:
         raise InvalidSamplingBatch(
@@ -162,33 +186,39 @@ def build_sampling_batch(
         banned_ids += kept
     chosen = [params[row] for row in random_rows]
     top_k = [p.top_k if 1 <= p.top_k < vocab_size else vocab_size for p in chosen]
-
-    def ints(values: Sequence[int]) -> Tensor:
-        return torch.tensor(values, dtype=torch.int64, device=device)
-
-    def floats(values: Sequence[float]) -> Tensor:
-        return torch.tensor(values, dtype=torch.float32, device=device)
-
+    unseeded = [i for i, row in enumerate(random_rows) if rngs[row] is None]
+    every_row_masked = token_bitmask is not None and list(bitmask_rows) == list(range(num_seqs))
+    masked_rows = [] if token_bitmask is None or every_row_masked else list(bitmask_rows)
+    # Every index and parameter tensor travels in two host-to-device copies (one int64, one float32),
+    # staged in pinned memory on CUDA: no copy synchronises, and a step pays two copies, not ten.
+    int_parts = (greedy_rows, random_rows, top_k, unseeded, banned_rows, banned_ids, masked_rows)
+    ints = to_device(np.fromiter(itertools.chain.from_iterable(int_parts), dtype=np.int64,
+                                 count=sum(map(len, int_parts))), device)
+    num_random = len(chosen)
+    floats = to_device(np.array([p.temperature for p in chosen] + [p.top_p for p in chosen]
+                                + [p.min_p for p in chosen], dtype=np.float32), device)
+    greedy_t, random_t, top_k_t, unseeded_t, banned_rows_t, banned_ids_t, masked_rows_t = \
+        torch.split(ints, [len(part) for part in int_parts])
     return SamplingBatch(
         num_seqs=num_seqs,
         vocab_size=vocab_size,
-        greedy_rows=ints(greedy_rows),
-        random_rows=ints(random_rows),
-        temperature=floats([p.temperature for p in chosen]),
-        top_k=ints(top_k),
-        top_p=floats([p.top_p for p in chosen]),
-        min_p=floats([p.min_p for p in chosen]),
+        greedy_rows=greedy_t,
+        random_rows=random_t,
+        temperature=floats[:num_random],
+        top_k=top_k_t,
+        top_p=floats[num_random:2 * num_random],
+        min_p=floats[2 * num_random:],
         rngs=tuple(rngs[row] for row in random_rows),
-        unseeded_positions=ints([i for i, row in enumerate(random_rows) if rngs[row] is None]),
-        banned_rows=ints(banned_rows),
-        banned_token_ids=ints(banned_ids),
+        draw_positions=tuple(num_output_tokens[row] for row in random_rows),
+        unseeded_positions=unseeded_t,
+        banned_rows=banned_rows_t,
+        banned_token_ids=banned_ids_t,
         num_logprobs=tuple(p.logprobs for p in params),
         use_top_k=any(k < vocab_size for k in top_k),
         max_top_k=max(top_k, default=vocab_size),
         use_top_p=any(p.top_p < 1 for p in chosen),
-        token_bitmask=None if token_bitmask is None else token_bitmask.to(device, non_blocking=True),
-        bitmask_rows=None if token_bitmask is None or list(bitmask_rows) == list(range(num_seqs))
-        else ints(list(bitmask_rows)),
+        token_bitmask=None if token_bitmask is None else to_device(token_bitmask, device),
+        bitmask_rows=None if token_bitmask is None or every_row_masked else masked_rows_t,
     )
 
 

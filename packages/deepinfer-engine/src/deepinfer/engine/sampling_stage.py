@@ -1,35 +1,36 @@
-"""Worker: executes one engine step in the order of DESIGN.md §3.
+"""The sampling stage of an engine step: launch sampling over a forward's logits, collect it later.
 
-`execute_model_step` always (1) launches the forward of step N, (2) post-processes step N−1 (only
-now waiting for its sampling), (3) launches sampling of step N, (4) runs the `pre_sampler_sync` hook,
-then post-processes N at once (prefill steps, or ZOS off) or keeps it for the next call (ZOS decode).
-ZOS is off in this version, so step N is always post-processed in the same call; the N / N−1 split is
-already in place so ZOS slots in without a rewrite.
+The engine owns the step (`LLMEngine._run_step`, DESIGN.md §3): it launches the forward of step N,
+collects and post-processes step N − 1, then calls `SamplingStage.launch` for step N. `launch` takes
+every host decision first (grammar masks, the `SamplingBatch`), queues the sampler on the device and
+starts copying the sampled tokens (and any logprobs) back to pinned host memory without waiting;
+`collect` waits for that copy only, so under ZOS the device is already running step N + 1's forward
+when the host reads step N's tokens.
 
-Grammar rows (DESIGN.md §9): a row whose request `needs_previous_result` gets its token mask from a
-grammar state that must already hold every earlier token of the request (checked when the mask is
-filled: `StaleGrammarError`). The worker honours the flag by never keeping a step with such a row in
-flight: it is post-processed in the same call even when `keep_in_flight` is asked for, so the engine
-advances the grammar before it schedules the request again.
+Grammar rows: a row's token mask is filled from its grammar state at launch, which must already hold
+every earlier token of the request (checked: `StaleGrammarError`). The engine's order guarantees it:
+step N − 1 is post-processed (its tokens fed to the grammars) before step N's sampling is launched,
+with ZOS too.
 
 Non-finite logits: a row whose raw logits hold NaN or +inf, are all -inf, or are too large for any
 temperature (`Sampler`'s `finite_rows`) comes back with error `NON_FINITE_LOGITS`, and the engine fails
-its request. The flag travels to the host in the same copy as the sampled token ids, so checking costs
-no extra synchronisation.
+its request. The flag travels to the host in the same copy as the sampled token ids.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
+from torch import Tensor
 
 from .grammar_backend import GrammarState
-from .model_runner import ModelRunner, StepBatch
 from .sampler import Sampler, SamplerOutput, logprob_dicts
 from .sampling_batch import RequestRng, SamplingBatch, banned_token_ids, build_sampling_batch
 from .sampling_params import SamplingParams
+from .staging import to_host
+from .sync_guard import forbid_cuda_sync
 from .token_bitmask import fill_token_bitmask
 
 NON_FINITE_LOGITS = "non-finite logits"     # SampledToken.error of a row whose logits are unusable
@@ -71,7 +72,6 @@ class RowParams:
     rng: RequestRng | None
     num_output_tokens: int
     grammar: GrammarState | None = None      # the request's grammar state (structured output)
-    needs_previous_result: bool = False      # post-process this row's step before scheduling it again
 
 
 @dataclass(frozen=True, slots=True)
@@ -83,96 +83,91 @@ class StepRows:
     rngs: Sequence[RequestRng | None]
     num_output_tokens: Sequence[int]
     grammars: Sequence[GrammarState | None] | None = None   # None = no row is constrained
-    needs_previous_result: bool = False     # some row's step must be post-processed before its next one
 
     @classmethod
     def from_rows(cls, rows: Sequence[RowParams]) -> StepRows:
         """The step's rows from one `RowParams` per row."""
         grammars = [r.grammar for r in rows]
         return cls([r.params for r in rows], [r.rng for r in rows], [r.num_output_tokens for r in rows],
-                   grammars if any(g is not None for g in grammars) else None,
-                   any(r.needs_previous_result for r in rows))
+                   grammars if any(g is not None for g in grammars) else None)
 
 
 @dataclass(frozen=True, slots=True)
-class _InFlight:
+class InFlightSampling:
+    """A launched sampling whose results are still on their way to the host.
+
+    Attributes:
+        seq_ids: the rows' sequences, in logits-row order.
+        token_ids: [num_rows] int64 sampled ids on the device (ZOS feeds them to the next forward).
+        batch: the rows' sampling parameters.
+        readback: host copies being filled (pinned on CUDA): [2, num_rows] int64 (token ids, then 1 =
+            finite logits / 0 = not), then, when some row asked for logprobs, the sampled tokens'
+            logprobs [num_rows] and the top ids / logprobs [num_rows, k] (k > 0 only).
+        done: the CUDA event after the copies (None on the CPU: nothing to wait for).
+        dead_rows: row -> why its grammar allowed no token.
+    """
+
     seq_ids: tuple[str, ...]
+    token_ids: Tensor
     batch: SamplingBatch
-    sampled: SamplerOutput
-    readback: torch.Tensor             # [2, num_seqs] int64: token ids, then 1 = finite logits / 0 = not
-    dead_rows: dict[int, str]          # row -> why its grammar allowed no token
-    needs_previous_result: bool        # some row's request needs this step before its next one
+    readback: tuple[Tensor, ...]
+    done: torch.cuda.Event | None
+    dead_rows: dict[int, str]
 
 
-class Worker:
-    """Runs forwards and sampling for the engine; keeps at most one step in flight."""
+class SamplingStage:
+    """Samples one token per logits row and brings the results back to the host asynchronously.
 
-    def __init__(self, runner: ModelRunner, sampler: Sampler, eos_token_ids: Sequence[int], vocab_size: int) -> None:
-        self.runner = runner
+    Args:
+        sampler: the token sampler.
+        eos_token_ids: the model's EOS ids (banned below a row's min_tokens).
+        vocab_size: logits width.
+        sync_guard: wrap the launch of guarded steps in `forbid_cuda_sync`.
+    """
+
+    def __init__(self, sampler: Sampler, eos_token_ids: Sequence[int], vocab_size: int, *,
+                 sync_guard: bool = True) -> None:
         self.sampler = sampler
         self.eos_token_ids = tuple(eos_token_ids)
         self.vocab_size = vocab_size
-        self._pending: _InFlight | None = None
-        self.pre_sampler_sync_hooks: list[Callable[[], None]] = []
+        self.sync_guard = sync_guard
 
-    def execute_model_step(
-        self, step: StepBatch | None, row_params: Callable[[tuple[str, ...]], StepRows], *,
-        keep_in_flight: bool = False,
-    ) -> list[SampledStep]:
-        """Run one step; returns the steps whose post-processing completed during this call (oldest first).
+    def launch(self, seq_ids: tuple[str, ...], logits: Tensor, rows: StepRows, *,
+               guarded: bool = False) -> InFlightSampling:
+        """Queue sampling of `logits` ([len(seq_ids), vocab] float32 or the model dtype) on its device and
+        start the copy back; returns without waiting for the device.
 
-        `row_params(step.sample_seq_ids)` gives the rows' sampling parameters (called once a step)."""
-        logits = self.runner.forward(step) if step is not None else None          # (1) launch forward N
-        done = self._post_process(self._pending)                                   # (2) post-process N−1
-        self._pending = None
-        current = self._launch_sampling(step, logits, row_params)                  # (3) sample N
-        for hook in self.pre_sampler_sync_hooks:                                   # (4) pre_sampler_sync
-            hook()
-        if keep_in_flight and current is not None and not current.needs_previous_result:
-            self._pending = current
-        else:
-            done += self._post_process(current)
-        return done
-
-    def discard_in_flight(self) -> None:
-        """Forget the step kept in flight, unprocessed (after a fault: its requests are failed)."""
-        self._pending = None
-
-    def flush(self) -> list[SampledStep]:
-        """Post-process the step still in flight (none while ZOS is off)."""
-        done = self._post_process(self._pending)
-        self._pending = None
-        return done
-
-    def _launch_sampling(
-        self, step: StepBatch | None, logits: torch.Tensor | None,
-        row_params: Callable[[tuple[str, ...]], StepRows],
-    ) -> _InFlight | None:
-        if step is None or logits is None or not step.sample_seq_ids:
-            return None
-        rows = row_params(step.sample_seq_ids)
+        Args:
+            guarded: a ZOS launch: the device work runs under `forbid_cuda_sync`.
+        """
         num_output_tokens = rows.num_output_tokens
         masks = None
-        if rows.grammars is not None:
+        if rows.grammars is not None:      # host work: the grammars fill their rows' masks
             banned = [banned_token_ids(p, num_out, self.eos_token_ids, self.vocab_size) if g is not None else ()
                       for p, num_out, g in zip(rows.params, num_output_tokens, rows.grammars)]
             masks = fill_token_bitmask(list(rows.grammars), list(num_output_tokens), banned, self.vocab_size)
-        batch = build_sampling_batch(
-            rows.params, rngs=rows.rngs, num_output_tokens=num_output_tokens,
-            eos_token_ids=self.eos_token_ids, vocab_size=self.vocab_size, device=logits.device,
-            token_bitmask=None if masks is None else masks.bitmask, bitmask_rows=() if masks is None else masks.rows,
-        )
-        sampled = self.sampler(logits.float(), batch)
-        readback = torch.stack((sampled.token_ids, sampled.finite_rows.to(torch.int64)))
+        with forbid_cuda_sync(logits.device, enabled=guarded and self.sync_guard):
+            batch = build_sampling_batch(
+                rows.params, rngs=rows.rngs, num_output_tokens=num_output_tokens,
+                eos_token_ids=self.eos_token_ids, vocab_size=self.vocab_size, device=logits.device,
+                token_bitmask=None if masks is None else masks.bitmask,
+                bitmask_rows=() if masks is None else masks.rows,
+            )
+            sampled = self.sampler(logits.float(), batch)
+            readback, done = to_host(_readback_tensors(sampled, batch))
         dead_rows = {} if masks is None else dict(zip(masks.dead_rows, masks.dead_reasons))
-        return _InFlight(step.sample_seq_ids, batch, sampled, readback, dead_rows, rows.needs_previous_result)
+        return InFlightSampling(seq_ids, sampled.token_ids, batch, readback, done, dead_rows)
 
     @staticmethod
-    def _post_process(flight: _InFlight | None) -> list[SampledStep]:
-        if flight is None:
-            return []
-        token_ids, finite = flight.readback.tolist()     # the step's one wait for the device
-        logprobs = logprob_dicts(flight.sampled, flight.batch, token_ids)
+    def collect(flight: InFlightSampling) -> SampledStep:
+        """Wait for a launched sampling's copy back (only it, not later work) and return its tokens."""
+        if flight.done is not None:
+            flight.done.synchronize()
+        ids_and_flags, *logprob_parts = flight.readback
+        token_ids, finite = ids_and_flags.tolist()
+        sampled_logprobs, top_logprobs, top_ids = (*logprob_parts, None, None, None)[:3]
+        host = SamplerOutput(ids_and_flags[0], sampled_logprobs, ids_and_flags[1] != 0, top_logprobs, top_ids)
+        logprobs = logprob_dicts(host, flight.batch, token_ids)     # no logprob part: none was asked
         errors = dict(flight.dead_rows)
         if 0 in finite:
             for row, is_finite in enumerate(finite):
@@ -180,4 +175,14 @@ class Worker:
                     errors.setdefault(row, NON_FINITE_LOGITS)
         for row in errors:
             logprobs[row] = None
-        return [SampledStep(flight.seq_ids, token_ids, logprobs, errors)]
+        return SampledStep(flight.seq_ids, token_ids, logprobs, errors)
+
+
+def _readback_tensors(sampled: SamplerOutput, batch: SamplingBatch) -> tuple[Tensor, ...]:
+    """What the host needs of a step's sampling: ids and finiteness, and logprobs when asked."""
+    ids_and_flags = torch.stack((sampled.token_ids, sampled.finite_rows.to(torch.int64)))
+    if all(wanted is None for wanted in batch.num_logprobs):
+        return (ids_and_flags,)
+    if sampled.top_ids is None or sampled.top_logprobs is None:
+        return ids_and_flags, sampled.logprobs
+    return ids_and_flags, sampled.logprobs, sampled.top_logprobs, sampled.top_ids

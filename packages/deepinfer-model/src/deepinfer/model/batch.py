@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -89,22 +89,26 @@ class ForwardBatch:
     @classmethod
     def decode(
         cls,
-        token_ids: np.ndarray,
+        token_ids: np.ndarray | Tensor,
         seq_lens: np.ndarray,
         block_tables: np.ndarray,
         state_slots: np.ndarray,
         *,
         device: torch.device | str = "cpu",
+        to_device: Callable[[np.ndarray], Tensor] | None = None,
     ) -> ForwardBatch:
         """A decode step of one query token per sequence, straight from the scheduler's arrays (one
         copy each, no Python lists); the same batch as `build([[t] for t in token_ids],
         seq_lens - 1, block_tables, state_slots)`.
 
         Args:
-            token_ids: [num_seqs] integer input token of each sequence.
+            token_ids: [num_seqs] integer input token of each sequence, or an int64 tensor of them
+                already on `device` (a ZOS engine takes them from the previous step's samples there).
             seq_lens: [num_seqs] integer K length after this step (>= 1): the token sits at seq_len − 1.
             block_tables: [num_seqs, max_blocks] integer block ids, 0-padded.
             state_slots: [num_seqs] integer state slot of each sequence.
+            to_device: how a host array reaches `device` (default: `torch.from_numpy(a).to(device)`;
+                an engine passes a pinned, non-blocking copy).
         Raises:
             ValueError: mismatched shapes, no sequence, or a seq_len < 1.
         """
@@ -118,13 +122,14 @@ class ForwardBatch:
         if positions.min() < 0:
             raise ValueError(f"seq_lens must be >= 1, got {int(seq_lens.min())}")
         table = block_tables if block_tables.shape[1] else np.zeros((n, 1), dtype=np.int32)
+        move = to_device or (lambda array: torch.from_numpy(array).to(device))
         return cls(
-            token_ids=torch.from_numpy(token_ids.astype(np.int64)).to(device),
-            positions=torch.from_numpy(positions).to(device),
+            token_ids=token_ids if isinstance(token_ids, Tensor) else move(token_ids.astype(np.int64)),
+            positions=move(positions),
             cu_seqlens=tuple(range(n + 1)),
             start_positions=tuple(positions.tolist()),
-            block_tables=torch.from_numpy(np.array(table, dtype=np.int32)).to(device),
-            state_slots=torch.from_numpy(state_slots.astype(np.int64)).to(device),
+            block_tables=move(np.array(table, dtype=np.int32)),
+            state_slots=move(state_slots.astype(np.int64)),
             logits_indices=torch.arange(n, dtype=torch.int64, device=device),
             max_context_len=int(positions.max()) + 1,
             uniform_decode=True,
