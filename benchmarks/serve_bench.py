@@ -112,7 +112,8 @@ def process_cpu_s(pid: int) -> float:
 async def run_point(base_url: str, prompts: list[list[int]], output_len: int, *, request_rate: float,
                     max_concurrency: int | None, seed: int, server_pid: int | None = None) -> dict[str, Any]:
     """Send every prompt (Poisson arrivals at request_rate, at most max_concurrency at once); the metrics,
-    with the server's CPU milliseconds per output token when its pid is known."""
+    with the client's (this process's) CPU milliseconds per output token, and the server's when its pid
+is known."""
     rng = random.Random(seed)
     offsets, at = [], 0.0
     for _ in prompts:
@@ -121,6 +122,7 @@ async def run_point(base_url: str, prompts: list[list[int]], output_len: int, *,
     slots = asyncio.Semaphore(max_concurrency or len(prompts))
     limits = httpx.Limits(max_connections=max_concurrency or len(prompts))
     cpu_before = process_cpu_s(server_pid) if server_pid is not None else None
+    client_cpu_before = time.process_time()
     async with httpx.AsyncClient(base_url=base_url, limits=limits, timeout=600) as http:
         t0 = time.perf_counter()
 
@@ -134,9 +136,10 @@ async def run_point(base_url: str, prompts: list[list[int]], output_len: int, *,
         elapsed = max(t.chunk_times[-1] for t in traces) - t0
     result = {"request_rate": "inf" if math.isinf(request_rate) else request_rate,
               "max_concurrency": max_concurrency, **metrics(list(traces), elapsed)}
+    num_tokens = sum(t.num_tokens for t in traces)
+    result["client_cpu_ms_per_token"] = round(1000 * (time.process_time() - client_cpu_before) / num_tokens, 4)
     if cpu_before is not None:
-        cpu_s = process_cpu_s(server_pid) - cpu_before
-        result["cpu_ms_per_token"] = round(1000 * cpu_s / sum(t.num_tokens for t in traces), 4)
+        result["cpu_ms_per_token"] = round(1000 * (process_cpu_s(server_pid) - cpu_before) / num_tokens, 4)
     return result
 
 
