@@ -75,6 +75,8 @@ _INVARIANT_CUDA: dict[str, tuple[str, dict[str, str]]] = {
     "paged_indexer_scores": ("paged_indexer_scores_fused", {}),   # one program per (sequence, entry block)
     "compress_decode": ("compress_decode_fused", {}),             # one program per sequence
     "sample_race": ("sample_race_invariant", {}),
+    "v41_attention": ("v41_attention_invariant", {}),             # fixed tiles and splits
+    "v41_index_scores": ("v41_index_scores_fused", {}),           # one program per (query, entry block)
 }
 
 
@@ -83,11 +85,13 @@ def register_builtin_backends() -> None:
     the batched-decode ops that read the cache in place, the prefill's attention over gathered rows,
     top-k, routing, the experts (grouped GEMMs: Triton for small batches, cuBLAS beyond; FP8 and
     MXFP4 experts: Triton at any batch), the projections of 1–4 rows (GEMV; TileLang's for one row
-    where installed) and the sampler's filters + race (sort-free). Everything else: the reference.
+    where installed), the sampler's filters + race (sort-free) and DeepSeek-V4.1's attention and index
+    scores over the packed cache rows (decode and prefill). Everything else: the reference.
     The batch-invariant set on CUDA: `_INVARIANT_CUDA`."""
     for name in ("hc_pre", "hc_post", "rms_norm", "apply_rope", "norm_rope", "compress_decode",
                  "paged_decode_attention", "paged_indexer_scores", "topk_lowest_index", "route", "moe_experts",
-                 "moe_experts_fp8", "moe_experts_mxfp4", "sample_race", "sparse_attention"):
+                 "moe_experts_fp8", "moe_experts_mxfp4", "sample_race", "sparse_attention", "v41_attention",
+                 "v41_index_scores"):
         register(name, "cuda", _triton(name))
     register("linear", "cuda", _linear)
     register("clamped_swiglu", "cuda", _clamped_swiglu)

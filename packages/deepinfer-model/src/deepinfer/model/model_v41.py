@@ -15,7 +15,7 @@ import torch
 from torch import Tensor, nn
 
 from deepinfer.kernels import KernelSet, kernels_for
-from deepinfer.kernels.reference import hc_collapse, hc_expand, hc_mixes, rope_inv_freq
+from deepinfer.kernels.reference import rope_inv_freq
 
 from .batch import ForwardBatch
 from .cache import CacheSpec, ModelCache, PagedStreamSpec, StateSpec
@@ -82,9 +82,9 @@ class Block(nn.Module):
             self.register_parameter(f"hc_{site}_base", nn.Parameter(torch.zeros(mix)))
             self.register_parameter(f"hc_{site}_scale", nn.Parameter(torch.ones(3)))
 
-    def _mixes(self, h: Tensor, site: str) -> tuple[Tensor, Tensor, Tensor]:
+    def _mixes(self, h: Tensor, site: str, ops: KernelSet) -> tuple[Tensor, Tensor, Tensor]:
         cfg = self.cfg
-        return hc_mixes(h, getattr(self, f"hc_{site}_fn"), getattr(self, f"hc_{site}_scale"),
+        return ops.hc_mixes(h, getattr(self, f"hc_{site}_fn"), getattr(self, f"hc_{site}_scale"),
                         getattr(self, f"hc_{site}_base"), sinkhorn_iters=cfg.hc_sinkhorn_iters, hc_eps=cfg.hc_eps,
                         norm_eps=cfg.rms_norm_eps)
 
@@ -95,17 +95,17 @@ class Block(nn.Module):
         writes, from their state at the first consumer layer (see `ced`)."""
         eps = self.cfg.rms_norm_eps
         if self.engram is not None:
-            h = self.engram(h, hash_ids[:, self.engram.index])
-        attn_pre, post, comb = self._mixes(h, "attn")
-        x = ops.rms_norm(hc_collapse(h, pre_mix), self.attn_norm.weight, eps)
+            h = self.engram(h, hash_ids[:, self.engram.index], ops)
+        attn_pre, post, comb = self._mixes(h, "attn", ops)
+        x = ops.rms_norm(ops.hc_collapse(h, pre_mix), self.attn_norm.weight, eps)
         prefix = None
         if frozen is not None:
-            prefix = (ops.rms_norm(hc_collapse(frozen.h, frozen.pre_mix), self.attn_norm.weight, eps),
+            prefix = (ops.rms_norm(ops.hc_collapse(frozen.h, frozen.pre_mix), self.attn_norm.weight, eps),
                       frozen.positions, frozen.cu)
-        h = hc_expand(self.attn(x, batch, cache, ops, inv_freq, codecs, published, prefix), h, post, comb)
-        ffn_pre, post, comb = self._mixes(h, "ffn")
-        x = ops.rms_norm(hc_collapse(h, attn_pre), self.ffn_norm.weight, eps)
-        return hc_expand(self.ffn(x, ops), h, post, comb), ffn_pre
+        h = ops.hc_expand(self.attn(x, batch, cache, ops, inv_freq, codecs, published, prefix), h, post, comb)
+        ffn_pre, post, comb = self._mixes(h, "ffn", ops)
+        x = ops.rms_norm(ops.hc_collapse(h, attn_pre), self.ffn_norm.weight, eps)
+        return ops.hc_expand(self.ffn(x, ops), h, post, comb), ffn_pre
 
 
 class DeepseekV41ForCausalLM(nn.Module):
@@ -208,8 +208,9 @@ class DeepseekV41ForCausalLM(nn.Module):
                     module.quantise_(expert, torch.empty(2 * i, h, device=device).normal_(0.0, std, generator=gen),
                                      torch.empty(h, i, device=device).normal_(0.0, std, generator=gen))
 
-    def codecs(self, dtype: torch.dtype | None = None) -> Codecs:
-        return Codecs.for_model(self.cfg, dtype or self.embed.weight.dtype)
+    def codecs(self, dtype: torch.dtype | None = None, ops: KernelSet | None = None) -> Codecs:
+        """The cache row formats; `ops` quantises and dequantises them (default: the reference ops)."""
+        return Codecs.for_model(self.cfg, dtype or self.embed.weight.dtype, ops)
 
     def cache_spec(self, block_size: int, max_backtracking: int = 0, dtype: torch.dtype | None = None) -> CacheSpec:
         """What this model keeps per sequence (see the module docstring).
@@ -269,7 +270,7 @@ class DeepseekV41ForCausalLM(nn.Module):
         h = self.embed(batch.token_ids).unsqueeze(1).expand(-1, cfg.hc_mult, -1).contiguous()
         pre_mix = torch.zeros(h.shape[0], cfg.hc_mult, dtype=torch.float32, device=h.device)
         pre_mix[:, 0] = 1.0
-        codecs = self.codecs()
+        codecs = self.codecs(ops=ops)
         published = Published([None] * batch.num_seqs, [None] * batch.num_seqs)
         plan = TruncationPlan.plan(batch, self.truncation)
         start_truncation = first_consumer_layer(cfg) if plan is not None else -1
@@ -286,7 +287,7 @@ class DeepseekV41ForCausalLM(nn.Module):
                 h = torch.where(plan.in_tail[:, None, None], h, kept[0])
                 pre_mix = torch.where(plan.in_tail[:, None], pre_mix, kept[1])
         rows = batch.logits_indices
-        x = ops.rms_norm(hc_collapse(h[rows], pre_mix[rows]), self.norm.weight, cfg.rms_norm_eps)
+        x = ops.rms_norm(ops.hc_collapse(h[rows], pre_mix[rows]), self.norm.weight, cfg.rms_norm_eps)
         return matmul_t(x, self.head.weight, ops).float()
 
 

@@ -35,22 +35,31 @@ from .moe import (
     router_scores,
     routing_weights,
 )
+from .v41 import engram_gate, hc_collapse, hc_expand, hc_mixes, v41_attention, v41_index_scores
 
 # Ops whose reference is already batch-invariant: row-wise arithmetic whose functions take the same
 # path at any position (RMSNorm, RoPE, the sampler's softmax / sort / race), exact ones (sorts, top-k,
-# quantisation of independent blocks), and helpers that see no batch (weights, frequencies).
+# quantisation of independent blocks), and helpers that see no batch (weights, frequencies). V4.1: the
+# packed-row codecs (independent blocks, exact), the integer Engram hashing and its tables, the candidate
+# blocks and top-k (exact maxima and stable sorts per row).
 AS_REFERENCE: tuple[str, ...] = (
-    "YarnScaling", "apply_rope", "dequant_fp8_block", "dequant_mxfp4", "fake_quant_fp4", "fake_quant_fp8",
-    "norm_rope", "quant_fp8_block", "quant_mxfp4", "rms_norm", "rope_inv_freq", "sample_race", "scale_to_float",
-    "select_experts", "topk_lowest_index",
+    "YarnScaling", "apply_rope", "candidate_blocks", "dequant_fp4_rows", "dequant_fp8_block", "dequant_mxfp4",
+    "dequant_mxfp8_rows", "engram_hash", "engram_offsets", "engram_primes", "fake_quant_fp4", "fake_quant_fp4_rows",
+    "fake_quant_fp8", "fake_quant_mxfp8", "norm_rope", "packed_row_bytes", "quant_fp4_rows", "quant_fp8_block",
+    "quant_mxfp4", "quant_mxfp8_rows", "rms_norm", "rope_inv_freq", "sample_race", "scale_to_float", "select_experts",
+    "topk_finite", "topk_lowest_index",
 )
 
 __all__ = [
     "clamped_swiglu",
     "compress_decode",
     "compress_pool",
+    "engram_gate",
     "grouped_linear",
+    "hc_collapse",
+    "hc_expand",
     "hc_head",
+    "hc_mixes",
     "hc_post",
     "hc_pre",
     "indexer_scores",
@@ -64,4 +73,6 @@ __all__ = [
     "router_scores",
     "routing_weights",
     "sparse_attention",
+    "v41_attention",
+    "v41_index_scores",
 ]

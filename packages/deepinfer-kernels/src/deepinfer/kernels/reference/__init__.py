@@ -35,6 +35,7 @@ from .sampling import sample_race
 from .v41_engram import engram_gate, engram_hash, engram_offsets, engram_primes
 from .v41_indexer import candidate_blocks, topk_finite
 from .v41_mhc import hc_collapse, hc_expand, hc_mixes
+from .v41_paged import v41_attention, v41_index_scores
 from .v41_quant import (
     dequant_fp4_rows,
     dequant_mxfp8_rows,
@@ -95,4 +96,6 @@ __all__ = [
     "sparse_attention",
     "topk_finite",
     "topk_lowest_index",
+    "v41_attention",
+    "v41_index_scores",
 ]

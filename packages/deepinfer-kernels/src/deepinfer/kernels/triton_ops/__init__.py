@@ -21,6 +21,7 @@ from .paged import (
 from .rowwise import apply_rope_fused, norm_rope_fused, rms_norm_fused
 from .sampling import sample_race_fused, sample_race_invariant
 from .topk import topk_lowest_index_fused
+from .v41_paged import v41_attention_fused, v41_attention_invariant, v41_index_scores_fused
 
 __all__ = [
     "apply_rope_fused", "clamped_swiglu_fused", "compress_decode_fused", "grouped_linear_invariant", "hc_post_fused",
@@ -28,5 +29,5 @@ __all__ = [
     "moe_experts_fused", "moe_experts_invariant", "moe_experts_mxfp4_fused", "norm_rope_fused",
     "paged_decode_attention_fused", "paged_decode_attention_invariant", "paged_indexer_scores_fused",
     "rms_norm_fused", "route_fused", "sample_race_fused", "sample_race_invariant", "sparse_attention_fused",
-    "topk_lowest_index_fused",
+    "topk_lowest_index_fused", "v41_attention_fused", "v41_attention_invariant", "v41_index_scores_fused",
 ]

@@ -28,7 +28,6 @@ import torch
 from torch import Tensor, nn
 
 from deepinfer.kernels import KernelSet
-from deepinfer.kernels.reference import candidate_blocks, indexer_scores, topk_finite
 from deepinfer.kernels.reference.paged import entry_location
 
 from ..batch import ForwardBatch
@@ -62,9 +61,12 @@ class Codecs:
     index: RowCodec
 
     @classmethod
-    def for_model(cls, cfg: DeepseekV41Config, dtype: torch.dtype) -> Codecs:
-        return cls(RowCodec.choose("mxfp8", cfg.head_dim, dtype), RowCodec.choose("fp4_e4m3", cfg.head_dim, dtype),
-                   RowCodec.choose("fp4_ue8m0", cfg.index_head_dim, dtype))
+    def for_model(cls, cfg: DeepseekV41Config, dtype: torch.dtype, ops: KernelSet | None = None) -> Codecs:
+        """The formats for `cfg`; `ops` quantises and dequantises (default: the reference ops)."""
+        kw = {} if ops is None else {"ops": ops}
+        return cls(RowCodec.choose("mxfp8", cfg.head_dim, dtype, **kw),
+                   RowCodec.choose("fp4_e4m3", cfg.head_dim, dtype, **kw),
+                   RowCodec.choose("fp4_ue8m0", cfg.index_head_dim, dtype, **kw))
 
 
 class Compressor(nn.Module):
@@ -150,12 +152,11 @@ class Attention(nn.Module):
         """Any query lengths: one sequence at a time, in blocks of at most PREFILL_QUERY_BLOCK queries."""
         cfg, pos, d = self.cfg, batch.positions, self.cfg.head_dim
         out = torch.empty_like(q)
+        rings = cache.state[f"layers.{self.layer}.window"]
         for i in range(batch.num_seqs):
             a, b = batch.cu_seqlens[i], batch.cu_seqlens[i + 1]
             start, slot, table = batch.start_positions[i], batch.state_slots[i], batch.block_tables[i]
-            ring = cache.state[f"layers.{self.layer}.window"][slot]
-            ring_rows = codecs.window.decode(ring, kv.dtype)      # read before this chunk overwrites slots
-            num_entries, keys, picks, candidates = 0, None, [], []
+            num_entries, num_keys, key_source, picks, candidates = 0, 0, None, [], []
             if self.ratio:
                 if comp is not None:
                     self._compress(comp[0][a:b], None if comp[1] is None else comp[1][a:b], start, slot, table,
@@ -163,27 +164,32 @@ class Attention(nn.Module):
                 num_entries = (start + b - a) // cfg.compress_ratios[self.source]
                 key_source = cfg.key_source_of(self.layer)
                 if self.indexer is not None and key_source is not None:
-                    keys = self._keys(key_source, (start + b - a) // cfg.compress_ratios[key_source], table, cache,
-                                      codecs)
+                    num_keys = (start + b - a) // cfg.compress_ratios[key_source]
             for lo in range(a, b, PREFILL_QUERY_BLOCK):
                 hi = min(b, lo + PREFILL_QUERY_BLOCK)
-                rows, valid = self._window_rows(kv[a:b], pos[lo:hi], start, ring_rows)
                 block_picks = None
-                if keys is not None:
+                if num_keys:
                     block_picks, block_candidates = self._select(i, index_q[lo:hi], index_w[lo:hi], pos[lo:hi],
-                                                                 lo - a, keys, published)
+                                                                 lo - a, key_source, num_keys, table, cache, ops,
+                                                                 published)
                     picks.append(block_picks)
                     candidates.append(block_candidates)
                 elif published.picks[i] is not None:
                     block_picks = published.picks[i][lo - a:hi - a]
+                # The window comes from this chunk's rows and, before the chunk, the ring (not yet overwritten).
+                paged = tables = ids = None
+                ratio = 1
                 if block_picks is not None and num_entries:
-                    comp_rows, comp_valid = self._entry_rows(block_picks, num_entries, table, cache, codecs, q.dtype)
-                    rows, valid = torch.cat((rows, comp_rows), dim=1), torch.cat((valid, comp_valid), dim=1)
-                out[lo:hi] = ops.sparse_attention(q[lo:hi], rows, valid, self.attn_sink, d**-0.5)
+                    ratio = cfg.compress_ratios[self.source]
+                    ids = torch.where((block_picks >= 0) & (block_picks < num_entries), block_picks, -1)
+                    paged, tables = cache.paged[f"layers.{self.source}.kv"], table.expand(hi - lo, -1)
+                out[lo:hi] = ops.v41_attention(q[lo:hi], pos[lo:hi], rings, slot.expand(hi - lo), cfg.sliding_window,
+                                               self.attn_sink, d**-0.5, kv[a:b], start, paged, tables, ids, ratio)
             if picks:
                 published.picks[i] = torch.cat(picks)
                 if candidates[0] is not None:
                     published.candidates[i] = torch.cat(candidates)
+            ring = rings[slot]
             keep = max(start, start + b - a - ring.shape[0])
             write = torch.arange(keep, start + b - a, device=kv.device)
             ring[write % ring.shape[0]] = codecs.window.encode(kv[a + keep - start:b])
@@ -203,16 +209,6 @@ class Attention(nn.Module):
             a, b = cu[i], cu[i + 1]
             keep = max(a, b - rings.shape[1])
             rings[batch.state_slots[i], pos[keep:b] % rings.shape[1]] = rows[keep:b]
-
-    def _window_rows(self, kv: Tensor, pos: Tensor, start: int, ring_rows: Tensor) -> tuple[Tensor, Tensor]:
-        """Rows [q, W, head_dim] and validity [q, W] of the windows (positions p − W + 1 … p) of
-        queries at `pos` in a chunk starting at `start`: the chunk's `kv` rows, else the ring's
-        (decoded, slot = position mod ring length)."""
-        w, q_len = self.cfg.sliding_window, kv.shape[0]
-        key_pos = pos[:, None] - w + 1 + torch.arange(w, device=kv.device)[None, :]
-        from_ring = ring_rows[key_pos.clamp(min=0) % ring_rows.shape[0]]
-        rows = torch.where((key_pos >= start)[..., None], kv[(key_pos - start).clamp(0, q_len - 1)], from_ring)
-        return rows, key_pos >= 0
 
     # --- KV source: compression and index keys ------------------------------------------------------
     def _compressor_inputs(self, x: Tensor, ops: KernelSet) -> tuple[Tensor, Tensor | None]:
@@ -261,44 +257,32 @@ class Attention(nn.Module):
         cache.paged[f"layers.{self.layer}.kv"][blocks, slots] = codecs.kv.encode(rows)
 
     # --- index sources ------------------------------------------------------------------------------
-    def _keys(self, src: int, num_keys: int, table: Tensor, cache: ModelCache, codecs: Codecs) -> Tensor | None:
-        """The index keys [num_keys, index_head_dim] float32 of layer `src` for one sequence (None if none yet)."""
-        if not num_keys:
-            return None
-        ids = torch.arange(num_keys, device=table.device)
-        blocks, slots, _ = entry_location(table, ids, self.cfg.compress_ratios[src], cache.spec.block_size)
-        return codecs.index.decode(cache.paged[f"layers.{src}.index_k"][blocks, slots], torch.float32)
-
-    def _select(self, i: int, index_q: Tensor, index_w: Tensor, pos: Tensor, row: int, keys: Tensor,
+    def _select(self, i: int, index_q: Tensor, index_w: Tensor, pos: Tensor, row: int, key_source: int,
+                num_keys: int, table: Tensor, cache: ModelCache, ops: KernelSet,
                 published: Published) -> tuple[Tensor, Tensor | None]:
-        """Top-k of queries `row` … of sequence i against `keys` (and, at the candidate source, their
-        candidate mask), in sub-blocks of INDEX_QUERY_BLOCK queries (the [queries, heads, keys] scores
+        """Top-k of queries `row` … of sequence i against the first `num_keys` index keys of `key_source`
+        (read packed through `table` by `ops.v41_index_scores`) and, at the candidate source, their
+        candidate mask; in sub-blocks of INDEX_QUERY_BLOCK queries (the [queries, heads, keys] scores
         are the indexer's largest transient)."""
         cfg = self.cfg
         picks, masks = [], []
-        ids = torch.arange(keys.shape[0], device=keys.device)
+        ids = torch.arange(num_keys, device=table.device)
+        keys = cache.paged[f"layers.{key_source}.index_k"]
         candidate = cfg.candidate_source_layer_id
         for lo in range(0, index_q.shape[0], INDEX_QUERY_BLOCK):
             hi = min(index_q.shape[0], lo + INDEX_QUERY_BLOCK)
-            scores = indexer_scores(index_q[lo:hi], keys, index_w[lo:hi], self.indexer.head_dim**-0.5)
+            scores = ops.v41_index_scores(index_q[lo:hi], keys, table, num_keys, index_w[lo:hi],
+                                          self.indexer.head_dim**-0.5, cfg.compress_ratios[key_source])
             visible = torch.div(pos[lo:hi] + 1, self.ratio, rounding_mode="floor")
             scores = scores.masked_fill(ids[None, :] >= visible[:, None], float("-inf"))
             if self.layer == candidate:
-                masks.append(candidate_blocks(scores, visible, cfg.candidate_topk_blocks, cfg.candidate_block_size))
+                masks.append(ops.candidate_blocks(scores, visible, cfg.candidate_topk_blocks,
+                                                  cfg.candidate_block_size))
             elif 0 <= candidate < self.layer and published.candidates[i] is not None:
                 allowed = published.candidates[i][row + lo:row + hi]
-                width = min(allowed.shape[1], keys.shape[0])
+                width = min(allowed.shape[1], num_keys)
                 outside = torch.ones_like(scores, dtype=torch.bool)
                 outside[:, :width] = ~allowed[:, :width]
                 scores = scores.masked_fill(outside, float("-inf"))
-            picks.append(topk_finite(scores, cfg.index_topk))
+            picks.append(ops.topk_finite(scores, cfg.index_topk))
         return torch.cat(picks), (torch.cat(masks) if masks else None)
-
-    def _entry_rows(self, picks: Tensor, num_entries: int, table: Tensor, cache: ModelCache, codecs: Codecs,
-                    dtype: torch.dtype) -> tuple[Tensor, Tensor]:
-        """The compressed KV rows [q, k, head_dim] the picks name, and their validity [q, k]."""
-        r = self.cfg.compress_ratios[self.source]
-        valid = (picks >= 0) & (picks < num_entries)
-        blocks, slots, _ = entry_location(table, torch.where(valid, picks, 0).flatten(), r, cache.spec.block_size)
-        rows = codecs.kv.decode(cache.paged[f"layers.{self.source}.kv"][blocks, slots], dtype)
-        return rows.view(*picks.shape, -1), valid

@@ -4,7 +4,8 @@ The same result as the per-sequence path of `csa2.Attention`, with static shapes
 of positions: the compressed entries a sequence may use are the first `max_context_len // ratio` of
 its source (masked by visibility), a group that does not close this step writes into the reserved
 block 0, and the published top-k and candidates are [num_seqs, …] tensors. So a decode step can be
-captured in a CUDA graph keyed by the number of sequences (not run on a GPU yet).
+captured in a CUDA graph keyed by the number of sequences. Attention and index scores read the packed
+rows in place through the kernel set (`v41_attention`, `v41_index_scores`: Triton kernels on CUDA).
 """
 
 from __future__ import annotations
@@ -15,7 +16,6 @@ import torch
 from torch import Tensor
 
 from deepinfer.kernels import KernelSet
-from deepinfer.kernels.reference import candidate_blocks, indexer_scores, topk_finite
 from deepinfer.kernels.reference.paged import entry_location
 
 from ..batch import ForwardBatch
@@ -25,17 +25,12 @@ if TYPE_CHECKING:
     from .csa2 import Attention, Codecs, Published
 
 
-def _window(attn: Attention, kv: Tensor, batch: ForwardBatch, cache: ModelCache, codecs: Codecs) -> tuple[Tensor,
-                                                                                                          Tensor]:
-    """Window rows [n, W, head_dim] and validity [n, W]; stores this token's row in its ring."""
-    pos, slots, w = batch.positions, batch.state_slots, attn.cfg.sliding_window
+def _window(attn: Attention, kv: Tensor, batch: ForwardBatch, cache: ModelCache, codecs: Codecs) -> Tensor:
+    """Store this token's row in its ring (before attending: the kernels read the window from the ring,
+    and the row read back is the row the model attends to); returns every slot's ring."""
     rings = cache.state[f"layers.{attn.layer}.window"]
-    ring_len = rings.shape[1]
-    key_pos = pos[:, None] - w + 1 + torch.arange(w, device=kv.device)[None, :]
-    past = codecs.window.decode(rings[slots[:, None], key_pos.clamp(min=0) % ring_len], kv.dtype)
-    rows = torch.where((key_pos == pos[:, None])[..., None], kv[:, None, :], past)
-    rings[slots, pos % ring_len] = codecs.window.encode(kv)
-    return rows, key_pos >= 0
+    rings[batch.state_slots, batch.positions % rings.shape[1]] = codecs.window.encode(kv)
+    return rings
 
 
 def _compress(attn: Attention, comp: tuple[Tensor, Tensor | None], batch: ForwardBatch, cache: ModelCache,
@@ -68,7 +63,7 @@ def _compress(attn: Attention, comp: tuple[Tensor, Tensor | None], batch: Forwar
 
 
 def _select(attn: Attention, index_q: Tensor, index_w: Tensor, batch: ForwardBatch, cache: ModelCache,
-            codecs: Codecs, published: Published) -> None:
+            ops: KernelSet, published: Published) -> None:
     """Every sequence's top-k over the first max_context_len // ratio index keys of its key source."""
     cfg, pos = attn.cfg, batch.positions
     src = cfg.key_source_of(attn.layer)
@@ -77,42 +72,44 @@ def _select(attn: Attention, index_q: Tensor, index_w: Tensor, batch: ForwardBat
     if num_keys == 0:
         return
     ids = torch.arange(num_keys, device=pos.device)
-    blocks, rows, _ = entry_location(batch.block_tables, ids.expand(len(pos), -1), r_src, cache.spec.block_size)
-    keys = codecs.index.decode(cache.paged[f"layers.{src}.index_k"][blocks, rows], torch.float32)
-    scores = indexer_scores(index_q, keys, index_w, attn.indexer.head_dim**-0.5)
+    scores = ops.v41_index_scores(index_q, cache.paged[f"layers.{src}.index_k"], batch.block_tables, num_keys, index_w,
+                                  attn.indexer.head_dim**-0.5, r_src)
     visible = torch.minimum(torch.div(pos + 1, attn.ratio, rounding_mode="floor"),
                             torch.div(pos + 1, r_src, rounding_mode="floor"))
     scores = scores.masked_fill(ids[None, :] >= visible[:, None], float("-inf"))
     candidate = cfg.candidate_source_layer_id
     if attn.layer == candidate:
-        published.batched_candidates = candidate_blocks(scores, visible, cfg.candidate_topk_blocks,
-                                                        cfg.candidate_block_size)
+        published.batched_candidates = ops.candidate_blocks(scores, visible, cfg.candidate_topk_blocks,
+                                                            cfg.candidate_block_size)
     elif 0 <= candidate < attn.layer and published.batched_candidates is not None:
         allowed = published.batched_candidates
         width = min(allowed.shape[1], num_keys)
         outside = torch.ones_like(scores, dtype=torch.bool)
         outside[:, :width] = ~allowed[:, :width]
         scores = scores.masked_fill(outside, float("-inf"))
-    published.batched_picks = topk_finite(scores, cfg.index_topk)
+    published.batched_picks = ops.topk_finite(scores, cfg.index_topk)
 
 
 def attention(attn: Attention, q: Tensor, kv: Tensor, index_q: Tensor | None, index_w: Tensor | None,
               comp: tuple[Tensor, Tensor | None] | None, batch: ForwardBatch, cache: ModelCache, ops: KernelSet,
               inv_freq: Tensor, codecs: Codecs, published: Published) -> Tensor:
-    """[num_seqs, heads, head_dim]: the layer's attention for one query token per sequence."""
+    """[num_seqs, heads, head_dim]: the layer's attention for one query token per sequence, read from the
+    packed rings and compressed rows by `ops.v41_attention`."""
     cfg = attn.cfg
-    rows, valid = _window(attn, kv, batch, cache, codecs)
+    rings = _window(attn, kv, batch, cache, codecs)
+    paged = entry_ids = None
+    r = 1
     if attn.ratio:
         if comp is not None:
             _compress(attn, comp, batch, cache, ops, inv_freq, codecs)
         if index_q is not None and cfg.key_source_of(attn.layer) is not None:
-            _select(attn, index_q, index_w, batch, cache, codecs, published)
+            _select(attn, index_q, index_w, batch, cache, ops, published)
         picks = published.batched_picks
         if picks is not None:
             r = cfg.compress_ratios[attn.source]
             num_entries = torch.div(batch.positions + 1, r, rounding_mode="floor")
-            ok = (picks >= 0) & (picks < num_entries[:, None])
-            blocks, slots, _ = entry_location(batch.block_tables, torch.where(ok, picks, 0), r, cache.spec.block_size)
-            entries = codecs.kv.decode(cache.paged[f"layers.{attn.source}.kv"][blocks, slots], q.dtype)
-            rows, valid = torch.cat((rows, entries), dim=1), torch.cat((valid, ok), dim=1)
-    return ops.sparse_attention(q, rows, valid, attn.attn_sink, cfg.head_dim**-0.5)
+            entry_ids = torch.where((picks >= 0) & (picks < num_entries[:, None]), picks, -1)
+            paged = cache.paged[f"layers.{attn.source}.kv"]
+    return ops.v41_attention(q, batch.positions, rings, batch.state_slots, cfg.sliding_window, attn.attn_sink,
+                             cfg.head_dim**-0.5, None, 0, paged, batch.block_tables if paged is not None else None,
+                             entry_ids, r)

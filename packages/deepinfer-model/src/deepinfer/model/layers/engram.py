@@ -17,6 +17,7 @@ import numpy as np
 import torch
 from torch import Tensor, nn
 
+from deepinfer.kernels import KernelSet
 from deepinfer.kernels.reference import engram_gate, engram_hash, engram_offsets, engram_primes
 
 from ..batch import ForwardBatch
@@ -150,11 +151,13 @@ class Engram(nn.Module):
         self.q_weight = nn.Parameter(torch.ones(cfg.hc_mult, cfg.hidden_size))
         self.k_weight = nn.Parameter(torch.ones(cfg.hc_mult, cfg.hidden_size))
 
-    def forward(self, streams: Tensor, hash_ids: Tensor) -> Tensor:
-        """streams [t, hc, hidden], hash_ids [t, cols] (this layer's) → streams with the gated value added."""
+    def forward(self, streams: Tensor, hash_ids: Tensor, ops: KernelSet | None = None) -> Tensor:
+        """streams [t, hc, hidden], hash_ids [t, cols] (this layer's) → streams with the gated value added;
+        `ops.engram_gate` gates (default: the reference)."""
         rows = self.embed.lookup(hash_ids, self.wkv.weight.dtype).flatten(-2)
         kv = torch.nn.functional.linear(rows, self.wkv.weight)
         key, value = kv.split([self.hc * self.hidden, self.hidden], dim=-1)
         key = key.float().unflatten(-1, (self.hc, self.hidden))
-        gate = engram_gate(streams, key, self.q_weight.float() * self.k_weight.float(), self.eps)
+        gate_fn = ops.engram_gate if ops is not None else engram_gate
+        gate = gate_fn(streams, key, self.q_weight.float() * self.k_weight.float(), self.eps)
         return (streams.float() + gate.unsqueeze(-1) * value.float().unsqueeze(-2)).to(streams.dtype)

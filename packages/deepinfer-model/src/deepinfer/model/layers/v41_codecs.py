@@ -7,18 +7,14 @@ models) keeps plain rows in the model dtype, unquantised — what transformers d
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from torch import Tensor
 
-from deepinfer.kernels.reference import (
-    dequant_fp4_rows,
-    dequant_mxfp8_rows,
-    packed_row_bytes,
-    quant_fp4_rows,
-    quant_mxfp8_rows,
-)
+from deepinfer.kernels import reference
+from deepinfer.kernels.reference import packed_row_bytes
 
 _BLOCKS = {"mxfp8": 32, "fp4_e4m3": 16, "fp4_ue8m0": 32}
 
@@ -31,11 +27,13 @@ class RowCodec:
     fmt: str
     dim: int
     dtype: torch.dtype
+    ops: Any = field(default=reference, compare=False)   # where the quantise / dequantise ops come from
 
     @classmethod
-    def choose(cls, fmt: str, dim: int, dtype: torch.dtype) -> RowCodec:
-        """The packed format when its block divides `dim`, else plain rows of `dtype`."""
-        return cls(fmt, dim, torch.uint8) if dim % _BLOCKS[fmt] == 0 else cls("plain", dim, dtype)
+    def choose(cls, fmt: str, dim: int, dtype: torch.dtype, ops: Any = reference) -> RowCodec:
+        """The packed format when its block divides `dim`, else plain rows of `dtype`; `ops` (a KernelSet,
+        default the reference) quantises and dequantises."""
+        return cls(fmt, dim, torch.uint8, ops) if dim % _BLOCKS[fmt] == 0 else cls("plain", dim, dtype, ops)
 
     @property
     def row_dim(self) -> int:
@@ -45,19 +43,23 @@ class RowCodec:
     def encode(self, x: Tensor) -> Tensor:
         """[..., dim] float → stored rows [..., row_dim]."""
         if self.fmt == "mxfp8":
-            return quant_mxfp8_rows(x)
+            return self.ops.quant_mxfp8_rows(x)
         if self.fmt == "plain":
             return x.to(self.dtype)
-        return quant_fp4_rows(x, e4m3_scales=self.fmt == "fp4_e4m3")
+        return self.ops.quant_fp4_rows(x, e4m3_scales=self.fmt == "fp4_e4m3")
 
     def decode(self, rows: Tensor, dtype: torch.dtype) -> Tensor:
         """Stored rows [..., row_dim] → [..., dim] in `dtype`."""
         if self.fmt == "mxfp8":
-            return dequant_mxfp8_rows(rows, self.dim).to(dtype)
+            return self.ops.dequant_mxfp8_rows(rows, self.dim).to(dtype)
         if self.fmt == "plain":
             return rows.to(dtype)
-        return dequant_fp4_rows(rows, self.dim, e4m3_scales=self.fmt == "fp4_e4m3").to(dtype)
+        return self.ops.dequant_fp4_rows(rows, self.dim, e4m3_scales=self.fmt == "fp4_e4m3").to(dtype)
 
     def round_trip(self, x: Tensor) -> Tensor:
         """x as the cache gives it back (the model's quantisation semantics), in x's dtype."""
-        return x if self.fmt == "plain" else self.decode(self.encode(x), x.dtype)
+        if self.fmt == "mxfp8":
+            return self.ops.fake_quant_mxfp8(x)
+        if self.fmt == "plain":
+            return x
+        return self.ops.fake_quant_fp4_rows(x, e4m3_scales=self.fmt == "fp4_e4m3")
