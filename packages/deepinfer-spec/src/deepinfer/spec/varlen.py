@@ -1,0 +1,135 @@
+"""Verify-length policies (DESIGN.md §6): how many drafts each decode sequence verifies.
+
+Both classes satisfy deepinfer.sched's `VerifyLengthPolicy` Protocol structurally
+(`query_lens(seq_ids, seq_lens, max_query_len) -> [num_seqs] ints in [1, max_query_len]`); this
+package never imports the scheduler.
+
+Varlen: every request's drafts become candidates valued by the cumulative product of their
+acceptance probabilities (so a request's own candidates come in order, a prefix); candidates are
+sorted by value and added one by one to the "golden tokens only" step; each total query length is
+scored by expected tokens / (forward ms at its graph size + sampler ms), and the best one wins.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from .estimators import ForwardRuntimeEstimator, SamplerRuntimeEstimator
+
+
+@dataclass(frozen=True, slots=True)
+class VarlenPlan:
+    """The chosen step: total query tokens, each sequence's query length, the expected throughput."""
+
+    total_q: int
+    query_lens: np.ndarray      # [num_seqs] int32, golden token + drafts, in [1, max_query_len]
+    expected_tokens: float
+    expected_ms: float
+
+
+def choose_query_lens(acceptance: Sequence[Sequence[float]], max_query_len: int,
+                      forward: ForwardRuntimeEstimator, sampler: SamplerRuntimeEstimator) -> VarlenPlan:
+    """Greedy choice of total_q by expected throughput.
+
+    Args:
+        acceptance: per sequence, the estimated probability that each successive draft is accepted
+            given the previous ones were (e.g. the drafter's confidences); missing entries count 0.
+        max_query_len: golden token + drafts available per sequence (nextn + 1).
+    Returns:
+        the plan maximising expected tokens per ms (ties: the shorter step).
+    """
+    num_seqs = len(acceptance)
+    if num_seqs == 0:
+        return VarlenPlan(0, np.zeros(0, dtype=np.int32), 0.0, 0.0)
+    num_drafts = max_query_len - 1
+    rates = np.zeros((num_seqs, num_drafts))
+    for i, r in enumerate(acceptance):
+        r = np.clip(np.asarray(r, dtype=np.float64)[:num_drafts], 0.0, 1.0)
+        rates[i, :len(r)] = r
+    values = np.cumprod(rates, axis=1).ravel()                          # row-major: a request's own in order
+    order = np.argsort(-values, kind="stable")
+    sampler_ms = sampler.estimate_ms(num_seqs)
+    tokens = float(num_seqs)
+    best_n, best_tokens = 0, tokens
+    best_ms = forward.estimate_ms(num_seqs) + sampler_ms
+    best_rate = tokens / best_ms
+    for n, idx in enumerate(order, start=1):
+        tokens += values[idx]
+        ms = forward.estimate_ms(num_seqs + n) + sampler_ms
+        if tokens / ms > best_rate:
+            best_n, best_tokens, best_ms, best_rate = n, tokens, ms, tokens / ms
+    lens = np.ones(num_seqs, dtype=np.int32)
+    if best_n:
+        np.add.at(lens, order[:best_n] // max(num_drafts, 1), 1)
+    return VarlenPlan(num_seqs + best_n, lens, best_tokens, best_ms)
+
+
+class VarlenVerifyPolicy:
+    """DESIGN.md §6's varlen verify: per-request acceptance estimates in, query lengths out.
+
+    The engine reports each request's latest draft confidences with `observe` (under ZOS: those of
+    step N − 2 when choosing step N) and drops finished requests with `forget`; a request with no
+    estimate yet uses `default_acceptance`.
+    """
+
+    def __init__(self, forward: ForwardRuntimeEstimator, sampler: SamplerRuntimeEstimator, *,
+                 default_acceptance: Sequence[float] = (0.8,)) -> None:
+        self.forward, self.sampler = forward, sampler
+        self._default = tuple(float(r) for r in default_acceptance)
+        self._rates: dict[str, tuple[float, ...]] = {}
+        self.last_plan: VarlenPlan | None = None
+
+    def observe(self, seq_id: str, acceptance: Sequence[float]) -> None:
+        """Per-draft acceptance probabilities of `seq_id`'s next drafts (e.g. sigmoid confidences)."""
+        self._rates[seq_id] = tuple(float(r) for r in acceptance)
+
+    def forget(self, seq_id: str) -> None:
+        self._rates.pop(seq_id, None)
+
+    def _rates_of(self, seq_id: str, num_drafts: int) -> tuple[float, ...]:
+        rates = self._rates.get(seq_id)
+        if rates is None:
+            rates = self._default + (self._default[-1],) * max(num_drafts - len(self._default), 0)
+        return rates
+
+    def query_lens(self, seq_ids: tuple[str, ...], seq_lens: np.ndarray, max_query_len: int) -> np.ndarray:
+        """Query lengths of one decode batch (the scheduler's VerifyLengthPolicy)."""
+        plan = choose_query_lens([self._rates_of(s, max_query_len - 1) for s in seq_ids], max_query_len,
+                                 self.forward, self.sampler)
+        self.last_plan = plan
+        return plan.query_lens
+
+
+class FixedVerifyPolicy:
+    """Verify every draft: each sequence's query length is max_query_len."""
+
+    def query_lens(self, seq_ids: tuple[str, ...], seq_lens: np.ndarray, max_query_len: int) -> np.ndarray:
+        return np.full(len(seq_ids), max_query_len, dtype=np.int32)
+
+
+def query_lens_by_confidence(confidence: Tensor, total_q: int) -> Tensor:
+    """On the device: split a fixed total_q among sequences by their drafts' confidences (the ZOS
+    path: total_q was fixed on the host from older estimates, the split uses the newest).
+
+    Args:
+        confidence: [num_seqs, num_drafts] float32 per-draft acceptance probabilities.
+        total_q: total query tokens, in [num_seqs, num_seqs · (num_drafts + 1)] (host int).
+    Returns:
+        [num_seqs] int64 query lengths summing to total_q: 1 + the number of each sequence's drafts
+        among the total_q − num_seqs highest cumulative products (ties: lower sequence, earlier draft).
+    """
+    num_seqs, num_drafts = confidence.shape
+    extra = total_q - num_seqs
+    if not 0 <= extra <= num_seqs * num_drafts:
+        raise ValueError(f"total_q={total_q} outside [{num_seqs}, {num_seqs * (num_drafts + 1)}]")
+    values = torch.cumprod(confidence.float().clamp(0, 1), dim=1).flatten()
+    order = torch.sort(values, descending=True, stable=True).indices[:extra]
+    counts = torch.zeros(num_seqs, dtype=torch.int64, device=confidence.device)
+    counts.index_add_(0, order // max(num_drafts, 1), torch.ones_like(order))
+    return counts + 1
+

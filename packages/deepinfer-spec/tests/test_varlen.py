@@ -1,0 +1,109 @@
+import numpy as np
+import pytest
+import torch
+
+from deepinfer.spec import (
+    FixedVerifyPolicy,
+    ForwardRuntimeEstimator,
+    SamplerRuntimeEstimator,
+    StepTimeCurve,
+    VarlenVerifyPolicy,
+    choose_query_lens,
+    cuda_graph_key,
+    cuda_graph_sizes,
+    query_lens_by_confidence,
+)
+
+
+def test_graph_keys_are_powers_of_two_then_every_interval() -> None:
+    assert [cuda_graph_key(q) for q in (1, 2, 3, 4, 5, 8, 9, 16, 17, 24, 25)] == [1, 2, 4, 4, 8, 8, 16, 16, 24, 24, 32]
+    assert cuda_graph_sizes(20) == (1, 2, 4, 8, 16, 24)
+    assert cuda_graph_sizes(33, interval=16) == (1, 2, 4, 8, 16, 32, 48)
+    assert all(cuda_graph_key(s) == s for s in cuda_graph_sizes(200))      # every size is its own key
+    with pytest.raises(ValueError):
+        cuda_graph_key(0)
+
+
+def _curve(max_size: int, knee: int) -> StepTimeCurve:
+    """A step-time curve flat-ish up to `knee` tokens, then steep (memory- then compute-bound)."""
+    sizes = cuda_graph_sizes(max_size)
+    return StepTimeCurve(sizes, tuple(10.0 + 0.05 * s if s <= knee else 10.0 + 0.05 * knee + 0.6 * (s - knee)
+                                      for s in sizes))
+
+
+def _brute_force(rates: list[list[float]], max_query_len: int, forward, sampler) -> int:
+    """Best total_q over every allocation: for each total, the best drafts are the top cumulative products."""
+    values = sorted((v for r in rates for v in np.cumprod(r[:max_query_len - 1])), reverse=True)
+    n = len(rates)
+    best, best_q = -1.0, n
+    for extra in range(len(values) + 1):
+        rate = (n + sum(values[:extra])) / (forward.estimate_ms(n + extra) + sampler.estimate_ms(n))
+        if rate > best + 1e-12:
+            best, best_q = rate, n + extra
+    return best_q
+
+
+@pytest.mark.parametrize("num_seqs,knee", [(3, 24), (12, 24), (30, 40), (60, 64)])
+def test_varlen_picks_the_throughput_optimal_total_q(num_seqs: int, knee: int) -> None:
+    rng = np.random.default_rng(num_seqs)
+    rates = [list(rng.uniform(0.3, 0.95, size=5)) for _ in range(num_seqs)]
+    forward = ForwardRuntimeEstimator(_curve(num_seqs * 6, knee))
+    sampler = SamplerRuntimeEstimator()
+    sampler.observe(num_seqs, 1.5)
+    plan = choose_query_lens(rates, 6, forward, sampler)
+    assert plan.total_q == _brute_force(rates, 6, forward, sampler)
+    assert int(plan.query_lens.sum()) == plan.total_q
+    assert plan.query_lens.min() >= 1 and plan.query_lens.max() <= 6
+    # the same split as the on-device function for that total
+    on_device = query_lens_by_confidence(torch.tensor(rates, dtype=torch.float32), plan.total_q)
+    assert on_device.tolist() == plan.query_lens.tolist()
+
+
+def test_free_verify_takes_everything_and_expensive_verify_takes_nothing() -> None:
+    rates = [[0.9, 0.8, 0.7, 0.6, 0.5]] * 4
+    flat = ForwardRuntimeEstimator(StepTimeCurve((1, 64), (10.0, 10.0)))
+    assert choose_query_lens(rates, 6, flat, SamplerRuntimeEstimator()).query_lens.tolist() == [6, 6, 6, 6]
+    steep = ForwardRuntimeEstimator(StepTimeCurve((1, 64), (1.0, 640.0)))
+    assert choose_query_lens(rates, 6, steep, SamplerRuntimeEstimator()).query_lens.tolist() == [1, 1, 1, 1]
+
+
+def test_policies_answer_the_scheduler_protocol_shape() -> None:
+    forward = ForwardRuntimeEstimator(_curve(64, 16))
+    policy = VarlenVerifyPolicy(forward, SamplerRuntimeEstimator(), default_acceptance=(0.0,))
+    policy.observe("a", [0.99, 0.99, 0.99, 0.99, 0.99])
+    lens = policy.query_lens(("a", "b"), np.array([10, 9], dtype=np.int32), 6)
+    assert lens.dtype == np.int32 and lens.tolist() == [6, 1]
+    policy.forget("a")
+    assert policy.query_lens(("a", "b"), np.array([10, 9], dtype=np.int32), 6).tolist() == [1, 1]
+    fixed = FixedVerifyPolicy().query_lens(("a", "b", "c"), np.array([3, 2, 1], dtype=np.int32), 4)
+    assert fixed.tolist() == [4, 4, 4]
+
+
+def test_forward_estimator_learns_a_slope_and_sampler_interpolates() -> None:
+    curve = StepTimeCurve((1, 2, 4, 8, 16), (5.0, 5.0, 6.0, 7.0, 9.0))
+    forward = ForwardRuntimeEstimator(curve)
+    assert forward.estimate_ms(3) == 6.0                     # runs the graph of size 4
+    for size in (1, 2, 4, 8, 16):
+        for _ in range(3):
+            forward.observe(size, curve.at(size) + 0.25 * size)
+    forward.observe(8, 1000.0)                               # an outlier moves a median of medians little
+    assert forward.slope_ms_per_token == pytest.approx(0.25)
+    assert forward.estimate_ms(5) == pytest.approx(7.0 + 0.25 * 8)
+    sampler = SamplerRuntimeEstimator(window=3)
+    assert sampler.estimate_ms(4) == 0.0
+    for ms in (1.0, 9.0, 2.0, 3.0):                          # window of 3 keeps 9, 2, 3
+        sampler.observe(4, ms)
+    sampler.observe(8, 5.0)
+    assert sampler.estimate_ms(4) == 3.0
+    assert sampler.estimate_ms(6) == pytest.approx(4.0)
+    assert sampler.estimate_ms(100) == 5.0 and sampler.estimate_ms(1) == 3.0
+
+
+def test_split_by_confidence_keeps_each_request_a_prefix() -> None:
+    conf = torch.tensor([[0.9, 0.1, 0.99], [0.5, 0.5, 0.5]])
+    # cumulative products: [0.9, 0.09, 0.089], [0.5, 0.25, 0.125]
+    assert query_lens_by_confidence(conf, 2).tolist() == [1, 1]
+    assert query_lens_by_confidence(conf, 4).tolist() == [2, 2]
+    assert query_lens_by_confidence(conf, 6).tolist() == [2, 4]
+    with pytest.raises(ValueError):
+        query_lens_by_confidence(conf, 9)
