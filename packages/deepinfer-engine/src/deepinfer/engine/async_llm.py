@@ -173,16 +173,17 @@ class AsyncLLM:
         return len(self._streams)
 
     async def shutdown(self, *, drain: bool = True, poll_s: float = 0.05) -> None:
-        """Stop taking requests; with drain, wait until every accepted request has finished, else
-        abort them. Then stop the engine thread."""
+        """Stop taking requests; with drain, wait until every accepted request has finished (its last
+        output delivered; a consumer that never reads it does not hold this up), else abort them.
+        The engine thread stops once the engine is idle."""
         self._stopping = True
         if not drain:
             for request_id in list(self._streams):
                 self.abort(request_id)
-        while self._streams and self._thread.is_alive():
-            await asyncio.sleep(poll_s)
         self._wake.set()
         await asyncio.to_thread(self._thread.join)
+        while any(s.error is None and (s.latest is None or not s.latest.finished) for s in self._streams.values()):
+            await asyncio.sleep(poll_s)       # the last outputs, posted by the thread, reach their streams
 
     def _submit(self, prompt: PromptInput | Sequence[int], params: SamplingParams,
                 request_id: str | None) -> tuple[str, _Stream]:
@@ -213,7 +214,8 @@ class AsyncLLM:
                 if engine.has_unfinished_requests():
                     self._deliver(engine.step())
                     self.stats = self._snapshot()
-                elif self._stopping and not self._streams:
+                elif self._stopping:         # every accepted request has finished (or was refused)
+                    self.stats = self._snapshot()
                     return
                 else:
                     self.stats = self._snapshot()
