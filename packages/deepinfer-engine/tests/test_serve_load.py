@@ -1,5 +1,6 @@
 """Load on localhost, bounded in count and time: 200 concurrent streams all complete, well formed,
-none lost or mixed up; 50 streams dropped mid-way are aborted and give their KV blocks back."""
+none lost or mixed up; 50 streams dropped mid-way (and a dropped non-streamed request) are aborted
+and give their KV blocks back."""
 
 from __future__ import annotations
 
@@ -138,3 +139,22 @@ def test_dropped_streams_are_aborted_and_free_their_blocks(served: Served) -> No
     assert settled == (0, 0, free_at_start)
     assert _metric(text, 'deepinfer_request_success_total{finished_reason="abort"}') == aborts_before + NUM_DROPPED
     assert httpx.post(f"{url}/v1/completions", json={"prompt": "x", "max_tokens": 2}).status_code == 200
+
+
+def test_a_dropped_whole_request_is_aborted(served: Served) -> None:
+    url = served.base_url
+    before = httpx.get(f"{url}/metrics").text
+    free_at_start = _metric(before, "deepinfer_kv_cache_free_blocks")
+    aborts_before = _metric(before, 'deepinfer_request_success_total{finished_reason="abort"}') \
+        if 'finished_reason="abort"' in before else 0.0
+    with pytest.raises(httpx.ReadTimeout):         # the client gives up and closes the connection
+        httpx.post(f"{url}/v1/completions", json={"prompt": "x", "max_tokens": 2000, "ignore_eos": True}, timeout=1.0)
+    deadline = time.monotonic() + 10
+    while True:
+        text = httpx.get(f"{url}/metrics").text
+        done = _metric(text, 'deepinfer_request_success_total{finished_reason="abort"}') == aborts_before + 1
+        if done and _metric(text, "deepinfer_kv_cache_free_blocks") == free_at_start or time.monotonic() > deadline:
+            break
+        time.sleep(0.05)
+    assert done and _metric(text, "deepinfer_num_requests_running") == 0
+    assert _metric(text, "deepinfer_kv_cache_free_blocks") == free_at_start

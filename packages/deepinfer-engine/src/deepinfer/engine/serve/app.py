@@ -3,12 +3,14 @@
 Routes: POST /v1/completions, POST /v1/chat/completions (server-sent events when "stream": true,
 ending with `data: [DONE]`), GET /v1/models, /health, /version, /metrics. Errors are OpenAI-shaped
 (`errors.APIError`): 400 naming the bad field, 401 without the API key, 404 for an unknown model,
-503 when the waiting queue is full or the server is draining. A client that disconnects from a
-stream aborts its request (Starlette cancels the response, closing `AsyncLLM.generate`).
+503 when the waiting queue is full or the server is draining. A client that disconnects aborts its
+request: from a stream, Starlette cancels the response, closing `AsyncLLM.generate`; from a whole
+response, a watcher of the connection cancels the collecting task.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import time
@@ -60,7 +62,7 @@ class _Server:
             raise APIError(404, f"model {model!r} does not exist; this server serves {self.name!r}", param="model",
                            code="model_not_found")
 
-    async def generate(self, req: GenerateRequest, chat: bool) -> Response:
+    async def generate(self, http: Request, req: GenerateRequest, chat: bool) -> Response:
         self.check_model(req.model)
         field = "messages" if chat else "prompt"
         if chat:
@@ -96,16 +98,31 @@ class _Server:
         writer = ResponseWriter(request_id, self.name, chat, req, self.llm.engine.tokenizer)
         if req.stream:
             return StreamingResponse(self._stream(writer, first, outputs, tracker), media_type="text/event-stream")
-        last = first
+        whole = asyncio.ensure_future(self._whole(first, outputs, tracker))
+        gone = asyncio.ensure_future(_disconnected(http))
+        try:
+            await asyncio.wait((whole, gone), return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            gone.cancel()
+            if not whole.done():
+                whole.cancel()                  # the client left (or we are cancelled): abort the request
+                await asyncio.gather(whole, return_exceptions=True)
+        if whole.cancelled():
+            return Response(status_code=499)    # nginx's "client closed request"; nobody reads it
+        return JSONResponse(writer.full(whole.result()))
+
+    async def _whole(self, first: RequestOutput, outputs: AsyncIterator[RequestOutput],
+                     tracker: RequestTracker) -> RequestOutput:
+        last, completion = first, first.outputs[0]
         tracker.on_tokens(len(completion.token_ids))
         try:
             async for last in outputs:
                 tracker.on_tokens(len(last.outputs[0].token_ids) - len(completion.token_ids))
                 completion = last.outputs[0]
         finally:
-            await outputs.aclose()
+            await outputs.aclose()            # aborts the request unless it finished
             tracker.finish(completion.finish_reason or "abort", len(last.prompt_token_ids), len(completion.token_ids))
-        return JSONResponse(writer.full(last))
+        return last
 
     async def _stream(self, writer: ResponseWriter, first: RequestOutput, outputs: AsyncIterator[RequestOutput],
                       tracker: RequestTracker) -> AsyncIterator[str]:
@@ -168,12 +185,12 @@ def build_app(llm: AsyncLLM, *, served_model_name: str, api_key: str | None = No
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
         check_key(request)
-        return await server.generate(parse_completion(await _json_body(request)), chat=False)
+        return await server.generate(request, parse_completion(await _json_body(request)), chat=False)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
         check_key(request)
-        return await server.generate(parse_chat(await _json_body(request)), chat=True)
+        return await server.generate(request, parse_chat(await _json_body(request)), chat=True)
 
     @app.get("/v1/models")
     async def models(request: Request) -> dict[str, Any]:
@@ -197,6 +214,12 @@ def build_app(llm: AsyncLLM, *, served_model_name: str, api_key: str | None = No
         return Response(server.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
 
     return app
+
+
+async def _disconnected(request: Request) -> None:
+    """Returns when the client closes the connection (the body has been read: only that is left)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
 
 
 async def _json_body(request: Request) -> object:
