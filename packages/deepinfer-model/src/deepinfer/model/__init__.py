@@ -20,6 +20,7 @@ from .batch import ForwardBatch
 from .cache import CacheSpec, ModelCache, PagedStreamSpec, StateSpec
 from .config import ConfigError, DeepseekV4Config, QuantConfig
 from .config_v41 import DeepseekV41Config
+from .dspark import DraftProposal, DSparkDraft, num_stages_in
 from .dummy import dummy_model
 from .embedded import embedded_model_dir
 from .model import DeepseekV4ForCausalLM
@@ -35,6 +36,8 @@ __all__ = [
     "DeepseekV4ForCausalLM",
     "DeepseekV41Config",
     "DeepseekV41ForCausalLM",
+    "DraftProposal",
+    "DSparkDraft",
     "ForwardBatch",
     "ModelCache",
     "PagedStreamSpec",
@@ -44,4 +47,5 @@ __all__ = [
     "dummy_model",
     "embedded_model_dir",
     "load_model",
+    "num_stages_in",
 ]

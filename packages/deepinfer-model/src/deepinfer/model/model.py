@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 from torch import Tensor, nn
 
@@ -14,6 +16,9 @@ from .config import CSA, SLIDING, ConfigError, DeepseekV4Config
 from .layers.attention import Attention
 from .layers.common import RMSNorm, matmul_t
 from .layers.moe import Experts, MoE
+
+if TYPE_CHECKING:
+    from .dspark import DSparkDraft
 
 
 class Block(nn.Module):
@@ -78,6 +83,13 @@ class DeepseekV4ForCausalLM(nn.Module):
         self.register_buffer("compress_inv_freq", torch.empty(cfg.qk_rope_head_dim // 2), persistent=False)
         self.reset_rope()
         self.draft_weights: dict[str, Tensor] = {}   # mtp.* tensors, for the draft head (spec decoding)
+        self.__dict__["draft"] = None     # an attached DSparkDraft (not a submodule: names stay the checkpoint's)
+
+    def attach_draft(self, draft: DSparkDraft | None) -> None:
+        """Attach a DSpark draft head (or detach with None): from then on every forward captures the
+        outputs of `dspark_target_layer_ids` and writes the draft stages' window rings, and
+        `cache_spec` declares those rings. Without a draft the forward captures nothing."""
+        self.__dict__["draft"] = draft
 
     def reset_rope(self) -> None:
         """(Re)compute the RoPE frequency buffers on the model's device (after `to_empty`)."""
@@ -146,6 +158,8 @@ class DeepseekV4ForCausalLM(nn.Module):
                 for part in ("kv", "gate"):
                     dropped.append(StateSpec(f"layers.{i}.indexer.{part}", (ring, 2 * cfg.index_head_dim),
                                              torch.float32, False))
+        if self.draft is not None:
+            dropped.extend(self.draft.state_specs(max_backtracking, dtype))
         return CacheSpec(block_size, tuple(streams), tuple(stored + dropped))
 
     def forward(self, batch: ForwardBatch, cache: ModelCache, ops: KernelSet | None = None) -> Tensor:
@@ -162,9 +176,16 @@ class DeepseekV4ForCausalLM(nn.Module):
         cfg = self.cfg
         ops = ops or kernels_for(batch.token_ids.device)
         h = self.embed(batch.token_ids).unsqueeze(1).expand(-1, cfg.hc_mult, -1).contiguous()
+        draft = self.draft
+        features = {}
         for layer, block in enumerate(self.layers):
             inv_freq = self.main_inv_freq if cfg.compress_ratios[layer] == 0 else self.compress_inv_freq
             h = block(h, batch, cache, ops, inv_freq, self.kv_quant)
+            if draft is not None and layer in cfg.dspark_target_layer_ids:
+                features[layer] = h.mean(dim=1)            # V4 DSpark: hc-mean of the target layers' outputs
+        if draft is not None:
+            draft.write_context(torch.cat([features[i] for i in cfg.dspark_target_layer_ids], dim=-1), batch, cache,
+                                ops)
         h = h[batch.logits_indices]
         x = ops.hc_head(h, self.hc_head_fn, self.hc_head_scale, self.hc_head_base, hc_eps=cfg.hc_eps,
                         norm_eps=cfg.rms_norm_eps)
