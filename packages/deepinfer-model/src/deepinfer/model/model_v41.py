@@ -11,6 +11,8 @@ rings, the ratio-2 compressor rings and the Engram token history.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 from torch import Tensor, nn
 
@@ -26,6 +28,9 @@ from .layers.common import RMSNorm, matmul_t
 from .layers.csa2 import Attention, Codecs, Published
 from .layers.engram import HISTORY, Engram, EngramHasher, table_rows
 from .layers.moe import Experts, SharedExpert
+
+if TYPE_CHECKING:
+    from .dspark import DSparkDraft
 
 
 class Gate(nn.Module):
@@ -144,6 +149,13 @@ class DeepseekV41ForCausalLM(nn.Module):
         if token_map is not None:
             self.bind_token_map(token_map)
         self.draft_weights: dict[str, Tensor] = {}   # mtp.* tensors (DSpark stages), for deepinfer-spec
+        self.__dict__["draft"] = None     # an attached DSparkDraft (not a submodule: names stay the checkpoint's)
+
+    def attach_draft(self, draft: DSparkDraft | None) -> None:
+        """Attach a DSpark draft head (or detach with None): every forward then captures the streams
+        entering `dspark_target_layer_ids` and writes the draft stages' window rings, and `cache_spec`
+        declares those rings. Without a draft the forward captures nothing."""
+        self.__dict__["draft"] = draft
 
     def bind_token_map(self, token_map: Tensor) -> None:
         """Use `token_map` ([vocab] int64, see `engram_vocab`) for Engram hashing.
@@ -244,6 +256,8 @@ class DeepseekV41ForCausalLM(nn.Module):
         if cfg.engram_layer_ids:
             dropped.append(StateSpec(HISTORY, (cfg.engram_max_ngram_size - 1 + max_backtracking,), torch.int64,
                                      False))
+        if self.draft is not None:
+            dropped.extend(self.draft.state_specs(max_backtracking, dtype))
         return CacheSpec(block_size, tuple(streams), tuple(stored + dropped))
 
     def forward(self, batch: ForwardBatch, cache: ModelCache, ops: KernelSet | None = None) -> Tensor:
@@ -275,6 +289,7 @@ class DeepseekV41ForCausalLM(nn.Module):
         plan = TruncationPlan.plan(batch, self.truncation)
         start_truncation = first_consumer_layer(cfg) if plan is not None else -1
         frozen = kept = None
+        draft, features, feature_batch = self.draft, {}, batch
         for layer, block in enumerate(self.layers):
             inv_freq = self.main_inv_freq if cfg.compress_ratios[layer] == 0 else self.compress_inv_freq
             if layer == start_truncation:
@@ -282,10 +297,15 @@ class DeepseekV41ForCausalLM(nn.Module):
                     batch, h, pre_mix, frozen = plan.compact(batch, h, pre_mix, published)
                 else:
                     kept = (h, pre_mix)
+            if draft is not None and layer in cfg.dspark_target_layer_ids:
+                features[layer], feature_batch = h.mean(dim=1), batch   # V4.1 DSpark: streams entering the layer
             h, pre_mix = block(h, pre_mix, hash_ids, batch, cache, ops, inv_freq, codecs, published, frozen)
             if kept is not None:          # mask mode: rows outside the tails stay as they entered layer S
                 h = torch.where(plan.in_tail[:, None, None], h, kept[0])
                 pre_mix = torch.where(plan.in_tail[:, None], pre_mix, kept[1])
+        if draft is not None:             # targets lie on one side of a truncation: one batch for all
+            draft.write_context(torch.cat([features[i] for i in cfg.dspark_target_layer_ids], dim=-1), feature_batch,
+                                cache, ops)
         rows = batch.logits_indices
         x = ops.rms_norm(ops.hc_collapse(h[rows], pre_mix[rows]), self.norm.weight, cfg.rms_norm_eps)
         return matmul_t(x, self.head.weight, ops).float()
