@@ -59,6 +59,13 @@ def served() -> Iterator[Served]:
 
 
 @pytest.fixture(scope="module")
+def http(served: Served) -> Iterator[httpx.Client]:
+    """Raw HTTP to the server, one connection pool for the module."""
+    with httpx.Client(base_url=served.base_url, timeout=60) as session:
+        yield session
+
+
+@pytest.fixture(scope="module")
 def client(served: Served) -> openai.OpenAI:
     return openai.OpenAI(base_url=f"{served.base_url}/v1", api_key="unused", max_retries=0)
 
@@ -77,9 +84,9 @@ def test_streamed_completion_equals_the_whole_one(client: openai.OpenAI) -> None
     assert len({c.id for c in chunks}) == 1
 
 
-def test_token_id_prompt_and_seeded_sampling_are_reproducible(client: openai.OpenAI) -> None:
+def test_token_id_prompt_and_seeded_sampling_are_reproducible(client: openai.OpenAI, http: httpx.Client) -> None:
     text = client.completions.create(model=MODEL, prompt="import os\n", max_tokens=6, temperature=0).choices[0].text
-    ids = httpx.post(f"{client.base_url}completions", json={"prompt": [3791, 362], "max_tokens": 4}).json()
+    ids = http.post("/v1/completions", json={"prompt": [3791, 362], "max_tokens": 4}).json()
     assert ids["usage"]["prompt_tokens"] == 2 and ids["choices"][0]["text"]
     runs = [client.completions.create(model=MODEL, prompt="import os\n", max_tokens=6, temperature=1.0, seed=7)
             .choices[0].text for _ in range(2)]
@@ -114,7 +121,7 @@ def test_logprobs_in_both_shapes(client: openai.OpenAI) -> None:
     assert all(len(top) == 1 for top in logprobs.top_logprobs)
 
 
-def test_response_format_json_schema_output_validates(client: openai.OpenAI) -> None:
+def test_response_format_json_schema_output_validates(client: openai.OpenAI, http: httpx.Client) -> None:
     pytest.importorskip("xgrammar")
     schema = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 8},
                                                "age": {"type": "integer"}},
@@ -127,17 +134,17 @@ def test_response_format_json_schema_output_validates(client: openai.OpenAI) -> 
     assert set(value) == {"name", "age"}
     assert isinstance(value["name"], str) and len(value["name"]) <= 8
     assert isinstance(value["age"], int) and not isinstance(value["age"], bool)
-    vllm = httpx.post(f"{client.base_url}completions", json={
+    vllm = http.post("/v1/completions", json={
         "prompt": "x", "max_tokens": 8, "temperature": 0, "structured_outputs": {"choice": ["yes", "no"]}}).json()
     assert vllm["choices"][0]["text"] in ("yes", "no")
 
 
-def test_models_health_version_metrics(served: Served) -> None:
-    models = httpx.get(f"{served.base_url}/v1/models").json()
+def test_models_health_version_metrics(http: httpx.Client) -> None:
+    models = http.get("/v1/models").json()
     assert [m["id"] for m in models["data"]] == [MODEL] and models["data"][0]["max_model_len"] == 4096
-    assert httpx.get(f"{served.base_url}/health").status_code == 200
-    assert httpx.get(f"{served.base_url}/version").json()["version"]
-    text = httpx.get(f"{served.base_url}/metrics").text
+    assert http.get("/health").status_code == 200
+    assert http.get("/version").json()["version"]
+    text = http.get("/metrics").text
     for name in ("deepinfer_request_success_total", "deepinfer_num_requests_running", "deepinfer_num_requests_waiting",
                  "deepinfer_kv_cache_usage_perc", "deepinfer_prompt_tokens_total", "deepinfer_generation_tokens_total",
                  "deepinfer_time_to_first_token_seconds_bucket", "deepinfer_inter_token_latency_seconds_bucket",
@@ -153,13 +160,13 @@ UNSUPPORTED_VALUES = {"n": 2, "best_of": 2, "presence_penalty": 0.5, "frequency_
 
 
 @pytest.mark.parametrize("field", sorted(NOT_SUPPORTED_YET))
-def test_unimplemented_fields_are_refused_not_ignored(served: Served, field: str) -> None:
-    body = {"prompt": "x", "max_tokens": 2, field: UNSUPPORTED_VALUES[field]}
-    reply = httpx.post(f"{served.base_url}/v1/completions", json=body)
+def test_unimplemented_fields_are_refused_not_ignored(http: httpx.Client, field: str) -> None:
+    body = {"prompt": "x", "max_tokens": 1, field: UNSUPPORTED_VALUES[field]}
+    reply = http.post("/v1/completions", json=body)
     assert reply.status_code == 400
     error = reply.json()["error"]
     assert error["param"] == field and "not supported yet" in error["message"]
-    neutral = httpx.post(f"{served.base_url}/v1/completions", json={**body, field: None})
+    neutral = http.post("/v1/completions", json={**body, field: None})
     assert neutral.status_code == 200
 
 
@@ -189,14 +196,14 @@ def test_unimplemented_fields_are_refused_not_ignored(served: Served, field: str
     ("chat/completions", {"messages": [{"role": "user", "content": "x"}], "chat_template_kwargs": {"a": 1}},
      "chat_template_kwargs"),
 ])
-def test_bad_requests_get_400_naming_the_field_and_the_server_goes_on(served: Served, path: str, body: object,
+def test_bad_requests_get_400_naming_the_field_and_the_server_goes_on(http: httpx.Client, path: str, body: object,
                                                                       param: str | None) -> None:
-    url = f"{served.base_url}/v1/{path}"
-    reply = httpx.post(url, content=body) if isinstance(body, bytes) else httpx.post(url, json=body)
+    url = f"/v1/{path}"
+    reply = http.post(url, content=body) if isinstance(body, bytes) else http.post(url, json=body)
     assert reply.status_code == 400, reply.text
     error = reply.json()["error"]
     assert error["type"] == "invalid_request_error" and error["param"] == param and error["message"]
-    ok = httpx.post(f"{served.base_url}/v1/completions", json={"prompt": "x", "max_tokens": 2})
+    ok = http.post("/v1/completions", json={"prompt": "x", "max_tokens": 1})
     assert ok.status_code == 200
 
 
