@@ -25,7 +25,7 @@ from .keyed_noise import STREAM_ACCEPT, STREAM_DRAFT, STREAM_SAMPLE, keyed_unifo
 from .profile import ProfileCache, StepTimeCurve, profile_key, profile_step_times, trimmed_mean
 from .stop import FINISH_LENGTH, FINISH_STOP, AcceptedRun, cut_accepted_run
 from .varlen import FixedVerifyPolicy, VarlenPlan, VarlenVerifyPolicy, choose_query_lens, query_lens_by_confidence
-from .verify import VerifyInput, VerifyResult, greedy_verify, verify
+from .verify import VerifyInput, VerifyResult, gather_verify_logits, greedy_verify, verify
 
 __version__ = _version("deepinfer-spec")
 __all__ = [
@@ -50,6 +50,7 @@ __all__ = [
     "cuda_graph_key",
     "cuda_graph_sizes",
     "cut_accepted_run",
+    "gather_verify_logits",
     "greedy_verify",
     "keyed_uniform",
     "profile_key",

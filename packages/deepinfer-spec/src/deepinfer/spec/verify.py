@@ -115,3 +115,20 @@ def greedy_verify(target_logits: Tensor, draft_ids: Tensor, num_drafts: Tensor) 
     """
     zeros = torch.zeros(draft_ids.shape[0], dtype=torch.float32, device=draft_ids.device)
     return verify(VerifyInput(target_logits, draft_ids, num_drafts, zeros))
+
+
+def gather_verify_logits(flat_logits: Tensor, query_lens: Tensor, max_query_len: int) -> Tensor:
+    """The verify forward's logits, packed one row per query token, as `VerifyInput.target_logits`.
+
+    Args:
+        flat_logits: [total_q, vocab] rows of sequence i at cu[i] … cu[i + 1] − 1 (cu = cumsum of query_lens).
+        query_lens: [num_seqs] int64 on the device, 1 + drafts verified per sequence.
+        max_query_len: k + 1 (host int).
+    Returns:
+        [num_seqs, max_query_len, vocab]; rows past a sequence's query length repeat its last row
+        (never read by `verify`).
+    """
+    starts = torch.cumsum(query_lens, 0) - query_lens
+    steps = torch.arange(max_query_len, device=flat_logits.device)
+    rows = starts[:, None] + torch.minimum(steps[None, :], (query_lens - 1)[:, None])
+    return flat_logits[rows]
