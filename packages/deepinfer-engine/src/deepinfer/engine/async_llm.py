@@ -19,7 +19,7 @@ import dataclasses
 import logging
 import threading
 import uuid
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncGenerator, Sequence
 from dataclasses import dataclass
 
 from .llm_engine import LLMEngine, PromptInput
@@ -112,7 +112,7 @@ class AsyncLLM:
     # ------------------------------------------------------------------ event-loop side
 
     async def generate(self, prompt: PromptInput | Sequence[int], params: SamplingParams | None = None,
-                       request_id: str | None = None, *, delta: bool = False) -> AsyncIterator[RequestOutput]:
+                       request_id: str | None = None, *, delta: bool = False) -> AsyncGenerator[RequestOutput, None]:
         """Run one request; yields its outputs as the engine produces them, the last one finished.
 
         Args:

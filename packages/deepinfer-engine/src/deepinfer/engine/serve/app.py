@@ -15,7 +15,7 @@ import json
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
 
@@ -111,7 +111,7 @@ class _Server:
             return Response(status_code=499)    # nginx's "client closed request"; nobody reads it
         return JSONResponse(writer.full(whole.result()))
 
-    async def _whole(self, first: RequestOutput, outputs: AsyncIterator[RequestOutput],
+    async def _whole(self, first: RequestOutput, outputs: AsyncGenerator[RequestOutput, None],
                      tracker: RequestTracker) -> RequestOutput:
         last, completion = first, first.outputs[0]
         tracker.on_tokens(len(completion.token_ids))
@@ -124,7 +124,7 @@ class _Server:
             tracker.finish(completion.finish_reason or "abort", len(last.prompt_token_ids), len(completion.token_ids))
         return last
 
-    async def _stream(self, writer: ResponseWriter, first: RequestOutput, outputs: AsyncIterator[RequestOutput],
+    async def _stream(self, writer: ResponseWriter, first: RequestOutput, outputs: AsyncGenerator[RequestOutput, None],
                       tracker: RequestTracker) -> AsyncIterator[str]:
         out, num_tokens, reason = first, 0, "abort"
         try:
