@@ -12,7 +12,15 @@ from safetensors.torch import save_file
 
 from deepinfer.kernels import kernels_for
 from deepinfer.kernels.reference import quant_fp8_block
-from deepinfer.model import DeepseekV4Config, DeepseekV4ForCausalLM, DSparkDraft, ForwardBatch, ModelCache, load_model
+from deepinfer.model import (
+    ConfigError,
+    DeepseekV4Config,
+    DeepseekV4ForCausalLM,
+    DSparkDraft,
+    ForwardBatch,
+    ModelCache,
+    load_model,
+)
 
 RAW = {
     "vocab_size": 64, "hidden_size": 32, "num_hidden_layers": 3, "num_attention_heads": 2, "head_dim": 16,
@@ -122,6 +130,18 @@ def test_block_forward_shapes_and_bidirectional_window_mask() -> None:
     torch.testing.assert_close(same.logits, prop.logits, rtol=0, atol=0)
     cache.state["mtp.0.window"][1, (a - W) % ring_len] += 1.0
     assert not torch.allclose(_propose(draft, cache, 4, a).logits, prop.logits)
+
+
+def test_block_size_can_be_overridden() -> None:
+    model, draft = _models()
+    small = DSparkDraft(model, 2, block_size=2)
+    small.load_state_dict(draft.state_dict())
+    model.attach_draft(small)
+    cache = _cache(model)
+    _run(model, cache, PROMPT, 0)
+    assert _propose(small, cache, 4, len(PROMPT)).token_ids.shape == (1, 2)
+    with pytest.raises(ConfigError, match="block_size=0"):
+        DSparkDraft(model, 2, block_size=0)
 
 
 def test_markov_walk_and_confidence_follow_the_previous_token() -> None:
