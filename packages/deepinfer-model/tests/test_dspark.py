@@ -11,7 +11,7 @@ import torch
 from safetensors.torch import save_file
 
 from deepinfer.kernels import kernels_for
-from deepinfer.kernels.reference import quant_fp8_block
+from deepinfer.kernels.reference import dequant_fp8_block, dequant_mxfp4, quant_fp8_block, quant_mxfp4
 from deepinfer.model import (
     ConfigError,
     DeepseekV4Config,
@@ -19,6 +19,7 @@ from deepinfer.model import (
     DSparkDraft,
     ForwardBatch,
     ModelCache,
+    WeightError,
     load_model,
 )
 
@@ -218,20 +219,44 @@ def test_loads_official_mtp_names_from_a_checkpoint(tmp_path) -> None:
     model, draft = _models(seed=3, num_stages=3)
     tensors = {k: v.contiguous() for k, v in model.state_dict().items()}
     mtp = _official_draft_tensors(draft)
-    fp8, scale = quant_fp8_block(mtp["mtp.0.main_proj.weight"].float(), 128)   # FP8 as the release stores it
+    want = draft.state_dict()
+    # FP8 and MXFP4 as the release stores them; the draft gets their dequantised values
+    fp8, scale = quant_fp8_block(mtp["mtp.0.main_proj.weight"].float(), 128)
     mtp["mtp.0.main_proj.weight"], mtp["mtp.0.main_proj.scale"] = fp8, scale
+    want["mtp.0.main_proj.weight"] = dequant_fp8_block(fp8, scale, 128).to(want["mtp.0.main_proj.weight"].dtype)
+    packed, e8m0 = quant_mxfp4(mtp["mtp.1.ffn.experts.2.w1.weight"].float())
+    mtp["mtp.1.ffn.experts.2.w1.weight"], mtp["mtp.1.ffn.experts.2.w1.scale"] = packed, e8m0
+    want["mtp.1.ffn.experts.w13"][2, :16] = dequant_mxfp4(packed, e8m0)
     save_file({**tensors, **mtp}, str(tmp_path / "model.safetensors"))
     (tmp_path / "config.json").write_text(json.dumps(RAW))
     loaded = load_model(tmp_path)
+    stored = loaded.draft_weights                       # kept as stored
+    assert stored["mtp.0.main_proj.weight"].dtype == torch.float8_e4m3fn and "mtp.0.main_proj.scale" in stored
+    assert torch.equal(stored["mtp.1.ffn.experts.2.w1.weight"], packed)
     restored = DSparkDraft.from_model(loaded)
     assert restored.num_stages == 3
-    want = draft.state_dict()
-    want["mtp.0.main_proj.weight"] = (fp8.float() * scale.float()).to(want["mtp.0.main_proj.weight"].dtype)
     got = restored.state_dict()
     assert set(got) == set(want)
     for key in want:
         torch.testing.assert_close(got[key], want[key], rtol=0, atol=0, msg=key)
-    with pytest.raises(Exception, match="missing draft weight"):
-        DSparkDraft(model, 3).load_weights({k: v for k, v in mtp.items() if "confidence" not in k and "scale" not in k})
-    with pytest.raises(Exception, match="unexpected draft weight 'mtp.0.bogus.weight'"):
+    with pytest.raises(WeightError, match="missing draft weight"):
+        DSparkDraft(model, 3).load_weights({k: v for k, v in mtp.items() if "confidence" not in k})
+    with pytest.raises(WeightError, match="without its scale"):
+        DSparkDraft(model, 3).load_weights({k: v for k, v in mtp.items() if k != "mtp.0.main_proj.scale"})
+    with pytest.raises(WeightError, match="unexpected draft weight 'mtp.0.bogus.weight'"):
         DSparkDraft(model, 3).load_weights({"mtp.0.bogus.weight": torch.zeros(1)})
+
+
+def test_stacked_fp8_experts_are_dequantised_and_a_wrong_block_is_named() -> None:
+    model, draft = _models()
+    tensors = dict(draft.state_dict())
+    pairs = [quant_fp8_block(w.float(), 128) for w in tensors["mtp.0.ffn.experts.w13"]]
+    tensors["mtp.0.ffn.experts.w13"] = torch.stack([q for q, _ in pairs])
+    tensors["mtp.0.ffn.experts.w13_scale"] = torch.stack([s for _, s in pairs])
+    fresh = DSparkDraft(model, 2)
+    fresh.load_weights(tensors)
+    for e, (q, s) in enumerate(pairs):
+        assert torch.equal(fresh.state_dict()["mtp.0.ffn.experts.w13"][e], dequant_fp8_block(q, s, 128))
+    tensors["mtp.0.ffn.experts.w13_scale"] = tensors["mtp.0.ffn.experts.w13_scale"].repeat(1, 2, 1)
+    with pytest.raises(WeightError, match="'mtp.0.ffn.experts.w13': fp8 scale shape"):
+        DSparkDraft(model, 2).load_weights(tensors)

@@ -41,6 +41,7 @@ import torch
 from torch import Tensor, nn
 
 from deepinfer.kernels import KernelSet, kernels_for
+from deepinfer.kernels.reference import dequant_fp8_block, dequant_mxfp4
 
 from .batch import ForwardBatch
 from .cache import ModelCache, StateSpec
@@ -224,12 +225,15 @@ class DSparkDraft(nn.Module):
 
     @torch.no_grad()
     def load_weights(self, tensors: Mapping[str, Tensor]) -> None:
-        """Fill the stages from official `mtp.{i}.…` tensors (float, e.g. `model.draft_weights`; per-expert
-        `ffn.experts.{e}.w1/w2/w3` or stacked `w13` / `w2`).
+        """Fill the stages from official `mtp.{i}.…` tensors (e.g. `model.draft_weights`): float, FP8
+        e4m3 or packed MXFP4 with their `….scale` (dequantised here, FP8 blocks of the config's
+        `weight_block_size`); per-expert `ffn.experts.{e}.w1/w2/w3` or stacked `w13` / `w2`.
 
         Raises:
-            WeightError: a key this head does not have, a shape that differs, or a missing tensor.
+            WeightError: a key this head does not have, a scale without its weight, a shape that
+                differs, or a missing tensor.
         """
+        tensors = _dequantised(tensors, self.cfg.quant.fp8_block if self.cfg.quant else 128)
         state = self.state_dict()
         filled: set[str] = set()
         per_expert: dict[tuple[str, int], dict[str, Tensor]] = {}
@@ -276,6 +280,42 @@ class DSparkDraft(nn.Module):
         draft = cls(target, num_stages, expert_dtype=expert_dtype, block_size=block_size)
         draft.load_weights(target.draft_weights)
         return draft.eval()
+
+
+def _dequantised(tensors: Mapping[str, Tensor], block: int) -> dict[str, Tensor]:
+    """Float values of every weight; each scale is consumed by its weight (`stem.weight` + `stem.scale`,
+    or a stacked `name` + `name_scale`)."""
+    out: dict[str, Tensor] = {}
+    scales = {}
+    for key in tensors:
+        if key.endswith(".weight") and key[:-len("weight")] + "scale" in tensors:
+            scales[key] = key[:-len("weight")] + "scale"
+        elif key.endswith((".experts.w13", ".experts.w2")) and key + "_scale" in tensors:
+            scales[key] = key + "_scale"
+    for key, value in tensors.items():
+        if key in scales.values():
+            continue
+        scale = tensors[scales[key]] if key in scales else None
+        if scale is None:
+            if value.dtype == torch.float8_e4m3fn or key.endswith((".scale", ".w13_scale", ".w2_scale")):
+                raise WeightError(f"draft weight {key!r}: an FP8 weight without its scale, or a scale without "
+                                  "its weight")
+            out[key] = value
+        else:
+            try:
+                out[key] = _dequant(value, scale, block)
+            except ValueError as err:
+                raise WeightError(f"draft weight {key!r}: {err}") from None
+    return out
+
+
+def _dequant(value: Tensor, scale: Tensor, block: int) -> Tensor:
+    """FP8 e4m3 (block scales) or packed MXFP4 (e8m0 per 32) → float; stacked experts one by one."""
+    if value.dim() == 3:
+        return torch.stack([_dequant(v, s, block) for v, s in zip(value, scale)])
+    if value.dtype == torch.float8_e4m3fn:
+        return dequant_fp8_block(value, scale, block)
+    return dequant_mxfp4(value, scale)
 
 
 def num_stages_in(tensors: Mapping[str, Tensor]) -> int:

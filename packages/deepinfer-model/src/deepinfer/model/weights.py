@@ -81,8 +81,9 @@ def load_model(
     tokenizer.json, and the checkpoint's vision tower, aligner and image embeddings are skipped.
 
     Returns:
-        The model in eval mode; `model.draft_weights` holds the `mtp.*` tensors (CPU, dequantised):
-        the MTP head of V4, the DSpark stages `mtp.0..2` of V4.1.
+        The model in eval mode; `model.draft_weights` holds the `mtp.*` tensors on the CPU as stored
+        (FP8 / MXFP4 weights with their scale under the official `….scale` name, checked finite after
+        dequantisation): the MTP head of V4, the DSpark stages `mtp.0..2` (`dspark.DSparkDraft`).
 
     Raises:
         ConfigError: bad config.json. WeightError: an unusable checkpoint file, or a missing,
@@ -166,8 +167,12 @@ def _place(p: Placement, reader: TensorReader, state: dict[str, Tensor], ctx: _C
     nothing it read outlives it: the mapping of a placed tensor can be dropped."""
     source = reader.read(p.source).to(ctx.device)
     scale = reader.read(p.scale).to(ctx.device) if p.scale is not None else None
-    if p.mode == DRAFT:
-        draft[p.target] = _checked(p, _values(p, source, scale, ctx)).cpu().clone()
+    if p.mode == DRAFT:                  # kept as stored; the draft head dequantises what it needs
+        _checked(p, _values(p, source, scale, ctx))
+        draft[p.target] = source.cpu().clone()
+        if scale is not None:
+            stem = p.target[:-len(".weight")] if p.target.endswith(".weight") else None
+            draft[f"{stem}.scale" if stem else f"{p.target}_scale"] = scale.cpu().clone()
     elif p.mode == KEEP:
         for expert, (part, part_scale) in _units(p, source, scale):
             _keep(p, part, part_scale, state, expert, ctx)
