@@ -96,3 +96,18 @@ def test_draft_sampler_is_greedy_at_temperature_zero_and_keyed_otherwise() -> No
     hot = DraftSampler(torch.full((4,), 1.0), torch.tensor([5, 5, 6, 6]), torch.tensor([0, 0, 0, 0]))
     a = hot(0, logits[[0, 0, 0, 0]])
     assert a[0] == a[1]                                 # same seed and position: same draw
+
+
+def test_keyed_uniforms_are_uniform_and_take_every_64_bit_seed() -> None:
+    from deepinfer.spec import STREAM_ACCEPT, STREAM_SAMPLE, keyed_uniform, seed_to_int64
+
+    seeds = torch.tensor([seed_to_int64(s) for s in (0, 1, 2**63, 2**64 - 1)])
+    u = keyed_uniform(seeds, torch.arange(5).expand(4, -1), STREAM_ACCEPT, num_draws=2000)
+    assert u.shape == (4, 5, 2000) and ((u > 0) & (u < 1)).all()
+    assert abs(float(u.mean()) - 0.5) < 0.01 and abs(float(u.var()) - 1 / 12) < 0.005
+    assert len({round(float(x), 6) for x in u[:, :, 0].flatten()}) == 20           # distinct per seed and position
+    other = keyed_uniform(seeds, torch.arange(5).expand(4, -1), STREAM_SAMPLE, num_draws=2000)
+    assert not torch.equal(u, other)
+    import pytest
+    with pytest.raises(ValueError):
+        seed_to_int64(2**64)

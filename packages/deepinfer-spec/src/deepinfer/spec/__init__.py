@@ -21,7 +21,14 @@ from importlib.metadata import version as _version
 from .draft_sampling import DraftSampler
 from .estimators import ForwardRuntimeEstimator, SamplerRuntimeEstimator
 from .graph_sizes import DEFAULT_GRAPH_INTERVAL, cuda_graph_key, cuda_graph_sizes
-from .keyed_noise import STREAM_ACCEPT, STREAM_DRAFT, STREAM_SAMPLE, keyed_uniform, sample_from_probs
+from .keyed_noise import (
+    STREAM_ACCEPT,
+    STREAM_DRAFT,
+    STREAM_SAMPLE,
+    keyed_uniform,
+    sample_from_probs,
+    seed_to_int64,
+)
 from .profile import ProfileCache, StepTimeCurve, profile_key, profile_step_times, trimmed_mean
 from .stop import FINISH_LENGTH, FINISH_STOP, AcceptedRun, cut_accepted_run
 from .varlen import FixedVerifyPolicy, VarlenPlan, VarlenVerifyPolicy, choose_query_lens, query_lens_by_confidence
@@ -57,6 +64,7 @@ __all__ = [
     "profile_step_times",
     "query_lens_by_confidence",
     "sample_from_probs",
+    "seed_to_int64",
     "trimmed_mean",
     "verify",
 ]

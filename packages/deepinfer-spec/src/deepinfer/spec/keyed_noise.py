@@ -34,6 +34,17 @@ def _shr(x: Tensor, bits: int) -> Tensor:
     return (x >> bits) & ((1 << (64 - bits)) - 1)
 
 
+def seed_to_int64(seed: int) -> int:
+    """A request seed in [0, 2**64 − 1] as the int64 with the same bits (what `keyed_uniform` takes).
+
+    Raises:
+        ValueError: the seed is outside [0, 2**64 − 1].
+    """
+    if not 0 <= seed <= _MASK64:
+        raise ValueError(f"seed={seed} must be in [0, 2**64 - 1]")
+    return _signed(seed)
+
+
 def splitmix64(x: Tensor) -> Tensor:
     """SplitMix64's output function on int64 tensors (bijective on 64-bit patterns)."""
     x = (x ^ _shr(x, 30)) * _signed(_MUL1)
@@ -45,7 +56,7 @@ def keyed_uniform(seeds: Tensor, positions: Tensor, stream: int, num_draws: int 
     """Uniform (0, 1) numbers that depend only on (seed, position, stream, draw index).
 
     Args:
-        seeds: [num_seqs] int64 per-request seeds (the bits of a 64-bit seed).
+        seeds: [num_seqs] int64 per-request seeds (`seed_to_int64` of a 64-bit seed).
         positions: [num_seqs, m] int64 output positions (0 = the first generated token).
         stream: one of the STREAM_* ids.
         num_draws: None for one number per (seed, position); else that many per position.
