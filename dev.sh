@@ -38,7 +38,8 @@ case "$job" in
     "$VENV/bin/ruff" check .
     "$VENV/bin/lint-imports"
     TRITON_INTERPRET=1 "$VENV/bin/python" -m pytest -q -p no:cacheprovider -W ignore::DeprecationWarning \
-        packages/deepinfer-kernels/tests/test_triton_ops.py integration_tests/test_triton_path.py
+        packages/deepinfer-kernels/tests/test_triton_ops.py packages/deepinfer-kernels/tests/test_triton_v41.py \
+        packages/deepinfer-model/tests/test_v41_kernels.py integration_tests/test_triton_path.py
     exec "$VENV/bin/python" -m pytest packages/*/tests integration_tests "$@" ;;
   shell)    setup; exec bash --rcfile <(echo "source $VENV/bin/activate") ;;
   *) sed -n '2,8p' "$0"; exit 2 ;;

@@ -1,0 +1,191 @@
+"""DeepSeek-V4.1's Triton kernels over the packed cache rows against their reference twins.
+
+Runs on a CUDA device; without one, under Triton's CPU interpreter when TRITON_INTERPRET=1 (float32,
+small shapes; `./dev.sh test` runs it so); otherwise skipped. Fresh random inputs per case; every cache
+row that no query may read is poisoned (NaN for plain rows, 0xFF bytes — NaN codes and scales — for
+packed ones), so a kernel that reads a row it should not, or misses one it should, fails.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import pytest
+import torch
+
+from deepinfer.kernels import KernelSet, reference
+from deepinfer.kernels.reference.paged import entry_location
+
+CUDA = torch.cuda.is_available()
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+DEVICE = "cuda" if CUDA else "cpu"
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not (CUDA or INTERPRET), reason="needs CUDA or TRITON_INTERPRET=1")]
+DTYPES = [torch.bfloat16, torch.float32] if CUDA else [torch.float32]
+BIG = CUDA                      # V4.1-Flash shapes only on the GPU (the interpreter is slow)
+
+
+@pytest.fixture(autouse=True)
+def _triton():
+    pytest.importorskip("triton")
+
+
+def _poison(rows: torch.Tensor, where: torch.Tensor) -> None:
+    """Rows at `where` (a mask over the leading dims) become NaN (plain) or 0xFF bytes (packed)."""
+    rows[where] = 255 if rows.dtype == torch.uint8 else float("nan")
+
+
+def _store(values: torch.Tensor, packed: bool, fmt: str, dtype: torch.dtype) -> torch.Tensor:
+    if not packed:
+        return values.to(dtype)
+    if fmt == "mxfp8":
+        return reference.quant_mxfp8_rows(values)
+    return reference.quant_fp4_rows(values, e4m3_scales=fmt == "fp4_e4m3")
+
+
+@dataclass
+class AttentionCase:
+    q: torch.Tensor
+    positions: torch.Tensor
+    ring: torch.Tensor
+    slots: torch.Tensor
+    window: int
+    sink: torch.Tensor
+    chunk_kv: torch.Tensor | None
+    chunk_start: int
+    paged: torch.Tensor | None
+    tables: torch.Tensor | None
+    ids: torch.Tensor | None
+    ratio: int
+
+    def call(self, fn):
+        return fn(self.q, self.positions, self.ring, self.slots, self.window, self.sink, self.q.shape[-1] ** -0.5,
+                  self.chunk_kv, self.chunk_start, self.paged, self.tables, self.ids, self.ratio)
+
+
+def attention_case(seed: int, num_queries: int, heads: int, dim: int, window: int, ratio: int, num_ids: int, *,
+                   packed: bool, dtype: torch.dtype, chunk: int = 0, block_size: int = 8) -> AttentionCase:
+    """Decode (chunk = 0: one query per sequence, each in its own slot and table) or one sequence's
+    prefill chunk of `chunk` queries (the window partly from the chunk's rows, partly from the ring)."""
+    gen = torch.Generator().manual_seed(seed)
+    ring_len, rows_per_block = window + 3, block_size // ratio
+    num_seqs = 1 if chunk else num_queries
+    max_blocks = 6
+    num_blocks = 1 + num_seqs * max_blocks
+    if chunk:
+        start = int(torch.randint(0, 3 * window, (1,), generator=gen))
+        positions = torch.arange(start, start + num_queries)
+        slot_of = torch.full((num_queries,), 1)
+    else:
+        start = 0
+        positions = torch.randint(0, max_blocks * block_size, (num_queries,), generator=gen)
+        positions[0] = 2                                                   # a window reaching before 0
+        slot_of = torch.randperm(num_seqs, generator=gen) + 1
+    ring = _store(torch.randn(num_seqs + 2, ring_len, dim, generator=gen) * 2, packed, "mxfp8", dtype)
+    keep_ring = torch.zeros(num_seqs + 2, ring_len, dtype=torch.bool)
+    for p, s in zip(positions.tolist(), slot_of.tolist()):
+        for t in range(max(0, p - window + 1), min(p + 1, start) if chunk else p + 1):
+            keep_ring[s, t % ring_len] = True
+        keep_ring[s, 0] = True     # windows reaching before position 0 gather row 0 in the twin (masked there)
+    _poison(ring, ~keep_ring)
+    tables = torch.arange(1, num_blocks, dtype=torch.int32)[torch.randperm(num_blocks - 1, generator=gen)]
+    tables = tables.view(num_seqs, max_blocks)
+    tables[:, -1] = 0                                                  # a column that names no block
+    paged = _store(torch.randn(num_blocks, rows_per_block, dim, generator=gen), packed, "fp4_e4m3", dtype)
+    ids = torch.randint(-1, max_blocks * block_size // ratio + 4, (num_queries, num_ids), generator=gen)
+    query_tables = tables.expand(num_queries, -1) if chunk else tables
+    blocks, rows, inside = entry_location(query_tables.long(), ids, ratio, block_size)
+    keep_paged = torch.zeros(num_blocks, rows_per_block, dtype=torch.bool)
+    ok = (ids >= 0) & inside
+    keep_paged[blocks[ok], rows[ok]] = True
+    # the twin gathers (and masks) entry 0 for −1 picks and block 0 past the table: 0·NaN would be NaN there
+    keep_paged[0] = True
+    keep_paged[query_tables[:, 0].long(), 0] = True
+    _poison(paged, ~keep_paged)
+    to = dict(device=DEVICE)
+    chunk_kv = (torch.randn(num_queries, dim, generator=gen) * 2).to(DEVICE, dtype) if chunk else None
+    return AttentionCase(
+        (torch.randn(num_queries, heads, dim, generator=gen)).to(DEVICE, dtype), positions.to(**to), ring.to(**to),
+        slot_of.to(**to), window, torch.randn(heads, generator=gen).to(**to), chunk_kv, start,
+        paged.to(**to), query_tables.to(**to), ids.to(**to), ratio)
+
+
+def close(got: torch.Tensor, want: torch.Tensor, dtype: torch.dtype) -> None:
+    assert got.shape == want.shape and got.dtype == want.dtype and not torch.isnan(got).any()
+    tol = 3e-2 if dtype == torch.bfloat16 else 1e-4
+    torch.testing.assert_close(got.float(), want.float(), atol=tol, rtol=tol)
+
+
+DECODE_CASES = [(3, 4, 64, 8, 2, 5, True), (5, 6, 96, 8, 1, 9, True), (2, 4, 48, 16, 2, 3, False),
+                (1, 4, 64, 8, 1, 40, True)] + ([(4, 64, 512, 128, 2, 512, True), (64, 64, 512, 128, 1, 512, True),
+                                                (200, 64, 512, 128, 1, 512, True)] if BIG else [])
+
+
+@pytest.mark.parametrize(("num_seqs", "heads", "dim", "window", "ratio", "num_ids", "packed"), DECODE_CASES)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_decode_attention_matches_reference(num_seqs, heads, dim, window, ratio, num_ids, packed, dtype) -> None:
+    from deepinfer.kernels.triton_ops import v41_attention_fused, v41_attention_invariant
+
+    case = attention_case(num_seqs * 7 + dim, num_seqs, heads, dim, window, ratio, num_ids, packed=packed, dtype=dtype)
+    want = case.call(reference.v41_attention)
+    close(case.call(v41_attention_fused), want, dtype)
+    close(case.call(v41_attention_invariant), want, dtype)
+    window_only = AttentionCase(**{**case.__dict__, "paged": None, "tables": None, "ids": None})
+    close(window_only.call(v41_attention_fused), window_only.call(reference.v41_attention), dtype)
+
+
+PREFILL_CASES = [(6, 4, 64, 8, 2, 5, True), (11, 4, 64, 4, 1, 7, True), (5, 2, 48, 8, 2, 3, False)] + (
+    [(300, 64, 512, 128, 2, 512, True)] if BIG else [])
+
+
+@pytest.mark.parametrize(("num_queries", "heads", "dim", "window", "ratio", "num_ids", "packed"), PREFILL_CASES)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_prefill_attention_matches_reference(num_queries, heads, dim, window, ratio, num_ids, packed, dtype) -> None:
+    from deepinfer.kernels.triton_ops import v41_attention_fused
+
+    case = attention_case(num_queries + dim, num_queries, heads, dim, window, ratio, num_ids, packed=packed,
+                          dtype=dtype, chunk=num_queries)
+    close(case.call(v41_attention_fused), case.call(reference.v41_attention), dtype)
+
+
+INDEX_CASES = [(3, 16, 32, 2, 8, 13, True), (4, 8, 64, 1, 8, 40, True), (2, 4, 48, 2, 8, 9, False)] + (
+    [(64, 32, 128, 2, 64, 4096, True), (8, 32, 128, 1, 64, 8192, True)] if BIG else [])
+
+
+@pytest.mark.parametrize(("num_queries", "heads", "dim", "ratio", "block_size", "num_entries", "packed"), INDEX_CASES)
+@pytest.mark.parametrize("one_sequence", [False, True], ids=["per-query-tables", "one-table"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_index_scores_match_reference(num_queries, heads, dim, ratio, block_size, num_entries, packed, one_sequence,
+                                      dtype) -> None:
+    from deepinfer.kernels.triton_ops import v41_index_scores_fused
+
+    gen = torch.Generator().manual_seed(num_entries + dim)
+    rows_per_block = block_size // ratio
+    max_blocks = -(-num_entries // rows_per_block) - 1                  # the last entries lie past the table
+    num_blocks = 1 + num_queries * max_blocks
+    keys = _store(torch.randn(num_blocks, rows_per_block, dim, generator=gen), packed, "fp4_ue8m0", dtype)
+    tables = torch.arange(1, num_blocks, dtype=torch.int32)[torch.randperm(num_blocks - 1, generator=gen)]
+    tables = tables.view(num_queries, max_blocks)
+    used = torch.zeros(num_blocks, dtype=torch.bool)
+    used[tables[:1] if one_sequence else tables] = True
+    used[0] = True
+    _poison(keys, ~used)
+    table = tables[0] if one_sequence else tables
+    q = torch.randn(num_queries, heads, dim, generator=gen).to(DEVICE, dtype)
+    weights = torch.randn(num_queries, heads, generator=gen).to(DEVICE)
+    args = (q, keys.to(DEVICE), table.to(DEVICE), num_entries, weights, dim**-0.5, ratio)
+    got, want = v41_index_scores_fused(*args), reference.v41_index_scores(*args)
+    assert got.shape == want.shape and not torch.isnan(got).any()
+    tol = 3e-2 if dtype == torch.bfloat16 else 1e-4
+    torch.testing.assert_close(got, want, atol=tol * float(want.abs().max()), rtol=tol)
+
+
+def test_the_cuda_set_serves_the_v41_kernels() -> None:
+    from deepinfer.kernels import triton_ops
+
+    for batch_invariant in (False, True):
+        ops = KernelSet("cuda", batch_invariant=batch_invariant)
+        assert ops.sources["v41_attention"] == ("cuda-invariant" if batch_invariant else "cuda")
+        assert ops.sources["v41_index_scores"] == ("cuda-invariant" if batch_invariant else "cuda")
+    assert KernelSet("cuda").v41_attention is triton_ops.v41_attention_fused
+    assert KernelSet("cuda", batch_invariant=True).v41_attention is triton_ops.v41_attention_invariant
