@@ -27,7 +27,10 @@ benchmarks/v4_flash_dummy.py). Results: a JSON list, one row per (N, zos).
 from __future__ import annotations
 
 import argparse
+import cProfile
+import io
 import json
+import pstats
 import statistics
 import sys
 import tempfile
@@ -122,7 +125,8 @@ def graph_ms(engine: LLMEngine, num_seqs: int) -> float | None:
 
 
 def run(args: argparse.Namespace, num_seqs: int, folder: Path) -> list[dict]:
-    total_steps = 10 + 2 * (args.steps + args.profile_steps + 10) + (args.bench_output if args.bench else 0)
+    # Decode steps the requests must last: 3 modes × (settle + timed + cProfile'd + profiled) + margin.
+    total_steps = 3 * (5 + 2 * args.steps + args.profile_steps) + 50
     max_model_len = args.prompt_len + total_steps + 64
     block_size = 128
     blocks_per_seq = -(-max_model_len // block_size) + 2
@@ -140,13 +144,21 @@ def run(args: argparse.Namespace, num_seqs: int, folder: Path) -> list[dict]:
     steady(engine, num_seqs)
     rows = []
     kernels = graph_ms(engine, num_seqs)
-    for zos in (False, True):
-        engine.zos = zos
+    modes = [(False, True), (True, True)] + ([(True, False)] if args.no_guard_too else [])
+    for zos, guard in modes:
+        engine.zos, engine.sampling.sync_guard = zos, guard
         for _ in range(5):       # settle into the mode
             engine.step()
         step = time_steps(engine, args.steps)
+        if args.cprofile:
+            profiler = cProfile.Profile()
+            profiler.runcall(time_steps, engine, args.steps)
+            text = io.StringIO()
+            pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(args.cprofile)
+            print(f"--- cProfile, {num_seqs} seqs, zos={zos}, guard={guard}, {args.steps} steps", flush=True)
+            print("\n".join(line[:150] for line in text.getvalue().splitlines()[4:]), flush=True)
         row = {"model": args.model, "layers": args.layers if args.model != "embedded" else None,
-               "num_seqs": num_seqs, "zos": zos, "step_ms": round(step * 1e3, 4),
+               "num_seqs": num_seqs, "zos": zos, "sync_guard": guard, "step_ms": round(step * 1e3, 4),
                "graph_ms": None if kernels is None else round(kernels, 4),
                "step_over_graph": None if kernels is None else round(step * 1e3 / kernels, 3)}
         row.update(profile_steps(engine, args.profile_steps))
@@ -183,6 +195,8 @@ def main() -> None:
     parser.add_argument("--max-batched-tokens", type=int, default=8192)
     parser.add_argument("--bench", action="store_true")
     parser.add_argument("--bench-output", type=int, default=64)
+    parser.add_argument("--no-guard-too", action="store_true", help="also time ZOS without the sync guard")
+    parser.add_argument("--cprofile", type=int, default=0, help="print the top N host functions of each mode")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, {time.strftime('%Y-%m-%d')}", flush=True)

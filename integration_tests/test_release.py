@@ -158,10 +158,10 @@ TAMPERS: dict[str, tuple[Callable[[Path], None], str]] = {
         lambda root: _edit(root, "packages/deepinfer-eplb/pyproject.toml", '    "numpy>=1.24",\n',
                            '    "numpy>=1.24",\n    "tqdm>=4.60",\n'),
         "deepinfer-eplb declares tqdm but never imports tqdm"),
-    "numpy without torch": (
-        lambda root: _edit(root, "packages/deepinfer-spec/pyproject.toml", "dependencies = []",
-                           'dependencies = ["numpy>=1.24"]'),
-        "deepinfer-spec declares numpy but never imports numpy"),
+    "another third party declared, not imported": (
+        lambda root: _edit(root, "packages/deepinfer-spec/pyproject.toml", '    "torch>=2.11,<2.14",\n',
+                           '    "torch>=2.11,<2.14",\n    "regex>=2024.1",\n'),
+        "deepinfer-spec declares regex but never imports regex"),
     "license as a table": (
         lambda root: _edit(root, "packages/deepinfer-cache/pyproject.toml", 'license = "Apache-2.0"',
                            'license = { text = "Apache-2.0" }'),

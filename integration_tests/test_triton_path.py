@@ -44,11 +44,11 @@ def test_cuda_kernel_set_matches_transformers_under_the_interpreter() -> None:
     assert all(ops.sources[name] == "cuda" for name in FUSED)
     cache = planned_cache(ours, block_size=16, num_blocks=12, num_slots=4)
     gen = torch.Generator().manual_seed(5)
-    seqs = [torch.randint(0, 96, (n,), generator=gen).tolist() for n in (21, 9)]
+    seqs = [torch.randint(0, 96, (n,), generator=gen).tolist() for n in (21, 13)]
     tables, slots = [[3, 1, 5], [2, 4, 6]], [2, 1]
     with torch.no_grad():
         logits = ours(ForwardBatch.build(seqs, [0, 0], tables, slots, logits="last"), cache, ops)
-        for _ in range(9):                       # crosses compression windows (ratio 4 and 8) and a block
+        for _ in range(4):      # 21 -> 25 and 13 -> 17: cross compression windows (ratio 4 and 8) and a block
             for i, seq in enumerate(seqs):
                 torch.testing.assert_close(logits[i], hf_logits(hf, seq)[-1], atol=1e-4, rtol=0)
             nxt = [int(row.argmax()) for row in logits]

@@ -47,3 +47,29 @@ def test_llm_generates_from_a_tiny_v41_folder(tmp_path, spelling) -> None:
 def test_the_embedded_default_stays_v4() -> None:
     assert type(DeepseekV4Config.from_model_dir(embedded_model_dir())) is DeepseekV4Config
     assert type(LLM(seed=0).engine.model).__name__ == "DeepseekV4ForCausalLM"
+
+
+def test_engine_options_of_v41_reach_the_model(tmp_path, monkeypatch) -> None:
+    """engram_on_host and DEEPINFER_YOCO_PREFILL_TRUNCATION_MODE are applied to a V4.1 model (tokens
+    unchanged with the tables on the host; compact CED gives the same greedy tokens as none), and
+    refused for a V4 one."""
+    from deepinfer.engine import InvalidEngineArgs
+
+    model, raw = folder_model(seed=4)
+    folder = write_folder(tmp_path / "v41", model, raw, transformers_tensors(model), composite=False)
+    params = SamplingParams(max_tokens=5, temperature=0.0)
+    prompts = [{"prompt_token_ids": p} for p in PROMPTS]
+    plain = [o.outputs[0].token_ids for o in LLM(model=str(folder), seed=0).generate(prompts, params, use_tqdm=False)]
+    on_host = LLM(model=str(folder), seed=0, engram_on_host=True)
+    assert on_host.engine.model.engram_on_host
+    assert [o.outputs[0].token_ids for o in on_host.generate(prompts, params, use_tqdm=False)] == plain
+    monkeypatch.setenv("DEEPINFER_YOCO_PREFILL_TRUNCATION_MODE", "compact")
+    monkeypatch.setenv("DEEPINFER_YOCO_PREFILL_KEEP_TOKENS", "4")
+    truncated = LLM(model=str(folder), seed=0)
+    assert truncated.engine.model.truncation.mode == "compact" and truncated.engine.model.truncation.keep_tokens == 4
+    assert [o.outputs[0].token_ids for o in truncated.generate(prompts, params, use_tqdm=False)] == plain
+    with pytest.raises(InvalidEngineArgs, match="needs a DeepSeek-V4.1 model"):
+        LLM(seed=0)
+    monkeypatch.delenv("DEEPINFER_YOCO_PREFILL_TRUNCATION_MODE")
+    with pytest.raises(InvalidEngineArgs, match="engram_on_host=True needs a model with Engram layers"):
+        LLM(seed=0, engram_on_host=True)

@@ -76,8 +76,9 @@ def target_logits(engine: LLMEngine, recorder: LogitsRecorder, batch_size: int) 
     while engine.has_unfinished_requests():
         engine.step()
     rows = recorder.rows.pop(target_id)
-    assert len(rows) == STEPS
-    return rows, max(recorder.step_sizes.pop(target_id))
+    # Under ZOS the step launched before the last token was seen runs too (its token is dropped).
+    assert len(rows) in (STEPS, STEPS + 1)
+    return rows[:STEPS], max(recorder.step_sizes.pop(target_id)[:STEPS])
 
 
 def check_invariance(device: str, dtype: str, enforce_eager: bool) -> None:

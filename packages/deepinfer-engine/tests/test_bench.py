@@ -36,12 +36,12 @@ class _SpyEngine:
     def __getattr__(self, name: str) -> Any:
         return getattr(self.engine, name)
 
-    def add_request(self, request_id: str | None, prompt: list[int], params: Any) -> str:
+    def add_request(self, request_id: str | None, prompt: list[int], params: Any, **kwargs: Any) -> str:
         self.prompts.append(list(prompt))
         self.add_times.append(time.perf_counter())
         self.in_flight += 1
         self.peak_in_flight = max(self.peak_in_flight, self.in_flight)
-        return self.engine.add_request(request_id, prompt, params)
+        return self.engine.add_request(request_id, prompt, params, **kwargs)
 
     def step(self) -> list:
         outputs = self.engine.step()

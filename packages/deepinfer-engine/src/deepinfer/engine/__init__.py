@@ -32,6 +32,7 @@ _EXPORTS = {
     "InvalidEngineArgs": ".engine_args",
     "InvalidSamplingParams": ".sampling_params",
     "LLMEngine": ".llm_engine",
+    "OutputKind": ".outputs",
     "RequestOutput": ".outputs",
     "SamplingParams": ".sampling_params",
     "StructuredOutput": ".sampling_params",
@@ -46,6 +47,7 @@ __all__ = [
     "InvalidEngineArgs",
     "InvalidSamplingParams",
     "LLMEngine",
+    "OutputKind",
     "RequestOutput",
     "SamplingParams",
     "StructuredOutput",
@@ -60,7 +62,7 @@ if TYPE_CHECKING:
     from .grammar_backend import StructuredOutputUnavailable
     from .llm import LLM
     from .llm_engine import LLMEngine
-    from .outputs import CompletionOutput, RequestOutput
+    from .outputs import CompletionOutput, OutputKind, RequestOutput
     from .sampling_params import InvalidSamplingParams, SamplingParams, StructuredOutput
 
 

@@ -27,6 +27,7 @@ from tqdm.auto import tqdm
 
 from deepinfer.sched import StepKind
 
+from .outputs import OutputKind
 from .sampling_params import SamplingParams
 
 if TYPE_CHECKING:
@@ -234,7 +235,7 @@ def _run_timed(engine: LLMEngine, prompts: list[list[int]], params: SamplingPara
         while (next_prompt < len(prompts) and t0 + offsets[next_prompt] <= now
                and (max_concurrency is None or free_slots)):
             arrival = t0 + offsets[next_prompt]
-            request_id = engine.add_request(None, prompts[next_prompt], params)
+            request_id = engine.add_request(None, prompts[next_prompt], params, output_kind=OutputKind.DELTA)
             starts[request_id] = max(arrival, free_slots.popleft()) if max_concurrency is not None else arrival
             token_times[request_id] = []
             next_prompt += 1
@@ -251,8 +252,7 @@ def _run_timed(engine: LLMEngine, prompts: list[list[int]], params: SamplingPara
         for out in outputs:
             if out.request_id not in starts:
                 continue
-            times = token_times[out.request_id]
-            times.extend([now] * (len(out.outputs[0].token_ids) - len(times)))
+            token_times[out.request_id].extend([now] * len(out.outputs[0].token_ids))   # the new tokens
             if out.finished:
                 traces.append(RequestTrace(starts.pop(out.request_id), tuple(token_times.pop(out.request_id)),
                                            str(out.outputs[0].finish_reason)))

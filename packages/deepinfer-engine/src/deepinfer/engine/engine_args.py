@@ -43,7 +43,7 @@ INT_RANGES: dict[str, tuple[int, int]] = {
 OPTIONAL_FIELDS = frozenset({"model", "max_model_len", "block_size", "num_kv_blocks", "gpu_memory_utilization",
                              "kv_cache_memory_mb",
                              "max_num_prompts", "prefill_max_sum_seqlen_k", "expert_dtype"})
-BOOL_FIELDS = ("stop_preempted_request", "kv_quant", "enforce_eager")
+BOOL_FIELDS = ("stop_preempted_request", "kv_quant", "enforce_eager", "engram_on_host")
 
 
 class InvalidEngineArgs(ValueError):
@@ -98,6 +98,9 @@ class EngineArgs:
             checkpoint has them so, else quantised on load; None = the model dtype. Needs the hidden
             and expert sizes divisible by the FP8 block (the checkpoint's, else 128) / by 32.
         enforce_eager: never capture CUDA graphs (decode on CUDA replays graphs keyed by batch size otherwise).
+        engram_on_host: a model with Engram layers (DeepSeek-V4.1): keep its Engram tables in host memory
+            (pinned on CUDA; the released tables are about 197B parameters) and copy the rows each step
+            needs; False = on the device. Refused for a model without Engram layers.
         zero_overhead_scheduling: ZOS (DESIGN.md §7): the host schedules and launches decode step N + 1
             before it reads step N's sampled tokens, which feed step N + 1 on the device, so host work
             overlaps the GPU; a request's end is then seen one step late (its extra token is dropped).
@@ -124,6 +127,7 @@ class EngineArgs:
     kv_quant: bool = False
     expert_dtype: str | None = None
     enforce_eager: bool = False
+    engram_on_host: bool = False
     zero_overhead_scheduling: bool | None = None
 
     def __post_init__(self) -> None:
@@ -241,6 +245,7 @@ def allowed_values(name: str) -> str:
         "kv_quant": "bool",
         "expert_dtype": ", ".join(EXPERT_DTYPES) + ", or None",
         "enforce_eager": "bool",
+        "engram_on_host": "bool",
         "zero_overhead_scheduling": "bool, or None",
     }[name]
 

@@ -1,7 +1,8 @@
 """The engine's environment variables: the only module that reads them (STYLE.md rule 6).
 
 `read_env()` reads them once into a frozen `EngineEnv`, which is passed down like any config. An
-unset or empty variable takes its default. Booleans accept 0/1/true/false (any case), nothing else.
+unset or empty variable takes its default. Booleans accept 0/1/true/false (any case), nothing else; a
+"choice" variable one of its listed words (any case).
 
 `VARIABLES` describes each variable (allowed values, meaning, and whether the feature behind it is
 implemented yet); the table in docs/environment.md is generated from it by
@@ -43,6 +44,8 @@ class EngineEnv:
     sampler_force_topk: int | None = None
     use_nextn_decode: int = 0
     cudagraph_batch_size_interval: int = 8
+    yoco_prefill_truncation_mode: str = "off"
+    yoco_prefill_keep_tokens: int = 140
 
     def __post_init__(self) -> None:
         if self.sampler_force_topk == 0 and not isinstance(self.sampler_force_topk, bool):
@@ -57,7 +60,8 @@ class EnvVar:
 
     Attributes:
         field: the `EngineEnv` field it sets; the variable is DEEPINFER_<FIELD>.
-        kind: how its text is parsed: "int", "float" or "bool".
+        kind: how its text is parsed: "int", "float", "bool" or "choice" (a lower-cased word; `check`
+            says which).
         allowed: the allowed values, in the words of errors and docs.
         description: what it does (docs/environment.md).
         check: True for an allowed (parsed) value.
@@ -108,6 +112,13 @@ VARIABLES: tuple[EnvVar, ...] = (
     EnvVar("cudagraph_batch_size_interval", "int", "an int >= 1",
            "CUDA-graph batch sizes: 1, 2, 4, ... below it, then every multiple of it up to max_num_seqs",
            lambda v: v >= 1),
+    EnvVar("yoco_prefill_truncation_mode", "choice", "off, compact or mask",
+           "CED / YOCO prefill truncation of DeepSeek-V4.1 models (DESIGN.md §8): compact keeps each "
+           "request's last DEEPINFER_YOCO_PREFILL_KEEP_TOKENS queries from the first KV-consumer layer "
+           "on, mask keeps every query with the window view narrowed; refused for V4 models",
+           lambda v: v in ("off", "compact", "mask")),
+    EnvVar("yoco_prefill_keep_tokens", "int", "an int >= 1",
+           "queries per request kept by compact CED / YOCO prefill truncation", lambda v: v >= 1),
 )
 _BY_FIELD = {var.field: var for var in VARIABLES}
 
@@ -189,8 +200,13 @@ def _parse_bool(var: EnvVar, raw: str) -> bool:
     raise InvalidEnvVar(f"{var.name}={raw!r} must be one of 0, 1, true, false (any case)")
 
 
-_PARSERS: dict[str, Callable[[EnvVar, str], Any]] = {"int": _parse_int, "float": _parse_float, "bool": _parse_bool}
-_TYPES: dict[str, tuple[type, ...]] = {"int": (int,), "float": (int, float), "bool": (bool,)}
+def _parse_choice(var: EnvVar, raw: str) -> str:
+    return raw.lower()        # checked against the allowed words by `_check`
+
+
+_PARSERS: dict[str, Callable[[EnvVar, str], Any]] = {"int": _parse_int, "float": _parse_float, "bool": _parse_bool,
+                                                   "choice": _parse_choice}
+_TYPES: dict[str, tuple[type, ...]] = {"int": (int,), "float": (int, float), "bool": (bool,), "choice": (str,)}
 
 
 def _check(var: EnvVar, value: object, default: object) -> None:

@@ -15,7 +15,7 @@ from .chat_messages import ChatMessage
 from .chat_template import ChatTemplate, chat_prompt, load_chat_template
 from .engine_args import EngineArgs
 from .llm_engine import LLMEngine, PromptInput
-from .outputs import RequestOutput
+from .outputs import OutputKind, RequestOutput
 from .request import Request
 from .sampling_params import SamplingParams
 from .tokenizer import require_tokenizer
@@ -75,7 +75,7 @@ class LLM:
                 if not isinstance(item, str | dict):
                     raise ValueError(f"prompts[{i}] must be a str or a {{'prompt_token_ids': [...]}} dict")
                 try:
-                    requests.append(self.engine.prepare_request(None, item, p))
+                    requests.append(self.engine.prepare_request(None, item, p, output_kind=OutputKind.FINAL_ONLY))
                 except ValueError as err:
                     err.args = (f"prompts[{i}]: {err}", *err.args[1:])   # same type, says which prompt
                     raise

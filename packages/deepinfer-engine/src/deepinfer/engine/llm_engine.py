@@ -30,7 +30,7 @@ import numpy as np
 import torch
 
 from deepinfer.cache import BlockManager
-from deepinfer.model import ConfigError, DeepseekV4Config, WeightError, load_model
+from deepinfer.model import ConfigError, DeepseekV4Config, DeepseekV41Config, WeightError, load_model
 from deepinfer.sched import (
     EngineType,
     FinishReason,
@@ -46,7 +46,15 @@ from .env import EngineEnv, read_env
 from .grammar_backend import StructuredOutputUnavailable, XGrammarBackend
 from .grammar_compiler import GrammarCompilePool
 from .model_runner import ModelRunner, default_block_size
-from .outputs import FINISH_ABORT, FINISH_ERROR, FINISH_LENGTH, FINISH_PREEMPTED, FINISH_PREFILLED, RequestOutput
+from .outputs import (
+    FINISH_ABORT,
+    FINISH_ERROR,
+    FINISH_LENGTH,
+    FINISH_PREEMPTED,
+    FINISH_PREFILLED,
+    OutputKind,
+    RequestOutput,
+)
 from .request import Request
 from .sampler import Sampler
 from .sampling_params import SamplingParams
@@ -104,6 +112,17 @@ def resolve_model_dir(model: str | None) -> Path:
     return path
 
 
+def _check_v41_options(cfg: object, args: EngineArgs, env: EngineEnv) -> None:
+    """Refuse the DeepSeek-V4.1-only options for a model without the layers they act on."""
+    if args.engram_on_host and not getattr(cfg, "engram_layer_ids", ()):
+        raise InvalidEngineArgs("engram_on_host=True needs a model with Engram layers (DeepSeek-V4.1); this "
+                                "model has none", "engram_on_host")
+    if env.yoco_prefill_truncation_mode != "off" and not isinstance(cfg, DeepseekV41Config):
+        raise InvalidEngineArgs(f"DEEPINFER_YOCO_PREFILL_TRUNCATION_MODE={env.yoco_prefill_truncation_mode} "
+                                "needs a DeepSeek-V4.1 model (its KV-source / consumer layers); unset it or set "
+                                "it to off for this model")
+
+
 def _checked_request_id(request_id: object) -> str:
     if not isinstance(request_id, str) or not request_id or len(request_id) > MAX_REQUEST_ID_LEN:
         raise ValueError(f"request_id={request_id!r} must be a non-empty str of at most {MAX_REQUEST_ID_LEN} "
@@ -132,10 +151,13 @@ class LLMEngine:
         self.env = env or read_env()
         self.model_dir = resolve_model_dir(args.model)
         cfg = DeepseekV4Config.from_model_dir(self.model_dir)
+        _check_v41_options(cfg, args, self.env)
         started = time.perf_counter()
         self.model = load_model(self.model_dir, dtype=args.torch_dtype, device=args.device,
                                 kv_quant=args.kv_quant, expert_dtype=args.expert_dtype, cfg=cfg, progress=True,
-                                load_format=args.load_format, seed=args.seed)
+                                load_format=args.load_format, seed=args.seed, engram_on_host=args.engram_on_host)
+        if self.env.yoco_prefill_truncation_mode != "off":
+            self.model.set_prefill_truncation(self.env.yoco_prefill_truncation_mode, self.env.yoco_prefill_keep_tokens)
         self.load_seconds = time.perf_counter() - started            # wall time of load_model
         self.weight_bytes = sum(t.numel() * t.element_size() for t in self.model.state_dict().values())
         logger.info("loaded %s in %.2f s: %.1f MiB of weights on %s", self.model_dir, self.load_seconds,
@@ -208,7 +230,8 @@ class LLMEngine:
     # ------------------------------------------------------------------ requests
 
     def add_request(self, request_id: str | None, prompt: PromptInput | Sequence[int],
-                    params: SamplingParams | None = None) -> str:
+                    params: SamplingParams | None = None, *,
+                    output_kind: OutputKind = OutputKind.CUMULATIVE) -> str:
         """Queue a request; returns its id (a fresh one when request_id is None).
 
         Args:
@@ -216,6 +239,8 @@ class LLMEngine:
                 "_" (reserved for fork branches); None = the engine numbers it.
             prompt: text (needs a tokenizer), `{"prompt_token_ids": [...]}` (optionally with
                 "prompt"), or a list of token ids.
+            output_kind: which outputs `step()` returns for it (`OutputKind`: every step cumulative,
+                every step what is new, or only the final one).
         Raises:
             ValueError: a bad or duplicate id, text without a tokenizer, token ids outside the
                 vocabulary, or a COMPLETION engine (it only takes requests handed over by a PROMPT
@@ -225,12 +250,13 @@ class LLMEngine:
             as "ignored" with its reason at the next step; so does a grammar that fails to compile.
         """
         with self._lock:
-            req = self.prepare_request(request_id, prompt, params)
+            req = self.prepare_request(request_id, prompt, params, output_kind=output_kind)
             self.enqueue(req)
             return req.request_id
 
     def prepare_request(self, request_id: str | None, prompt: PromptInput | Sequence[int],
-                        params: SamplingParams | None = None) -> Request:
+                        params: SamplingParams | None = None, *,
+                        output_kind: OutputKind = OutputKind.CUMULATIVE) -> Request:
         """Check a request and build its state without queueing it (`add_request` = this + `enqueue`).
 
         Raises: as `add_request`; nothing is registered either way.
@@ -254,8 +280,10 @@ class LLMEngine:
             raise ValueError("SamplingParams.stop needs a tokenizer; this model folder has no tokenizer.json")
         if params.structured is not None:
             self._grammar_pool()
+        if not isinstance(output_kind, OutputKind):
+            raise ValueError(f"output_kind={output_kind!r} must be an OutputKind (CUMULATIVE, DELTA or FINAL_ONLY)")
         return Request(request_id, text, token_ids, params, self.tokenizer, eos_token_ids=self.eos_token_ids,
-                       max_model_len=self.max_model_len, device=self.args.device)
+                       max_model_len=self.max_model_len, device=self.args.device, output_kind=output_kind)
 
     def enqueue(self, req: Request) -> None:
         """Queue a request made by `prepare_request`.
@@ -352,7 +380,8 @@ class LLMEngine:
     # ------------------------------------------------------------------ the step
 
     def step(self) -> list[RequestOutput]:
-        """Schedule and run one step; returns the outputs of every request that changed.
+        """Schedule and run one step; returns the outputs of the requests that changed (as each asked:
+        `OutputKind`; a FINAL_ONLY request only when it finishes).
 
         A fault inside the step (an exception from the model, the sampler or the bookkeeping) never
         escapes: the requests of that step finish with reason "error" (error_reason names the
@@ -374,7 +403,8 @@ class LLMEngine:
             self._finished_between_steps.clear()
             if self._in_flight is not None and not self.scheduler.has_unfinished():
                 self._in_flight = None        # every row of it belongs to a request that has ended
-            outputs = [r.to_output() for r in changed.values()]
+            final_only = OutputKind.FINAL_ONLY
+            outputs = [r.to_output() for r in changed.values() if r.finished or r.output_kind is not final_only]
             for req in changed.values():
                 if req.finished:
                     del self._requests[req.request_id]

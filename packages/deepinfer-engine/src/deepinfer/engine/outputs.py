@@ -20,6 +20,7 @@ Finish reasons are plain strings (the OpenAI vocabulary plus five of ours):
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass
 
 FINISH_STOP = "stop"
@@ -31,6 +32,21 @@ FINISH_ERROR = "error"
 FINISH_PREFILLED = "prefilled"
 FINISH_REASONS = frozenset({FINISH_STOP, FINISH_LENGTH, FINISH_ABORT, FINISH_PREEMPTED, FINISH_IGNORED, FINISH_ERROR,
                             FINISH_PREFILLED})
+
+
+class OutputKind(enum.Enum):
+    """Which outputs `LLMEngine.step()` returns for a request.
+
+    CUMULATIVE: every step the request changed, its whole output so far (vLLM's default).
+    DELTA: every step the request changed, only what is new since its previous output (text, token ids
+        and logprobs of the new tokens); the finished output carries the finish reason.
+    FINAL_ONLY: one output, when the request finishes (`LLM.generate`). Without stop strings its text
+        is decoded once, at the end, rather than token by token.
+    """
+
+    CUMULATIVE = "cumulative"
+    DELTA = "delta"
+    FINAL_ONLY = "final_only"
 
 
 class InvalidOutput(ValueError):

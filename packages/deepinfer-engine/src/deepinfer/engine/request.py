@@ -13,6 +13,7 @@ from .outputs import (
     FINISH_PREFILLED,
     FINISH_STOP,
     CompletionOutput,
+    OutputKind,
     RequestOutput,
     running_output,
 )
@@ -43,6 +44,7 @@ class Request:
         eos_token_ids: tuple[int, ...],
         max_model_len: int,
         device: str,
+        output_kind: OutputKind = OutputKind.CUMULATIVE,
     ) -> None:
         self.request_id = request_id
         self.prompt = prompt
@@ -55,6 +57,12 @@ class Request:
         self.max_model_len = max_model_len
         room = max(1, max_model_len - len(prompt_token_ids))
         self._max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
+        self.output_kind = output_kind
+        # Text is needed every step for stop strings and for per-step outputs; otherwise the tokens
+        # are detokenized in one call when the request finishes.
+        self._text_each_step = bool(params.stop) or output_kind is not OutputKind.FINAL_ONLY
+        self._num_undecoded = 0          # output tokens not yet given to the detokenizer
+        self._num_reported = (0, 0)      # (tokens, characters) already in DELTA outputs
         self.output_token_ids: list[int] = []
         # The released text, = self.stops.text, kept from the deltas (no join per step); without stop
         # strings the checker would release every delta as is, so it is skipped.
@@ -86,7 +94,9 @@ class Request:
             self.logprobs.append(logprobs)
         num_out = len(self.output_token_ids)
         may_stop = num_out >= self.params.min_tokens
-        if self.detok is not None:
+        if self.detok is not None and not self._text_each_step:
+            self._num_undecoded += 1
+        elif self.detok is not None:
             delta = self.detok.add([token_id])
             if not self.params.stop:
                 self._text += delta
@@ -127,6 +137,9 @@ class Request:
         if self.finished:
             return
         self.finish_reason, self.stop_reason = reason, stop_reason
+        if self.detok is not None and self._num_undecoded:     # no stop strings on this path
+            self._text += self.detok.add(self.output_token_ids[-self._num_undecoded:])
+            self._num_undecoded = 0
         if self.detok is not None and self.stops.stop_str is None:
             tail = self.detok.finish()
             if not self.params.stop:
@@ -136,20 +149,26 @@ class Request:
                 self._text += self.stops.finish()
 
     def to_output(self) -> RequestOutput:
-        """This request's cumulative output now. The token and logprob lists are fresh copies (a later
-        step never changes an output already handed out); prompt_token_ids is one list shared by all
-        outputs of the request, copied once, so a step costs nothing per prompt token."""
+        """This request's output now, cumulative or (DELTA) what is new since the previous call. The
+        token and logprob lists are fresh copies (a later step never changes an output already handed
+        out); prompt_token_ids is one list shared by all outputs of the request, copied once, so a step
+        costs nothing per prompt token."""
         if self._prompt_out is None:
             self._prompt_out = list(self.prompt_token_ids)
+        first_token, first_char = self._num_reported if self.output_kind is OutputKind.DELTA else (0, 0)
+        if self.output_kind is OutputKind.DELTA:
+            self._num_reported = (len(self.output_token_ids), len(self._text))
+        token_ids = self.output_token_ids[first_token:]
+        logprobs = None if self.logprobs is None else self.logprobs[first_token:]
+        text = self._text[first_char:] if first_char else self._text
         if not self.finished:
-            return running_output(self.request_id, self.prompt, self._prompt_out, self._text,
-                                  self.output_token_ids[:], None if self.logprobs is None else self.logprobs[:])
+            return running_output(self.request_id, self.prompt, self._prompt_out, text, token_ids, logprobs)
         completion = CompletionOutput(
             index=0,
-            text=self._text,
-            token_ids=list(self.output_token_ids),
+            text=text,
+            token_ids=token_ids,
             finish_reason=self.finish_reason,
-            logprobs=None if self.logprobs is None else list(self.logprobs),
+            logprobs=logprobs,
             stop_reason=self.stop_reason,
             ignored_reason=self.ignored_reason,
             error_reason=self.error_reason,
