@@ -16,6 +16,8 @@ For each N, one engine (bf16, CUDA graphs up to N) is given N greedy requests (r
 - graph: the decode CUDA graph of the step's size replayed alone, back to back (CUDA events, median
   of 20 × 5 replays): the forward's kernel time without any host work; the step also samples.
 
+--output-kind sets the timed requests' `OutputKind` (default cumulative, `step()`'s default).
+
 With --bench, `run_bench` (the code behind `deepinfer bench`) then runs N requests of --bench-output
 tokens at concurrency N on the same engine (ZOS on) and its TPOT and decode-step time are recorded.
 
@@ -40,7 +42,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from deepinfer.engine import LLMEngine, SamplingParams
+from deepinfer.engine import LLMEngine, OutputKind, SamplingParams
 from deepinfer.engine.bench import run_bench
 from deepinfer.engine.engine_args import EngineArgs
 from deepinfer.sched import StepKind
@@ -140,7 +142,8 @@ def run(args: argparse.Namespace, num_seqs: int, folder: Path) -> list[dict]:
     rng = np.random.default_rng(num_seqs)
     params = SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=total_steps)
     for index in range(num_seqs):
-        engine.add_request(f"r{index}", rng.integers(0, vocab, args.prompt_len).tolist(), params)
+        engine.add_request(f"r{index}", rng.integers(0, vocab, args.prompt_len).tolist(), params,
+                           output_kind=OutputKind(args.output_kind))
     steady(engine, num_seqs)
     rows = []
     kernels = graph_ms(engine, num_seqs)
@@ -158,7 +161,8 @@ def run(args: argparse.Namespace, num_seqs: int, folder: Path) -> list[dict]:
             print(f"--- cProfile, {num_seqs} seqs, zos={zos}, guard={guard}, {args.steps} steps", flush=True)
             print("\n".join(line[:150] for line in text.getvalue().splitlines()[4:]), flush=True)
         row = {"model": args.model, "layers": args.layers if args.model != "embedded" else None,
-               "num_seqs": num_seqs, "zos": zos, "sync_guard": guard, "step_ms": round(step * 1e3, 4),
+               "num_seqs": num_seqs, "zos": zos, "sync_guard": guard, "output_kind": args.output_kind,
+               "step_ms": round(step * 1e3, 4),
                "graph_ms": None if kernels is None else round(kernels, 4),
                "step_over_graph": None if kernels is None else round(step * 1e3 / kernels, 3)}
         row.update(profile_steps(engine, args.profile_steps))
@@ -195,6 +199,8 @@ def main() -> None:
     parser.add_argument("--max-batched-tokens", type=int, default=8192)
     parser.add_argument("--bench", action="store_true")
     parser.add_argument("--bench-output", type=int, default=64)
+    parser.add_argument("--output-kind", choices=[k.value for k in OutputKind], default="cumulative",
+                        help="the timed requests' OutputKind (LLM.generate: final_only; a server: delta)")
     parser.add_argument("--no-guard-too", action="store_true", help="also time ZOS without the sync guard")
     parser.add_argument("--cprofile", type=int, default=0, help="print the top N host functions of each mode")
     parser.add_argument("--out", type=Path)
