@@ -187,5 +187,56 @@ def test_the_cuda_set_serves_the_v41_kernels() -> None:
         ops = KernelSet("cuda", batch_invariant=batch_invariant)
         assert ops.sources["v41_attention"] == ("cuda-invariant" if batch_invariant else "cuda")
         assert ops.sources["v41_index_scores"] == ("cuda-invariant" if batch_invariant else "cuda")
+        for name in ("quant_mxfp8_rows", "quant_fp4_rows", "fake_quant_mxfp8", "fake_quant_fp4_rows"):
+            assert ops.sources[name] == "cuda"               # row-wise and exact: the same kernel in both sets
+            assert getattr(ops, name) is getattr(triton_ops, f"{name}_fused")
     assert KernelSet("cuda").v41_attention is triton_ops.v41_attention_fused
     assert KernelSet("cuda", batch_invariant=True).v41_attention is triton_ops.v41_attention_invariant
+
+
+def quant_inputs(seed: int, rows: int, dim: int, block: int) -> torch.Tensor:
+    """Random rows at magnitudes from 1e-6 to 300 (an FP4 e4m3 scale holds block maxima up to 6 · 448),
+    with the cases rounding is decided on: an all-zero row, a row below the scale floors, −0, and values
+    on the e2m1 / e4m3 rounding midpoints of their block."""
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(rows, dim, generator=gen) * torch.logspace(-6, 2.5, rows)[:, None]
+    x[0] = 0.0
+    x[1] = torch.randn(dim, generator=gen) * 1e-9
+    x[2, 1] = -0.0
+    # block 0 of row 3: amax 6 (scale 1 for FP4), the rest on e2m1 midpoints and their negatives
+    mids = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0])
+    x[3, :block] = torch.cat((torch.tensor([6.0]), mids, -mids, torch.zeros(block - 15)))[:block]
+    # block 0 of row 4: amax 448 (MXFP8 scale 1), the rest halfway between e4m3 neighbours
+    x[4, :block] = torch.cat((torch.tensor([448.0, 1.0625, 17.0, 0.0029296875, -0.0009765625, 208.0]),
+                              torch.zeros(block - 6)))
+    return x.to(DEVICE)
+
+
+@pytest.mark.parametrize(("rows", "dim"), [(9, 64), (7, 96), (6, 48)] + ([(4096, 512), (8192, 128)] if BIG else []))
+@pytest.mark.parametrize("fmt", ["mxfp8", "fp4_e4m3", "fp4_ue8m0"])
+def test_quantisation_is_bit_exact(rows, dim, fmt) -> None:
+    from deepinfer.kernels import triton_ops
+
+    block = 16 if fmt == "fp4_e4m3" else 32
+    if dim % block:
+        pytest.skip("the format's block does not divide dim")
+    x = quant_inputs(rows * dim, rows, dim, block)
+    if fmt == "mxfp8":
+        pairs = [(triton_ops.quant_mxfp8_rows_fused(x), reference.quant_mxfp8_rows(x)),
+                 (triton_ops.fake_quant_mxfp8_fused(x), reference.fake_quant_mxfp8(x))]
+    else:
+        e4m3 = fmt == "fp4_e4m3"
+        pairs = [(triton_ops.quant_fp4_rows_fused(x, e4m3_scales=e4m3), reference.quant_fp4_rows(x, e4m3_scales=e4m3)),
+                 (triton_ops.fake_quant_fp4_rows_fused(x, e4m3_scales=e4m3),
+                  reference.fake_quant_fp4_rows(x, e4m3_scales=e4m3))]
+    for got, want in pairs:
+        assert got.dtype == want.dtype and got.shape == want.shape
+        assert torch.equal(got.view(torch.uint8) if got.dtype == torch.uint8 else got.view(torch.int32),
+                           want.view(torch.uint8) if want.dtype == torch.uint8 else want.view(torch.int32))
+    if CUDA:                                              # bfloat16 inputs (the model's) and a strided view
+        xb = torch.cat((x, x), dim=1).to(torch.bfloat16)[:, :dim]
+        packed = triton_ops.quant_mxfp8_rows_fused(xb) if fmt == "mxfp8" else \
+            triton_ops.quant_fp4_rows_fused(xb, e4m3_scales=fmt == "fp4_e4m3")
+        want = reference.quant_mxfp8_rows(xb) if fmt == "mxfp8" else \
+            reference.quant_fp4_rows(xb, e4m3_scales=fmt == "fp4_e4m3")
+        assert torch.equal(packed, want)

@@ -1,5 +1,6 @@
 """The tiny DeepSeek-V4.1 model run with the V4.1 Triton kernels (attention and index scores over the
-packed rows) against the reference kernel set: prefill, a chunk, batched decode steps.
+packed rows, the cache-row quantisation) against the reference kernel set: prefill, a chunk, batched
+decode steps.
 
 - Under Triton's CPU interpreter (TRITON_INTERPRET=1, `./dev.sh test` runs it so), float32 on CPU
   tensors: the reference set with only the V4.1 ops swapped for their kernels (the whole CUDA set under
@@ -26,7 +27,8 @@ from deepinfer.model import ForwardBatch, ModelCache
 
 CUDA = torch.cuda.is_available()
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
-V41_KERNELS = ("v41_attention", "v41_index_scores")
+V41_KERNELS = ("v41_attention", "v41_index_scores", "quant_mxfp8_rows", "quant_fp4_rows", "fake_quant_mxfp8",
+               "fake_quant_fp4_rows")
 
 
 def run(model, ops, seqs, cuts, device, block_size=8) -> list[torch.Tensor]:
@@ -49,11 +51,11 @@ def run(model, ops, seqs, cuts, device, block_size=8) -> list[torch.Tensor]:
     return [torch.cat(o) for o in out]
 
 
-def _compare(device: str, dtype: torch.dtype, ops: KernelSet, atol: float, cuts: list[int]) -> None:
+def _compare(device: str, dtype: torch.dtype, ops: KernelSet, atol: float, cuts: list[int], num_seqs: int) -> None:
     model = tiny_model(seed=3).to(device, dtype)
     model.reset_rope()
     gen = torch.Generator().manual_seed(11)
-    seqs = [torch.randint(3, 96, (sum(cuts),), generator=gen).tolist() for _ in range(2)]
+    seqs = [torch.randint(3, 96, (sum(cuts),), generator=gen).tolist() for _ in range(num_seqs)]
     got = run(model, ops, seqs, cuts, device)
     want = run(model, kernels_for("cpu"), seqs, cuts, device)
     for g, w in zip(got, want):
@@ -67,8 +69,9 @@ def test_cuda_kernel_set_matches_the_reference_under_the_interpreter() -> None:
     from deepinfer.kernels import triton_ops
 
     ops = KernelSet("cpu")                                    # a fresh set: the cached one stays the reference
-    ops.v41_attention, ops.v41_index_scores = triton_ops.v41_attention_fused, triton_ops.v41_index_scores_fused
-    _compare("cpu", torch.float32, ops, 1e-4, [13, 5, 1, 1])     # prefill, a chunk, decode across groups
+    for name in V41_KERNELS:
+        setattr(ops, name, getattr(triton_ops, f"{name}_fused"))
+    _compare("cpu", torch.float32, ops, 1e-4, [10, 5, 1], 1)     # prefill, a chunk, a decode step
 
 
 @pytest.mark.gpu
@@ -78,4 +81,4 @@ def test_cuda_kernel_set_matches_the_reference_on_the_gpu(dtype) -> None:
     """The reference set on CUDA tensors (the twins) against the Triton set, both on the GPU."""
     ops = KernelSet("cuda")
     assert all(ops.sources[name] == "cuda" for name in V41_KERNELS)
-    _compare("cuda", dtype, ops, 1e-2 if dtype == torch.float32 else 6e-2, [17, 9, 1, 1, 1, 1])
+    _compare("cuda", dtype, ops, 1e-2 if dtype == torch.float32 else 6e-2, [17, 9, 1, 1, 1, 1], 3)

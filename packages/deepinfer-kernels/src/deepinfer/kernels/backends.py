@@ -86,12 +86,13 @@ def register_builtin_backends() -> None:
     top-k, routing, the experts (grouped GEMMs: Triton for small batches, cuBLAS beyond; FP8 and
     MXFP4 experts: Triton at any batch), the projections of 1–4 rows (GEMV; TileLang's for one row
     where installed), the sampler's filters + race (sort-free) and DeepSeek-V4.1's attention and index
-    scores over the packed cache rows (decode and prefill). Everything else: the reference.
+    scores over the packed cache rows (decode and prefill) and its cache-row quantisation (one launch).
+    Everything else: the reference.
     The batch-invariant set on CUDA: `_INVARIANT_CUDA`."""
     for name in ("hc_pre", "hc_post", "rms_norm", "apply_rope", "norm_rope", "compress_decode",
                  "paged_decode_attention", "paged_indexer_scores", "topk_lowest_index", "route", "moe_experts",
                  "moe_experts_fp8", "moe_experts_mxfp4", "sample_race", "sparse_attention", "v41_attention",
-                 "v41_index_scores"):
+                 "v41_index_scores", "quant_mxfp8_rows", "quant_fp4_rows", "fake_quant_mxfp8", "fake_quant_fp4_rows"):
         register(name, "cuda", _triton(name))
     register("linear", "cuda", _linear)
     register("clamped_swiglu", "cuda", _clamped_swiglu)

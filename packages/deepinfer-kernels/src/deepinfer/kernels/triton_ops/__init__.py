@@ -22,8 +22,10 @@ from .rowwise import apply_rope_fused, norm_rope_fused, rms_norm_fused
 from .sampling import sample_race_fused, sample_race_invariant
 from .topk import topk_lowest_index_fused
 from .v41_paged import v41_attention_fused, v41_attention_invariant, v41_index_scores_fused
+from .v41_quant import fake_quant_fp4_rows_fused, fake_quant_mxfp8_fused, quant_fp4_rows_fused, quant_mxfp8_rows_fused
 
 __all__ = [
+    "fake_quant_fp4_rows_fused", "fake_quant_mxfp8_fused", "quant_fp4_rows_fused", "quant_mxfp8_rows_fused",
     "apply_rope_fused", "clamped_swiglu_fused", "compress_decode_fused", "grouped_linear_invariant", "hc_post_fused",
     "hc_pre_fused", "hc_pre_invariant", "linear_fused", "linear_invariant", "moe_experts_fp8_fused",
     "moe_experts_fused", "moe_experts_invariant", "moe_experts_mxfp4_fused", "norm_rope_fused",

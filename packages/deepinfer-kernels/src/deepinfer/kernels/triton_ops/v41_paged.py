@@ -34,7 +34,7 @@ def _e4m3(b):
     m = b & 7
     normal = (((e + 120) << 23) | (m << 20)).to(tl.float32, bitcast=True)
     mag = tl.where(e == 0, m.to(tl.float32) * 0.001953125, normal)
-    return tl.where((b & 0x80) != 0, -mag, mag)
+    return tl.where((b & 0x80) != 0, mag * -1.0, mag)          # (0 − 0 would lose the sign of −0)
 
 
 @triton.jit
@@ -44,7 +44,7 @@ def _e2m1(c):
     f = c & 1
     normal = (((e + 126) << 23) | (f << 22)).to(tl.float32, bitcast=True)
     mag = tl.where(e == 0, f.to(tl.float32) * 0.5, normal)
-    return tl.where((c & 8) != 0, -mag, mag)
+    return tl.where((c & 8) != 0, mag * -1.0, mag)
 
 
 @triton.jit
