@@ -12,7 +12,16 @@ runs, and its token is dropped; the scheduler gives back that step's reservation
 finished. A sequence preempted for recompute while a step of it is in flight has that step's token
 dropped too (the recompute produces it again: a seeded request's noise is keyed by position).
 Structured-output rows need no special case: step N's tokens reach the grammars in (2), before step
-N + 1's masks are filled in (3). Each ZOS launch runs under `forbid_cuda_sync`.
+N + 1's masks are filled in (3). Each ZOS launch runs under `forbid_cuda_sync`. Penalties and bad
+words read the tokens sampled so far from a `TokenHistory` on the device, which the sampler updates
+itself (a token dropped for recompute is taken out again by rebuilding the row from the host).
+
+Parallel samples (SamplingParams.n > 1, `ParallelRequest`): in-flight rows and scheduler sequences
+are samples (`Request` objects, `_seqs` by sequence id); `_requests` holds what is reported (a
+`Request`, or the `ParallelRequest` of its samples). Sample 0 is prefilled; its prefill row is
+sampled n times (one row per sample, each with its own seed), then the sequence is forked for
+samples 1..n − 1 before their first tokens are appended. A sample's row is dropped once it ends, like
+any request's; the request is reported finished when every sample is.
 """
 
 from __future__ import annotations
@@ -45,6 +54,7 @@ from .engine_args import EngineArgs, InvalidEngineArgs
 from .env import EngineEnv, read_env
 from .grammar_backend import StructuredOutputUnavailable, XGrammarBackend
 from .grammar_compiler import GrammarCompilePool
+from .logit_controls import TokenHistory
 from .model_runner import ModelRunner, default_block_size
 from .outputs import (
     FINISH_ABORT,
@@ -55,9 +65,9 @@ from .outputs import (
     OutputKind,
     RequestOutput,
 )
-from .request import Request
+from .request import ParallelRequest, Request
 from .sampler import Sampler
-from .sampling_params import SamplingParams
+from .sampling_params import MAX_BAD_WORD_TOKENS, InvalidSamplingParams, SamplingParams
 from .sampling_stage import InFlightSampling, SampledStep, SamplingStage, StepRows
 from .sync_guard import forbid_cuda_sync
 from .tokenizer import Tokenizer, load_tokenizer, require_tokenizer
@@ -194,15 +204,17 @@ class LLMEngine:
         self.zos = args.zos
         self.sampling = SamplingStage(Sampler(seed=args.seed, force_top_k=self.env.sampler_force_topk,
                                               batch_invariant=self.env.batch_invariant),
-                                      self.eos_token_ids, cfg.vocab_size, sync_guard=not self.env.disable_sync_guard)
+                                      self.eos_token_ids, cfg.vocab_size, sync_guard=not self.env.disable_sync_guard,
+                                      history=TokenHistory(cfg.vocab_size, self.runner.device))
         self._in_flight: _InFlightStep | None = None    # a ZOS decode step launched by the last step()
         self.last_step_kind: StepKind | None = None      # the kind of step the last step() scheduled
-        self._requests: dict[str, Request] = {}
+        self._requests: dict[str, Request | ParallelRequest] = {}   # by request id: what is reported
+        self._seqs: dict[str, Request] = {}        # by scheduler sequence id (no "_"): one per sample
         self._ids = itertools.count()
         # Structured output (DESIGN.md §8): requests wait here, outside the scheduler, until the
         # pool has compiled their grammar; `_pump_grammars` (pre_sampler_sync) hands them over.
         self.grammars: GrammarCompilePool | None = None     # made at the first constrained request
-        self._awaiting_grammar: dict[str, Request] = {}
+        self._awaiting_grammar: dict[str, Request | ParallelRequest] = {}
         self._finished_between_steps: list[Request] = []   # reported by the next step()
         self.init_pd_split()
 
@@ -256,7 +268,7 @@ class LLMEngine:
 
     def prepare_request(self, request_id: str | None, prompt: PromptInput | Sequence[int],
                         params: SamplingParams | None = None, *,
-                        output_kind: OutputKind = OutputKind.CUMULATIVE) -> Request:
+                        output_kind: OutputKind = OutputKind.CUMULATIVE) -> Request | ParallelRequest:
         """Check a request and build its state without queueing it (`add_request` = this + `enqueue`).
 
         Raises: as `add_request`; nothing is registered either way.
@@ -269,8 +281,7 @@ class LLMEngine:
             raise TypeError(f"params must be SamplingParams, got {type(params).__name__}")
         with self._lock:
             request_id = str(next(self._ids)) if request_id is None else _checked_request_id(request_id)
-            if request_id in self._requests:
-                raise ValueError(f"request_id={request_id!r} is already in use")
+            self._check_ids_free(request_id, params.n)
         text, token_ids = self.tokenize_prompt(prompt)
         vocab = self.model.cfg.vocab_size
         bad = [t for t in token_ids if not 0 <= t < vocab]
@@ -282,19 +293,60 @@ class LLMEngine:
             self._grammar_pool()
         if not isinstance(output_kind, OutputKind):
             raise ValueError(f"output_kind={output_kind!r} must be an OutputKind (CUMULATIVE, DELTA or FINAL_ONLY)")
-        return Request(request_id, text, token_ids, params, self.tokenizer, eos_token_ids=self.eos_token_ids,
-                       max_model_len=self.max_model_len, device=self.args.device, output_kind=output_kind)
+        self._check_token_ids(params, vocab)
+        bad_word_ids = self._tokenize_bad_words(params)
+        if params.n > 1 and self.args.engine_type is not EngineType.NORMAL:
+            raise ValueError(f"n={params.n} needs a NORMAL engine (a PROMPT engine hands one sequence over)")
+        samples = [Request(request_id, text, token_ids, params, self.tokenizer, eos_token_ids=self.eos_token_ids,
+                           max_model_len=self.max_model_len, device=self.args.device, output_kind=output_kind,
+                           index=index, bad_word_ids=bad_word_ids) for index in range(params.n)]
+        return samples[0] if params.n == 1 else ParallelRequest(samples)
 
-    def enqueue(self, req: Request) -> None:
+    def _check_ids_free(self, request_id: str, num_samples: int) -> None:
+        """Refuse an id in use by a request or a sample, or one whose samples' ids are."""
+        taken = [i for i in [request_id] + [f"{request_id}.{k}" for k in range(1, num_samples)]
+                 if i in self._requests or i in self._seqs]
+        if taken:
+            raise ValueError(f"request_id={request_id!r} is already in use" if taken[0] == request_id else
+                             f"request_id={request_id!r} with n={num_samples}: its samples' ids {taken} are in use")
+
+    @staticmethod
+    def _check_token_ids(params: SamplingParams, vocab: int) -> None:
+        for name, ids in (("logit_bias", [t for t, _ in params.logit_bias or ()]),
+                          ("allowed_token_ids", params.allowed_token_ids or ())):
+            bad = [t for t in ids if t >= vocab]
+            if bad:
+                raise InvalidSamplingParams(f"{name} holds token ids {bad[:3]} outside the vocabulary [0, {vocab})")
+
+    def _tokenize_bad_words(self, params: SamplingParams) -> tuple[tuple[int, ...], ...]:
+        """vLLM's tokenization of bad words: each word as is, and with a leading space when that gives
+        a different first token and as many tokens."""
+        if not params.bad_words:
+            return ()
+        if self.tokenizer is None:
+            raise ValueError("SamplingParams.bad_words needs a tokenizer; this model folder has no tokenizer.json")
+        result: list[tuple[int, ...]] = []
+        for index, word in enumerate(params.bad_words):
+            plain = tuple(self.tokenizer.encode(word.lstrip(), add_special_tokens=False))
+            spaced = tuple(self.tokenizer.encode(" " + word.lstrip(), add_special_tokens=False))
+            for ids in (plain, spaced) if spaced and spaced[0] != plain[0] and len(spaced) == len(plain) else (plain,):
+                if len(ids) > MAX_BAD_WORD_TOKENS:
+                    raise InvalidSamplingParams(f"bad_words[{index}] is {len(ids)} tokens long; at most "
+                                                f"{MAX_BAD_WORD_TOKENS} are allowed")
+                if ids and ids not in result:
+                    result.append(ids)
+        return tuple(result)
+
+    def enqueue(self, req: Request | ParallelRequest) -> None:
         """Queue a request made by `prepare_request`.
 
         Raises:
             ValueError: its id is in use by now; nothing is registered then.
         """
         with self._lock:
-            if req.request_id in self._requests:
-                raise ValueError(f"request_id={req.request_id!r} is already in use")
+            self._check_ids_free(req.request_id, len(req.samples))
             self._requests[req.request_id] = req
+            self._seqs.update((sample.seq_id, sample) for sample in req.samples)
             try:
                 if req.params.structured is not None:
                     self._awaiting_grammar[req.request_id] = req
@@ -302,9 +354,22 @@ class LLMEngine:
                 else:
                     self.scheduler.add_seq(req.request_id, req.prompt_token_ids, req.max_tokens)
             except BaseException:
-                self._requests.pop(req.request_id, None)
+                self._forget_request(req)
                 self._awaiting_grammar.pop(req.request_id, None)
                 raise
+
+    def _forget_request(self, req: Request | ParallelRequest) -> None:
+        """Drop a reported request and its samples (and their TokenHistory rows)."""
+        self._requests.pop(req.request_id, None)
+        for sample in req.samples:
+            self._seqs.pop(sample.seq_id, None)
+            if sample.history_slot is not None:
+                self.sampling.history.release(sample.history_slot)
+                sample.history_slot = None
+
+    def _seq(self, seq_id: str) -> Request | None:
+        """The sample running as scheduler sequence `seq_id` (either spelling of a fork branch)."""
+        return self._seqs.get(seq_id[1:] if seq_id.startswith("_") else seq_id)
 
     def _grammar_pool(self) -> GrammarCompilePool:
         if self.grammars is None:
@@ -327,7 +392,8 @@ class LLMEngine:
                 req.ignore(f"grammar compile failed: {done.error}")
                 self._finished_between_steps.append(req)
             else:
-                req.grammar = self.grammars.backend.new_state(done.compiled)
+                for sample in req.samples:
+                    sample.grammar = self.grammars.backend.new_state(done.compiled)
                 # Never recomputed (DESIGN.md §4): a preemption finishes it.
                 self.scheduler.add_seq(req.request_id, req.prompt_token_ids, req.max_tokens, recomputable=False)
 
@@ -359,7 +425,9 @@ class LLMEngine:
             if req is None or req.finished:
                 return
             if self._awaiting_grammar.pop(request_id, None) is None:
-                self._forget_seq(request_id)
+                for sample in req.samples:
+                    if not sample.finished:
+                        self._forget_seq(sample.seq_id)
             req.abort()
             self._finished_between_steps.append(req)
 
@@ -407,20 +475,20 @@ class LLMEngine:
             outputs = [r.to_output() for r in changed.values() if r.finished or r.output_kind is not final_only]
             for req in changed.values():
                 if req.finished:
-                    del self._requests[req.request_id]
+                    self._forget_request(req)
             return outputs
 
     def _run_step(self, out: SchedulerOutput, changed: dict[str, Request]) -> None:
         previous, self._in_flight = self._in_flight, None
         for ignored in out.ignored:
-            req = self._requests.get(ignored.seq_id)
+            req = self._seq(ignored.seq_id)
             if req is not None and not req.finished:
                 req.ignore(str(ignored.reason.value))
-                changed[req.request_id] = req
+                changed[req.request_id] = req.owner
         recomputed = set(out.recomputed_seq_ids)
-        in_flight = {r.request_id for r in previous.reqs} if previous is not None and out.preempted_seq_ids else ()
+        in_flight = {r.seq_id for r in previous.reqs} if previous is not None and out.preempted_seq_ids else ()
         for seq_id in out.preempted_seq_ids:
-            req = self._requests.get(seq_id)
+            req = self._seq(seq_id)
             if seq_id in recomputed:
                 if seq_id in in_flight:
                     previous.recomputed.add(seq_id)
@@ -428,7 +496,7 @@ class LLMEngine:
                 previous.preempted.add(seq_id)      # finished once its in-flight token is in, below
             elif req is not None:
                 req.preempt()
-                changed[seq_id] = req
+                changed[req.request_id] = req.owner
         if len(out.preempted_seq_ids) > len(recomputed):
             logger.warning("KV cache full: %d request(s) finished as 'preempted' (%d queued for recompute); "
                            "a client may retry them, or build the engine with stop_preempted_request=False "
@@ -450,8 +518,12 @@ class LLMEngine:
                 self._post_process(done, self.sampling.collect(done.sampling), changed)
             current = None
             if step is not None and logits is not None and step.sample_seq_ids:    # (3) sample N
-                reqs = list(map(self._requests.__getitem__, step.sample_seq_ids))
-                sampling = self.sampling.launch(step.sample_seq_ids, logits, self._step_rows(reqs), guarded=guarded)
+                reqs = [self._seq(seq_id) for seq_id in step.sample_seq_ids]
+                seq_ids = step.sample_seq_ids
+                if out.kind is StepKind.PREFILL and any(r.unforked for r in reqs):
+                    logits, reqs = self._rows_per_sample(logits, reqs)   # n rows for a prefilled group
+                    seq_ids = tuple(r.seq_id for r in reqs)
+                sampling = self.sampling.launch(seq_ids, logits, self._step_rows(reqs), guarded=guarded)
                 self.runner.record_sampled(step, sampling.token_ids)
                 current = _InFlightStep(out, reqs, sampling)
             self._pump_grammars()                                                  # (4) pre_sampler_sync
@@ -467,7 +539,27 @@ class LLMEngine:
                 self._fail(seq_id, err, changed)
             for req in previous.reqs if previous is not None else ():
                 if not req.finished:
-                    self._fail(req.request_id, err, changed)
+                    self._fail(req.seq_id, err, changed)
+
+    def _rows_per_sample(self, logits: torch.Tensor, reqs: list[Request]) -> tuple[torch.Tensor, list[Request]]:
+        """A prefill step's logits with the row of each group's sample 0 repeated for its other samples
+        (a host decision: prefill steps are never launched under the sync guard)."""
+        rows: list[int] = []
+        expanded: list[Request] = []
+        for row, req in enumerate(reqs):
+            for sample in (req, *req.unforked):
+                rows.append(row)
+                expanded.append(sample)
+        index = torch.tensor(rows, dtype=torch.int64, device=logits.device)
+        return logits.index_select(0, index), expanded
+
+    def _fork(self, req: Request) -> None:
+        """Fork sample 0's just-prefilled sequence for the group's other samples."""
+        samples, req.unforked = req.unforked, []
+        branch_ids = self.scheduler.fork_seq(req.seq_id, len(samples))
+        expected = tuple("_" + s.seq_id for s in samples)
+        if branch_ids != expected:     # the ids _check_ids_free reserved
+            raise RuntimeError(f"fork of {req.seq_id!r} gave {branch_ids}, expected {expected}")
 
     def _post_process(self, step: _InFlightStep, sampled: SampledStep, changed: dict[str, Request]) -> None:
         continuing_ids: list[str] = []
@@ -475,9 +567,14 @@ class LLMEngine:
         prompt_engine = self.args.engine_type is EngineType.PROMPT
         errors = sampled.errors
         preempted = step.preempted | step.recomputed
+        for req in step.reqs:
+            if req.unforked and not req.finished:
+                self._fork(req)
         for row, (req, token_id, logprobs) in enumerate(zip(step.reqs, sampled.token_ids, sampled.logprobs)):
-            seq_id = req.request_id
+            seq_id = req.seq_id
             if req.finish_reason is not None or (preempted and seq_id in step.recomputed):
+                if req.history_slot is not None and not req.finished:     # its token was counted: take it out
+                    self.sampling.history.reset(req.history_slot, req.prompt_token_ids, req.output_token_ids)
                 continue            # ended (or to be recomputed) since the step was launched: token dropped
             error = errors.get(row) if errors else None
             if error is not None:
@@ -486,7 +583,7 @@ class LLMEngine:
                 req.add_token(token_id, logprobs)
             if prompt_engine and req.finish_reason is None:
                 req.hand_over()
-            changed[seq_id] = req
+            changed[req.request_id] = req.owner
             if preempted and seq_id in step.preempted:
                 req.preempt()       # the scheduler has already freed it
             elif req.finish_reason is not None:
@@ -495,8 +592,8 @@ class LLMEngine:
                 continuing_ids.append(seq_id)
                 continuing_tokens.append(token_id)
         self._record_tokens(step.out.kind, continuing_ids, continuing_tokens)
-        handed = [r.request_id for r in changed.values() if r.finish_reason == FINISH_PREFILLED] if prompt_engine \
-            else None     # only a PROMPT engine hands requests over
+        handed = [r.request_id for r in changed.values() if isinstance(r, Request) and
+                  r.finish_reason == FINISH_PREFILLED] if prompt_engine else None  # only a PROMPT engine hands over
         if handed:
             self.pe_prepare_save_kvcache(handed)
             self.pe_do_save_kvcache(handed)
@@ -505,10 +602,10 @@ class LLMEngine:
     def _fail(self, seq_id: str, err: BaseException, changed: dict[str, Request]) -> None:
         """Finish one sequence's request as "error" because of `err` and free what it holds."""
         self._forget_seq(seq_id)
-        req = self._requests.get(seq_id)
+        req = self._seq(seq_id)
         if req is not None and not req.finished:
             req.fail(f"engine fault: {type(err).__name__}: {err}")
-            changed[seq_id] = req
+            changed[req.request_id] = req.owner
 
     def _fail_all_scheduled(self, err: BaseException, changed: dict[str, Request]) -> None:
         """A fault inside `schedule()`: fail every request the scheduler held and start a fresh
@@ -534,10 +631,20 @@ class LLMEngine:
 
     def _step_rows(self, reqs: list[Request]) -> StepRows:
         """The sampling parameters of a step's rows, a few passes over its requests (no object per row).
-        A request that ended since the step was scheduled samples unconstrained (its token is dropped)."""
+        A request that ended since the step was scheduled samples unconstrained (its token is dropped).
+        A row that needs a TokenHistory row gets one at its request's first sampled row, from the host's
+        tokens (then complete: it is a prefill row, never one launched before the previous step is read)."""
         grammars = None if self.grammars is None else [None if r.finished else r.grammar for r in reqs]
+        controlled = any(r.controlled for r in reqs)
+        if controlled:
+            history = self.sampling.history
+            for r in reqs:
+                if r.needs_history and r.history_slot is None and not r.finished:
+                    r.history_slot = history.acquire(r.prompt_token_ids, r.output_token_ids)
         return StepRows([r.params for r in reqs], [r.rng for r in reqs], [len(r.output_token_ids) for r in reqs],
-                        grammars if grammars is not None and any(g is not None for g in grammars) else None)
+                        grammars if grammars is not None and any(g is not None for g in grammars) else None,
+                        history_slots=[r.history_slot for r in reqs] if controlled else None,
+                        bad_word_ids=[r.bad_word_ids for r in reqs] if controlled else None, controlled=controlled)
 
     # ------------------------------------------------------------------ disaggregation hooks
     # No-ops in NORMAL engines. A prefill/decode-disaggregated deployment overrides them

@@ -18,7 +18,7 @@ from .outputs import (
     running_output,
 )
 from .sampling_batch import RequestRng
-from .sampling_params import SamplingParams
+from .sampling_params import MAX_SEED, SamplingParams
 from .tokenizer import Tokenizer
 
 
@@ -31,6 +31,11 @@ class Request:
 
     A structured-output request gets its `grammar` state from the engine once compiled; every token
     is first fed to it, and a token the grammar rejects fails the request ("error").
+
+    A request with n > 1 samples is a `ParallelRequest` of n of these: sample `index` runs as the
+    scheduler sequence `seq_id` (the request id for sample 0, which is prefilled; f"{request_id}.{index}"
+    for the others, forked from it once its prompt is in), seeded with seed + index. Until the fork,
+    sample 0 holds the others in `unforked`, and they end with it if it ends first.
     """
 
     def __init__(
@@ -45,13 +50,27 @@ class Request:
         max_model_len: int,
         device: str,
         output_kind: OutputKind = OutputKind.CUMULATIVE,
+        index: int = 0,
+        bad_word_ids: tuple[tuple[int, ...], ...] = (),
     ) -> None:
         self.request_id = request_id
+        self.index = index
+        self.seq_id = request_id if index == 0 else f"{request_id}.{index}"   # the scheduler's id
+        self.owner: Request | ParallelRequest = self          # what the engine reports: self or the group
+        self.unforked: list[Request] = []                     # sample 0 of a group, until the fork
         self.prompt = prompt
         self.prompt_token_ids = prompt_token_ids
         self.params = params
-        self.rng = RequestRng.for_params(params, device)
-        self.detok = IncrementalDetokenizer(tokenizer) if tokenizer is not None else None
+        self.rng = None if params.seed is None else RequestRng((params.seed + index) & MAX_SEED, device)
+        # Logit controls (`logit_controls`): the tokenized bad words, and the TokenHistory row the
+        # engine hands out at the first sampled row of a request with a penalty or a multi-token bad word.
+        self.bad_word_ids = bad_word_ids
+        self.needs_history = params.uses_penalties or any(len(word) > 1 for word in bad_word_ids)
+        self.controlled = self.needs_history or bool(bad_word_ids) or bool(params.logit_bias) or \
+            params.allowed_token_ids is not None
+        self.history_slot: int | None = None
+        self.detok = IncrementalDetokenizer(tokenizer, skip_special_tokens=params.skip_special_tokens) \
+            if tokenizer is not None else None
         self.stops = StopStringChecker(params.stop, include_stop_str_in_output=params.include_stop_str_in_output)
         self.eos_token_ids = () if params.ignore_eos else eos_token_ids
         self.max_model_len = max_model_len
@@ -137,6 +156,10 @@ class Request:
         if self.finished:
             return
         self.finish_reason, self.stop_reason = reason, stop_reason
+        unforked, self.unforked = self.unforked, []
+        for sample in unforked:          # never started: they end as sample 0 did
+            sample.ignored_reason, sample.error_reason = self.ignored_reason, self.error_reason
+            sample._finish(reason, None)
         if self.detok is not None and self._num_undecoded:     # no stop strings on this path
             self._text += self.detok.add(self.output_token_ids[-self._num_undecoded:])
             self._num_undecoded = 0
@@ -148,6 +171,27 @@ class Request:
                 self._text += self.stops.add(tail, allow_stop=False).delta
                 self._text += self.stops.finish()
 
+    @property
+    def samples(self) -> tuple[Request, ...]:
+        """The samples of a request reported on its own: itself."""
+        return (self,)
+
+    def _parts(self) -> tuple[str, list[int], list[dict[int, float]] | None]:
+        """(text, token ids, logprobs) now, cumulative or (DELTA) what is new since the previous call."""
+        first_token, first_char = self._num_reported if self.output_kind is OutputKind.DELTA else (0, 0)
+        if self.output_kind is OutputKind.DELTA:
+            self._num_reported = (len(self.output_token_ids), len(self._text))
+        token_ids = self.output_token_ids[first_token:]
+        logprobs = None if self.logprobs is None else self.logprobs[first_token:]
+        return (self._text[first_char:] if first_char else self._text), token_ids, logprobs
+
+    def completion(self) -> CompletionOutput:
+        """This sample's `CompletionOutput` now (as `_parts`)."""
+        text, token_ids, logprobs = self._parts()
+        return CompletionOutput(index=self.index, text=text, token_ids=token_ids, finish_reason=self.finish_reason,
+                                logprobs=logprobs, stop_reason=self.stop_reason, ignored_reason=self.ignored_reason,
+                                error_reason=self.error_reason)
+
     def to_output(self) -> RequestOutput:
         """This request's output now, cumulative or (DELTA) what is new since the previous call. The
         token and logprob lists are fresh copies (a later step never changes an output already handed
@@ -155,22 +199,54 @@ class Request:
         costs nothing per prompt token."""
         if self._prompt_out is None:
             self._prompt_out = list(self.prompt_token_ids)
-        first_token, first_char = self._num_reported if self.output_kind is OutputKind.DELTA else (0, 0)
-        if self.output_kind is OutputKind.DELTA:
-            self._num_reported = (len(self.output_token_ids), len(self._text))
-        token_ids = self.output_token_ids[first_token:]
-        logprobs = None if self.logprobs is None else self.logprobs[first_token:]
-        text = self._text[first_char:] if first_char else self._text
-        if not self.finished:
-            return running_output(self.request_id, self.prompt, self._prompt_out, text, token_ids, logprobs)
-        completion = CompletionOutput(
-            index=0,
-            text=text,
-            token_ids=token_ids,
-            finish_reason=self.finish_reason,
-            logprobs=logprobs,
-            stop_reason=self.stop_reason,
-            ignored_reason=self.ignored_reason,
-            error_reason=self.error_reason,
-        )
-        return RequestOutput(self.request_id, self.prompt, self._prompt_out, [completion], self.finished)
+        if self.finished:
+            return RequestOutput(self.request_id, self.prompt, self._prompt_out, [self.completion()], True)
+        text, token_ids, logprobs = self._parts()
+        return running_output(self.request_id, self.prompt, self._prompt_out, text, token_ids, logprobs)
+
+
+class ParallelRequest:
+    """A request with SamplingParams.n > 1: its samples, each a `Request` (index 0..n − 1).
+
+    Sample 0 is queued and prefilled; when its prompt is in, the engine samples n first tokens from
+    its logits and forks the scheduler sequence (`Scheduler.fork_seq`) for samples 1..n − 1, which
+    share its KV blocks copy-on-write. The request is finished when every sample is.
+    """
+
+    def __init__(self, samples: list[Request]) -> None:
+        first = samples[0]
+        self.samples = tuple(samples)
+        self.request_id = first.request_id
+        self.prompt = first.prompt
+        self.prompt_token_ids = first.prompt_token_ids
+        self.params = first.params
+        self.output_kind = first.output_kind
+        self.max_tokens = first.max_tokens
+        self._prompt_out: list[int] | None = None
+        for sample in samples:
+            sample.owner = self
+        first.unforked = list(samples[1:])
+
+    @property
+    def finished(self) -> bool:
+        return all(sample.finished for sample in self.samples)
+
+    def abort(self) -> None:
+        for sample in self.samples:
+            sample.abort()
+
+    def ignore(self, reason: str) -> None:
+        for sample in self.samples:
+            if not sample.finished:
+                sample.ignore(reason)
+
+    def fail(self, reason: str) -> None:
+        for sample in self.samples:
+            sample.fail(reason)
+
+    def to_output(self) -> RequestOutput:
+        """One `CompletionOutput` per sample, in index order (each cumulative or DELTA as asked)."""
+        if self._prompt_out is None:
+            self._prompt_out = list(self.prompt_token_ids)
+        return RequestOutput(self.request_id, self.prompt, self._prompt_out,
+                             [sample.completion() for sample in self.samples], self.finished)

@@ -24,6 +24,7 @@ from torch import Tensor
 
 from deepinfer.kernels import kernels_for
 
+from .logit_controls import apply_logit_controls, record_tokens
 from .sampling_batch import InvalidSamplingBatch, SamplingBatch
 from .sampling_params import MAX_SEED
 from .token_bitmask import apply_token_bitmask
@@ -53,7 +54,9 @@ class Sampler:
     softmax, keep top-k (ties at the k-th place -> lowest ids kept), then top-p on the renormalised
     top-k distribution (the smallest prefix whose probability is >= top_p; always >= 1 token), then
     min-p (drop p < min_p * p_max), and sample the rest. EOS / stop ids of rows below min_tokens are
-    masked first, for greedy rows too, and so are tokens a row's grammar bitmask disallows.
+    masked first, for greedy rows too, and so are tokens a row's grammar bitmask disallows. Before
+    all that, `batch.controls` (penalties, logit_bias, allowed_token_ids, bad_words) change the logits
+    the tokens are picked from (`logit_controls`), and the sampled tokens go into their history.
 
     Rows whose raw logits are not finite (NaN, +inf, every entry -inf, or so large that a temperature
     could overflow them) are flagged in `SamplerOutput.finite_rows` and their token must be dropped.
@@ -102,10 +105,10 @@ class Sampler:
         # log_softmax(logits) = logits - logsumexp(logits), taken only where needed.
         log_normaliser = torch.logsumexp(logits, dim=-1, keepdim=True)   # [num_seqs, 1]
         finite_rows = log_normaliser.squeeze(1).abs() <= MAX_LOGIT_MAGNITUDE   # False for NaN / ±inf too
-        masked = logits
+        masked = logits if batch.controls is None else apply_logit_controls(logits, batch.controls)
         if batch.banned_rows.shape[0]:
             minus_inf = logits.new_full((), -torch.inf)
-            masked = logits.index_put((batch.banned_rows, batch.banned_token_ids), minus_inf)
+            masked = masked.index_put((batch.banned_rows, batch.banned_token_ids), minus_inf)
         if batch.token_bitmask is not None:
             masked = apply_token_bitmask(masked, batch.token_bitmask, batch.bitmask_rows)
         num_greedy = batch.greedy_rows.shape[0]
@@ -119,6 +122,8 @@ class Sampler:
             token_ids.index_copy_(0, batch.greedy_rows, greedy)
             sampled = self._sample(masked.index_select(0, batch.random_rows), batch)
             token_ids.index_copy_(0, batch.random_rows, sampled)
+        if batch.controls is not None:
+            record_tokens(batch.controls, token_ids)
         logprobs = (logits.gather(1, token_ids[:, None]) - log_normaliser).squeeze(1)
         num_top = min(batch.num_top_logprobs, batch.vocab_size)
         if num_top == 0:

@@ -16,6 +16,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from .logit_controls import LogitControls
 from .sampling_params import MAX_SEED, SamplingParams
 from .staging import to_device
 from .token_bitmask import bitmask_width
@@ -95,6 +96,7 @@ class SamplingBatch:
     token_bitmask: Tensor | None = None   # [num_constrained, ceil(vocab_size / 32)] int32 grammar masks
     bitmask_rows: Tensor | None = None    # [num_constrained] int64, the logits row of each mask row;
                                           # None with a bitmask: every row, mask row i = logits row i
+    controls: LogitControls | None = None  # penalties, logit_bias, allowed_token_ids, bad_words
 
     def __post_init__(self) -> None:
         num_random = self.random_rows.shape[0]
@@ -142,6 +144,7 @@ def build_sampling_batch(
     device: torch.device | str = "cpu",
     token_bitmask: Tensor | None = None,
     bitmask_rows: Sequence[int] = (),
+    controls: LogitControls | None = None,
 ) -> SamplingBatch:
     """Turn the rows' `SamplingParams` into a `SamplingBatch` (host work, one small copy per tensor).
 
@@ -156,6 +159,7 @@ def build_sampling_batch(
         token_bitmask: None, or int32 [len(bitmask_rows), ceil(vocab_size / 32)] on the host: the
             grammar mask of each constrained row (`token_bitmask.fill_token_bitmask`).
         bitmask_rows: the logits row of each token_bitmask row.
+        controls: the rows' penalties, biases and bans (`logit_controls.build_logit_controls`), or None.
 
     Raises:
         InvalidSamplingBatch: lengths differ, or rngs do not match the seeds.
@@ -219,6 +223,7 @@ def build_sampling_batch(
         use_top_p=any(p.top_p < 1 for p in chosen),
         token_bitmask=None if token_bitmask is None else to_device(token_bitmask, device),
         bitmask_rows=None if token_bitmask is None or every_row_masked else masked_rows_t,
+        controls=controls,
     )
 
 

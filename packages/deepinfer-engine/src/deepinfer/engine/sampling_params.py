@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import math
 import numbers
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import NoReturn
 
@@ -28,6 +28,13 @@ MAX_STOP_STRING_LEN = 1024      # characters per stop string
 MAX_STOP_TOKEN_IDS = 1024
 MAX_STRUCTURED_CHARS = 2**20   # a schema (compact JSON), regex or grammar; all choices together
 MAX_CHOICES = 4096
+MAX_N = 128                     # parallel samples of one request
+MAX_PENALTY = 2.0               # presence / frequency penalties in [-2, 2]; repetition in (0, 2]
+MAX_LOGIT_BIAS = 100.0          # a logit_bias value in [-100, 100]
+MAX_LOGIT_BIAS_ENTRIES = 1024
+MAX_ALLOWED_TOKEN_IDS = 2**20   # entries of allowed_token_ids
+MAX_BAD_WORDS = 128
+MAX_BAD_WORD_TOKENS = 16        # tokens of one bad word once tokenized (checked by the engine)
 
 
 class InvalidSamplingParams(ValueError):
@@ -138,6 +145,31 @@ class SamplingParams:
         structured: None, or a `StructuredOutput` the output must follow (JSON schema, regex, EBNF
             grammar or choice). Needs a tokenizer and the xgrammar package; cannot be combined with
             ignore_eos (a constrained output ends with EOS).
+        n: in [1, `MAX_N` = 128]: parallel samples of the prompt (prefilled once, then forked
+            copy-on-write). With a seed, sample i draws from seed + i (mod 2**64).
+        presence_penalty: in [-2, 2]: subtracted from the logit of every token the output already
+            holds (vLLM / OpenAI). 0 = off.
+        frequency_penalty: in [-2, 2]: times the token's count in the output so far, subtracted from
+            its logit. 0 = off.
+        repetition_penalty: in (0, 2]: for tokens of the prompt or the output so far, a positive logit
+            is divided by it and a negative one multiplied (HF / vLLM). 1 = off.
+        logit_bias: None, or {token id: bias}: at most `MAX_LOGIT_BIAS_ENTRIES` = 1,024 entries, each
+            bias in [-100, 100], added to the logit before sampling (normalised to a tuple of
+            (token id, bias) pairs, ascending id; ids are checked against the vocabulary by the engine).
+        allowed_token_ids: None, or a non-empty sequence of token ids: only these may be sampled
+            (normalised to a sorted tuple without duplicates; checked against the vocabulary by the engine).
+        bad_words: words that must not be generated (normalised to a tuple of non-empty str, at most
+            `MAX_BAD_WORDS` = 128): each is tokenized (with and without a leading space, as vLLM does),
+            and the last token of a tokenized word is banned while the output ends with its other tokens.
+            Needs a tokenizer.
+        prompt_logprobs: None, or an int in [0, 20]: the logprob of every prompt token given its prefix
+            (None for the first one) plus this many most likely alternatives.
+        skip_special_tokens: leave special tokens out of the output text.
+
+        Penalties, logit_bias, allowed_token_ids and bad_words change what is sampled (greedy rows
+        too); the logprobs stay those of the raw distribution. They apply in vLLM's order:
+        allowed_token_ids, bad_words, min_tokens bans and logit_bias, then the penalties (repetition,
+        then frequency and presence).
 
     Raises:
         InvalidSamplingParams: a field of the wrong type or outside its range (NaN and inf included).
@@ -156,6 +188,15 @@ class SamplingParams:
     logprobs: int | None = None
     include_stop_str_in_output: bool = False
     structured: StructuredOutput | None = None
+    n: int = 1
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: Mapping[int, float] | Sequence[tuple[int, float]] | None = None
+    allowed_token_ids: Sequence[int] | None = None
+    bad_words: Sequence[str] | None = ()
+    prompt_logprobs: int | None = None
+    skip_special_tokens: bool = True
 
     def __post_init__(self) -> None:
         temperature = _real("temperature", self.temperature)
@@ -193,7 +234,25 @@ class SamplingParams:
             _fail(f"structured={self.structured!r} must be None or a StructuredOutput")
         if self.structured is not None and self.ignore_eos:
             _fail("ignore_eos=True cannot be combined with structured: a constrained output ends with EOS")
+        num_samples = _int("n", self.n)
+        if not 1 <= num_samples <= MAX_N:
+            _fail(f"n={num_samples} must be >= 1 and <= {MAX_N}")
+        penalties = {name: _real(name, getattr(self, name))
+                     for name in ("presence_penalty", "frequency_penalty", "repetition_penalty")}
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not -MAX_PENALTY <= penalties[name] <= MAX_PENALTY:
+                _fail(f"{name}={penalties[name]} must be in [-{MAX_PENALTY:g}, {MAX_PENALTY:g}] (0 = off)")
+        if not 0 < penalties["repetition_penalty"] <= MAX_PENALTY:
+            _fail(f"repetition_penalty={penalties['repetition_penalty']} must be in (0, {MAX_PENALTY:g}] (1 = off)")
+        prompt_logprobs = None if self.prompt_logprobs is None else _int("prompt_logprobs", self.prompt_logprobs)
+        if prompt_logprobs is not None and not 0 <= prompt_logprobs <= MAX_LOGPROBS:
+            _fail(f"prompt_logprobs={prompt_logprobs} must be None or in [0, {MAX_LOGPROBS}]")
+        _check_bool("skip_special_tokens", self.skip_special_tokens)
         normalised = {
+            "n": num_samples, "prompt_logprobs": prompt_logprobs, **penalties,
+            "logit_bias": _normalise_logit_bias(self.logit_bias),
+            "allowed_token_ids": _normalise_allowed(self.allowed_token_ids),
+            "bad_words": _normalise_bad_words(self.bad_words),
             "temperature": temperature, "top_k": top_k, "top_p": top_p, "min_p": min_p,
             "max_tokens": max_tokens, "min_tokens": min_tokens, "seed": seed, "logprobs": logprobs,
             "stop": _normalise_stop(self.stop),
@@ -210,6 +269,11 @@ class SamplingParams:
     @property
     def top_k_enabled(self) -> bool:
         return self.top_k >= 1
+
+    @property
+    def uses_penalties(self) -> bool:
+        """True when a penalty is on: the sampler needs the request's token counts."""
+        return self.presence_penalty != 0 or self.frequency_penalty != 0 or self.repetition_penalty != 1
 
 
 def _fail(message: str) -> NoReturn:
@@ -267,6 +331,62 @@ def _normalise_stop_token_ids(ids: object) -> tuple[int, ...]:
         if isinstance(item, bool) or not isinstance(item, numbers.Integral) or not 0 <= item <= MAX_TOKEN_ID:
             _fail(f"stop_token_ids[{i}]={item!r} must be an int >= 0 and <= {MAX_TOKEN_ID}")
     return tuple(int(item) for item in result)
+
+
+def _token_id(name: str, value: object) -> int:
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or not 0 <= value <= MAX_TOKEN_ID:
+        _fail(f"{name}={value!r} must be an int >= 0 and <= {MAX_TOKEN_ID}")
+    return int(value)  # type: ignore[call-overload]
+
+
+def _normalise_logit_bias(bias: object) -> tuple[tuple[int, float], ...] | None:
+    if bias is None:
+        return None
+    if isinstance(bias, Mapping):
+        items = list(bias.items())
+    elif isinstance(bias, Sequence) and not isinstance(bias, str | bytes):
+        items = list(bias)
+        if not all(isinstance(item, tuple | list) and len(item) == 2 for item in items):
+            _fail("logit_bias must be a mapping {token id: bias} or a sequence of (token id, bias) pairs")
+    else:
+        _fail(f"logit_bias={bias!r} must be a mapping {{token id: bias}}")
+    if len(items) > MAX_LOGIT_BIAS_ENTRIES:
+        _fail(f"logit_bias has {len(items)} entries: at most {MAX_LOGIT_BIAS_ENTRIES} are allowed")
+    result: dict[int, float] = {}
+    for token_id, value in items:
+        key = _token_id("logit_bias key", token_id)
+        if key in result:
+            _fail(f"logit_bias holds token id {key} twice")
+        amount = _real(f"logit_bias[{key}]", value)
+        if not -MAX_LOGIT_BIAS <= amount <= MAX_LOGIT_BIAS:
+            _fail(f"logit_bias[{key}]={amount} must be in [-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}]")
+        result[key] = amount
+    return tuple(sorted(result.items())) or None
+
+
+def _normalise_allowed(ids: object) -> tuple[int, ...] | None:
+    if ids is None:
+        return None
+    if isinstance(ids, str | bytes) or not isinstance(ids, Sequence) or not ids:
+        _fail(f"allowed_token_ids={ids!r} must be None or a non-empty sequence of int")
+    if len(ids) > MAX_ALLOWED_TOKEN_IDS:
+        _fail(f"allowed_token_ids has {len(ids)} ids: at most {MAX_ALLOWED_TOKEN_IDS} are allowed")
+    return tuple(sorted({_token_id(f"allowed_token_ids[{i}]", t) for i, t in enumerate(ids)}))
+
+
+def _normalise_bad_words(words: object) -> tuple[str, ...]:
+    if words is None:
+        return ()
+    if isinstance(words, str | bytes) or not isinstance(words, Sequence):
+        _fail(f"bad_words={words!r} must be a sequence of str")
+    if len(words) > MAX_BAD_WORDS:
+        _fail(f"bad_words has {len(words)} words: at most {MAX_BAD_WORDS} are allowed")
+    for i, word in enumerate(words):
+        if not isinstance(word, str) or not word.strip():
+            _fail(f"bad_words[{i}]={word!r} must be a non-empty str")
+        if len(word) > MAX_STOP_STRING_LEN:
+            _fail(f"bad_words[{i}] has {len(word)} characters: at most {MAX_STOP_STRING_LEN} are allowed")
+    return tuple(words)
 
 
 def _normalise_schema(schema: object) -> str:

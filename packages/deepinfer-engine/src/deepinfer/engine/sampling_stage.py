@@ -26,6 +26,7 @@ import torch
 from torch import Tensor
 
 from .grammar_backend import GrammarState
+from .logit_controls import TokenHistory, build_logit_controls
 from .sampler import Sampler, SamplerOutput, logprob_dicts
 from .sampling_batch import RequestRng, SamplingBatch, banned_token_ids, build_sampling_batch
 from .sampling_params import SamplingParams
@@ -83,6 +84,9 @@ class StepRows:
     rngs: Sequence[RequestRng | None]
     num_output_tokens: Sequence[int]
     grammars: Sequence[GrammarState | None] | None = None   # None = no row is constrained
+    history_slots: Sequence[int | None] | None = None   # TokenHistory row of each row; None = no row has one
+    bad_word_ids: Sequence[Sequence[Sequence[int]]] | None = None   # tokenized bad words; None = none
+    controlled: bool = False     # some row has penalties, logit_bias, allowed_token_ids or bad_words
 
     @classmethod
     def from_rows(cls, rows: Sequence[RowParams]) -> StepRows:
@@ -123,11 +127,13 @@ class SamplingStage:
         eos_token_ids: the model's EOS ids (banned below a row's min_tokens).
         vocab_size: logits width.
         sync_guard: wrap the launch of guarded steps in `forbid_cuda_sync`.
+        history: the token history of penalised rows (`StepRows.history_slots` index it).
     """
 
     def __init__(self, sampler: Sampler, eos_token_ids: Sequence[int], vocab_size: int, *,
-                 sync_guard: bool = True) -> None:
+                 sync_guard: bool = True, history: TokenHistory | None = None) -> None:
         self.sampler = sampler
+        self.history = history
         self.eos_token_ids = tuple(eos_token_ids)
         self.vocab_size = vocab_size
         self.sync_guard = sync_guard
@@ -147,11 +153,15 @@ class SamplingStage:
                       for p, num_out, g in zip(rows.params, num_output_tokens, rows.grammars)]
             masks = fill_token_bitmask(list(rows.grammars), list(num_output_tokens), banned, self.vocab_size)
         with forbid_cuda_sync(logits.device, enabled=guarded and self.sync_guard):
+            num_rows = len(rows.params)
+            controls = build_logit_controls(
+                rows.params, rows.history_slots or [None] * num_rows, rows.bad_word_ids or [()] * num_rows,
+                self.history, self.vocab_size, logits.device) if rows.controlled else None
             batch = build_sampling_batch(
                 rows.params, rngs=rows.rngs, num_output_tokens=num_output_tokens,
                 eos_token_ids=self.eos_token_ids, vocab_size=self.vocab_size, device=logits.device,
                 token_bitmask=None if masks is None else masks.bitmask,
-                bitmask_rows=() if masks is None else masks.rows,
+                bitmask_rows=() if masks is None else masks.rows, controls=controls,
             )
             sampled = self.sampler(logits.float(), batch)
             readback, done = to_host(_readback_tensors(sampled, batch))
