@@ -288,6 +288,77 @@ def paged_cases(device: str, dtype: torch.dtype) -> list[Case]:
     ]
 
 
+def v41_cases(device: str, dtype: torch.dtype) -> list[Case]:
+    """DeepSeek-V4.1: single-pass mHC, the Engram gate, attention and index scores over packed rows (MXFP8
+    window rings, FP4 compressed rows and keys), the candidate blocks, top-k and the row quantisation."""
+    hc, dim = 2, 192
+    streams = _randn(POOL, hc, dim, seed=100, device=device, dtype=dtype)
+    fn = _randn((2 + hc) * hc, hc * dim, seed=101, device=device, std=0.05)
+    scale, base = torch.tensor([0.9, 1.1, 1.3], device=device), _randn((2 + hc) * hc, seed=102, device=device)
+    pre = _randn(POOL, hc, seed=103, device=device).sigmoid()
+    post, comb = 2 * _randn(POOL, hc, seed=104, device=device).sigmoid(), _randn(POOL, hc, hc, seed=105,
+                                                                                   device=device).softmax(-1)
+    block_out = _randn(POOL, dim, seed=106, device=device, dtype=dtype)
+    key, weight = _randn(POOL, hc, dim, seed=107, device=device), 1 + _randn(hc, dim, seed=108, device=device, std=0.1)
+    mix = dict(sinkhorn_iters=5, hc_eps=1e-6, norm_eps=1e-6)
+
+    heads, head_dim, window, ratio, block_size, max_blocks = 4, 64, 8, 2, 16, 8
+    rows_per_block, ring_len = block_size // ratio, window + 2
+    positions = torch.tensor(_counts(0, block_size * max_blocks - 1, seed=110), device=device)
+    slots = torch.arange(1, POOL + 1, device=device)
+    tables = (1 + torch.arange(POOL * max_blocks).view(POOL, max_blocks)).to(device=device, dtype=torch.int32)
+    num_blocks = 1 + POOL * max_blocks
+    ring = reference.quant_mxfp8_rows(_randn(POOL + 1, ring_len, head_dim, seed=111, device="cpu")).to(device)
+    paged = reference.quant_fp4_rows(_randn(num_blocks, rows_per_block, head_dim, seed=112, device="cpu"),
+                                     e4m3_scales=True).to(device)
+    q = _randn(POOL, heads, head_dim, seed=113, device=device, dtype=dtype)
+    sink = _randn(heads, seed=114, device=device)
+    visible = ((positions + 1) // ratio).tolist()
+    picks = [torch.randperm(max(v, 1), generator=_gen(115 + i))[:min(v, 6)].tolist() for i, v in enumerate(visible)]
+
+    def attention(ops: KernelSet, r: Sequence[int]):
+        width = max(1, max(len(picks[i]) for i in r))
+        ids = torch.full((len(r), width), -1, dtype=torch.int64)
+        for row, i in enumerate(r):
+            ids[row, :len(picks[i])] = torch.tensor(picks[i], dtype=torch.int64)
+        i = _idx(r, device)
+        return ops.v41_attention(q[i], positions[i], ring, slots[i], window, sink, head_dim**-0.5, None, 0, paged,
+                                 tables[i], ids.to(device), ratio)
+
+    index_heads, index_dim = 4, 32
+    iq = _randn(POOL, index_heads, index_dim, seed=116, device=device, dtype=dtype)
+    index_keys = reference.quant_fp4_rows(_randn(num_blocks, rows_per_block, index_dim, seed=117, device="cpu"),
+                                          e4m3_scales=False).to(device)
+    hw = _randn(POOL, index_heads, seed=118, device=device)
+
+    def index_scores(ops: KernelSet, r: Sequence[int]):
+        i = _idx(r, device)
+        num_entries = max(1, max(visible[j] for j in r))
+        return ops.v41_index_scores(iq[i], index_keys, tables[i], num_entries, hw[i], index_dim**-0.5, ratio)
+
+    scores = _randn(POOL, 40, seed=119, device=device)
+    scores[:, 5] = scores[:, 6]                                         # ties
+    seen = torch.tensor(_counts(1, 40, seed=120), device=device)
+    scores = scores.masked_fill(torch.arange(40, device=device)[None, :] >= seen[:, None], float("-inf"))
+    wide = _randn(POOL, 128, seed=121, device=device, dtype=dtype, std=3.0)
+    tol = 2e-2 if dtype == torch.bfloat16 else 1e-5
+    return [
+        Case("hc_mixes", lambda ops, r: ops.hc_mixes(streams[_idx(r, device)], fn, scale, base, **mix)),
+        Case("hc_collapse", lambda ops, r: ops.hc_collapse(streams[_idx(r, device)], pre[_idx(r, device)])),
+        Case("hc_expand", lambda ops, r: ops.hc_expand(block_out[_idx(r, device)], streams[_idx(r, device)],
+                                                       post[_idx(r, device)], comb[_idx(r, device)])),
+        Case("engram_gate", lambda ops, r: ops.engram_gate(streams[_idx(r, device)].float(), key[_idx(r, device)],
+                                                           weight, 1e-6)),
+        Case("v41_attention (packed rows)", attention, tol),
+        Case("v41_index_scores (packed keys)", index_scores, tol),
+        Case("candidate_blocks", lambda ops, r: ops.candidate_blocks(scores[_idx(r, device)], seen[_idx(r, device)],
+                                                                     3, 4)),
+        Case("topk_finite", lambda ops, r: ops.topk_finite(scores[_idx(r, device)], 6)),
+        Case("quant_mxfp8_rows", lambda ops, r: ops.quant_mxfp8_rows(wide[_idx(r, device)])),
+        Case("quant_fp4_rows", lambda ops, r: ops.quant_fp4_rows(wide[_idx(r, device)], e4m3_scales=True)),
+    ]
+
+
 def row_cases(device: str, dtype: torch.dtype) -> list[Case]:
     """Ops of `invariant.AS_REFERENCE` that take a batch."""
     x = _randn(POOL, 4, 64, seed=80, device=device, dtype=dtype)
@@ -332,7 +403,7 @@ def sampling_case(device: str) -> Case:
 
 def all_cases(device: str, dtype: torch.dtype) -> list[Case]:
     return (linear_cases(device, dtype) + moe_cases(device, dtype) + mhc_cases(device, dtype)
-            + attention_cases(device, dtype) + row_cases(device, dtype))
+            + attention_cases(device, dtype) + row_cases(device, dtype) + v41_cases(device, dtype))
 
 
 CPU_CASES = {dtype: all_cases("cpu", dtype) for dtype in (torch.float32, torch.bfloat16)}
