@@ -148,7 +148,8 @@ def test_prefill_attention_matches_reference(num_queries, heads, dim, window, ra
     close(case.call(v41_attention_fused), case.call(reference.v41_attention), dtype)
 
 
-INDEX_CASES = [(3, 16, 32, 2, 8, 13, True), (4, 8, 64, 1, 8, 40, True), (2, 4, 48, 2, 8, 9, False)] + (
+INDEX_CASES = [(3, 16, 32, 2, 8, 13, True), (11, 8, 32, 2, 8, 21, True), (4, 8, 64, 1, 8, 40, True),
+               (2, 4, 48, 2, 8, 9, False)] + (
     [(64, 32, 128, 2, 64, 4096, True), (8, 32, 128, 1, 64, 8192, True)] if BIG else [])
 
 

@@ -6,7 +6,8 @@
   rows. One program per (head block, query, split); decode steps split the key tiles over several
   programs (flash-decoding, merged by `paged._combine_kernel`) when the batch is small.
 - `v41_index_scores_fused`: the indexer's ReLU-weighted scores against FP4 index keys (UE8M0 scales)
-  read through the block table. One program per (query, block of entries).
+  read through the block table. One program per (query, block of entries); for one sequence's queries
+  (prefill) per (8 queries, block of entries), the keys decoded once for the 8.
 
 Rows are decoded bit-exactly from their bytes (e4m3 / e2m1 / UE8M0 built from the bit fields; no
 float8 type needed), then cast to the query's dtype (exact: every format's value fits bfloat16).
@@ -265,11 +266,13 @@ def v41_attention_invariant(
 @triton.jit
 def _v41_index_kernel(
     q_ptr, keys_ptr, table_ptr, w_ptr, out_ptr, q_query, q_head, keys_block, keys_row, table_stride, w_query,
-    num_heads, dim, num_entries, table_width, rows_per_block, ratio, scale,
-    FMT: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    num_queries, num_heads, dim, num_entries, table_width, rows_per_block, ratio, scale,
+    FMT: tl.constexpr, QUERIES: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     PRECISION: tl.constexpr,
 ):
-    i = tl.program_id(0).to(tl.int64)
+    """Program (query block, entry block): the entries' keys decoded once, scored for QUERIES queries
+    (more than one only when every query reads the same table: one sequence's prefill)."""
+    i0 = tl.program_id(0).to(tl.int64) * QUERIES
     n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     nm = n < num_entries
     d = tl.arange(0, BLOCK_D)
@@ -277,18 +280,22 @@ def _v41_index_kernel(
     block_size = rows_per_block * ratio
     first = n * ratio
     col = first // block_size
-    blk = tl.load(table_ptr + i * table_stride + col, mask=nm & (col < table_width), other=0).to(tl.int64)
+    blk = tl.load(table_ptr + i0 * table_stride + col, mask=nm & (col < table_width), other=0).to(tl.int64)
     rows = keys_ptr + blk[:, None] * keys_block + ((first % block_size) // ratio).to(tl.int64)[:, None] * keys_row
     k = _rows(rows, d, nm[:, None] & dm[None, :], dim, FMT).to(q_ptr.dtype.element_ty)
-    total = tl.zeros([BLOCK_N], tl.float32)
-    for h0 in range(0, num_heads, BLOCK_H):
-        h = h0 + tl.arange(0, BLOCK_H)
-        hm = h < num_heads
-        q = tl.load(q_ptr + i * q_query + h[:, None] * q_head + d[None, :], mask=hm[:, None] & dm[None, :], other=0.0)
-        w = tl.load(w_ptr + i * w_query + h, mask=hm, other=0.0).to(tl.float32)
-        dots = tl.dot(q, tl.trans(k), input_precision=PRECISION)
-        total += tl.sum(tl.maximum(dots, 0.0) * scale * w[:, None], axis=0)
-    tl.store(out_ptr + i * num_entries + n, total, mask=nm)
+    for qi in range(QUERIES):
+        i = i0 + qi
+        if i < num_queries:
+            total = tl.zeros([BLOCK_N], tl.float32)
+            for h0 in range(0, num_heads, BLOCK_H):
+                h = h0 + tl.arange(0, BLOCK_H)
+                hm = h < num_heads
+                q = tl.load(q_ptr + i * q_query + h[:, None] * q_head + d[None, :], mask=hm[:, None] & dm[None, :],
+                            other=0.0)
+                w = tl.load(w_ptr + i * w_query + h, mask=hm, other=0.0).to(tl.float32)
+                dots = tl.dot(q, tl.trans(k), input_precision=PRECISION)
+                total += tl.sum(tl.maximum(dots, 0.0) * scale * w[:, None], axis=0)
+            tl.store(out_ptr + i * num_entries + n, total, mask=nm)
 
 
 def v41_index_scores_fused(
@@ -304,13 +311,16 @@ def v41_index_scores_fused(
     if num_queries == 0 or num_entries == 0:
         return out
     weights = head_weights.contiguous()
-    table_stride = block_tables.stride(0) if block_tables.dim() == 2 else 0
+    shared = block_tables.dim() == 1
+    table_stride = 0 if shared else block_tables.stride(0)
     block_n = 32
-    _v41_index_kernel[(num_queries, triton.cdiv(num_entries, block_n))](
+    queries = 8 if shared else 1           # one sequence's queries share its keys: decode them once per 8
+    _v41_index_kernel[(triton.cdiv(num_queries, queries), triton.cdiv(num_entries, block_n))](
         q, paged_keys, block_tables, weights, out, q.stride(0), q.stride(1), paged_keys.stride(0),
-        paged_keys.stride(1), table_stride, weights.stride(0), num_heads, dim, num_entries, block_tables.shape[-1],
-        paged_keys.shape[1], ratio, softmax_scale,
-        FMT=_format(paged_keys, FP4_UE8M0), BLOCK_H=16, BLOCK_N=block_n, BLOCK_D=max(triton.next_power_of_2(dim), 16),
+        paged_keys.stride(1), table_stride, weights.stride(0), num_queries, num_heads, dim, num_entries,
+        block_tables.shape[-1], paged_keys.shape[1], ratio, softmax_scale,
+        FMT=_format(paged_keys, FP4_UE8M0), QUERIES=queries, BLOCK_H=16, BLOCK_N=block_n,
+        BLOCK_D=max(triton.next_power_of_2(dim), 16),
         PRECISION=precision(q), num_warps=4,
     )
     return out
