@@ -39,11 +39,17 @@ def v41_attention_rows(
     validity [num_queries, window + k] bool)."""
     dim = q.shape[-1]
     key_pos = positions[:, None] - window + 1 + torch.arange(window, device=q.device)[None, :]
-    rows = _window_rows(ring[slots[:, None], key_pos.clamp(min=0) % ring.shape[1]], dim, q.dtype)
-    if chunk_kv is not None:
-        in_chunk = (key_pos >= chunk_start)[..., None]
-        rows = torch.where(in_chunk, chunk_kv[(key_pos - chunk_start).clamp(0, chunk_kv.shape[0] - 1)].to(q.dtype),
-                           rows)
+    if chunk_kv is None:
+        rows = _window_rows(ring[slots[:, None], key_pos.clamp(min=0) % ring.shape[1]], dim, q.dtype)
+    else:
+        # A prefill chunk (not captured in a graph, so its size may be read): only the queries whose window
+        # reaches before the chunk decode ring rows.
+        rows = chunk_kv[(key_pos - chunk_start).clamp(0, chunk_kv.shape[0] - 1)].to(q.dtype)
+        early = (key_pos[:, 0] < chunk_start).nonzero()[:, 0]
+        if early.numel():
+            pos = key_pos[early]
+            from_ring = _window_rows(ring[slots[early, None], pos.clamp(min=0) % ring.shape[1]], dim, q.dtype)
+            rows[early] = torch.where((pos >= chunk_start)[..., None], rows[early], from_ring)
     valid = key_pos >= 0
     if paged is not None:
         blocks, in_block, inside = entry_location(block_tables, entry_ids, ratio, paged.shape[1] * ratio)
