@@ -153,10 +153,7 @@ def test_models_health_version_metrics(http: httpx.Client) -> None:
 
 
 # A value each field would need to mean something: the server must refuse it, naming the field.
-UNSUPPORTED_VALUES = {"n": 2, "best_of": 2, "presence_penalty": 0.5, "frequency_penalty": -0.5,
-                      "repetition_penalty": 1.2, "length_penalty": 0.5, "use_beam_search": True,
-                      "logit_bias": {"5": 10}, "allowed_token_ids": [1, 2], "bad_words": ["x"],
-                      "prompt_logprobs": 1, "skip_special_tokens": False}
+UNSUPPORTED_VALUES = {"length_penalty": 0.5, "use_beam_search": True, "prompt_logprobs": 1}
 
 
 @pytest.mark.parametrize("field", sorted(NOT_SUPPORTED_YET))
@@ -188,6 +185,16 @@ def test_unimplemented_fields_are_refused_not_ignored(http: httpx.Client, field:
      "response_format.json_schema.schema"),
     ("completions", {"prompt": "x", "structured_outputs": {"json": 5}}, "structured_outputs"),
     ("completions", {"prompt": "x" * 20000}, "prompt"),
+    ("completions", {"prompt": "x", "n": 2, "best_of": 3}, "best_of"),
+    ("completions", {"prompt": "x", "n": 0}, "n"),
+    ("completions", {"prompt": "x", "presence_penalty": 2.5}, "presence_penalty"),
+    ("completions", {"prompt": "x", "repetition_penalty": 0}, "repetition_penalty"),
+    ("completions", {"prompt": "x", "logit_bias": {"a": 1}}, "logit_bias"),
+    ("completions", {"prompt": "x", "logit_bias": {"5": 101}}, "logit_bias"),
+    ("completions", {"prompt": "x", "logit_bias": {"99999999": 1}}, "logit_bias"),
+    ("completions", {"prompt": "x", "allowed_token_ids": []}, "allowed_token_ids"),
+    ("completions", {"prompt": "x", "bad_words": "x"}, "bad_words"),
+    ("completions", {"prompt": "x", "skip_special_tokens": 1}, "skip_special_tokens"),
     ("chat/completions", {"messages": []}, "messages"),
     ("chat/completions", {"messages": [{"role": "user"}], "top_logprobs": 2}, "top_logprobs"),
     ("chat/completions", {"messages": [{"role": "user", "content": 5}]}, "messages[0].content"),
@@ -272,3 +279,48 @@ def test_a_full_waiting_queue_answers_503_then_serves_again() -> None:
     assert (first.status_code, second.status_code, full.status_code, again.status_code) == (200, 200, 503, 200)
     assert full.json()["error"]["code"] == "queue_full" and full.json()["error"]["type"] == "server_error"
     asyncio.run(llm.shutdown())
+
+
+def test_n_choices_greedy_identical_seeded_distinct_and_reproducible(client: openai.OpenAI) -> None:
+    greedy = client.completions.create(model=MODEL, prompt="def fibonacci(", max_tokens=8, temperature=0, n=3)
+    assert [c.index for c in greedy.choices] == [0, 1, 2]
+    assert len({c.text for c in greedy.choices}) == 1
+    assert greedy.usage.completion_tokens == 24
+    seeded = [client.completions.create(model=MODEL, prompt="def fibonacci(", max_tokens=8, temperature=1.0, seed=3,
+                                        n=3, best_of=3) for _ in range(2)]
+    texts = [[c.text for c in s.choices] for s in seeded]
+    assert texts[0] == texts[1] and len(set(texts[0])) == 3
+    chunks = list(client.completions.create(model=MODEL, prompt="def fibonacci(", max_tokens=8, temperature=1.0,
+                                            seed=3, n=3, stream=True))
+    assert all(len(c.choices) == 1 for c in chunks)            # one choice per chunk, interleaved
+    order = [c.choices[0].index for c in chunks]
+    assert order != sorted(order)
+    for index in range(3):
+        mine = [c.choices[0] for c in chunks if c.choices[0].index == index]
+        assert "".join(c.text for c in mine) == texts[0][index]
+        assert [c.finish_reason for c in mine if c.finish_reason] == ["length"]
+    chat = list(client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}],
+                                               max_tokens=4, temperature=0, n=2, stream=True))
+    assert [c.choices[0].delta.role for c in chat[:2]] == ["assistant", "assistant"]
+    assert sorted(c.choices[0].index for c in chat if c.choices[0].finish_reason) == [0, 1]
+
+
+def test_penalties_bias_and_bans_change_the_tokens(served: Served, client: openai.OpenAI) -> None:
+    tokenizer = served.llm.engine.tokenizer
+
+    def ids(**kwargs: object) -> list[int]:
+        reply = client.completions.create(model=MODEL, prompt="def fibonacci(", max_tokens=16, temperature=0,
+                                          logprobs=0, **kwargs)
+        return [tokenizer.token_to_id(t) if tokenizer.token_to_id(t) is not None else tokenizer.encode(
+            t, add_special_tokens=False)[0] for t in reply.choices[0].logprobs.tokens]
+
+    plain = ids()
+    assert ids(logit_bias={"270": 100}) == [270] * 16
+    assert ids(logit_bias={str(t): -100 for t in set(plain)})[0] not in plain
+    penalised = ids(frequency_penalty=2.0, presence_penalty=2.0)
+    assert penalised != plain and len(set(penalised)) > len(set(plain))
+    assert ids(extra_body={"repetition_penalty": 2.0}) != plain
+    allowed = ids(extra_body={"allowed_token_ids": [83, 314]})
+    assert set(allowed) <= {83, 314}
+    single = tokenizer.decode([plain[0]])
+    assert ids(extra_body={"bad_words": [single]})[0] != plain[0]

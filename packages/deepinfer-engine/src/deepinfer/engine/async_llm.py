@@ -131,7 +131,7 @@ class AsyncLLM:
         """
         request_id, stream = self._submit(prompt, params or SamplingParams(), request_id)
         finished = False
-        num_tokens, num_chars = 0, 0
+        reported: list[tuple[int, int]] = []      # per sample: (tokens, characters) already yielded
         try:
             while True:
                 await stream.event.wait()
@@ -144,9 +144,8 @@ class AsyncLLM:
                     continue
                 finished = out.finished
                 if delta:
-                    completion = out.outputs[0]
-                    new = _delta(out, num_tokens, num_chars)
-                    num_tokens, num_chars = len(completion.token_ids), len(completion.text)
+                    new = _delta(out, reported)
+                    reported = [(len(c.token_ids), len(c.text)) for c in out.outputs]
                     out = new
                 yield out
                 if finished:
@@ -275,17 +274,21 @@ def _post(stream: _Stream, out: RequestOutput | None, error: BaseException | Non
         pass                      # the loop is closed: nobody waits on this stream
 
 
-def _delta(out: RequestOutput, num_tokens: int, num_chars: int) -> RequestOutput:
-    """`out` with its sample cut to what follows the first num_tokens tokens / num_chars characters
-    (the engine only appends to both, so the cut is exact). A running output is rebuilt without the
-    field checks (`running_output`: it has no finish reason to check), as the engine builds it."""
-    completion = out.outputs[0]
-    text, token_ids = completion.text[num_chars:], completion.token_ids[num_tokens:]
-    logprobs = None if completion.logprobs is None else completion.logprobs[num_tokens:]
-    if not out.finished:
+def _delta(out: RequestOutput, reported: list[tuple[int, int]]) -> RequestOutput:
+    """`out` with each sample cut to what follows its first (tokens, characters) in `reported` (none
+    there: nothing cut; the engine only appends to both, so the cut is exact). A running output of one
+    sample is rebuilt without the field checks (`running_output`: it has no finish reason to check), as
+    the engine builds it."""
+    cut = []
+    for index, completion in enumerate(out.outputs):
+        num_tokens, num_chars = reported[index] if index < len(reported) else (0, 0)
+        logprobs = None if completion.logprobs is None else completion.logprobs[num_tokens:]
+        cut.append((completion, completion.text[num_chars:], completion.token_ids[num_tokens:], logprobs))
+    if not out.finished and len(cut) == 1:
+        _, text, token_ids, logprobs = cut[0]
         return running_output(out.request_id, out.prompt, out.prompt_token_ids, text, token_ids, logprobs)
-    new = dataclasses.replace(completion, text=text, token_ids=token_ids, logprobs=logprobs)
-    return dataclasses.replace(out, outputs=[new])
+    return dataclasses.replace(out, outputs=[dataclasses.replace(c, text=text, token_ids=ids, logprobs=logprobs)
+                                             for c, text, ids, logprobs in cut])
 
 
 __all__ = ["AsyncLLM", "EngineQueueFull", "EngineStats", "EngineStopped"]

@@ -293,6 +293,8 @@ class LLMEngine:
             self._grammar_pool()
         if not isinstance(output_kind, OutputKind):
             raise ValueError(f"output_kind={output_kind!r} must be an OutputKind (CUMULATIVE, DELTA or FINAL_ONLY)")
+        if params.prompt_logprobs is not None:
+            raise InvalidSamplingParams(f"prompt_logprobs={params.prompt_logprobs} is not supported yet")
         self._check_token_ids(params, vocab)
         bad_word_ids = self._tokenize_bad_words(params)
         if params.n > 1 and self.args.engine_type is not EngineType.NORMAL:

@@ -27,8 +27,9 @@ from ..chat_messages import InvalidChatRequest
 from ..chat_template import ChatTemplate, ChatTemplateError, chat_prompt, load_chat_template
 from ..grammar_backend import StructuredOutputUnavailable
 from ..outputs import FINISH_IGNORED, RequestOutput
+from ..sampling_params import InvalidSamplingParams
 from ..tokenizer import require_tokenizer
-from .errors import APIError, bad_request
+from .errors import APIError, bad_request, from_sampling_error
 from .metrics import RequestTracker, ServerMetrics
 from .protocol import GenerateRequest, parse_chat, parse_completion
 from .responses import ResponseWriter
@@ -89,6 +90,8 @@ class _Server:
             raise APIError(503, str(error), code="shutting_down") from None
         except StructuredOutputUnavailable as error:
             raise bad_request(str(error), "response_format") from None
+        except InvalidSamplingParams as error:          # checked against the model: logit_bias ids, ...
+            raise from_sampling_error(error, "response_format") from None
         except ValueError as error:
             raise bad_request(str(error), field) from None
         completion = first.outputs[0]
@@ -113,15 +116,16 @@ class _Server:
 
     async def _whole(self, first: RequestOutput, outputs: AsyncGenerator[RequestOutput, None],
                      tracker: RequestTracker) -> RequestOutput:
-        last, completion = first, first.outputs[0]
-        tracker.on_tokens(len(completion.token_ids))
+        last = first
+        num_tokens = _num_tokens(first)
+        tracker.on_tokens(num_tokens)
         try:
             async for last in outputs:
-                tracker.on_tokens(len(last.outputs[0].token_ids) - len(completion.token_ids))
-                completion = last.outputs[0]
+                tracker.on_tokens(_num_tokens(last) - num_tokens)
+                num_tokens = _num_tokens(last)
         finally:
             await outputs.aclose()            # aborts the request unless it finished
-            tracker.finish(completion.finish_reason or "abort", len(last.prompt_token_ids), len(completion.token_ids))
+            tracker.finish(last.outputs[0].finish_reason or "abort", len(last.prompt_token_ids), num_tokens)
         return last
 
     async def _stream(self, writer: ResponseWriter, first: RequestOutput, outputs: AsyncGenerator[RequestOutput, None],
@@ -131,13 +135,12 @@ class _Server:
             for chunk in writer.start():
                 yield chunk
             while True:
-                completion = out.outputs[0]
-                tracker.on_tokens(len(completion.token_ids))
-                num_tokens += len(completion.token_ids)
+                tracker.on_tokens(_num_tokens(out))
+                num_tokens += _num_tokens(out)
                 for chunk in writer.delta(out):
                     yield chunk
                 if out.finished:
-                    reason = completion.finish_reason or "abort"
+                    reason = out.outputs[0].finish_reason or "abort"
                     break
                 out = await anext(outputs)
             for chunk in writer.end(out, num_tokens):
@@ -214,6 +217,11 @@ def build_app(llm: AsyncLLM, *, served_model_name: str, api_key: str | None = No
         return Response(server.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
 
     return app
+
+
+def _num_tokens(out: RequestOutput) -> int:
+    """Output tokens of every sample (of a cumulative output: all so far; of a delta: the new ones)."""
+    return sum(len(c.token_ids) for c in out.outputs)
 
 
 async def _disconnected(request: Request) -> None:

@@ -1,7 +1,7 @@
 """Request bodies of /v1/completions and /v1/chat/completions -> frozen requests with SamplingParams.
 
 Every field is either used, refused with "not supported yet" (unless it holds its neutral value,
-e.g. n=1 or presence_penalty=0), or unknown and refused: none is silently ignored. A bad value is a
+e.g. use_beam_search=false; best_of only equal to n), or unknown and refused: none is silently ignored. A bad value is a
 400 naming the field (`APIError.param`); the range checks are SamplingParams' own.
 """
 
@@ -16,7 +16,8 @@ from .errors import APIError, bad_request, from_sampling_error
 
 # Request field -> SamplingParams field (same name): passed as given; null = the default.
 SAMPLING_FIELDS = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop", "stop_token_ids",
-                   "ignore_eos", "min_tokens", "include_stop_str_in_output")
+                   "ignore_eos", "min_tokens", "include_stop_str_in_output", "n", "presence_penalty",
+                   "frequency_penalty", "repetition_penalty", "allowed_token_ids", "bad_words", "skip_special_tokens")
 
 
 def _is(*neutral: object) -> Callable[[object], bool]:
@@ -25,25 +26,17 @@ def _is(*neutral: object) -> Callable[[object], bool]:
 
 # Fields the engine does not implement yet: accepted only with their neutral value.
 NOT_SUPPORTED_YET: dict[str, Callable[[object], bool]] = {
-    "n": _is(None, 1),
-    "best_of": _is(None, 1),
-    "presence_penalty": _is(None, 0, 0.0),
-    "frequency_penalty": _is(None, 0, 0.0),
-    "repetition_penalty": _is(None, 1, 1.0),
     "length_penalty": _is(None, 1, 1.0),
     "use_beam_search": _is(None, False),
-    "logit_bias": _is(None, {}),
-    "allowed_token_ids": _is(None),
-    "bad_words": _is(None, []),
     "prompt_logprobs": _is(None),
-    "skip_special_tokens": _is(None, True),
 }
 COMPLETION_ONLY = {"prompt": None, "echo": _is(None, False), "suffix": _is(None), "logprobs": None}
 CHAT_ONLY = {"messages": None, "max_completion_tokens": None, "logprobs": None, "top_logprobs": None,
              "chat_template_kwargs": None, "add_generation_prompt": None, "tools": _is(None, []),
              "tool_choice": _is(None, "none", "auto"), "parallel_tool_calls": None}
 # Used by both endpoints; "user" is an end-user id for the caller's own records (it changes nothing).
-COMMON = {"model", "stream", "stream_options", "response_format", "structured_outputs", "user", *SAMPLING_FIELDS}
+COMMON = {"model", "stream", "stream_options", "response_format", "structured_outputs", "user", "best_of",
+          "logit_bias", *SAMPLING_FIELDS}
 
 
 @dataclass(frozen=True, slots=True)
@@ -132,11 +125,30 @@ def _common(body: dict[str, Any], *, default_max_tokens: int | None, logprobs: o
     fields: dict[str, Any] = {"max_tokens": default_max_tokens}
     fields.update({name: body[name] for name in SAMPLING_FIELDS
                    if name in body and (body[name] is not None or name == "max_tokens")})
+    fields["logit_bias"] = _logit_bias(body.get("logit_bias"))
+    best_of = body.get("best_of")
+    if best_of is not None and best_of != fields.get("n", 1):
+        raise bad_request(f"best_of={best_of!r} is not supported yet unless it equals n={fields.get('n', 1)!r} "
+                          "(no ranking of extra samples)", "best_of")
     try:
         params = SamplingParams(**fields, logprobs=logprobs, structured=_structured(body))
     except InvalidSamplingParams as error:
         raise from_sampling_error(error, _structured_field(body)) from None
     return {"model": model, "params": params, "stream": stream, "include_usage": include_usage}
+
+
+def _logit_bias(bias: object) -> dict[int, object] | None:
+    """OpenAI's logit_bias: an object of token id (a decimal string, JSON keys being strings) -> bias."""
+    if bias is None:
+        return None
+    if not isinstance(bias, dict):
+        raise bad_request(f"logit_bias={bias!r} must be an object of token id -> bias", "logit_bias")
+    result: dict[int, object] = {}
+    for key, value in bias.items():
+        if not (isinstance(key, str) and key.isdigit() and key.isascii()):
+            raise bad_request(f"logit_bias key {key!r} must be a token id (a non-negative integer)", "logit_bias")
+        result[int(key)] = value
+    return result
 
 
 def _structured_field(body: dict[str, Any]) -> str:

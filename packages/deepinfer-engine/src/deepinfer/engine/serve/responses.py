@@ -4,6 +4,9 @@ Finish reasons pass through ("stop", "length", "abort", "error"); "preempted" is
 "abort" (the client may retry). Logprobs follow OpenAI's two shapes: completions
 `{"tokens", "token_logprobs", "top_logprobs", "text_offset"}`, chat
 `{"content": [{"token", "logprob", "bytes", "top_logprobs": [...]}]}`.
+
+With n > 1 samples there is one choice per sample (`index` 0..n − 1); a stream interleaves the
+samples' chunks as they come, each chunk carrying one choice, as OpenAI does.
 """
 
 from __future__ import annotations
@@ -46,7 +49,8 @@ class ResponseWriter:
                  tokenizer: Tokenizer | None) -> None:
         self._id, self._model, self._chat, self._req = request_id, model, chat, req
         self._created = int(time.time())
-        self._text_offset = 0
+        self._text_offsets: dict[int, int] = {}      # per choice index: completions logprobs' text_offset
+        self._finished: set[int] = set()             # choice indices whose finish chunk is sent
         self._token_text = functools.lru_cache(maxsize=4096)(
             (lambda t: tokenizer.decode([t], skip_special_tokens=False)) if tokenizer is not None
             else (lambda t: f"token_id:{t}"))
@@ -56,23 +60,28 @@ class ResponseWriter:
     def start(self) -> Iterator[str]:
         """The chunks before any text (chat: the assistant role)."""
         if self._chat:
-            yield sse(self._chunk({"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                                   "finish_reason": None}))
+            for index in range(self._req.params.n):
+                yield sse(self._chunk({"index": index, "delta": {"role": "assistant", "content": ""},
+                                       "logprobs": None, "finish_reason": None}))
 
     def delta(self, out: RequestOutput) -> Iterator[str]:
-        """The chunk of one delta output (nothing when it carries no text, no token and no finish)."""
-        completion = out.outputs[0]
-        if not completion.text and not completion.token_ids and not out.finished:
-            return
-        logprobs = self._logprobs(completion)
-        if self._chat:
-            choice: dict[str, Any] = {"index": 0, "delta": {"content": completion.text} if completion.text else {}}
-        else:
-            choice = {"index": 0, "text": completion.text}
-        choice.update(logprobs=logprobs, finish_reason=finish_reason(completion))
-        if out.finished:
-            choice["stop_reason"] = completion.stop_reason
-        yield sse(self._chunk(choice))
+        """The chunks of one delta output, one per sample with new text or tokens or a new finish."""
+        for completion in out.outputs:
+            index = completion.index
+            finished = completion.finished and index not in self._finished
+            if not completion.text and not completion.token_ids and not finished:
+                continue
+            logprobs = self._logprobs(completion)
+            if self._chat:
+                choice: dict[str, Any] = {"index": index,
+                                          "delta": {"content": completion.text} if completion.text else {}}
+            else:
+                choice = {"index": index, "text": completion.text}
+            choice.update(logprobs=logprobs, finish_reason=finish_reason(completion))
+            if finished:
+                self._finished.add(index)
+                choice["stop_reason"] = completion.stop_reason
+            yield sse(self._chunk(choice))
 
     def end(self, last: RequestOutput, num_output_tokens: int) -> Iterator[str]:
         """The usage chunk (when asked for) and `data: [DONE]`."""
@@ -83,18 +92,20 @@ class ResponseWriter:
     # ------------------------------------------------------------------ whole
 
     def full(self, last: RequestOutput) -> dict[str, Any]:
-        """The non-streamed response body for the final (cumulative) output."""
-        completion = last.outputs[0]
-        choice: dict[str, Any] = {"index": 0}
-        if self._chat:
-            choice["message"] = {"role": "assistant", "content": completion.text}
-        else:
-            choice["text"] = completion.text
-        choice.update(logprobs=self._logprobs(completion), finish_reason=finish_reason(completion),
-                      stop_reason=completion.stop_reason)
+        """The non-streamed response body for the final (cumulative) output: one choice per sample."""
+        choices = []
+        for completion in last.outputs:
+            choice: dict[str, Any] = {"index": completion.index}
+            if self._chat:
+                choice["message"] = {"role": "assistant", "content": completion.text}
+            else:
+                choice["text"] = completion.text
+            choice.update(logprobs=self._logprobs(completion), finish_reason=finish_reason(completion),
+                          stop_reason=completion.stop_reason)
+            choices.append(choice)
         return {"id": self._id, "object": "chat.completion" if self._chat else "text_completion",
-                "created": self._created, "model": self._model, "choices": [choice],
-                "usage": _usage(last, len(completion.token_ids))}
+                "created": self._created, "model": self._model, "choices": choices,
+                "usage": _usage(last, sum(len(c.token_ids) for c in last.outputs))}
 
     # ------------------------------------------------------------------ pieces
 
@@ -117,9 +128,11 @@ class ResponseWriter:
                                                   for a, alp in ranked]}
                                 for t, lp, ranked in entries]}
         offsets = []
+        offset = self._text_offsets.get(completion.index, 0)
         for token_id, _, _ in entries:
-            offsets.append(self._text_offset)
-            self._text_offset += len(text(token_id))
+            offsets.append(offset)
+            offset += len(text(token_id))
+        self._text_offsets[completion.index] = offset
         return {"tokens": [text(t) for t, _, _ in entries], "token_logprobs": [lp for _, lp, _ in entries],
                 "top_logprobs": [{text(a): alp for a, alp in ranked} for _, _, ranked in entries],
                 "text_offset": offsets}
