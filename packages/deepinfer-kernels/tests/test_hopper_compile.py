@@ -117,8 +117,50 @@ def invariant_kernels():
         break
 
 
+def v41_kernels():
+    """DeepSeek-V4.1: the attention over packed rows (decode at each batch size's bfloat16 tiles, with and
+    without splits; prefill with a chunk; a plain ring with packed entries; all plain), the index scores
+    (per-query tables and one shared table) and the row quantisation (every format, packed and fake)."""
+    from deepinfer.kernels.triton_ops import paged, v41_paged, v41_quant
+
+    ints = ("q_query", "q_head", "slot_stride", "ring_slot", "ring_row", "chunk_row", "paged_block", "paged_row",
+            "table_stride", "ids_stride", "out_query", "out_head", "num_heads", "head_dim", "ring_len", "window",
+            "chunk_start", "chunk_len", "num_ids", "table_width", "rows_per_block", "ratio")
+
+    def signature(ring: str, entries: str) -> dict[str, str]:
+        pointers = {"q_ptr": "*bf16", "pos_ptr": "*i64", "ring_ptr": ring, "slot_ptr": "*i64", "sink_ptr": "*fp32",
+                    "out_ptr": "*bf16", "part_ptr": "*fp32", "chunk_ptr": "*bf16", "paged_ptr": entries,
+                    "table_ptr": "*i32", "ids_ptr": "*i64"}
+        return {**pointers, **dict.fromkeys(ints, "i32"), "scale": "fp32"}
+
+    packed = {"RING_FMT": v41_paged.MXFP8, "PAGED_FMT": v41_paged.FP4_E4M3, "HAS_PAGED": True, "PRECISION": "tf32"}
+    for num_seqs, splits in ((1, 8), (32, 1), (256, 1)):
+        yield v41_paged._v41_attention_kernel, signature("*u8", "*u8"), {
+            **packed, "HAS_CHUNK": False, "SPLITS": splits, **paged._attention_tiles(2, 512, num_seqs)}
+    tiles = paged._attention_tiles(2, 512, 1)
+    yield v41_paged._v41_attention_kernel, signature("*u8", "*u8"), {**packed, "HAS_CHUNK": True, "SPLITS": 1,
+                                                                     **tiles}
+    yield v41_paged._v41_attention_kernel, signature("*bf16", "*u8"), {
+        **packed, "RING_FMT": v41_paged.PLAIN, "HAS_CHUNK": True, "SPLITS": 1, **tiles}
+    yield v41_paged._v41_attention_kernel, signature("*bf16", "*bf16"), {
+        **packed, "RING_FMT": v41_paged.PLAIN, "PAGED_FMT": v41_paged.PLAIN, "HAS_CHUNK": False, "SPLITS": 8, **tiles}
+    index = {"q_ptr": "*bf16", "keys_ptr": "*u8", "table_ptr": "*i32", "w_ptr": "*fp32", "out_ptr": "*fp32",
+             **dict.fromkeys(("q_query", "q_head", "keys_block", "keys_row", "table_stride", "w_query", "num_queries",
+                              "num_heads", "dim", "num_entries", "table_width", "rows_per_block", "ratio"), "i32"),
+             "scale": "fp32"}
+    for queries in (1, 8):
+        yield v41_paged._v41_index_kernel, index, {"FMT": v41_paged.FP4_UE8M0, "QUERIES": queries, "BLOCK_H": 16,
+                                                   "BLOCK_N": 32, "BLOCK_D": 128, "PRECISION": "tf32"}
+    for fmt, block, dim in ((v41_quant.MXFP8, 32, 512), (v41_quant.FP4_E4M3, 16, 512), (v41_quant.FP4_UE8M0, 32, 128)):
+        for fake in (False, True):
+            yield v41_quant._quant_rows_kernel, {"x_ptr": "*bf16", "out_ptr": "*bf16" if fake else "*u8",
+                                                 "x_row": "i32", "out_row": "i32", "dim": "i32"}, {
+                "FMT": fmt, "FAKE": fake, "BLOCK": block, "NUM_BLOCKS": dim // block, "BLOCK_D": dim}
+
+
 @pytest.mark.parametrize(("fn", "signature", "constants"),
-                         [*sampling_kernels(), *expert_kernels(), *attention_kernels(), *invariant_kernels()],
+                         [*sampling_kernels(), *expert_kernels(), *attention_kernels(), *invariant_kernels(),
+                          *v41_kernels()],
                          ids=lambda v: getattr(v, "__name__", None) if callable(v) else None)
 def test_kernel_compiles_for_hopper(fn, signature, constants) -> None:
     kernel = compile_for_hopper(fn, signature, constants)

@@ -143,8 +143,9 @@ def _v41_attention_kernel(
             j = t * BLOCK_N + n
             key_pos = pos - window + 1 + j
             valid = (j < window) & (key_pos >= 0)
-            rows = ring_ptr + slot * ring_slot + (tl.where(valid, key_pos, 0) % ring_len).to(tl.int64)[:, None] \
-                * ring_row
+            # (names differ from the entry branch's: a plain ring and packed entries have other pointer types)
+            ring_rows = ring_ptr + slot * ring_slot \
+                + (tl.where(valid, key_pos, 0) % ring_len).to(tl.int64)[:, None] * ring_row
             if HAS_CHUNK:
                 from_chunk = valid & (key_pos >= chunk_start)
                 c = tl.minimum(tl.maximum(key_pos - chunk_start, 0), chunk_len - 1).to(tl.int64)
@@ -152,20 +153,20 @@ def _v41_attention_kernel(
             else:
                 from_chunk = valid & (n < 0)
                 chunk_rows = chunk_ptr
-            m, l, acc = _step(q_rows, rows, chunk_rows, from_chunk, valid, m, l, acc, scale, head_dim,
+            m, l, acc = _step(q_rows, ring_rows, chunk_rows, from_chunk, valid, m, l, acc, scale, head_dim,
                               RING_FMT, HAS_CHUNK, BLOCK_D, CHUNK_D, PRECISION)
         else:
-            j = (t - window_tiles) * BLOCK_N + n
-            e = tl.load(ids_ptr + i * ids_stride + j, mask=j < num_ids, other=-1)
+            k = (t - window_tiles) * BLOCK_N + n
+            e = tl.load(ids_ptr + i * ids_stride + k, mask=k < num_ids, other=-1)
             first = tl.where(e >= 0, e, 0) * ratio
             block_size = rows_per_block * ratio
             col = first // block_size
-            valid = (e >= 0) & (col < table_width)
-            blk = tl.load(table_ptr + i * table_stride + col, mask=valid, other=0).to(tl.int64)
-            rows = paged_ptr + blk[:, None] * paged_block + ((first % block_size) // ratio).to(tl.int64)[:, None] \
-                * paged_row
-            m, l, acc = _step(q_rows, rows, rows, valid & (n < 0), valid, m, l, acc, scale, head_dim,
-                              PAGED_FMT, False, BLOCK_D, CHUNK_D, PRECISION)
+            readable = (e >= 0) & (col < table_width)
+            blk = tl.load(table_ptr + i * table_stride + col, mask=readable, other=0).to(tl.int64)
+            entry_rows = paged_ptr + blk[:, None] * paged_block \
+                + ((first % block_size) // ratio).to(tl.int64)[:, None] * paged_row
+            m, l, acc = _step(q_rows, entry_rows, entry_rows, readable & (n < 0), readable, m, l, acc, scale,
+                              head_dim, PAGED_FMT, False, BLOCK_D, CHUNK_D, PRECISION)
     if SPLITS == 1:
         sink = tl.load(sink_ptr + h, mask=hm, other=0.0)
         m_final = tl.maximum(m, sink)
