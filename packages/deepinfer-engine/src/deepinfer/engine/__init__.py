@@ -32,6 +32,7 @@ _EXPORTS = {
     "InvalidEngineArgs": ".engine_args",
     "InvalidSamplingParams": ".sampling_params",
     "LLMEngine": ".llm_engine",
+    "Logprob": ".outputs",
     "OutputKind": ".outputs",
     "RequestOutput": ".outputs",
     "SamplingParams": ".sampling_params",
@@ -47,6 +48,7 @@ __all__ = [
     "InvalidEngineArgs",
     "InvalidSamplingParams",
     "LLMEngine",
+    "Logprob",
     "OutputKind",
     "RequestOutput",
     "SamplingParams",
@@ -62,7 +64,7 @@ if TYPE_CHECKING:
     from .grammar_backend import StructuredOutputUnavailable
     from .llm import LLM
     from .llm_engine import LLMEngine
-    from .outputs import CompletionOutput, OutputKind, RequestOutput
+    from .outputs import CompletionOutput, Logprob, OutputKind, RequestOutput
     from .sampling_params import InvalidSamplingParams, SamplingParams, StructuredOutput
 
 

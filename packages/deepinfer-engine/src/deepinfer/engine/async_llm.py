@@ -283,12 +283,15 @@ def _delta(out: RequestOutput, reported: list[tuple[int, int]]) -> RequestOutput
     for index, completion in enumerate(out.outputs):
         num_tokens, num_chars = reported[index] if index < len(reported) else (0, 0)
         logprobs = None if completion.logprobs is None else completion.logprobs[num_tokens:]
-        cut.append((completion, completion.text[num_chars:], completion.token_ids[num_tokens:], logprobs))
+        entries = None if completion.logprob_entries is None else completion.logprob_entries[num_tokens:]
+        cut.append((completion, completion.text[num_chars:], completion.token_ids[num_tokens:], logprobs, entries))
     if not out.finished and len(cut) == 1:
-        _, text, token_ids, logprobs = cut[0]
-        return running_output(out.request_id, out.prompt, out.prompt_token_ids, text, token_ids, logprobs)
-    return dataclasses.replace(out, outputs=[dataclasses.replace(c, text=text, token_ids=ids, logprobs=logprobs)
-                                             for c, text, ids, logprobs in cut])
+        _, text, token_ids, logprobs, entries = cut[0]
+        return running_output(out.request_id, out.prompt, out.prompt_token_ids, text, token_ids, logprobs, entries,
+                              out.prompt_logprobs)
+    return dataclasses.replace(out, outputs=[dataclasses.replace(c, text=text, token_ids=ids, logprobs=logprobs,
+                                                                 logprob_entries=entries)
+                                             for c, text, ids, logprobs, entries in cut])
 
 
 __all__ = ["AsyncLLM", "EngineQueueFull", "EngineStats", "EngineStopped"]

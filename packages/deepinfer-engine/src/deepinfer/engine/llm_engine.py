@@ -293,8 +293,6 @@ class LLMEngine:
             self._grammar_pool()
         if not isinstance(output_kind, OutputKind):
             raise ValueError(f"output_kind={output_kind!r} must be an OutputKind (CUMULATIVE, DELTA or FINAL_ONLY)")
-        if params.prompt_logprobs is not None:
-            raise InvalidSamplingParams(f"prompt_logprobs={params.prompt_logprobs} is not supported yet")
         self._check_token_ids(params, vocab)
         bad_word_ids = self._tokenize_bad_words(params)
         if params.n > 1 and self.args.engine_type is not EngineType.NORMAL:
@@ -509,12 +507,17 @@ class LLMEngine:
         device = self.runner.device
         try:
             self.runner.apply_cache_ops(out)
+            wanting = self._wanting_prompt_logprobs(out)
             with forbid_cuda_sync(device, enabled=guarded):
-                step = self.runner.prepare(out)
+                step = self.runner.prepare(out, all_logits_for=wanting) if wanting else self.runner.prepare(out)
             logits = None
             if step is not None:                                                   # (1) forward N
                 with forbid_cuda_sync(device, enabled=guarded and self.runner.replays_graph(step)):
-                    logits = self.runner.forward(step)
+                    if not step.prompt_spans:
+                        logits = self.runner.forward(step)
+                    else:                            # a prefill step: never launched under the guard
+                        logits, all_logits = self.runner.forward_all(step)
+                        self._add_prompt_logprobs(step.prompt_spans, all_logits)
             if previous is not None:                                               # (2) post-process N − 1
                 done, previous = previous, None
                 self._post_process(done, self.sampling.collect(done.sampling), changed)
@@ -542,6 +545,40 @@ class LLMEngine:
             for req in previous.reqs if previous is not None else ():
                 if not req.finished:
                     self._fail(req.seq_id, err, changed)
+
+    def _wanting_prompt_logprobs(self, out: SchedulerOutput) -> frozenset[str]:
+        """Sequences of a prefill step whose prompt logprobs are not all in yet."""
+        if out.kind is not StepKind.PREFILL:
+            return frozenset()
+        return frozenset(chunk.seq_id for chunk in out.prefill
+                         if (req := self._seq(chunk.seq_id)) is not None and req.prompt_logprobs is not None
+                         and req.num_prompt_logprobs < len(req.prompt_token_ids))
+
+    def _add_prompt_logprobs(self, spans: tuple[tuple[str, int, int, int], ...], logits: torch.Tensor) -> None:
+        """Prompt logprobs from a prefill step's every-row logits: the row at position p gives the
+        logprob of prompt token p + 1 (a recomputed chunk adds nothing: those are in already)."""
+        for seq_id, first_row, num_rows, start in spans:
+            req = self._seq(seq_id)
+            if req is None or req.finished or req.prompt_logprobs is None:
+                continue
+            prompt = req.prompt_token_ids
+            low, high = max(req.num_prompt_logprobs, start + 1), min(len(prompt), start + num_rows + 1)
+            if low >= high or low != req.num_prompt_logprobs:
+                continue
+            rows = logits[first_row + low - 1 - start:first_row + high - 1 - start].float()
+            targets = torch.tensor(prompt[low:high], dtype=torch.int64, device=rows.device)
+            normaliser = rows.logsumexp(dim=-1, keepdim=True)
+            chosen = rows.gather(1, targets[:, None])
+            ranks = ((rows > chosen).sum(dim=-1) + 1).tolist()
+            logprobs = (chosen - normaliser)[:, 0].tolist()
+            entries = [{token: logprob} for token, logprob in zip(prompt[low:high], logprobs)]
+            num_top = min(req.params.prompt_logprobs or 0, rows.shape[1])
+            if num_top:
+                top_logits, top_ids = rows.topk(num_top, dim=-1)
+                for entry, ids, values in zip(entries, top_ids.tolist(), (top_logits - normaliser).tolist()):
+                    for token, logprob in zip(ids, values):
+                        entry.setdefault(token, logprob)
+            req.add_prompt_logprobs(entries, ranks)
 
     def _rows_per_sample(self, logits: torch.Tensor, reqs: list[Request]) -> tuple[torch.Tensor, list[Request]]:
         """A prefill step's logits with the row of each group's sample 0 repeated for its other samples
@@ -582,7 +619,7 @@ class LLMEngine:
             if error is not None:
                 req.fail(error)
             else:
-                req.add_token(token_id, logprobs)
+                req.add_token(token_id, logprobs, None if sampled.ranks is None else sampled.ranks[row])
             if prompt_engine and req.finish_reason is None:
                 req.hand_over()
             changed[req.request_id] = req.owner

@@ -46,6 +46,9 @@ class StepBatch:
     sample_seq_ids: tuple[str, ...]     # sequences to sample, in logits-row order
     logits_rows: Tensor | None          # [len(sample_seq_ids)] rows of the forward's logits; None = all, in order
     rows: Tensor | None = None          # decode steps: [num_seqs] int64 scheduler row of each sequence (device)
+    # prefill steps built with every row's logits (`prepare(..., all_logits_for=...)`): per such chunk
+    # (seq_id, first logits row, number of rows, position of its first token); else empty
+    prompt_spans: tuple[tuple[str, int, int, int], ...] = ()
 
 
 def default_block_size(model: DeepseekV4ForCausalLM) -> int:
@@ -130,18 +133,32 @@ class ModelRunner:
         if len(out.zero_states):
             self.cache.zero_slots(torch.as_tensor(np.asarray(out.zero_states), dtype=torch.int64, device=self.device))
 
-    def prepare(self, out: SchedulerOutput) -> StepBatch | None:
-        """The model batch of a PREFILL or DECODE step (None for empty / idle steps)."""
+    def prepare(self, out: SchedulerOutput, *, all_logits_for: frozenset[str] = frozenset()) -> StepBatch | None:
+        """The model batch of a PREFILL or DECODE step (None for empty / idle steps).
+
+        Args:
+            all_logits_for: sequence ids whose prefill chunks need the logits of every row (prompt
+                logprobs); when one is in the step, it is built with logits for every row and
+                `StepBatch.prompt_spans` says where each such chunk's rows are (`forward_all`).
+        """
         if out.kind is StepKind.PREFILL and out.prefill:
             chunks = out.prefill
+            wanted = [i for i, c in enumerate(chunks) if c.seq_id in all_logits_for] if all_logits_for else []
             batch = ForwardBatch.build(
                 [c.token_ids.tolist() for c in chunks], [c.start for c in chunks],
                 [c.block_table.tolist() for c in chunks], [c.state_slot for c in chunks],
-                logits="last", device=self.device,
+                logits="all" if wanted else "last", device=self.device,
             )
             done = [i for i, c in enumerate(chunks) if c.completes_prefill]
+            if not wanted:
+                return StepBatch(batch, tuple(chunks[i].seq_id for i in done),
+                                 torch.tensor(done, dtype=torch.int64, device=self.device))
+            ends = np.cumsum([len(c.token_ids) for c in chunks])
+            spans = tuple((chunks[i].seq_id, int(ends[i]) - len(chunks[i].token_ids), len(chunks[i].token_ids),
+                           int(chunks[i].start)) for i in wanted)
             return StepBatch(batch, tuple(chunks[i].seq_id for i in done),
-                             torch.tensor(done, dtype=torch.int64, device=self.device))
+                             torch.tensor([int(ends[i]) - 1 for i in done], dtype=torch.int64, device=self.device),
+                             prompt_spans=spans)
         if out.kind is StepKind.DECODE and out.decode is not None and out.decode.num_seqs:
             return self._decode_step(out.decode)
         return None
@@ -189,9 +206,15 @@ class ModelRunner:
     def forward(self, step: StepBatch) -> Tensor:
         """Run the model (a CUDA-graph replay for decode steps that fit one); returns float32 logits
         [len(step.sample_seq_ids), vocab]."""
+        return self.forward_all(step)[0]
+
+    @torch.no_grad()
+    def forward_all(self, step: StepBatch) -> tuple[Tensor, Tensor | None]:
+        """`forward`, plus the logits of every row when the step has `prompt_spans` (else None)."""
         batch = step.batch
         if self.replays_graph(step):
             logits = self.graphs.run(batch)
         else:
             logits = self.model(batch, self.cache, self.ops)
-        return logits if step.logits_rows is None else logits[step.logits_rows]
+        sampled = logits if step.logits_rows is None else logits[step.logits_rows]
+        return sampled, logits if step.prompt_spans else None

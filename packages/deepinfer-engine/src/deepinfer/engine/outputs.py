@@ -21,6 +21,7 @@ Finish reasons are plain strings (the OpenAI vocabulary plus five of ours):
 from __future__ import annotations
 
 import enum
+from collections.abc import Callable
 from dataclasses import dataclass
 
 FINISH_STOP = "stop"
@@ -49,8 +50,36 @@ class OutputKind(enum.Enum):
     FINAL_ONLY = "final_only"
 
 
+def logprob_entries(logprobs: dict[int, float], sampled_id: int | None, sampled_rank: int | None,
+                    decode: Callable[[int], str] | None) -> dict[int, Logprob]:
+    """{token id: logprob} of one position -> {token id: `Logprob`}, same keys and order.
+
+    The sampled (or prompt) token gets `sampled_rank`; every other entry is one of the most likely
+    tokens, so all tokens above it are entries too: its rank is 1 + the entries with a larger logprob.
+    """
+    return {token_id: Logprob(logprob, sampled_rank if token_id == sampled_id else
+                              1 + sum(other > logprob for other in logprobs.values()),
+                              None if decode is None else decode(token_id))
+            for token_id, logprob in logprobs.items()}
+
+
 class InvalidOutput(ValueError):
     """An output was built with inconsistent fields; the message names the field."""
+
+
+@dataclass(frozen=True, slots=True)
+class Logprob:
+    """One token's logprob entry, vLLM's shape.
+
+    Attributes:
+        logprob: log-probability of the token under the model's raw distribution.
+        rank: 1 + the number of tokens of the vocabulary with a larger logprob (1 = the most likely).
+        decoded_token: the token's text on its own (special tokens included), or None without a tokenizer.
+    """
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -69,6 +98,8 @@ class CompletionOutput:
             ended the output; None when EOS ended it or the output did not stop.
         ignored_reason: for finish_reason "ignored", why the request was not run; else None.
         error_reason: for finish_reason "error", why the request could not go on; else None.
+        logprob_entries: None unless SamplingParams.logprob_entries (with logprobs set); else the same
+            entries as `logprobs`, each a `Logprob` with its rank and decoded token (vLLM's shape).
     """
 
     index: int
@@ -79,6 +110,7 @@ class CompletionOutput:
     stop_reason: str | int | None = None
     ignored_reason: str | None = None
     error_reason: str | None = None
+    logprob_entries: list[dict[int, Logprob]] | None = None
 
     def __post_init__(self) -> None:
         if self.index < 0:
@@ -105,6 +137,9 @@ class CompletionOutput:
             raise InvalidOutput(
                 f"len(logprobs)={len(self.logprobs)} must equal len(token_ids)={len(self.token_ids)}"
             )
+        if self.logprob_entries is not None and len(self.logprob_entries) != len(self.token_ids):
+            raise InvalidOutput(f"len(logprob_entries)={len(self.logprob_entries)} must equal "
+                                f"len(token_ids)={len(self.token_ids)}")
 
     @property
     def finished(self) -> bool:
@@ -121,6 +156,10 @@ class RequestOutput:
         prompt_token_ids: the prompt as token ids.
         outputs: one `CompletionOutput` per sample, in index order.
         finished: True once every sample has a finish reason (checked).
+        prompt_logprobs: None unless SamplingParams.prompt_logprobs; else one entry per prompt token:
+            None for the first, then {token id: Logprob} holding the prompt token (its logprob given
+            the tokens before it) and the prompt_logprobs most likely alternatives. Filled once the
+            prompt is prefilled (empty before).
     """
 
     request_id: str
@@ -128,6 +167,7 @@ class RequestOutput:
     prompt_token_ids: list[int]
     outputs: list[CompletionOutput]
     finished: bool
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
 
     def __post_init__(self) -> None:
         if not self.outputs:
@@ -147,7 +187,9 @@ _set = object.__setattr__
 
 
 def running_output(request_id: str, prompt: str | None, prompt_token_ids: list[int], text: str,
-                   token_ids: list[int], logprobs: list[dict[int, float]] | None) -> RequestOutput:
+                   token_ids: list[int], logprobs: list[dict[int, float]] | None,
+                   logprob_entries: list[dict[int, Logprob]] | None = None,
+                   prompt_logprobs: list[dict[int, Logprob] | None] | None = None) -> RequestOutput:
     """The `RequestOutput` of a request that is still running (one sample, no finish reason), built
     without the field checks: they only concern finish reasons, which a running output has none of,
     and the logprobs length, which the engine keeps equal to the token count (`Request.add_token`).
@@ -161,10 +203,12 @@ def running_output(request_id: str, prompt: str | None, prompt_token_ids: list[i
     _set(completion, "stop_reason", None)
     _set(completion, "ignored_reason", None)
     _set(completion, "error_reason", None)
+    _set(completion, "logprob_entries", logprob_entries)
     output = object.__new__(RequestOutput)
     _set(output, "request_id", request_id)
     _set(output, "prompt", prompt)
     _set(output, "prompt_token_ids", prompt_token_ids)
     _set(output, "outputs", [completion])
     _set(output, "finished", False)
+    _set(output, "prompt_logprobs", prompt_logprobs)
     return output

@@ -13,8 +13,10 @@ from .outputs import (
     FINISH_PREFILLED,
     FINISH_STOP,
     CompletionOutput,
+    Logprob,
     OutputKind,
     RequestOutput,
+    logprob_entries,
     running_output,
 )
 from .sampling_batch import RequestRng
@@ -88,6 +90,11 @@ class Request:
         self._text = ""
         self._prompt_out: list[int] | None = None   # the prompt list every output of this request shares
         self.logprobs: list[dict[int, float]] | None = [] if params.logprobs is not None else None
+        self.logprob_entries: list[dict[int, Logprob]] | None = [] if params.logprob_entries else None
+        self._decode_token = None if tokenizer is None else tokenizer.decode_token
+        # SamplingParams.prompt_logprobs: filled as the prompt's chunks are prefilled (sample 0 only)
+        self.prompt_logprobs: list[dict[int, Logprob] | None] | None = \
+            [None] if params.prompt_logprobs is not None and index == 0 else None
         self.finish_reason: str | None = None
         self.stop_reason: str | int | None = None
         self.ignored_reason: str | None = None
@@ -103,14 +110,30 @@ class Request:
     def finished(self) -> bool:
         return self.finish_reason is not None
 
-    def add_token(self, token_id: int, logprobs: dict[int, float] | None) -> None:
-        """Record one sampled token and decide whether the request is done."""
+    @property
+    def num_prompt_logprobs(self) -> int:
+        """Prompt positions whose logprobs are in (the first one, None, included)."""
+        return 0 if self.prompt_logprobs is None else len(self.prompt_logprobs)
+
+    def add_prompt_logprobs(self, entries: list[dict[int, float]], ranks: list[int]) -> None:
+        """The logprobs of the next len(entries) prompt tokens (each entry holds the prompt token)."""
+        assert self.prompt_logprobs is not None
+        start = len(self.prompt_logprobs)
+        for position, (entry, rank) in enumerate(zip(entries, ranks), start):
+            self.prompt_logprobs.append(logprob_entries(entry, self.prompt_token_ids[position], rank,
+                                                        self._decode_token))
+
+    def add_token(self, token_id: int, logprobs: dict[int, float] | None, rank: int | None = None) -> None:
+        """Record one sampled token (with its logprobs and their rank, when asked for) and decide whether
+        the request is done."""
         if self.grammar is not None and self.grammar.accept_tokens([token_id]) != 1:
             self.fail(f"grammar rejected token {token_id} after {len(self.output_token_ids)} output tokens")
             return
         self.output_token_ids.append(token_id)
         if self.logprobs is not None and logprobs is not None:
             self.logprobs.append(logprobs)
+            if self.logprob_entries is not None:
+                self.logprob_entries.append(logprob_entries(logprobs, token_id, rank, self._decode_token))
         num_out = len(self.output_token_ids)
         may_stop = num_out >= self.params.min_tokens
         if self.detok is not None and not self._text_each_step:
@@ -176,21 +199,30 @@ class Request:
         """The samples of a request reported on its own: itself."""
         return (self,)
 
-    def _parts(self) -> tuple[str, list[int], list[dict[int, float]] | None]:
-        """(text, token ids, logprobs) now, cumulative or (DELTA) what is new since the previous call."""
+    def _parts(self) -> tuple[str, list[int], list[dict[int, float]] | None, list[dict[int, Logprob]] | None]:
+        """(text, token ids, logprobs, logprob entries) now, cumulative or (DELTA) what is new since the
+        previous call."""
         first_token, first_char = self._num_reported if self.output_kind is OutputKind.DELTA else (0, 0)
         if self.output_kind is OutputKind.DELTA:
             self._num_reported = (len(self.output_token_ids), len(self._text))
         token_ids = self.output_token_ids[first_token:]
         logprobs = None if self.logprobs is None else self.logprobs[first_token:]
-        return (self._text[first_char:] if first_char else self._text), token_ids, logprobs
+        entries = None if self.logprob_entries is None else self.logprob_entries[first_token:]
+        return (self._text[first_char:] if first_char else self._text), token_ids, logprobs, entries
 
     def completion(self) -> CompletionOutput:
         """This sample's `CompletionOutput` now (as `_parts`)."""
-        text, token_ids, logprobs = self._parts()
+        text, token_ids, logprobs, entries = self._parts()
         return CompletionOutput(index=self.index, text=text, token_ids=token_ids, finish_reason=self.finish_reason,
                                 logprobs=logprobs, stop_reason=self.stop_reason, ignored_reason=self.ignored_reason,
-                                error_reason=self.error_reason)
+                                error_reason=self.error_reason, logprob_entries=entries)
+
+    def prompt_logprobs_out(self) -> list[dict[int, Logprob] | None] | None:
+        """The prompt logprobs for an output: None if not asked, [] until the prompt is in (then the list,
+        which no longer changes)."""
+        if self.prompt_logprobs is None:
+            return None
+        return self.prompt_logprobs if len(self.prompt_logprobs) == len(self.prompt_token_ids) else []
 
     def to_output(self) -> RequestOutput:
         """This request's output now, cumulative or (DELTA) what is new since the previous call. The
@@ -200,9 +232,11 @@ class Request:
         if self._prompt_out is None:
             self._prompt_out = list(self.prompt_token_ids)
         if self.finished:
-            return RequestOutput(self.request_id, self.prompt, self._prompt_out, [self.completion()], True)
-        text, token_ids, logprobs = self._parts()
-        return running_output(self.request_id, self.prompt, self._prompt_out, text, token_ids, logprobs)
+            return RequestOutput(self.request_id, self.prompt, self._prompt_out, [self.completion()], True,
+                                 self.prompt_logprobs_out())
+        text, token_ids, logprobs, entries = self._parts()
+        return running_output(self.request_id, self.prompt, self._prompt_out, text, token_ids, logprobs, entries,
+                              self.prompt_logprobs_out())
 
 
 class ParallelRequest:
@@ -249,4 +283,5 @@ class ParallelRequest:
         if self._prompt_out is None:
             self._prompt_out = list(self.prompt_token_ids)
         return RequestOutput(self.request_id, self.prompt, self._prompt_out,
-                             [sample.completion() for sample in self.samples], self.finished)
+                             [sample.completion() for sample in self.samples], self.finished,
+                             self.samples[0].prompt_logprobs_out())

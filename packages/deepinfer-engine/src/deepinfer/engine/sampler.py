@@ -45,6 +45,8 @@ class SamplerOutput:
                                   # -inf, or have a log-sum-exp beyond ±MAX_LOGIT_MAGNITUDE
     top_logprobs: Tensor | None   # [num_seqs, k] float32, descending; None when k = 0
     top_ids: Tensor | None        # [num_seqs, k] int64, token ids of top_logprobs
+    ranks: Tensor | None = None   # [num_seqs] int64, 1 + tokens with a larger raw logit than the sampled one;
+                                  # None when no row asked for logprobs
 
 
 class Sampler:
@@ -124,12 +126,16 @@ class Sampler:
             token_ids.index_copy_(0, batch.random_rows, sampled)
         if batch.controls is not None:
             record_tokens(batch.controls, token_ids)
-        logprobs = (logits.gather(1, token_ids[:, None]) - log_normaliser).squeeze(1)
+        sampled_logits = logits.gather(1, token_ids[:, None])
+        logprobs = (sampled_logits - log_normaliser).squeeze(1)
+        ranks = None
+        if any(wanted is not None for wanted in batch.num_logprobs):
+            ranks = (logits > sampled_logits).sum(dim=-1) + 1
         num_top = min(batch.num_top_logprobs, batch.vocab_size)
         if num_top == 0:
-            return SamplerOutput(token_ids, logprobs, finite_rows, None, None)
+            return SamplerOutput(token_ids, logprobs, finite_rows, None, None, ranks)
         top_logits, top_ids = logits.topk(num_top, dim=-1)
-        return SamplerOutput(token_ids, logprobs, finite_rows, top_logits - log_normaliser, top_ids)
+        return SamplerOutput(token_ids, logprobs, finite_rows, top_logits - log_normaliser, top_ids, ranks)
 
     def _sample(self, logits: Tensor, batch: SamplingBatch) -> Tensor:
         """[num_random, vocab] float32 (masked, unscaled) -> [num_random] int64 sampled ids."""

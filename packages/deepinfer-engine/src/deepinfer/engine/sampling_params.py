@@ -165,6 +165,8 @@ class SamplingParams:
         prompt_logprobs: None, or an int in [0, 20]: the logprob of every prompt token given its prefix
             (None for the first one) plus this many most likely alternatives.
         skip_special_tokens: leave special tokens out of the output text.
+        logprob_entries: with logprobs set, also return them as `Logprob` entries (logprob, rank in
+            the vocabulary, decoded token: vLLM's shape) in `CompletionOutput.logprob_entries`.
 
         Penalties, logit_bias, allowed_token_ids and bad_words change what is sampled (greedy rows
         too); the logprobs stay those of the raw distribution. They apply in vLLM's order:
@@ -197,6 +199,7 @@ class SamplingParams:
     bad_words: Sequence[str] | None = ()
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
+    logprob_entries: bool = False
 
     def __post_init__(self) -> None:
         temperature = _real("temperature", self.temperature)
@@ -248,6 +251,9 @@ class SamplingParams:
         if prompt_logprobs is not None and not 0 <= prompt_logprobs <= MAX_LOGPROBS:
             _fail(f"prompt_logprobs={prompt_logprobs} must be None or in [0, {MAX_LOGPROBS}]")
         _check_bool("skip_special_tokens", self.skip_special_tokens)
+        _check_bool("logprob_entries", self.logprob_entries)
+        if self.logprob_entries and self.logprobs is None:
+            _fail("logprob_entries=True needs logprobs set (an int in [0, 20])")
         normalised = {
             "n": num_samples, "prompt_logprobs": prompt_logprobs, **penalties,
             "logit_bias": _normalise_logit_bias(self.logit_bias),

@@ -58,6 +58,8 @@ class SampledStep:
     logprobs: list[dict[int, float] | None]     # the asked-for logprobs; None where none were asked or errors
     errors: dict[int, str]                      # row -> why it failed (its grammar allowed no token,
                                                 # NON_FINITE_LOGITS); usually empty
+    ranks: list[int] | None = None              # the sampled tokens' ranks (`SamplerOutput.ranks`) when
+                                                # some row asked for logprobs
 
     def tokens(self) -> list[SampledToken]:
         """The same, one `SampledToken` per row."""
@@ -105,7 +107,8 @@ class InFlightSampling:
         token_ids: [num_rows] int64 sampled ids on the device (ZOS feeds them to the next forward).
         batch: the rows' sampling parameters.
         readback: host copies being filled (pinned on CUDA): [2, num_rows] int64 (token ids, then 1 =
-            finite logits / 0 = not), then, when some row asked for logprobs, the sampled tokens'
+            finite logits / 0 = not; a third row, the sampled tokens' ranks, when some row asked for
+            logprobs), then, when some row asked for logprobs, the sampled tokens'
             logprobs [num_rows] and the top ids / logprobs [num_rows, k] (k > 0 only).
         done: the CUDA event after the copies (None on the CPU: nothing to wait for).
         dead_rows: row -> why its grammar allowed no token.
@@ -174,7 +177,7 @@ class SamplingStage:
         if flight.done is not None:
             flight.done.synchronize()
         ids_and_flags, *logprob_parts = flight.readback
-        token_ids, finite = ids_and_flags.tolist()
+        token_ids, finite, *rank_rows = ids_and_flags.tolist()
         sampled_logprobs, top_logprobs, top_ids = (*logprob_parts, None, None, None)[:3]
         host = SamplerOutput(ids_and_flags[0], sampled_logprobs, ids_and_flags[1] != 0, top_logprobs, top_ids)
         logprobs = logprob_dicts(host, flight.batch, token_ids)     # no logprob part: none was asked
@@ -185,14 +188,14 @@ class SamplingStage:
                     errors.setdefault(row, NON_FINITE_LOGITS)
         for row in errors:
             logprobs[row] = None
-        return SampledStep(flight.seq_ids, token_ids, logprobs, errors)
+        return SampledStep(flight.seq_ids, token_ids, logprobs, errors, rank_rows[0] if rank_rows else None)
 
 
 def _readback_tensors(sampled: SamplerOutput, batch: SamplingBatch) -> tuple[Tensor, ...]:
     """What the host needs of a step's sampling: ids and finiteness, and logprobs when asked."""
-    ids_and_flags = torch.stack((sampled.token_ids, sampled.finite_rows.to(torch.int64)))
-    if all(wanted is None for wanted in batch.num_logprobs):
-        return (ids_and_flags,)
+    if all(wanted is None for wanted in batch.num_logprobs) or sampled.ranks is None:
+        return (torch.stack((sampled.token_ids, sampled.finite_rows.to(torch.int64))),)
+    ids_and_flags = torch.stack((sampled.token_ids, sampled.finite_rows.to(torch.int64), sampled.ranks))
     if sampled.top_ids is None or sampled.top_logprobs is None:
         return ids_and_flags, sampled.logprobs
     return ids_and_flags, sampled.logprobs, sampled.top_logprobs, sampled.top_ids

@@ -69,6 +69,14 @@ class Tokenizer:
         """Token ids -> text; bytes that do not form UTF-8 characters decode to U+FFFD."""
         return self.backend.decode(list(token_ids), skip_special_tokens=skip_special_tokens)
 
+    def decode_token(self, token_id: int) -> str:
+        """One token's text on its own, special tokens included (cached: logprob entries ask often)."""
+        cache = self.__dict__.setdefault("_token_texts", {})
+        text = cache.get(token_id)
+        if text is None:
+            text = cache[token_id] = self.decode([token_id], skip_special_tokens=False)
+        return text
+
     def token_to_id(self, token: str) -> int | None:
         return self.backend.token_to_id(token)
 
