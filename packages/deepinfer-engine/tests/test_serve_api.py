@@ -153,7 +153,7 @@ def test_models_health_version_metrics(http: httpx.Client) -> None:
 
 
 # A value each field would need to mean something: the server must refuse it, naming the field.
-UNSUPPORTED_VALUES = {"length_penalty": 0.5, "use_beam_search": True, "prompt_logprobs": 1}
+UNSUPPORTED_VALUES = {"length_penalty": 0.5, "use_beam_search": True}
 
 
 @pytest.mark.parametrize("field", sorted(NOT_SUPPORTED_YET))
@@ -195,6 +195,8 @@ def test_unimplemented_fields_are_refused_not_ignored(http: httpx.Client, field:
     ("completions", {"prompt": "x", "allowed_token_ids": []}, "allowed_token_ids"),
     ("completions", {"prompt": "x", "bad_words": "x"}, "bad_words"),
     ("completions", {"prompt": "x", "skip_special_tokens": 1}, "skip_special_tokens"),
+    ("completions", {"prompt": "x", "prompt_logprobs": 21}, "prompt_logprobs"),
+    ("completions", {"prompt": "x", "echo": True}, "echo"),
     ("chat/completions", {"messages": []}, "messages"),
     ("chat/completions", {"messages": [{"role": "user"}], "top_logprobs": 2}, "top_logprobs"),
     ("chat/completions", {"messages": [{"role": "user", "content": 5}]}, "messages[0].content"),
@@ -324,3 +326,24 @@ def test_penalties_bias_and_bans_change_the_tokens(served: Served, client: opena
     assert set(allowed) <= {83, 314}
     single = tokenizer.decode([plain[0]])
     assert ids(extra_body={"bad_words": [single]})[0] != plain[0]
+
+
+def test_prompt_logprobs_whole_and_streamed(served: Served, http: httpx.Client) -> None:
+    body = {"prompt": [3791, 362, 1589, 314], "max_tokens": 3, "temperature": 0, "prompt_logprobs": 2, "n": 2}
+    whole = http.post("/v1/completions", json=body).json()
+    for choice in whole["choices"]:
+        entries = choice["prompt_logprobs"]
+        assert len(entries) == 4 and entries[0] is None
+        for token_id, entry in zip(body["prompt"][1:], entries[1:]):
+            mine = entry[str(token_id)]
+            assert mine["logprob"] <= 0 and mine["rank"] >= 1
+            assert mine["decoded_token"] == served.llm.engine.tokenizer.decode([token_id], skip_special_tokens=False)
+            assert min(e["rank"] for e in entry.values()) == 1 and len(entry) in (2, 3)
+    lines = http.post("/v1/completions", json={**body, "stream": True}).text.split("\n\n")
+    chunks = [json.loads(line[len("data: "):]) for line in lines if line.startswith("data: {")]
+    firsts = {}
+    for chunk in chunks:
+        firsts.setdefault(chunk["choices"][0]["index"], chunk["choices"][0])
+    assert sorted(firsts) == [0, 1]
+    assert all(first["prompt_logprobs"] == whole["choices"][0]["prompt_logprobs"] for first in firsts.values())
+    assert sum("prompt_logprobs" in c["choices"][0] for c in chunks) == 2

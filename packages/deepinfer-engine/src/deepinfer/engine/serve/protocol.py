@@ -17,7 +17,8 @@ from .errors import APIError, bad_request, from_sampling_error
 # Request field -> SamplingParams field (same name): passed as given; null = the default.
 SAMPLING_FIELDS = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop", "stop_token_ids",
                    "ignore_eos", "min_tokens", "include_stop_str_in_output", "n", "presence_penalty",
-                   "frequency_penalty", "repetition_penalty", "allowed_token_ids", "bad_words", "skip_special_tokens")
+                   "frequency_penalty", "repetition_penalty", "allowed_token_ids", "bad_words", "skip_special_tokens",
+                   "prompt_logprobs")
 
 
 def _is(*neutral: object) -> Callable[[object], bool]:
@@ -28,7 +29,6 @@ def _is(*neutral: object) -> Callable[[object], bool]:
 NOT_SUPPORTED_YET: dict[str, Callable[[object], bool]] = {
     "length_penalty": _is(None, 1, 1.0),
     "use_beam_search": _is(None, False),
-    "prompt_logprobs": _is(None),
 }
 COMPLETION_ONLY = {"prompt": None, "echo": _is(None, False), "suffix": _is(None), "logprobs": None}
 CHAT_ONLY = {"messages": None, "max_completion_tokens": None, "logprobs": None, "top_logprobs": None,

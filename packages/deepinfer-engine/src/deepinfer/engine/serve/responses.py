@@ -3,7 +3,9 @@
 Finish reasons pass through ("stop", "length", "abort", "error"); "preempted" is reported as
 "abort" (the client may retry). Logprobs follow OpenAI's two shapes: completions
 `{"tokens", "token_logprobs", "top_logprobs", "text_offset"}`, chat
-`{"content": [{"token", "logprob", "bytes", "top_logprobs": [...]}]}`.
+`{"content": [{"token", "logprob", "bytes", "top_logprobs": [...]}]}`. prompt_logprobs (vLLM's
+extension) are a choice field: `[null, {"<token id>": {"logprob", "rank", "decoded_token"}, ...}, ...]`,
+in a stream on the first chunk of each choice.
 
 With n > 1 samples there is one choice per sample (`index` 0..n − 1); a stream interleaves the
 samples' chunks as they come, each chunk carrying one choice, as OpenAI does.
@@ -51,6 +53,7 @@ class ResponseWriter:
         self._created = int(time.time())
         self._text_offsets: dict[int, int] = {}      # per choice index: completions logprobs' text_offset
         self._finished: set[int] = set()             # choice indices whose finish chunk is sent
+        self._prompt_logprobs_sent: set[int] = set()  # choice indices whose chunk carried prompt_logprobs
         self._token_text = functools.lru_cache(maxsize=4096)(
             (lambda t: tokenizer.decode([t], skip_special_tokens=False)) if tokenizer is not None
             else (lambda t: f"token_id:{t}"))
@@ -78,6 +81,9 @@ class ResponseWriter:
             else:
                 choice = {"index": index, "text": completion.text}
             choice.update(logprobs=logprobs, finish_reason=finish_reason(completion))
+            if out.prompt_logprobs and index not in self._prompt_logprobs_sent:
+                self._prompt_logprobs_sent.add(index)
+                choice["prompt_logprobs"] = _prompt_logprobs(out)
             if finished:
                 self._finished.add(index)
                 choice["stop_reason"] = completion.stop_reason
@@ -102,6 +108,8 @@ class ResponseWriter:
                 choice["text"] = completion.text
             choice.update(logprobs=self._logprobs(completion), finish_reason=finish_reason(completion),
                           stop_reason=completion.stop_reason)
+            if last.prompt_logprobs is not None:
+                choice["prompt_logprobs"] = _prompt_logprobs(last)
             choices.append(choice)
         return {"id": self._id, "object": "chat.completion" if self._chat else "text_completion",
                 "created": self._created, "model": self._model, "choices": choices,
@@ -136,6 +144,13 @@ class ResponseWriter:
         return {"tokens": [text(t) for t, _, _ in entries], "token_logprobs": [lp for _, lp, _ in entries],
                 "top_logprobs": [{text(a): alp for a, alp in ranked} for _, _, ranked in entries],
                 "text_offset": offsets}
+
+
+def _prompt_logprobs(out: RequestOutput) -> list[dict[str, dict[str, Any]] | None]:
+    return [None if entry is None else
+            {str(token_id): {"logprob": lp.logprob, "rank": lp.rank, "decoded_token": lp.decoded_token}
+             for token_id, lp in entry.items()}
+            for entry in out.prompt_logprobs or ()]
 
 
 def _usage(out: RequestOutput, num_output_tokens: int) -> dict[str, int]:
