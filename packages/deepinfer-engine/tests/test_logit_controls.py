@@ -138,3 +138,37 @@ def test_the_sampler_never_samples_what_the_controls_forbid() -> None:
 
 def test_no_controls_means_no_extra_work() -> None:
     assert build_logit_controls([SamplingParams()] * 3, [None] * 3, [()] * 3, None, VOCAB, CPU) is None
+
+
+@pytest.mark.parametrize(("field", "value", "message"), [
+    ("n", 0, "n=0 must be >= 1 and <= 128"),
+    ("n", 129, "n=129 must be"),
+    ("presence_penalty", 2.5, r"presence_penalty=2.5 must be in \[-2, 2\]"),
+    ("frequency_penalty", -2.1, r"frequency_penalty=-2.1 must be in \[-2, 2\]"),
+    ("frequency_penalty", float("nan"), "frequency_penalty=nan must be finite"),
+    ("repetition_penalty", 0.0, r"repetition_penalty=0.0 must be in \(0, 2\]"),
+    ("repetition_penalty", 2.01, r"repetition_penalty=2.01 must be in \(0, 2\]"),
+    ("logit_bias", {5: 100.5}, r"logit_bias\[5\]=100.5 must be in \[-100, 100\]"),
+    ("logit_bias", {-1: 1.0}, "logit_bias key=-1 must be an int >= 0"),
+    ("logit_bias", {i: 1.0 for i in range(1025)}, "logit_bias has 1025 entries: at most 1024"),
+    ("logit_bias", [(1, 1.0), (1, 2.0)], "logit_bias holds token id 1 twice"),
+    ("logit_bias", 5, "logit_bias=5 must be a mapping"),
+    ("allowed_token_ids", [], "allowed_token_ids=.. must be None or a non-empty sequence"),
+    ("allowed_token_ids", [1, True], r"allowed_token_ids\[1\]=True must be an int"),
+    ("bad_words", "word", "bad_words='word' must be a sequence of str"),
+    ("bad_words", ["ok", " "], r"bad_words\[1\]=' ' must be a non-empty str"),
+    ("bad_words", ["w"] * 129, "bad_words has 129 words: at most 128"),
+    ("prompt_logprobs", 21, r"prompt_logprobs=21 must be None or in \[0, 20\]"),
+    ("skip_special_tokens", 0, "skip_special_tokens=0 must be a bool"),
+])
+def test_new_sampling_fields_are_checked_by_name(field: str, value: object, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        SamplingParams(**{field: value})
+
+
+def test_new_sampling_fields_are_normalised() -> None:
+    params = SamplingParams(logit_bias={9: 1, 2: -3.5}, allowed_token_ids=[7, 3, 7], bad_words=["a b"], n=2)
+    assert params.logit_bias == ((2, -3.5), (9, 1.0)) and params.allowed_token_ids == (3, 7)
+    assert params.bad_words == ("a b",) and params.n == 2
+    assert SamplingParams(logit_bias={}).logit_bias is None
+    assert not SamplingParams().uses_penalties and SamplingParams(repetition_penalty=1.1).uses_penalties

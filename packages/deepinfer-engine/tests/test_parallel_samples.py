@@ -181,3 +181,14 @@ def test_zos_on_and_off_agree_with_samples_penalties_and_bad_words(preempt: bool
     assert results[0] == results[1]
     assert (results[0][1] > 0) == preempt
     assert all(len(t) == 70 for sample in results[0][0].values() for t in sample)
+
+
+def test_skip_special_tokens_reaches_the_detokenizer() -> None:
+    eng = engine()
+    eos = eng.eos_token_ids[0]
+    forced = {"ignore_eos": True, "temperature": 0.0, "max_tokens": 3, "logit_bias": {eos: 100.0}}
+    finals, _ = run(eng, {"kept": (PROMPT, SamplingParams(**forced, skip_special_tokens=False, n=2)),
+                          "skipped": (PROMPT, SamplingParams(**forced))})
+    special = eng.tokenizer.decode([eos], skip_special_tokens=False)
+    assert special and [c.text for c in finals["kept"].outputs] == [special * 3] * 2
+    assert finals["skipped"].outputs[0].text == "" and finals["skipped"].outputs[0].token_ids == [eos] * 3
