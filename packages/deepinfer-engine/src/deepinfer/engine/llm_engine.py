@@ -54,7 +54,7 @@ from .engine_args import EngineArgs, InvalidEngineArgs
 from .env import EngineEnv, read_env
 from .grammar_backend import StructuredOutputUnavailable, XGrammarBackend
 from .grammar_compiler import GrammarCompilePool
-from .logit_controls import TokenHistory
+from .logit_controls import TokenHistory, tokenize_bad_words
 from .model_runner import ModelRunner, default_block_size
 from .outputs import (
     FINISH_ABORT,
@@ -66,9 +66,10 @@ from .outputs import (
     RequestOutput,
 )
 from .request import ParallelRequest, Request
-from .sampler import Sampler
-from .sampling_params import MAX_BAD_WORD_TOKENS, InvalidSamplingParams, SamplingParams
+from .sampler import Sampler, logprobs_of
+from .sampling_params import InvalidSamplingParams, SamplingParams
 from .sampling_stage import InFlightSampling, SampledStep, SamplingStage, StepRows
+from .staging import to_device
 from .sync_guard import forbid_cuda_sync
 from .tokenizer import Tokenizer, load_tokenizer, require_tokenizer
 
@@ -319,23 +320,11 @@ class LLMEngine:
                 raise InvalidSamplingParams(f"{name} holds token ids {bad[:3]} outside the vocabulary [0, {vocab})")
 
     def _tokenize_bad_words(self, params: SamplingParams) -> tuple[tuple[int, ...], ...]:
-        """vLLM's tokenization of bad words: each word as is, and with a leading space when that gives
-        a different first token and as many tokens."""
         if not params.bad_words:
             return ()
         if self.tokenizer is None:
             raise ValueError("SamplingParams.bad_words needs a tokenizer; this model folder has no tokenizer.json")
-        result: list[tuple[int, ...]] = []
-        for index, word in enumerate(params.bad_words):
-            plain = tuple(self.tokenizer.encode(word.lstrip(), add_special_tokens=False))
-            spaced = tuple(self.tokenizer.encode(" " + word.lstrip(), add_special_tokens=False))
-            for ids in (plain, spaced) if spaced and spaced[0] != plain[0] and len(spaced) == len(plain) else (plain,):
-                if len(ids) > MAX_BAD_WORD_TOKENS:
-                    raise InvalidSamplingParams(f"bad_words[{index}] is {len(ids)} tokens long; at most "
-                                                f"{MAX_BAD_WORD_TOKENS} are allowed")
-                if ids and ids not in result:
-                    result.append(ids)
-        return tuple(result)
+        return tokenize_bad_words(self.tokenizer, params.bad_words)
 
     def enqueue(self, req: Request | ParallelRequest) -> None:
         """Queue a request made by `prepare_request`.
@@ -523,8 +512,11 @@ class LLMEngine:
                 self._post_process(done, self.sampling.collect(done.sampling), changed)
             current = None
             if step is not None and logits is not None and step.sample_seq_ids:    # (3) sample N
-                reqs = [self._seq(seq_id) for seq_id in step.sample_seq_ids]
                 seq_ids = step.sample_seq_ids
+                try:
+                    reqs = list(map(self._seqs.__getitem__, seq_ids))     # the common case: no "_" id
+                except KeyError:
+                    reqs = [self._seq(seq_id) for seq_id in seq_ids]
                 if out.kind is StepKind.PREFILL and any(r.unforked for r in reqs):
                     logits, reqs = self._rows_per_sample(logits, reqs)   # n rows for a prefilled group
                     seq_ids = tuple(r.seq_id for r in reqs)
@@ -565,20 +557,8 @@ class LLMEngine:
             low, high = max(req.num_prompt_logprobs, start + 1), min(len(prompt), start + num_rows + 1)
             if low >= high or low != req.num_prompt_logprobs:
                 continue
-            rows = logits[first_row + low - 1 - start:first_row + high - 1 - start].float()
-            targets = torch.tensor(prompt[low:high], dtype=torch.int64, device=rows.device)
-            normaliser = rows.logsumexp(dim=-1, keepdim=True)
-            chosen = rows.gather(1, targets[:, None])
-            ranks = ((rows > chosen).sum(dim=-1) + 1).tolist()
-            logprobs = (chosen - normaliser)[:, 0].tolist()
-            entries = [{token: logprob} for token, logprob in zip(prompt[low:high], logprobs)]
-            num_top = min(req.params.prompt_logprobs or 0, rows.shape[1])
-            if num_top:
-                top_logits, top_ids = rows.topk(num_top, dim=-1)
-                for entry, ids, values in zip(entries, top_ids.tolist(), (top_logits - normaliser).tolist()):
-                    for token, logprob in zip(ids, values):
-                        entry.setdefault(token, logprob)
-            req.add_prompt_logprobs(entries, ranks)
+            rows = logits[first_row + low - 1 - start:first_row + high - 1 - start]
+            req.add_prompt_logprobs(*logprobs_of(rows, prompt[low:high], req.params.prompt_logprobs or 0))
 
     def _rows_per_sample(self, logits: torch.Tensor, reqs: list[Request]) -> tuple[torch.Tensor, list[Request]]:
         """A prefill step's logits with the row of each group's sample 0 repeated for its other samples
@@ -589,8 +569,7 @@ class LLMEngine:
             for sample in (req, *req.unforked):
                 rows.append(row)
                 expanded.append(sample)
-        index = torch.tensor(rows, dtype=torch.int64, device=logits.device)
-        return logits.index_select(0, index), expanded
+        return logits.index_select(0, to_device(np.array(rows, dtype=np.int64), logits.device)), expanded
 
     def _fork(self, req: Request) -> None:
         """Fork sample 0's just-prefilled sequence for the group's other samples."""

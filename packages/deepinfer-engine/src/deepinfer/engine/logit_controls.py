@@ -25,8 +25,9 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from .sampling_params import MAX_BAD_WORD_TOKENS, SamplingParams
+from .sampling_params import MAX_BAD_WORD_TOKENS, InvalidSamplingParams, SamplingParams
 from .staging import to_device
+from .tokenizer import Tokenizer
 
 HISTORY_WINDOW = MAX_BAD_WORD_TOKENS - 1     # output tokens a bad word's prefix is compared with
 
@@ -252,3 +253,24 @@ def record_tokens(controls: LogitControls, token_ids: Tensor) -> None:
     history.counts.index_put_((slots, tokens), torch.ones_like(tokens, dtype=torch.int32), accumulate=True)
     shifted = torch.cat((history.recent.index_select(0, slots)[:, 1:], tokens[:, None]), dim=1)
     history.recent.index_copy_(0, slots, shifted)
+
+
+def tokenize_bad_words(tokenizer: Tokenizer, words: Sequence[str]) -> tuple[tuple[int, ...], ...]:
+    """vLLM's tokenization of bad words: each word (leading spaces stripped) as is, and with one leading
+    space when that gives a different first token and as many tokens; duplicates dropped.
+
+    Raises:
+        InvalidSamplingParams: a word of more than MAX_BAD_WORD_TOKENS tokens (names its index).
+    """
+    result: list[tuple[int, ...]] = []
+    for index, word in enumerate(words):
+        plain = tuple(tokenizer.encode(word.lstrip(), add_special_tokens=False))
+        spaced = tuple(tokenizer.encode(" " + word.lstrip(), add_special_tokens=False))
+        for ids in (plain, spaced) if spaced and plain and spaced[0] != plain[0] and len(spaced) == len(plain) \
+                else (plain,):
+            if len(ids) > MAX_BAD_WORD_TOKENS:
+                raise InvalidSamplingParams(f"bad_words[{index}] is {len(ids)} tokens long; at most "
+                                            f"{MAX_BAD_WORD_TOKENS} are allowed")
+            if ids and ids not in result:
+                result.append(ids)
+    return tuple(result)

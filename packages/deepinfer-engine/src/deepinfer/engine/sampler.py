@@ -185,6 +185,25 @@ class Sampler:
         return generator
 
 
+def logprobs_of(logits: Tensor, token_ids: list[int], num_top: int) -> tuple[list[dict[int, float]], list[int]]:
+    """Per row of `logits` ([num_rows, vocab], any float dtype; reads them back: not for a ZOS launch):
+    {token id: logprob} of the row's given token plus its num_top most likely alternatives, and the
+    token's rank (1 + tokens with a larger logit). Used for prompt logprobs."""
+    rows = logits.float()
+    targets = torch.tensor(token_ids, dtype=torch.int64, device=rows.device)
+    normaliser = rows.logsumexp(dim=-1, keepdim=True)
+    chosen = rows.gather(1, targets[:, None])
+    ranks = ((rows > chosen).sum(dim=-1) + 1).tolist()
+    entries = [{token: logprob} for token, logprob in zip(token_ids, (chosen - normaliser)[:, 0].tolist())]
+    num_top = min(num_top, rows.shape[1])
+    if num_top:
+        top_logits, top_ids = rows.topk(num_top, dim=-1)
+        for entry, ids, values in zip(entries, top_ids.tolist(), (top_logits - normaliser).tolist()):
+            for token, logprob in zip(ids, values):
+                entry.setdefault(token, logprob)
+    return entries, ranks
+
+
 def logprob_dicts(output: SamplerOutput, batch: SamplingBatch,
                   token_ids: list[int] | None = None) -> list[dict[int, float] | None]:
     """Per row, None if the row asked for no logprobs, else {token id: logprob} holding the sampled
