@@ -192,3 +192,14 @@ def test_skip_special_tokens_reaches_the_detokenizer() -> None:
     special = eng.tokenizer.decode([eos], skip_special_tokens=False)
     assert special and [c.text for c in finals["kept"].outputs] == [special * 3] * 2
     assert finals["skipped"].outputs[0].text == "" and finals["skipped"].outputs[0].token_ids == [eos] * 3
+
+
+def test_n_samples_each_follow_the_grammar() -> None:
+    pytest.importorskip("xgrammar")
+    from deepinfer.engine import StructuredOutput
+
+    params = SamplingParams(temperature=1.0, seed=1, max_tokens=10, n=3,
+                            structured=StructuredOutput(choice=("alpha", "beta", "gamma")))
+    finals, _ = run(engine(), {"c": ("x = ", params)})
+    texts = [c.text for c in finals["c"].outputs]
+    assert set(texts) <= {"alpha", "beta", "gamma"} and len(set(texts)) > 1
