@@ -27,6 +27,7 @@ from pathlib import Path
 
 import tomllib
 from packaging.requirements import Requirement
+from packaging.utils import canonicalize_name
 from packaging.version import Version
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -227,6 +228,14 @@ def _parse_metadata(raw: bytes, license_text: bytes | None) -> _Metadata:
     return _Metadata(email.parser.BytesParser(policy=email.policy.compat32).parsebytes(raw), license_text)
 
 
+def _canonical(requirement: str) -> str:
+    """A requirement with its name in canonical form (PEP 503: "Foo_Bar" -> "foo-bar"), as built
+    metadata may spell it differently from pyproject.toml."""
+    parsed = Requirement(requirement)
+    parsed.name = canonicalize_name(parsed.name)
+    return str(parsed)
+
+
 def _check_metadata(root: Path, name: str, version: str, where: str, meta: _Metadata) -> list[str]:
     """Core metadata of one built distribution against its pyproject.toml."""
     project = _project(root, name)["project"]
@@ -252,9 +261,8 @@ def _check_metadata(root: Path, name: str, version: str, where: str, meta: _Meta
         problems.append(f"{where}: classifiers differ from pyproject.toml")
     if not fields.get("Keywords") or not (fields.get("Author") or fields.get("Author-email")):
         problems.append(f"{where}: Keywords or Author missing")
-    runtime = sorted(str(Requirement(r)) for r in fields.get_all("Requires-Dist") or ()
-                     if "extra ==" not in r)
-    declared = sorted(str(Requirement(r)) for r in project.get("dependencies", ()))
+    runtime = sorted(_canonical(r) for r in fields.get_all("Requires-Dist") or () if "extra ==" not in r)
+    declared = sorted(_canonical(r) for r in project.get("dependencies", ()))
     if runtime != declared:
         problems.append(f"{where}: Requires-Dist {runtime} != pyproject dependencies {declared}")
     return problems
