@@ -22,7 +22,8 @@ import uuid
 from collections.abc import AsyncGenerator, Sequence
 from dataclasses import dataclass
 
-from .llm_engine import LLMEngine, PromptInput
+from .intake import PromptInput
+from .llm_engine import LLMEngine
 from .outputs import RequestOutput, running_output
 from .sampling_params import SamplingParams
 

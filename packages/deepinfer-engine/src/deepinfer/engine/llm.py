@@ -14,7 +14,8 @@ from deepinfer.sched import EngineType
 from .chat_messages import ChatMessage
 from .chat_template import ChatTemplate, chat_prompt, load_chat_template
 from .engine_args import EngineArgs
-from .llm_engine import LLMEngine, PromptInput
+from .intake import PromptInput
+from .llm_engine import LLMEngine
 from .outputs import OutputKind, RequestOutput
 from .request import Request
 from .sampling_params import SamplingParams

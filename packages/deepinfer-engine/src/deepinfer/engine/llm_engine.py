@@ -33,7 +33,6 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 import torch
@@ -52,9 +51,9 @@ from deepinfer.sched import (
 
 from .engine_args import EngineArgs, InvalidEngineArgs
 from .env import EngineEnv, read_env
-from .grammar_backend import StructuredOutputUnavailable, XGrammarBackend
 from .grammar_compiler import GrammarCompilePool
-from .logit_controls import TokenHistory, tokenize_bad_words
+from .intake import RequestIntake
+from .logit_controls import TokenHistory
 from .model_runner import ModelRunner, default_block_size
 from .outputs import (
     FINISH_ABORT,
@@ -67,19 +66,16 @@ from .outputs import (
 )
 from .request import ParallelRequest, Request
 from .sampler import Sampler, logprobs_of
-from .sampling_params import InvalidSamplingParams, SamplingParams
 from .sampling_stage import InFlightSampling, SampledStep, SamplingStage, StepRows
 from .staging import to_device
 from .sync_guard import forbid_cuda_sync
-from .tokenizer import Tokenizer, load_tokenizer, require_tokenizer
+from .tokenizer import Tokenizer, load_tokenizer
 
 logger = logging.getLogger(__name__)
-PromptInput = str | dict[str, Any]
 # What the scheduler is told when a request ends (it only frees the sequence's blocks and slot).
 _SCHED_REASON = {FINISH_LENGTH: FinishReason.LENGTH, FINISH_ABORT: FinishReason.ABORT,
                  FINISH_PREEMPTED: FinishReason.PREEMPTED, FINISH_ERROR: FinishReason.ABORT}
 
-MAX_REQUEST_ID_LEN = 256
 
 # With nothing to run but requests waiting for their grammar, `step()` waits this long for a compile.
 IDLE_GRAMMAR_WAIT_S = 0.05
@@ -134,17 +130,9 @@ def _check_v41_options(cfg: object, args: EngineArgs, env: EngineEnv) -> None:
                                 "it to off for this model")
 
 
-def _checked_request_id(request_id: object) -> str:
-    if not isinstance(request_id, str) or not request_id or len(request_id) > MAX_REQUEST_ID_LEN:
-        raise ValueError(f"request_id={request_id!r} must be a non-empty str of at most {MAX_REQUEST_ID_LEN} "
-                         "characters")
-    if request_id.startswith("_"):
-        raise ValueError(f"request_id={request_id!r} must not start with '_' (reserved for fork branches)")
-    return request_id
-
-
-class LLMEngine:
-    """The engine of one DP rank.
+class LLMEngine(RequestIntake):
+    """The engine of one DP rank: request intake (`add_request`, `prepare_request`, `enqueue`,
+    `abort_request`) comes from `RequestIntake` (intake.py), the step loop is here.
 
     Args:
         args: validated EngineArgs.
@@ -240,199 +228,12 @@ class LLMEngine:
                                     f"KV cache: the weights already take {torch.cuda.memory_allocated(device)} B")
         return budget
 
-    # ------------------------------------------------------------------ requests
-
-    def add_request(self, request_id: str | None, prompt: PromptInput | Sequence[int],
-                    params: SamplingParams | None = None, *,
-                    output_kind: OutputKind = OutputKind.CUMULATIVE) -> str:
-        """Queue a request; returns its id (a fresh one when request_id is None).
-
-        Args:
-            request_id: a non-empty str of at most MAX_REQUEST_ID_LEN characters, not starting with
-                "_" (reserved for fork branches); None = the engine numbers it.
-            prompt: text (needs a tokenizer), `{"prompt_token_ids": [...]}` (optionally with
-                "prompt"), or a list of token ids.
-            output_kind: which outputs `step()` returns for it (`OutputKind`: every step cumulative,
-                every step what is new, or only the final one).
-        Raises:
-            ValueError: a bad or duplicate id, text without a tokenizer, token ids outside the
-                vocabulary, or a COMPLETION engine (it only takes requests handed over by a PROMPT
-                engine). A refused request leaves nothing behind.
-            StructuredOutputUnavailable: params.structured without xgrammar, a tokenizer or an EOS id.
-            An empty prompt or one longer than max_model_len is not an error: the request finishes
-            as "ignored" with its reason at the next step; so does a grammar that fails to compile.
-        """
-        with self._lock:
-            req = self.prepare_request(request_id, prompt, params, output_kind=output_kind)
-            self.enqueue(req)
-            return req.request_id
-
-    def prepare_request(self, request_id: str | None, prompt: PromptInput | Sequence[int],
-                        params: SamplingParams | None = None, *,
-                        output_kind: OutputKind = OutputKind.CUMULATIVE) -> Request | ParallelRequest:
-        """Check a request and build its state without queueing it (`add_request` = this + `enqueue`).
-
-        Raises: as `add_request`; nothing is registered either way.
-        """
-        if self.args.engine_type is EngineType.COMPLETION:
-            raise ValueError("a COMPLETION engine only decodes requests prefilled by a PROMPT engine; the KV "
-                             "transfer that hands them over is not implemented, so it takes no add_request")
-        params = params or SamplingParams()
-        if not isinstance(params, SamplingParams):
-            raise TypeError(f"params must be SamplingParams, got {type(params).__name__}")
-        with self._lock:
-            request_id = str(next(self._ids)) if request_id is None else _checked_request_id(request_id)
-            self._check_ids_free(request_id, params.n)
-        text, token_ids = self.tokenize_prompt(prompt)
-        vocab = self.model.cfg.vocab_size
-        bad = [t for t in token_ids if not 0 <= t < vocab]
-        if bad:
-            raise ValueError(f"prompt_token_ids contain {bad[:3]}: ids must be in [0, {vocab})")
-        if params.stop and self.tokenizer is None:
-            raise ValueError("SamplingParams.stop needs a tokenizer; this model folder has no tokenizer.json")
-        if params.structured is not None:
-            self._grammar_pool()
-        if not isinstance(output_kind, OutputKind):
-            raise ValueError(f"output_kind={output_kind!r} must be an OutputKind (CUMULATIVE, DELTA or FINAL_ONLY)")
-        self._check_token_ids(params, vocab)
-        bad_word_ids = self._tokenize_bad_words(params)
-        if params.n > 1 and self.args.engine_type is not EngineType.NORMAL:
-            raise ValueError(f"n={params.n} needs a NORMAL engine (a PROMPT engine hands one sequence over)")
-        samples = [Request(request_id, text, token_ids, params, self.tokenizer, eos_token_ids=self.eos_token_ids,
-                           max_model_len=self.max_model_len, device=self.args.device, output_kind=output_kind,
-                           index=index, bad_word_ids=bad_word_ids) for index in range(params.n)]
-        return samples[0] if params.n == 1 else ParallelRequest(samples)
-
-    def _check_ids_free(self, request_id: str, num_samples: int) -> None:
-        """Refuse an id in use by a request or a sample, or one whose samples' ids are."""
-        taken = [i for i in [request_id] + [f"{request_id}.{k}" for k in range(1, num_samples)]
-                 if i in self._requests or i in self._seqs]
-        if taken:
-            raise ValueError(f"request_id={request_id!r} is already in use" if taken[0] == request_id else
-                             f"request_id={request_id!r} with n={num_samples}: its samples' ids {taken} are in use")
-
-    @staticmethod
-    def _check_token_ids(params: SamplingParams, vocab: int) -> None:
-        for name, ids in (("logit_bias", [t for t, _ in params.logit_bias or ()]),
-                          ("allowed_token_ids", params.allowed_token_ids or ())):
-            bad = [t for t in ids if t >= vocab]
-            if bad:
-                raise InvalidSamplingParams(f"{name} holds token ids {bad[:3]} outside the vocabulary [0, {vocab})")
-
-    def _tokenize_bad_words(self, params: SamplingParams) -> tuple[tuple[int, ...], ...]:
-        if not params.bad_words:
-            return ()
-        if self.tokenizer is None:
-            raise ValueError("SamplingParams.bad_words needs a tokenizer; this model folder has no tokenizer.json")
-        return tokenize_bad_words(self.tokenizer, params.bad_words)
-
-    def enqueue(self, req: Request | ParallelRequest) -> None:
-        """Queue a request made by `prepare_request`.
-
-        Raises:
-            ValueError: its id is in use by now; nothing is registered then.
-        """
-        with self._lock:
-            self._check_ids_free(req.request_id, len(req.samples))
-            self._requests[req.request_id] = req
-            self._seqs.update((sample.seq_id, sample) for sample in req.samples)
-            try:
-                if req.params.structured is not None:
-                    self._awaiting_grammar[req.request_id] = req
-                    self._grammar_pool().submit(req.request_id, req.params.structured)
-                else:
-                    self.scheduler.add_seq(req.request_id, req.prompt_token_ids, req.max_tokens)
-            except BaseException:
-                self._forget_request(req)
-                self._awaiting_grammar.pop(req.request_id, None)
-                raise
-
-    def _forget_request(self, req: Request | ParallelRequest) -> None:
-        """Drop a reported request and its samples (and their TokenHistory rows)."""
-        self._requests.pop(req.request_id, None)
-        for sample in req.samples:
-            self._seqs.pop(sample.seq_id, None)
-            if sample.history_slot is not None:
-                self.sampling.history.release(sample.history_slot)
-                sample.history_slot = None
-
-    def _seq(self, seq_id: str) -> Request | None:
-        """The sample running as scheduler sequence `seq_id` (either spelling of a fork branch)."""
-        return self._seqs.get(seq_id[1:] if seq_id.startswith("_") else seq_id)
-
-    def _grammar_pool(self) -> GrammarCompilePool:
-        if self.grammars is None:
-            if self.tokenizer is None:
-                raise StructuredOutputUnavailable(
-                    f"SamplingParams.structured needs a tokenizer; {str(self.model_dir)!r} has no tokenizer.json")
-            backend = XGrammarBackend(self.tokenizer, self.model.cfg.vocab_size, self.eos_token_ids)
-            self.grammars = GrammarCompilePool(backend)
-        return self.grammars
-
-    def _pump_grammars(self) -> None:
-        """The pre_sampler_sync work: queue requests whose grammar compiled; fail those whose did not."""
-        if self.grammars is None:
-            return
-        for done in self.grammars.pop_completed():
-            req = self._awaiting_grammar.pop(done.request_id, None)
-            if req is None or req.finished:          # aborted while compiling
-                continue
-            if done.error is not None:
-                req.ignore(f"grammar compile failed: {done.error}")
-                self._finished_between_steps.append(req)
-            else:
-                for sample in req.samples:
-                    sample.grammar = self.grammars.backend.new_state(done.compiled)
-                # Never recomputed (DESIGN.md §4): a preemption finishes it.
-                self.scheduler.add_seq(req.request_id, req.prompt_token_ids, req.max_tokens, recomputable=False)
-
-    def tokenize_prompt(self, prompt: PromptInput | Sequence[int]) -> tuple[str | None, list[int]]:
-        """(prompt text or None, prompt token ids) of a prompt in any accepted form.
-
-        Raises:
-            ValueError: malformed token ids; NoTokenizerError: text without a tokenizer.
-        """
-        if isinstance(prompt, str):
-            return prompt, require_tokenizer(self.tokenizer, self.model_dir).encode(prompt)
-        if isinstance(prompt, dict):
-            if "prompt_token_ids" not in prompt:
-                raise ValueError("a dict prompt needs 'prompt_token_ids' (a list of ints)")
-            ids = prompt["prompt_token_ids"]
-            text = prompt.get("prompt")
-            if text is not None and not isinstance(text, str):
-                raise ValueError(f"a dict prompt's 'prompt' must be a str, got {type(text).__name__}")
-        else:
-            ids, text = prompt, None
-        if isinstance(ids, str | bytes) or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
-            raise ValueError("prompt_token_ids must be a list of ints")
-        return text, list(ids)
-
-    def abort_request(self, request_id: str) -> None:
-        """Abort a queued or running request; it finishes with reason "abort" (unknown ids are ignored)."""
-        with self._lock:
-            req = self._requests.get(request_id)
-            if req is None or req.finished:
-                return
-            if self._awaiting_grammar.pop(request_id, None) is None:
-                for sample in req.samples:
-                    if not sample.finished:
-                        self._forget_seq(sample.seq_id)
-            req.abort()
-            self._finished_between_steps.append(req)
-
     def has_unfinished_requests(self) -> bool:
         """True while a request runs or waits, or a finished one (aborted, say) is not reported yet:
         `while engine.has_unfinished_requests(): engine.step()` sees every request's last output."""
         with self._lock:
             return (bool(self._finished_between_steps) or any(not r.finished for r in self._requests.values())
                     or self.scheduler.has_unfinished())
-
-    def _forget_seq(self, seq_id: str) -> None:
-        """Tell the scheduler a sequence ends (frees its blocks and slot); one it already forgot is fine."""
-        try:
-            self.scheduler.abort_seq(seq_id)
-        except KeyError:
-            pass
 
     # ------------------------------------------------------------------ the step
 
