@@ -55,7 +55,8 @@ class LogitsRecorder:
         def recording_forward(step):
             logits = forward(step)
             for row, seq_id in enumerate(step.sample_seq_ids):
-                self.rows.setdefault(seq_id, []).append(logits[row].detach().cpu().clone())
+                # A device copy: a host read here would trip the ZOS sync guard around a graph replay.
+                self.rows.setdefault(seq_id, []).append(logits[row].detach().clone())
                 self.step_sizes.setdefault(seq_id, []).append(len(step.sample_seq_ids))
             return logits
 
