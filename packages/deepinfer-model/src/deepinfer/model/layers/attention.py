@@ -9,7 +9,7 @@ rope dims are rotated back at the query position before the grouped low-rank out
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 from torch import Tensor, nn
@@ -20,6 +20,9 @@ from deepinfer.kernels.reference.paged import entry_location
 from ..batch import ForwardBatch
 from ..cache import ModelCache
 from ..config import CSA, HCA, DeepseekV4Config
+
+if TYPE_CHECKING:
+    from ..config_v41 import DeepseekV41Config
 from . import batched_decode
 from .common import RMSNorm, hadamard, linear, matmul_t, stacked_weight
 from .compressor import Compressor
@@ -58,6 +61,21 @@ class Indexer(nn.Module):
         self.compressor = Compressor(cfg.hidden_size, cfg.index_head_dim, ratio, True, cfg.rms_norm_eps)
 
 
+def init_projections(module: nn.Module, cfg: DeepseekV4Config | DeepseekV41Config) -> None:
+    """Give `module` the projections every V4-family attention has, under the official names:
+    `wq_a`, `q_norm`, `wq_b` (queries through the q LoRA), `wkv`, `kv_norm` (the one KV head),
+    `wo_a`, `wo_b` (grouped output LoRA) and the per-head `attn_sink` (float32)."""
+    h, d = cfg.num_attention_heads, cfg.head_dim
+    module.wq_a = linear(cfg.hidden_size, cfg.q_lora_rank)
+    module.q_norm = RMSNorm(cfg.q_lora_rank, cfg.rms_norm_eps)
+    module.wq_b = linear(cfg.q_lora_rank, h * d)
+    module.wkv = linear(cfg.hidden_size, d)
+    module.kv_norm = RMSNorm(d, cfg.rms_norm_eps)
+    module.wo_a = linear(h * d // cfg.o_groups, cfg.o_groups * cfg.o_lora_rank)
+    module.wo_b = linear(cfg.o_groups * cfg.o_lora_rank, cfg.hidden_size)
+    module.attn_sink = nn.Parameter(torch.zeros(h, dtype=torch.float32))
+
+
 class Attention(nn.Module):
     """One layer's attention. Parameter names follow the official checkpoint (`wq_a`, `q_norm`,
     `wq_b`, `wkv`, `kv_norm`, `wo_a`, `wo_b`, `attn_sink`, `compressor.*`, `indexer.*`)."""
@@ -66,15 +84,8 @@ class Attention(nn.Module):
         super().__init__()
         self.cfg, self.layer = cfg, layer
         self.kind, self.ratio = cfg.attention_types[layer], cfg.compress_ratios[layer]
-        h, d = cfg.num_attention_heads, cfg.head_dim
-        self.wq_a = linear(cfg.hidden_size, cfg.q_lora_rank)
-        self.q_norm = RMSNorm(cfg.q_lora_rank, cfg.rms_norm_eps)
-        self.wq_b = linear(cfg.q_lora_rank, h * d)
-        self.wkv = linear(cfg.hidden_size, d)
-        self.kv_norm = RMSNorm(d, cfg.rms_norm_eps)
-        self.wo_a = linear(h * d // cfg.o_groups, cfg.o_groups * cfg.o_lora_rank)
-        self.wo_b = linear(cfg.o_groups * cfg.o_lora_rank, cfg.hidden_size)
-        self.attn_sink = nn.Parameter(torch.zeros(h, dtype=torch.float32))
+        d = cfg.head_dim
+        init_projections(self, cfg)
         self.compressor = Compressor(cfg.hidden_size, d, self.ratio, self.kind == CSA, cfg.rms_norm_eps) \
             if self.ratio else None
         self.indexer = Indexer(cfg, self.ratio) if self.kind == CSA else None

@@ -34,6 +34,7 @@ from ..batch import ForwardBatch
 from ..cache import ModelCache
 from ..config_v41 import DeepseekV41Config
 from . import csa2_decode
+from .attention import init_projections
 from .common import RMSNorm, linear
 from .v41_codecs import RowCodec
 
@@ -102,15 +103,7 @@ class Attention(nn.Module):
         self.cfg, self.layer = cfg, layer
         self.ratio = cfg.compress_ratios[layer]
         self.source = cfg.kv_source_of(layer)
-        h, d = cfg.num_attention_heads, cfg.head_dim
-        self.wq_a = linear(cfg.hidden_size, cfg.q_lora_rank)
-        self.q_norm = RMSNorm(cfg.q_lora_rank, cfg.rms_norm_eps)
-        self.wq_b = linear(cfg.q_lora_rank, h * d)
-        self.wkv = linear(cfg.hidden_size, d)
-        self.kv_norm = RMSNorm(d, cfg.rms_norm_eps)
-        self.wo_a = linear(h * d // cfg.o_groups, cfg.o_groups * cfg.o_lora_rank)
-        self.wo_b = linear(cfg.o_groups * cfg.o_lora_rank, cfg.hidden_size)
-        self.attn_sink = nn.Parameter(torch.zeros(h, dtype=torch.float32))
+        init_projections(self, cfg)
         is_kv_source = layer in cfg.kv_source_layer_ids
         self.compressor = Compressor(cfg, self.ratio) if is_kv_source else None
         self.indexer = Indexer(cfg, is_kv_source) if layer in cfg.index_source_layer_ids else None

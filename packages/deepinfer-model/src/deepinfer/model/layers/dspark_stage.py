@@ -14,6 +14,7 @@ from deepinfer.kernels import KernelSet
 
 from ..config import DeepseekV4Config
 from ..config_v41 import DeepseekV41Config
+from .attention import init_projections
 from .common import RMSNorm, linear
 from .moe import MoE
 from .v41_codecs import RowCodec
@@ -26,15 +27,7 @@ class DraftAttention(nn.Module):
     def __init__(self, cfg: DeepseekV4Config | DeepseekV41Config, codec: RowCodec | None) -> None:
         super().__init__()
         self.cfg, self.codec = cfg, codec          # codec: V4.1's window row format; None = V4 plain rows
-        h, d = cfg.num_attention_heads, cfg.head_dim
-        self.wq_a = linear(cfg.hidden_size, cfg.q_lora_rank)
-        self.q_norm = RMSNorm(cfg.q_lora_rank, cfg.rms_norm_eps)
-        self.wq_b = linear(cfg.q_lora_rank, h * d)
-        self.wkv = linear(cfg.hidden_size, d)
-        self.kv_norm = RMSNorm(d, cfg.rms_norm_eps)
-        self.wo_a = linear(h * d // cfg.o_groups, cfg.o_groups * cfg.o_lora_rank)
-        self.wo_b = linear(cfg.o_groups * cfg.o_lora_rank, cfg.hidden_size)
-        self.attn_sink = nn.Parameter(torch.zeros(h, dtype=torch.float32))
+        init_projections(self, cfg)
 
     def keys(self, x: Tensor, positions: Tensor, ops: KernelSet, inv_freq: Tensor, kv_quant: bool) -> Tensor:
         """[t, hidden] → window keys [t, head_dim]: rope(kv_norm(wkv x)); V4 with kv_quant: FP8 on the
