@@ -43,16 +43,18 @@ def boolean(value: Any, name: str) -> bool:
     return value
 
 
-_SIZES = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "head_dim", "q_lora_rank",
-          "o_groups", "o_lora_rank", "sliding_window", "index_n_heads", "index_head_dim", "index_topk",
-          "n_routed_experts", "moe_intermediate_size", "hc_mult", "hc_sinkhorn_iters", "max_position_embeddings")
+# Integer size fields (each >= 1) of V4; V4.1 checks these and its own (config_v41).
+SIZE_FIELDS = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "head_dim", "q_lora_rank",
+               "o_groups", "o_lora_rank", "sliding_window", "index_n_heads", "index_head_dim", "index_topk",
+               "n_routed_experts", "moe_intermediate_size", "hc_mult", "hc_sinkhorn_iters",
+               "max_position_embeddings")
 _POSITIVE_REALS = ("rope_theta", "compress_rope_theta", "routed_scaling_factor", "swiglu_limit", "hc_eps",
                    "rms_norm_eps")
 
 
 def validate(cfg: DeepseekV4Config) -> None:
     """Every field of `cfg` in its allowed range; raises ConfigError naming the first bad one."""
-    for name in _SIZES:
+    for name in SIZE_FIELDS:
         integer(getattr(cfg, name), name)
     for name in _POSITIVE_REALS:
         number(getattr(cfg, name), name)

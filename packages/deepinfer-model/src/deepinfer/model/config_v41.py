@@ -19,7 +19,7 @@ from typing import Any
 
 from deepinfer.kernels.reference import YarnScaling
 
-from .config_checks import SLIDING, ConfigError, boolean, integer, number
+from .config_checks import SIZE_FIELDS, SLIDING, ConfigError, boolean, integer, number
 
 __all__ = ["CSA2", "DeepseekV41Config", "parse_v41"]
 
@@ -288,12 +288,9 @@ def _schedule(raw: dict[str, Any], n: int, nextn: int) -> dict[str, Any]:
             tuple(index), "candidate_source_layer_id": candidate, "dspark_target_layer_ids": tuple(targets)}
 
 
-_SIZES = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "head_dim", "q_lora_rank",
-          "o_groups", "o_lora_rank", "sliding_window", "index_n_heads", "index_head_dim", "index_topk",
-          "n_routed_experts", "moe_intermediate_size", "hc_mult", "hc_sinkhorn_iters", "max_position_embeddings",
-          "candidate_topk_blocks", "candidate_block_size", "engram_vocab_size", "engram_n_heads",
-          "engram_head_dim", "engram_compressed_vocab_size", "dspark_n_routed_experts",
-          "dspark_num_experts_per_tok")
+_SIZES = SIZE_FIELDS + ("candidate_topk_blocks", "candidate_block_size", "engram_vocab_size", "engram_n_heads",
+                       "engram_head_dim", "engram_compressed_vocab_size", "dspark_n_routed_experts",
+                       "dspark_num_experts_per_tok")
 _POSITIVE_REALS = ("rope_theta", "compress_rope_theta", "routed_scaling_factor", "hc_eps", "rms_norm_eps",
                    "gate_temp")
 

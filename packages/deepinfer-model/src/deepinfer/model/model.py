@@ -14,7 +14,7 @@ from .batch import ForwardBatch
 from .cache import CacheSpec, ModelCache, PagedStreamSpec, StateSpec
 from .config import CSA, SLIDING, ConfigError, DeepseekV4Config
 from .layers.attention import Attention
-from .layers.common import RMSNorm, matmul_t
+from .layers.common import RMSNorm, add_hc_site_params, matmul_t
 from .layers.moe import Experts, MoE
 
 if TYPE_CHECKING:
@@ -32,10 +32,7 @@ class Block(nn.Module):
         self.ffn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.attn = Attention(cfg, layer)
         self.ffn = MoE(cfg, layer, expert_dtype)
-        for site in ("attn", "ffn"):
-            self.register_parameter(f"hc_{site}_fn", nn.Parameter(torch.empty(mix, cfg.hc_mult * cfg.hidden_size)))
-            self.register_parameter(f"hc_{site}_base", nn.Parameter(torch.zeros(mix)))
-            self.register_parameter(f"hc_{site}_scale", nn.Parameter(torch.ones(3)))
+        add_hc_site_params(self, mix, cfg.hc_mult * cfg.hidden_size)
 
     def _site(self, h: Tensor, site: str, ops: KernelSet) -> tuple[Tensor, Tensor, Tensor]:
         cfg = self.cfg

@@ -24,7 +24,7 @@ from .cache import CacheSpec, ModelCache, PagedStreamSpec, StateSpec
 from .ced import DEFAULT_KEEP_TOKENS, Frozen, Truncation, TruncationPlan, check_truncation, first_consumer_layer
 from .config_checks import ConfigError
 from .config_v41 import DeepseekV41Config
-from .layers.common import RMSNorm, matmul_t
+from .layers.common import RMSNorm, add_hc_site_params, matmul_t
 from .layers.csa2 import Attention, Codecs, Published
 from .layers.engram import HISTORY, Engram, EngramHasher, table_rows
 from .layers.moe import Experts, SharedExpert
@@ -82,10 +82,7 @@ class Block(nn.Module):
         self.ffn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.attn = Attention(cfg, layer)
         self.ffn = MoE(cfg, expert_dtype)
-        for site in ("attn", "ffn"):
-            self.register_parameter(f"hc_{site}_fn", nn.Parameter(torch.empty(mix, cfg.hc_mult * cfg.hidden_size)))
-            self.register_parameter(f"hc_{site}_base", nn.Parameter(torch.zeros(mix)))
-            self.register_parameter(f"hc_{site}_scale", nn.Parameter(torch.ones(3)))
+        add_hc_site_params(self, mix, cfg.hc_mult * cfg.hidden_size)
 
     def _mixes(self, h: Tensor, site: str, ops: KernelSet) -> tuple[Tensor, Tensor, Tensor]:
         cfg = self.cfg

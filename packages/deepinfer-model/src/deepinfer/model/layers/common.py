@@ -21,6 +21,16 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
 
+def add_hc_site_params(block: nn.Module, mix: int, stream_dim: int) -> None:
+    """Give a layer block the mHC parameters of its two sites ("attn", "ffn"), official names:
+    `hc_{site}_fn` [mix, stream_dim] (uninitialised: loaded), `hc_{site}_base` [mix] (zeros) and
+    `hc_{site}_scale` [3] (ones)."""
+    for site in ("attn", "ffn"):
+        block.register_parameter(f"hc_{site}_fn", nn.Parameter(torch.empty(mix, stream_dim)))
+        block.register_parameter(f"hc_{site}_base", nn.Parameter(torch.zeros(mix)))
+        block.register_parameter(f"hc_{site}_scale", nn.Parameter(torch.ones(3)))
+
+
 def linear(dim_in: int, dim_out: int) -> nn.Linear:
     """A bias-free projection (weights stored [out, in])."""
     return nn.Linear(dim_in, dim_out, bias=False)
