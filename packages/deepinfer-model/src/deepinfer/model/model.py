@@ -115,10 +115,7 @@ class DeepseekV4ForCausalLM(nn.Module):
                 p.normal_(0.0, std, generator=gen)
         for module in self.modules():
             if isinstance(module, Experts) and module.expert_dtype is not None:
-                i, h, device = self.cfg.moe_intermediate_size, self.cfg.hidden_size, module.w13.device
-                for expert in range(module.w13.shape[0]):
-                    module.quantise_(expert, torch.empty(2 * i, h, device=device).normal_(0.0, std, generator=gen),
-                                     torch.empty(h, i, device=device).normal_(0.0, std, generator=gen))
+                module.randomise_quantised_(self.cfg.moe_intermediate_size, self.cfg.hidden_size, std, gen)
         for name, b in self.named_buffers():
             if name.endswith("tid2eid"):
                 b.random_(0, self.cfg.n_routed_experts, generator=gen)

@@ -212,10 +212,7 @@ class DeepseekV41ForCausalLM(nn.Module):
                 p.normal_(0.0, std, generator=gen)
         for module in self.modules():
             if isinstance(module, Experts) and module.expert_dtype is not None:
-                i, h, device = self.cfg.moe_intermediate_size, self.cfg.hidden_size, module.w13.device
-                for expert in range(module.w13.shape[0]):
-                    module.quantise_(expert, torch.empty(2 * i, h, device=device).normal_(0.0, std, generator=gen),
-                                     torch.empty(h, i, device=device).normal_(0.0, std, generator=gen))
+                module.randomise_quantised_(self.cfg.moe_intermediate_size, self.cfg.hidden_size, std, gen)
 
     def codecs(self, dtype: torch.dtype | None = None, ops: KernelSet | None = None) -> Codecs:
         """The cache row formats; `ops` quantises and dequantises them (default: the reference ops)."""

@@ -95,6 +95,14 @@ class Experts(nn.Module):
                 getattr(self, name)[e].copy_(q)
                 getattr(self, f"{name}_scale")[e].copy_(s)
 
+    def randomise_quantised_(self, inter: int, hidden: int, std: float, generator: torch.Generator) -> None:
+        """Fill every expert with N(0, std²) float matrices (w13, then w2, per expert), quantised into
+        this module's format: the random init of quantised experts (init_weights, dummy weights)."""
+        device = self.w13.device
+        for e in range(self.w13.shape[0]):
+            self.quantise_(e, torch.empty(2 * inter, hidden, device=device).normal_(0.0, std, generator=generator),
+                           torch.empty(hidden, inter, device=device).normal_(0.0, std, generator=generator))
+
 
 class SharedExpert(nn.Module):
     def __init__(self, cfg: DeepseekV4Config) -> None:
