@@ -15,6 +15,7 @@ output, so a slow consumer sees fewer, larger updates rather than a growing back
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import logging
 import threading
@@ -269,10 +270,8 @@ def _post(stream: _Stream, out: RequestOutput | None, error: BaseException | Non
         stream.latest, stream.error = out, error
         stream.event.set()
 
-    try:
+    with contextlib.suppress(RuntimeError):     # raised when the loop is closed: nobody waits on this stream
         stream.loop.call_soon_threadsafe(apply)
-    except RuntimeError:
-        pass                      # the loop is closed: nobody waits on this stream
 
 
 def _delta(out: RequestOutput, reported: list[tuple[int, int]]) -> RequestOutput:
