@@ -12,6 +12,10 @@ DeepSeek-V4.1 (`DeepseekV41Config`, `DeepseekV41ForCausalLM`): `DeepseekV4Config
 `from_model_dir` return a `DeepseekV41Config` for a V4.1 config.json (composite `deepseek_v41` or flat
 `deepseek_v41_text`), and `load_model` builds the V4.1 model from it, with the Engram token map taken
 from the folder's tokenizer.json (`compressed_token_map`).
+
+Expert parallelism (`apply_expert_parallel`, `ExpertSlots`, `run_ep_dummy_forward`,
+`take_expert_counts`, `move_experts`): the routed experts of every MoE layer sharded over a
+torch.distributed group, tokens dispatched and combined by all-to-all (layers/moe_ep.py).
 """
 
 from importlib.metadata import version as _version
@@ -23,6 +27,15 @@ from .config_v41 import DeepseekV41Config
 from .dspark import DraftProposal, DSparkDraft, num_stages_in
 from .dummy import dummy_model
 from .embedded import embedded_model_dir
+from .layers.moe_ep import (
+    ExpertParallel,
+    ExpertSlots,
+    apply_expert_parallel,
+    moe_layers,
+    run_ep_dummy_forward,
+    take_expert_counts,
+)
+from .layers.moe_ep_moves import ExpertMoves, move_experts
 from .model import DeepseekV4ForCausalLM
 from .model_v41 import DeepseekV41ForCausalLM
 from .weights import LOAD_FORMATS, WeightError, load_model
@@ -38,14 +51,22 @@ __all__ = [
     "DeepseekV41ForCausalLM",
     "DraftProposal",
     "DSparkDraft",
+    "ExpertMoves",
+    "ExpertParallel",
+    "ExpertSlots",
     "ForwardBatch",
     "ModelCache",
     "PagedStreamSpec",
     "QuantConfig",
     "StateSpec",
     "WeightError",
+    "apply_expert_parallel",
     "dummy_model",
     "embedded_model_dir",
     "load_model",
+    "moe_layers",
+    "move_experts",
     "num_stages_in",
+    "run_ep_dummy_forward",
+    "take_expert_counts",
 ]

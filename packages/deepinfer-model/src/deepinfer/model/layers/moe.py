@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 from torch import Tensor, nn
 
@@ -10,6 +12,9 @@ from deepinfer.kernels.reference import quant_fp8_block, quant_mxfp4
 
 from ..config import ConfigError, DeepseekV4Config
 from .common import linear, stacked_weight
+
+if TYPE_CHECKING:
+    from .moe_ep import ExpertParallel
 
 
 class Gate(nn.Module):
@@ -46,11 +51,15 @@ class Experts(nn.Module):
       inter / 2] uint8 (two e2m1 codes per byte), uint8-coded e8m0 scales per 32 inputs `w13_scale`
       [experts, 2·inter, hidden / 32], `w2_scale` [experts, hidden, inter / 32]; run through
       `moe_experts_mxfp4`.
+
+    Under expert parallelism (`moe_ep`) the module holds this rank's physical expert slots only:
+    `num_experts` rows instead of the config's `n_routed_experts`.
     """
 
-    def __init__(self, cfg: DeepseekV4Config, expert_dtype: str | None = None) -> None:
+    def __init__(self, cfg: DeepseekV4Config, expert_dtype: str | None = None, num_experts: int | None = None) -> None:
         super().__init__()
-        e, i, h = cfg.n_routed_experts, cfg.moe_intermediate_size, cfg.hidden_size
+        e = cfg.n_routed_experts if num_experts is None else num_experts
+        i, h = cfg.moe_intermediate_size, cfg.hidden_size
         if expert_dtype not in EXPERT_DTYPES:
             raise ConfigError(f"expert_dtype={expert_dtype!r} must be one of {EXPERT_DTYPES}")
         self.expert_dtype = expert_dtype
@@ -74,6 +83,11 @@ class Experts(nn.Module):
         for name, shape in shapes.items():
             setattr(self, name, nn.Parameter(torch.empty(shape, dtype=dtypes.get(name, torch.float32)),
                                              requires_grad=False))
+
+    @property
+    def param_names(self) -> tuple[str, ...]:
+        """The stacked tensors, each with one row per expert: w13, w2, then their scales if quantised."""
+        return ("w13", "w2") if self.expert_dtype is None else ("w13", "w2", "w13_scale", "w2_scale")
 
     def forward(self, x: Tensor, expert_ids: Tensor, weights: Tensor, limit: float, ops: KernelSet) -> Tensor:
         """x [num_tokens, hidden]; expert_ids, weights [num_tokens, top_k] → [num_tokens, hidden]."""
@@ -112,11 +126,16 @@ class SharedExpert(nn.Module):
 
 
 class MoE(nn.Module):
-    """`gate`, `experts`, `shared_experts` (official names)."""
+    """`gate`, `experts`, `shared_experts` (official names).
+
+    `ep` (set by `moe_ep.apply_expert_parallel`, None otherwise): the routed experts run expert
+    parallel — `experts` holds this rank's slots and tokens travel by all-to-all.
+    """
 
     def __init__(self, cfg: DeepseekV4Config, layer: int, expert_dtype: str | None = None) -> None:
         super().__init__()
         self.cfg = cfg
+        self.ep: ExpertParallel | None = None
         self.gate = Gate(cfg, hashed=layer < cfg.num_hash_layers)
         self.experts = Experts(cfg, expert_dtype)
         self.shared_experts = SharedExpert(cfg) if cfg.n_shared_experts else None
@@ -133,7 +152,10 @@ class MoE(nn.Module):
             expert_ids, weights = ops.route(logits, self.gate.bias, cfg.num_experts_per_tok,
                                             scoring_func=cfg.scoring_func, normalize=cfg.norm_topk_prob,
                                             scaling=cfg.routed_scaling_factor)
-        out = self.experts(x, expert_ids, weights, cfg.swiglu_limit, ops)
+        if self.ep is None:
+            out = self.experts(x, expert_ids, weights, cfg.swiglu_limit, ops)
+        else:
+            out = self.ep.run(x, expert_ids, weights, self.experts, cfg.swiglu_limit, ops)
         if self.shared_experts is not None:
             s = self.shared_experts
             stacked_weight(s, "_w13", [s.w1, s.w3])        # w3's rows right after w1's: one GEMV on GPUs

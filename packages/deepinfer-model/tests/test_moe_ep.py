@@ -1,0 +1,139 @@
+"""Expert-parallel MoE over two gloo processes: the sharded layer gives the whole layer's output
+(float, FP8 and MXFP4 experts, redundant copies), a rank with no tokens takes part, the router's
+device counts, and moved experts land where the new placement says. Every wait has a timeout."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from deepinfer.model import ExpertSlots
+
+WORKER = r"""
+import json, sys
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+rank, port = int(sys.argv[1]), int(sys.argv[2])
+dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
+                        timeout=timedelta(seconds=30))
+from deepinfer.kernels import kernels_for
+from deepinfer.model import (DeepseekV4Config, ExpertMoves, ExpertSlots, apply_expert_parallel, embedded_model_dir,
+                             move_experts, run_ep_dummy_forward, take_expert_counts)
+from deepinfer.model.layers.moe import MoE
+
+raw = json.loads((embedded_model_dir() / "config.json").read_text())
+raw["quantization_config"] = {"quant_method": "fp8", "weight_block_size": [32, 32]}
+cfg = DeepseekV4Config.from_dict(raw)
+ops = kernels_for(torch.device("cpu"))
+result = {}
+# 8 experts in 10 slots: experts 0 and 5 have two copies, one on each rank.
+phy2log = [0, 1, 2, 3, 4, 5, 6, 7, 0, 5]
+for expert_dtype in (None, "fp8", "fp4"):
+    torch.manual_seed(0)
+    whole = MoE(cfg, layer=1, expert_dtype=expert_dtype)
+    for p in whole.parameters():
+        if p.dtype == torch.float32:
+            torch.nn.init.normal_(p, std=0.2)
+    if expert_dtype is not None:
+        whole.experts.randomise_quantised_(cfg.moe_intermediate_size, cfg.hidden_size, 0.2,
+                                           torch.Generator().manual_seed(1))
+    x = torch.randn(2 + 3 * rank, cfg.hidden_size, generator=torch.Generator().manual_seed(7 + rank))
+    tokens = torch.arange(x.shape[0])
+    with torch.no_grad():
+        expected = whole(x, tokens, ops)
+        sharded = MoE(cfg, layer=1, expert_dtype=expert_dtype)
+        sharded.load_state_dict(whole.state_dict())
+        container = torch.nn.ModuleList([sharded])
+        apply_expert_parallel(container, dist.group.WORLD, [ExpertSlots(torch.tensor(phy2log), 8, 2)])
+        got = sharded(x, tokens, ops)
+        result[f"max_err_{expert_dtype}"] = (got - expected).abs().max().item()
+        result[f"local_rows_{expert_dtype}"] = sharded.experts.w13.shape[0]
+        if expert_dtype is None:
+            result["counts"] = take_expert_counts(container).tolist()
+            result["counts_after_take"] = take_expert_counts(container).tolist()
+            # rank 1 has no tokens this time: it still takes part in the exchange
+            if rank == 0:
+                again = sharded(x, tokens, ops)
+                result["again_err"] = (again - expected).abs().max().item()
+            else:
+                run_ep_dummy_forward(container, ops)
+            # swap experts 1 and 6 between the ranks (remote moves), then copy 0 into slot 8 (local)
+            new = [0, 6, 2, 3, 4, 5, 1, 7, 0, 5]
+            moves = ExpertMoves(layer_indices=(0, 0), src_slots=(6, 1), dst_slots=(1, 6), is_remote=(True, True))
+            move_experts([sharded], moves, [ExpertSlots(torch.tensor(new), 8, 2)])
+            moved = sharded(x, tokens, ops)
+            result["after_move_err"] = (moved - expected).abs().max().item()
+            result["slots_after_move"] = sharded.ep.slots.physical_to_logical.tolist()
+print(json.dumps(result))
+dist.destroy_process_group()
+"""
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def results() -> list[dict]:
+    port = free_port()
+    env = {**os.environ, "GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1"}
+    procs = [subprocess.Popen([sys.executable, "-c", WORKER, str(rank), str(port)], stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True, env=env) for rank in range(2)]
+    outputs = []
+    try:
+        for proc in procs:
+            stdout, stderr = proc.communicate(timeout=120)
+            assert proc.returncode == 0, stderr[-3000:]
+            outputs.append(json.loads(stdout.strip().splitlines()[-1]))
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    return outputs
+
+
+@pytest.mark.parametrize("expert_dtype", [None, "fp8", "fp4"])
+def test_sharded_layer_matches_the_whole_layer(results: list[dict], expert_dtype: str | None) -> None:
+    for rank in results:
+        assert rank[f"local_rows_{expert_dtype}"] == 5            # 10 slots over 2 ranks
+        assert rank[f"max_err_{expert_dtype}"] < 1e-5
+
+
+def test_counts_are_per_rank_tokens_and_restart(results: list[dict]) -> None:
+    for rank, tokens in zip(results, (2, 5)):
+        counts = rank["counts"]
+        assert len(counts) == 1 and len(counts[0]) == 8
+        assert sum(counts[0]) == tokens * 2                       # top-2
+        assert rank["counts_after_take"] == [[0] * 8]
+
+
+def test_idle_rank_takes_part_and_moves_keep_outputs(results: list[dict]) -> None:
+    assert results[0]["again_err"] < 1e-5
+    for rank in results:
+        assert rank["after_move_err"] < 1e-5
+        assert rank["slots_after_move"] == [0, 6, 2, 3, 4, 5, 1, 7, 0, 5]
+
+
+def test_slots_inverse_maps_and_bad_input() -> None:
+    slots = ExpertSlots(torch.tensor([0, 1, 2, 0, 1, 0]), num_logical_experts=3, ep_size=2)
+    assert slots.logical_replica_counts.tolist() == [3, 2, 1]
+    assert slots.logical_to_physical.tolist() == [[0, 3, 5, -1], [1, 4, -1, -1], [2, -1, -1, -1]]
+    assert slots.local_logical_ids(1).tolist() == [0, 1, 0]
+    with pytest.raises(ValueError, match="ep_size=4 must be >= 1 and divide the 6 slots"):
+        ExpertSlots(torch.tensor([0, 1, 2, 0, 1, 0]), num_logical_experts=3, ep_size=4)
+    with pytest.raises(ValueError, match="logical expert 2 has no slot"):
+        ExpertSlots(torch.tensor([0, 1, 0, 1]), num_logical_experts=3, ep_size=2)
+    with pytest.raises(ValueError, match=r"entries must lie in \[0, 3\)"):
+        ExpertSlots(torch.tensor([0, 1, 2, 3]), num_logical_experts=3, ep_size=2)
