@@ -7,6 +7,7 @@ from deepinfer.eplb import (
     EplbConfig,
     ExpertBalancer,
     ModelBalancer,
+    balance_ratio,
     group_moe_layers,
     overall_balance,
     round_robin_placement,
@@ -151,3 +152,34 @@ def test_model_balancer_rejects_incomplete_steps_without_recording() -> None:
         ModelBalancer(CONFIG, {1: 8, 3: 4}, num_gpus=2, num_expert_groups={8: 2})
     with pytest.raises(ValueError, match="layer_id=2 is not one of the MoE layers"):
         model.placement_of(2)
+
+
+def test_reduce_loads_decides_what_is_placed_and_layer_balances_are_reported() -> None:
+    seen: list[np.ndarray] = []
+
+    def everyone_sees_expert_5_hot(window: np.ndarray) -> np.ndarray:
+        seen.append(window.copy())
+        return _hot(5)
+
+    balancer = ExpertBalancer(CONFIG, layer_ids=[3, 4], num_logical_experts=8, num_gpus=2,
+                              reduce_loads=everyone_sees_expert_5_hot)
+    for _ in range(4):
+        change = balancer.record(_hot(0))
+    np.testing.assert_array_equal(seen[0], 2 * _hot(0))             # the window, handed to the hook
+    assert change is not None
+    assert change.placement.logical_replica_counts[0, 5] > 1         # placed for the reduced loads
+    start = round_robin_placement(2, 8, 10, 2)
+    np.testing.assert_allclose(change.layer_balance_before, balance_ratio(start, _hot(5)))
+    np.testing.assert_allclose(change.layer_balance_after, balance_ratio(change.placement, _hot(5)))
+    assert max(change.layer_balance_after) < min(change.layer_balance_before)
+    bad = ExpertBalancer(CONFIG, layer_ids=[0], num_logical_experts=8, num_gpus=2,
+                         reduce_loads=lambda window: np.ones((2, 8)))
+    assert bad.record(np.ones((1, 8))) is None                      # not a rebalance step
+    with pytest.raises(ValueError, match=r"reduce_loads returned shape \[2, 8\], expected \[1, 8\]"):
+        bad.rebalance()
+
+
+def test_global_policy_accepts_any_group_count() -> None:
+    balancer = ExpertBalancer(CONFIG, layer_ids=[0], num_logical_experts=12, num_gpus=4, num_nodes=2,
+                              num_expert_groups=5)
+    assert balancer.num_physical_experts == 16

@@ -113,3 +113,15 @@ def test_is_deterministic_and_does_not_touch_input() -> None:
     np.testing.assert_array_equal(weight, before)
     for a, b in zip(first, second):
         np.testing.assert_array_equal(a, b)
+
+
+@pytest.mark.parametrize("num_groups", [3, 5, 7])
+def test_groups_not_divisible_by_nodes_run_the_global_policy_for_any_group_count(num_groups: int) -> None:
+    # DeepSeek's rule: num_groups % num_nodes != 0 -> global policy, which ignores the groups, so the
+    # group count need not divide the 12 experts either.
+    got = rebalance_experts(README_WEIGHT, 16, num_groups, 2, 8)
+    expected = rebalance_experts(README_WEIGHT, 16, 1, 1, 8)
+    for got_array, expected_array in zip(got, expected):
+        np.testing.assert_array_equal(got_array, expected_array)
+    with pytest.raises(ValueError, match="num_groups=5 must divide"):
+        rebalance_experts(README_WEIGHT, 16, 5, 1, 8)        # divisible by nodes: hierarchical needs it

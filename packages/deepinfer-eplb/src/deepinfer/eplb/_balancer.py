@@ -5,15 +5,15 @@ experts every M steps, adopt the new placement only when it helps.
 from __future__ import annotations
 
 import numbers
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
 from ._config import EplbConfig, num_redundant_experts
-from ._inputs import check_layout, positive_int
-from ._metrics import overall_balance
+from ._inputs import check_layout, load_array, positive_int
+from ._metrics import balance_ratio, overall_balance
 from ._moves import MovePlan, plan_moves
 from ._placement import ExpertPlacement, place_experts, round_robin_placement
 from ._rebalance import resolve_policy
@@ -29,6 +29,8 @@ class Rebalance:
     moves: MovePlan
     balance_before: float  # overall max / mean GPU load on the window's loads, old placement
     balance_after: float  # the same for the new placement; < balance_before - min_improvement
+    layer_balance_before: tuple[float, ...]  # per placement row: max / mean GPU load, old placement
+    layer_balance_after: tuple[float, ...]   # the same for the new placement
 
     @property
     def placement(self) -> ExpertPlacement:
@@ -59,6 +61,7 @@ class ExpertBalancer:
         num_nodes: int = 1,
         num_expert_groups: int = 1,
         initial_placement: ExpertPlacement | None = None,
+        reduce_loads: Callable[[np.ndarray], Any] | None = None,
     ) -> None:
         """Args:
             config: the role's settings (e.g. PREFILL_EPLB_CONFIG).
@@ -66,9 +69,13 @@ class ExpertBalancer:
             num_logical_experts: experts per layer.
             num_gpus: EP size; the slot count is num_logical_experts + num_redundant_experts(...).
             num_nodes: nodes; divides num_gpus.
-            num_expert_groups: expert groups; divides num_logical_experts (and, for the
-                hierarchical policy, a multiple of num_nodes).
+            num_expert_groups: expert groups; for the hierarchical policy a multiple of num_nodes
+                that divides num_logical_experts (the global policy ignores groups).
             initial_placement: what the GPUs hold at start; round-robin when None.
+            reduce_loads: turns the window's loads [num_layers, num_logical_experts] float64 into
+                the loads to place for, same shape (e.g. a sum over the ranks of an EP group whose
+                ranks each record their own tokens, so every rank places for the same loads);
+                None = the window's loads as they are.
         Raises:
             ValueError: naming the bad field; divisibility is checked here, at startup.
         """
@@ -82,11 +89,11 @@ class ExpertBalancer:
         self._num_gpus = positive_int(num_gpus, "num_gpus")
         self._num_nodes = positive_int(num_nodes, "num_nodes")
         self._num_groups = positive_int(num_expert_groups, "num_expert_groups")
-        if self._num_logical % self._num_groups != 0:
+        hierarchical = resolve_policy(config.policy, self._num_groups, self._num_nodes) == "hierarchical"
+        if hierarchical and self._num_logical % self._num_groups != 0:
             raise ValueError(
                 f"num_expert_groups={self._num_groups} must divide num_logical_experts={self._num_logical}"
             )
-        resolve_policy(config.policy, self._num_groups, self._num_nodes)
         self._num_physical = self._num_logical + num_redundant_experts(
             self._num_logical, self._num_gpus, config.min_redundant_experts
         )
@@ -100,6 +107,7 @@ class ExpertBalancer:
         self._check_initial(initial_placement)
         self._placement = initial_placement
         self._recorder = LoadRecorder(len(self._layer_ids), self._num_logical, config.window_steps)
+        self._reduce_loads = reduce_loads
 
     def _check_initial(self, placement: ExpertPlacement) -> None:
         if not isinstance(placement, ExpertPlacement):
@@ -156,13 +164,19 @@ class ExpertBalancer:
         return self.rebalance()
 
     def rebalance(self) -> Rebalance | None:
-        """Place experts for the current window's loads now; adopt and return the change if it helps.
+        """Place experts for the current window's loads (through `reduce_loads`) now; adopt and
+        return the change if it helps.
 
         Returns None before the first recorded step or when the gain is not above min_improvement.
         """
         if self._recorder.num_steps == 0:
             return None
         loads = self._recorder.window_loads()
+        if self._reduce_loads is not None:
+            loads = load_array(self._reduce_loads(loads), "reduce_loads(window loads)", ndim=2)
+            if loads.shape != (len(self._layer_ids), self._num_logical):
+                raise ValueError(f"reduce_loads returned shape {list(loads.shape)}, expected "
+                                 f"[{len(self._layer_ids)}, {self._num_logical}]")
         candidate = place_experts(
             loads,
             self._num_physical,
@@ -176,5 +190,7 @@ class ExpertBalancer:
         if not after < before - self._config.min_improvement:
             return None
         moves = plan_moves(self._placement, candidate)
+        layer_before = tuple(balance_ratio(self._placement, loads).tolist())
+        layer_after = tuple(balance_ratio(moves.placement, loads).tolist())
         self._placement = moves.placement
-        return Rebalance(self._recorder.num_steps, self._layer_ids, moves, before, after)
+        return Rebalance(self._recorder.num_steps, self._layer_ids, moves, before, after, layer_before, layer_after)

@@ -4,7 +4,7 @@ so one recorder and one placement call serve the whole stack; `ModelBalancer` st
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -53,12 +53,15 @@ class ModelBalancer:
         num_gpus: int,
         num_nodes: int = 1,
         num_expert_groups: int | Mapping[int, int] = 1,
+        reduce_loads: Callable[[np.ndarray], Any] | None = None,
     ) -> None:
         """Args:
             config: the role's settings.
             num_experts_by_layer: MoE layer id -> logical experts of that layer.
             num_gpus, num_nodes: EP topology, as for ExpertBalancer.
             num_expert_groups: expert groups for every layer, or a mapping expert count -> groups.
+            reduce_loads: passed to every group's ExpertBalancer (called once per group and
+                rebalance, groups in order).
         Raises:
             ValueError: naming the bad field (also a group count missing from the mapping).
         """
@@ -81,6 +84,7 @@ class ModelBalancer:
                     num_gpus=num_gpus,
                     num_nodes=num_nodes,
                     num_expert_groups=groups,
+                    reduce_loads=reduce_loads,
                 )
             )
         self._row_of = {

@@ -201,7 +201,7 @@ def place_experts(
         num_gpus: GPUs in the expert-parallel group; a multiple of num_nodes.
         num_nodes: nodes (fast-interconnect domains).
         num_expert_groups: expert groups of the model (group-limited routing); divides the expert
-            count.
+            count when the hierarchical policy runs (the global one ignores groups).
         policy: "auto", "hierarchical" (needs num_expert_groups % num_nodes == 0) or "global".
     Returns:
         The placement, num_gpus and num_nodes recorded in it.
@@ -210,7 +210,7 @@ def place_experts(
             "hierarchical" with groups not divisible by nodes.
     """
     array, num_physical, num_groups, num_nodes, num_gpus = validate_request(
-        loads, num_physical_experts, num_expert_groups, num_nodes, num_gpus, "num_physical_experts"
+        loads, num_physical_experts, num_expert_groups, num_nodes, num_gpus, "num_physical_experts", policy
     )
     resolved = resolve_policy(policy, num_groups, num_nodes)
     phy2log, rank, logcnt = placement_arrays(array, num_physical, num_groups, num_nodes, num_gpus, resolved)

@@ -101,16 +101,21 @@ def logical_to_physical(phy2log: np.ndarray, replica_rank: np.ndarray, logcnt: n
 
 
 def validate_request(
-    weight: Any, num_replicas: Any, num_groups: Any, num_nodes: Any, num_gpus: Any, replicas_name: str
+    weight: Any, num_replicas: Any, num_groups: Any, num_nodes: Any, num_gpus: Any, replicas_name: str,
+    policy: str = "auto",
 ) -> tuple[np.ndarray, int, int, int, int]:
-    """Checked (loads float64 [L, E], num_replicas, num_groups, num_nodes, num_gpus)."""
+    """Checked (loads float64 [L, E], num_replicas, num_groups, num_nodes, num_gpus).
+
+    The groups must divide the expert count only when the hierarchical policy runs: the global
+    policy ignores groups (as DeepSeek's does), so any num_groups >= 1 is accepted there.
+    """
     loads = load_array(weight, "weight", ndim=2)
     num_replicas = positive_int(num_replicas, replicas_name)
     num_groups = positive_int(num_groups, "num_groups")
     num_nodes = positive_int(num_nodes, "num_nodes")
     num_gpus = positive_int(num_gpus, "num_gpus")
     num_logical = loads.shape[1]
-    if num_logical % num_groups != 0:
+    if resolve_policy(policy, num_groups, num_nodes) == "hierarchical" and num_logical % num_groups != 0:
         raise ValueError(f"num_groups={num_groups} must divide the number of logical experts ({num_logical})")
     check_layout(num_logical, num_replicas, num_gpus, num_nodes, replicas_name)
     return loads, num_replicas, num_groups, num_nodes, num_gpus
@@ -121,7 +126,8 @@ def rebalance_experts(
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Place `num_replicas` physical experts per layer on `num_gpus` GPUs (DeepSeek EPLB semantics).
 
-    Hierarchical policy when `num_groups % num_nodes == 0`, global policy otherwise. Slots are
+    Hierarchical policy when `num_groups % num_nodes == 0`, global policy otherwise (which ignores
+    the groups, so then num_groups need not divide the expert count). Slots are
     GPU-major: slot s lives on GPU `s // (num_replicas // num_gpus)`, GPU g on node
     `g // (num_gpus // num_nodes)`.
 
@@ -129,7 +135,7 @@ def rebalance_experts(
         weight: [num_layers, num_logical_experts] load per expert (numpy array, torch tensor on any
             device, or nested sequence; int or float), finite and >= 0.
         num_replicas: physical experts per layer; a multiple of num_gpus, >= num_logical_experts.
-        num_groups: expert groups; divides num_logical_experts.
+        num_groups: expert groups; divides num_logical_experts when num_groups % num_nodes == 0.
         num_nodes: nodes (fast-interconnect domains); divides num_gpus.
         num_gpus: GPUs in the expert-parallel group.
     Returns:
@@ -140,8 +146,8 @@ def rebalance_experts(
         logcnt [num_layers, num_logical_experts]: replicas per expert, >= 1, rows sum to num_replicas.
     Raises:
         ValueError: naming the bad field (weight shape, dtype or values; a count < 1; num_replicas
-            not a multiple of num_gpus or < num_logical_experts; num_groups not dividing the expert
-            count; num_gpus not a multiple of num_nodes).
+            not a multiple of num_gpus or < num_logical_experts; num_groups a multiple of num_nodes
+            but not dividing the expert count; num_gpus not a multiple of num_nodes).
     """
     loads, num_replicas, num_groups, num_nodes, num_gpus = validate_request(
         weight, num_replicas, num_groups, num_nodes, num_gpus, "num_replicas"
