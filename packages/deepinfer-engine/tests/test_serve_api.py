@@ -201,7 +201,10 @@ def test_unimplemented_fields_are_refused_not_ignored(http: httpx.Client, field:
     ("chat/completions", {"messages": [{"role": "user"}], "top_logprobs": 2}, "top_logprobs"),
     ("chat/completions", {"messages": [{"role": "user", "content": 5}]}, "messages[0].content"),
     ("chat/completions", {"messages": [{"role": "user", "content": "x", "mood": 1}]}, "messages[0].mood"),
-    ("chat/completions", {"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]}, "tools"),
+    ("chat/completions", {"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]},
+     "tools[0].function"),
+    ("chat/completions", {"messages": [{"role": "user", "content": "x"}],        # no --enable-auto-tool-choice
+                          "tools": [{"type": "function", "function": {"name": "f"}}]}, "tool_choice"),
     ("chat/completions", {"messages": [{"role": "user", "content": "x"}], "chat_template_kwargs": {"a": 1}},
      "chat_template_kwargs"),
 ])

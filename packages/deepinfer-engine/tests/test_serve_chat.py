@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from deepinfer.engine import LLM, SamplingParams
-from deepinfer.engine.chat_deepseek_v4 import DeepseekV4ChatTemplate
+from deepinfer.engine.chat_deepseek_v4 import TOOLS_SECTION, DeepseekV4ChatTemplate
 from deepinfer.engine.chat_messages import InvalidChatRequest, parse_messages
 from deepinfer.engine.chat_template import (
     ChatTemplateError,
@@ -51,6 +51,40 @@ def test_deepseek_v4_tool_calls_and_results() -> None:
         f"<{dsml}parameter name=\"city\" string=\"true\">Paris</{dsml}parameter>\n"
         f"<{dsml}parameter name=\"days\" string=\"false\">2</{dsml}parameter>\n</{dsml}invoke>\n</{dsml}tool_calls>{E}"
         f"{U}<tool_result>sunny</tool_result>\n\n<tool_result>warm</tool_result>{A}</think>")
+
+
+TOOL = {"type": "function", "function": {"name": "weather", "parameters": {"type": "object"}}}
+
+
+def test_deepseek_v4_declares_tools_and_keeps_every_turns_reasoning() -> None:
+    tools_section = TOOLS_SECTION.format(schemas='{"name": "weather", "parameters": {"type": "object"}}')
+    assert tools_section.startswith("## Tools\n\nYou have access to a set of tools")
+    assert '<｜DSML｜parameter name="$PARAMETER_NAME" string="true|false">$PARAMETER_VALUE</｜DSML｜parameter>' \
+        in tools_section
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"},
+                {"role": "assistant", "content": "Hello!", "reasoning_content": "greet"},
+                {"role": "user", "content": "Weather?"}]
+    rendered = DeepseekV4ChatTemplate().render(parse_messages(messages), options={"enable_thinking": True},
+                                               tools=[TOOL])
+    assert rendered == (f"{B}Be brief.\n\n{tools_section}{U}Hi{A}<think>greet</think>Hello!{E}"
+                        f"{U}Weather?{A}<think>")
+    assert _v4(messages[1:], thinking=False).startswith(f"{B}{U}Hi")
+    no_system = DeepseekV4ChatTemplate().render(parse_messages(messages[1:2]), tools=[TOOL])
+    assert no_system == f"{B}\n\n{tools_section}{U}Hi{A}</think>"
+
+
+def test_plain_and_jinja_templates_get_the_tools() -> None:
+    call = {"type": "function", "function": {"name": "weather", "arguments": '{"city": "Paris"}'}}
+    messages = parse_messages([{"role": "user", "content": "Weather?"},
+                               {"role": "assistant", "content": "", "tool_calls": [call]},
+                               {"role": "tool", "content": "sunny"}])
+    assert PlainChatTemplate().render(messages, tools=[TOOL]) == (
+        'tools: {"name": "weather", "parameters": {"type": "object"}}\n\nuser: Weather?\n\n'
+        'assistant: <tool_call>{"name": "weather", "arguments": {"city": "Paris"}}</tool_call>\n\n'
+        "tool: sunny\n\nassistant:")
+    names = "{% for t in tools %}{{ t.function.name }};{% endfor %}{{ messages[1].tool_calls[0].function.arguments }}"
+    assert JinjaChatTemplate(names).render(messages, tools=[TOOL]) == 'weather;{"city": "Paris"}'
+    assert JinjaChatTemplate("{{ tools is none }}").render(messages, tools=[]) == "True"
 
 
 def test_deepseek_v4_refuses_what_it_cannot_render() -> None:

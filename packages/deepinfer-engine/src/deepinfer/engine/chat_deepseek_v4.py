@@ -12,16 +12,21 @@
 - Tool results (role "tool") join the user turn that follows the assistant's calls, each as
   `<tool_result>{content}</tool_result>`, blocks of one turn separated by a blank line.
 - In thinking mode, developer messages before the last user turn are dropped with the old reasoning.
+- Tools (the request's `tools`) are declared in a "## Tools" section, DeepSeek's own text with one
+  JSON function schema a line, after the first message's text when it is a system message, else as
+  a system message of its own before the conversation. With tools, as DeepSeek's encoder does, no
+  reasoning is dropped: in thinking mode every assistant turn keeps its reasoning and every user
+  turn is followed by `<think>`.
 
-Tool declarations (`tools`), `latest_reminder` and the internal task tokens are not rendered yet:
-`render` refuses them rather than drop them silently.
+`latest_reminder`, `reasoning_effort` and the internal task tokens are not rendered yet: `render`
+refuses them rather than drop them silently.
 """
 
 from __future__ import annotations
 
 import json
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from .chat_messages import ChatMessage, InvalidChatRequest
@@ -35,6 +40,37 @@ THINK_END = "</think>"
 DSML = "｜DSML｜"
 
 _ROLES = ("system", "user", "developer", "assistant", "tool")
+_THINKING_OPTIONS = ("thinking", "enable_thinking")
+
+TOOLS_SECTION = f"""## Tools
+
+You have access to a set of tools to help answer the user's question. You can invoke tools by writing a \
+"<{DSML}tool_calls>" block like the following:
+
+<{DSML}tool_calls>
+<{DSML}invoke name="$TOOL_NAME">
+<{DSML}parameter name="$PARAMETER_NAME" string="true|false">$PARAMETER_VALUE</{DSML}parameter>
+...
+</{DSML}invoke>
+<{DSML}invoke name="$TOOL_NAME2">
+...
+</{DSML}invoke>
+</{DSML}tool_calls>
+
+String parameters should be specified as is and set `string="true"`. For all other types (numbers, booleans, \
+arrays, objects), pass the value in JSON format and set `string="false"`.
+
+If thinking_mode is enabled (triggered by {THINK_START}), you MUST output your complete reasoning inside \
+{THINK_START}...{THINK_END} BEFORE any tool calls or final response.
+
+Otherwise, output directly after {THINK_END} with tool calls or final response.
+
+### Available Tool Schemas
+
+{{schemas}}
+
+You MUST strictly follow the above defined tool name and parameter schemas to invoke tool calls.
+"""
 
 
 @dataclass(frozen=True, slots=True)
@@ -50,14 +86,14 @@ class _Turn:
 class DeepseekV4ChatTemplate:
     """Renders messages in DeepSeek-V4's format.
 
-    `render` keyword options (chat_template_kwargs): `thinking` (bool, default False): end the
-    prompt with `<think>` so that the model reasons first.
+    `render` keyword options (chat_template_kwargs): `thinking` (bool, default False; vLLM's
+    `enable_thinking` is the same): end the prompt with `<think>` so that the model reasons first.
     """
 
     name = "deepseek_v4"
 
     def render(self, messages: Sequence[ChatMessage], *, add_generation_prompt: bool = True,
-               options: Mapping[str, Any] | None = None) -> str:
+               options: Mapping[str, Any] | None = None, tools: Sequence[Mapping[str, Any]] | None = None) -> str:
         """The prompt text of `messages` (BOS included: tokenize it without adding special tokens).
 
         Raises:
@@ -65,29 +101,43 @@ class DeepseekV4ChatTemplate:
         """
         thinking = _thinking_option(options or {})
         turns = _merge_tool_results(messages)
+        keep_reasoning = bool(tools)
+        if tools:
+            turns = _declare_tools(turns, tools)
         last_user = max((i for i, t in enumerate(turns) if t.role in ("user", "developer")), default=-1)
-        if thinking:
+        if thinking and not keep_reasoning:
             turns = [t for i, t in enumerate(turns) if t.role != "developer" or i >= last_user]
             last_user = max((i for i, t in enumerate(turns) if t.role in ("user", "developer")), default=-1)
         parts = [BOS]
         for index, turn in enumerate(turns):
-            parts.append(_render_turn(turn, thinking=thinking and index > last_user))
+            parts.append(_render_turn(turn, thinking=thinking and (keep_reasoning or index > last_user)))
             following = turns[index + 1].role if index + 1 < len(turns) else None
             ends_prompt = following is None and add_generation_prompt
             if turn.role in ("user", "developer") and (following == "assistant" or ends_prompt):
-                parts.append(ASSISTANT + (THINK_START if thinking and index == last_user else THINK_END))
+                opens = thinking and (keep_reasoning or index == last_user)
+                parts.append(ASSISTANT + (THINK_START if opens else THINK_END))
         return "".join(parts)
 
 
 def _thinking_option(options: Mapping[str, Any]) -> bool:
-    unknown = sorted(set(options) - {"thinking"})
+    unknown = sorted(set(options) - set(_THINKING_OPTIONS))
     if unknown:
         raise InvalidChatRequest(f"chat_template_kwargs: {unknown[0]!r} is not an option of the deepseek_v4 chat "
-                                 "format (known: 'thinking')", "chat_template_kwargs")
-    thinking = options.get("thinking", False)
-    if not isinstance(thinking, bool):
-        raise InvalidChatRequest(f"chat_template_kwargs.thinking={thinking!r} must be a bool", "chat_template_kwargs")
-    return thinking
+                                 "format (known: 'thinking', 'enable_thinking')", "chat_template_kwargs")
+    for key in _THINKING_OPTIONS:
+        if not isinstance(options.get(key, False), bool):
+            raise InvalidChatRequest(f"chat_template_kwargs.{key}={options[key]!r} must be a bool",
+                                     "chat_template_kwargs")
+    return any(options.get(key, False) for key in _THINKING_OPTIONS)
+
+
+def _declare_tools(turns: list[_Turn], tools: Sequence[Mapping[str, Any]]) -> list[_Turn]:
+    """The tools section joins the first turn when it is a system turn, else comes first as one."""
+    schemas = "\n".join(json.dumps(tool.get("function"), ensure_ascii=False) for tool in tools)
+    section = "\n\n" + TOOLS_SECTION.format(schemas=schemas)
+    if turns and turns[0].role == "system":
+        return [replace(turns[0], text=turns[0].text + section), *turns[1:]]
+    return [_Turn("system", section), *turns]
 
 
 def _merge_tool_results(messages: Sequence[ChatMessage]) -> list[_Turn]:

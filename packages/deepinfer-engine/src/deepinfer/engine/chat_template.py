@@ -11,6 +11,11 @@ Three kinds, chosen by `load_chat_template`:
 - "plain", `role: content` lines ending with "assistant:", for the embedded default model (a
   small code model with no chat tokens) so that chat works offline.
 
+Every kind takes the request's `tools` (OpenAI tool objects): jinja templates read them as the
+`tools` variable (None when there are none, as in transformers), "deepseek_v4" renders them in
+DeepSeek's own way, "plain" as a `tools:` paragraph of JSON with assistant tool calls written as
+`<tool_call>{"name": ..., "arguments": {...}}</tool_call>` (what the "hermes" tool parser reads).
+
 The rendered prompt carries its own special tokens (BOS, role markers): tokenize it with
 add_special_tokens=False.
 """
@@ -35,8 +40,9 @@ class ChatTemplate(Protocol):
     name: str
 
     def render(self, messages: Sequence[ChatMessage], *, add_generation_prompt: bool = True,
-               options: Mapping[str, Any] | None = None) -> str:
-        """The prompt text; `options` are the template's extra keyword variables (chat_template_kwargs).
+               options: Mapping[str, Any] | None = None, tools: Sequence[Mapping[str, Any]] | None = None) -> str:
+        """The prompt text; `options` are the template's extra keyword variables (chat_template_kwargs),
+        `tools` the OpenAI tool objects the model may call (None or empty: no tools).
 
         Raises:
             InvalidChatRequest: the messages or options do not fit this template.
@@ -50,11 +56,15 @@ class PlainChatTemplate:
     name = "plain"
 
     def render(self, messages: Sequence[ChatMessage], *, add_generation_prompt: bool = True,
-               options: Mapping[str, Any] | None = None) -> str:
+               options: Mapping[str, Any] | None = None, tools: Sequence[Mapping[str, Any]] | None = None) -> str:
         if options:
             raise InvalidChatRequest(f"chat_template_kwargs: the plain chat template takes no options, got "
                                      f"{sorted(options)}", "chat_template_kwargs")
-        text = "".join(f"{m.role}: {m.content}\n\n" for m in messages)
+        text = "".join(f"tools: {json.dumps(tool.get('function'), ensure_ascii=False)}\n\n" for tool in tools or ())
+        for m in messages:
+            calls = "".join(f'<tool_call>{{"name": {json.dumps(c.name, ensure_ascii=False)}, "arguments": '
+                            f"{c.arguments}}}</tool_call>" for c in m.tool_calls)
+            text += f"{m.role}: {m.content}{calls}\n\n"
         return text + "assistant:" if add_generation_prompt else text
 
 
@@ -98,11 +108,11 @@ class JinjaChatTemplate:
         self._special = dict(special_tokens or {})
 
     def render(self, messages: Sequence[ChatMessage], *, add_generation_prompt: bool = True,
-               options: Mapping[str, Any] | None = None) -> str:
+               options: Mapping[str, Any] | None = None, tools: Sequence[Mapping[str, Any]] | None = None) -> str:
         import jinja2
 
         # tools / documents are None unless given, as in transformers (`tools is not none` must be false).
-        variables = {"tools": None, "documents": None, **self._special, **(options or {}),
+        variables = {"documents": None, **self._special, **(options or {}), "tools": list(tools) if tools else None,
                      "messages": [m.to_dict() for m in messages], "add_generation_prompt": add_generation_prompt}
         try:
             return self._template.render(**variables)
@@ -184,12 +194,15 @@ def _read_json(path: Path) -> dict[str, Any]:
 
 
 def chat_prompt(template: ChatTemplate, tokenizer: Tokenizer, messages: object, *, add_generation_prompt: bool = True,
-                options: Mapping[str, Any] | None = None) -> dict[str, Any]:
-    """Render OpenAI-shaped `messages` and tokenize them (no special tokens added: the template
-    wrote them); returns `{"prompt": text, "prompt_token_ids": [int, ...]}` for `add_request`.
+                options: Mapping[str, Any] | None = None,
+                tools: Sequence[Mapping[str, Any]] | None = None) -> dict[str, Any]:
+    """Render OpenAI-shaped `messages` (and the `tools` the model may call) and tokenize them (no
+    special tokens added: the template wrote them); returns `{"prompt": text, "prompt_token_ids":
+    [int, ...]}` for `add_request`.
 
     Raises:
         InvalidChatRequest / ChatTemplateError: as `parse_messages` and `ChatTemplate.render`.
     """
-    text = template.render(parse_messages(messages), add_generation_prompt=add_generation_prompt, options=options)
+    text = template.render(parse_messages(messages), add_generation_prompt=add_generation_prompt, options=options,
+                           tools=tools)
     return {"prompt": text, "prompt_token_ids": tokenizer.encode(text, add_special_tokens=False)}

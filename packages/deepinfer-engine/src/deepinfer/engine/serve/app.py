@@ -6,6 +6,10 @@ ending with `data: [DONE]`), GET /v1/models, /health, /version, /metrics. Errors
 503 when the waiting queue is full or the server is draining. A client that disconnects aborts its
 request: from a stream, Starlette cancels the response, closing `AsyncLLM.generate`; from a whole
 response, a watcher of the connection cancels the collecting task.
+
+Chat output goes through `chat_output.OutputParsers` when the server has a reasoning parser or the
+request may call tools: tools are rendered by the chat template, and calls and thinking are split
+out of the output (`tool_parsers`, `reasoning`).
 """
 
 from __future__ import annotations
@@ -29,24 +33,42 @@ from ..grammar_backend import StructuredOutputUnavailable
 from ..outputs import FINISH_IGNORED, RequestOutput
 from ..sampling_params import InvalidSamplingParams
 from ..tokenizer import require_tokenizer
+from .chat_output import OutputParsers
 from .errors import APIError, bad_request, from_sampling_error
 from .metrics import RequestTracker, ServerMetrics
 from .protocol import GenerateRequest, parse_chat, parse_completion
+from .reasoning import REASONING_PARSERS, thinking_requested
 from .responses import ResponseWriter
+from .tool_parsers import TOOL_PARSERS, NamedCallParser, RequiredCallsParser, ToolParser
 
 logger = logging.getLogger(__name__)
 
 
-class _Server:
-    """The state behind the routes: the engine, the served name, the chat template and the metrics."""
+def check_parser_options(tool_call_parser: str | None, enable_auto_tool_choice: bool,
+                         reasoning_parser: str | None) -> None:
+    """Raises ValueError for an unknown parser name, or auto tool choice without a tool-call parser."""
+    if tool_call_parser is not None and tool_call_parser not in TOOL_PARSERS:
+        raise ValueError(f"tool_call_parser={tool_call_parser!r} is not one of {', '.join(TOOL_PARSERS)}")
+    if reasoning_parser is not None and reasoning_parser not in REASONING_PARSERS:
+        raise ValueError(f"reasoning_parser={reasoning_parser!r} is not one of {', '.join(REASONING_PARSERS)}")
+    if enable_auto_tool_choice and tool_call_parser is None:
+        raise ValueError("enable_auto_tool_choice needs a tool_call_parser")
 
-    def __init__(self, llm: AsyncLLM, served_model_name: str, chat_template: str | None) -> None:
+
+class _Server:
+    """The state behind the routes: the engine, the served name, the chat template, the output
+    parsers' names and the metrics."""
+
+    def __init__(self, llm: AsyncLLM, served_model_name: str, chat_template: str | None,
+                 tool_call_parser: str | None, enable_auto_tool_choice: bool, reasoning_parser: str | None) -> None:
         self.llm = llm
         self.name = served_model_name
         self.metrics = ServerMetrics(llm)
         self.created = int(time.time())
         self._template_override = chat_template
         self._template: ChatTemplate | None = None
+        self._tool_parser = tool_call_parser if enable_auto_tool_choice else None
+        self._reasoning_parser = reasoning_parser
 
     def template(self) -> ChatTemplate:
         if self._template is None:
@@ -58,6 +80,32 @@ class _Server:
                 raise bad_request(f"chat is not available for this model: {error}", "messages") from None
         return self._template
 
+    def output_parsers(self, req: GenerateRequest) -> OutputParsers | None:
+        """How a chat request's output becomes a message; None = all of it is content.
+
+        Raises:
+            APIError: 400 when the request leaves the tool choice to the model ("auto") and the server
+                was not started with --enable-auto-tool-choice and --tool-call-parser.
+        """
+        tools = req.tools
+        tool_parser: ToolParser | None = None
+        if tools is not None and tools.choice == "named":
+            assert tools.name is not None
+            tool_parser = NamedCallParser(tools.name)
+        elif tools is not None and tools.choice == "required":
+            tool_parser = RequiredCallsParser()
+        elif tools is not None and tools.choice == "auto":
+            if self._tool_parser is None:
+                raise bad_request('tool_choice="auto" (the default with tools) needs the server started with '
+                                  "--enable-auto-tool-choice and --tool-call-parser", "tool_choice")
+            tool_parser = TOOL_PARSERS[self._tool_parser]()
+        reasoning = None
+        if self._reasoning_parser is not None:
+            reasoning = REASONING_PARSERS[self._reasoning_parser](thinking=thinking_requested(req.chat_template_kwargs))
+        if tool_parser is None and reasoning is None:
+            return None
+        return OutputParsers(reasoning, tool_parser, tools.parallel_tool_calls if tools is not None else True)
+
     def check_model(self, model: str | None) -> None:
         if model is not None and model != self.name:
             raise APIError(404, f"model {model!r} does not exist; this server serves {self.name!r}", param="model",
@@ -66,13 +114,15 @@ class _Server:
     async def generate(self, http: Request, req: GenerateRequest, chat: bool) -> Response:
         self.check_model(req.model)
         field = "messages" if chat else "prompt"
+        parsers = self.output_parsers(req) if chat else None
         if chat:
             engine = self.llm.engine
             try:
                 tokenizer = require_tokenizer(engine.tokenizer, engine.model_dir)
                 prompt: Any = chat_prompt(self.template(), tokenizer, req.messages,
                                           add_generation_prompt=req.add_generation_prompt,
-                                          options=req.chat_template_kwargs)
+                                          options=req.chat_template_kwargs,
+                                          tools=req.tools.tools if req.tools is not None else None)
             except InvalidChatRequest as error:
                 raise bad_request(str(error), error.field) from None
             except (ChatTemplateError, ValueError) as error:
@@ -89,16 +139,16 @@ class _Server:
         except EngineStopped as error:
             raise APIError(503, str(error), code="shutting_down") from None
         except StructuredOutputUnavailable as error:
-            raise bad_request(str(error), "response_format") from None
+            raise bad_request(str(error), req.structured_field) from None
         except InvalidSamplingParams as error:          # checked against the model: logit_bias ids, ...
-            raise from_sampling_error(error, "response_format") from None
+            raise from_sampling_error(error, req.structured_field) from None
         except ValueError as error:
             raise bad_request(str(error), field) from None
         completion = first.outputs[0]
         if completion.finish_reason == FINISH_IGNORED:
             tracker.finish(FINISH_IGNORED, len(first.prompt_token_ids), 0)
             raise bad_request(f"the request was not run: {completion.ignored_reason}", field)
-        writer = ResponseWriter(request_id, self.name, chat, req, self.llm.engine.tokenizer)
+        writer = ResponseWriter(request_id, self.name, chat, req, self.llm.engine.tokenizer, parsers)
         if req.stream:
             return StreamingResponse(self._stream(writer, first, outputs, tracker), media_type="text/event-stream")
         whole = asyncio.ensure_future(self._whole(first, outputs, tracker))
@@ -151,7 +201,8 @@ class _Server:
 
 
 def build_app(llm: AsyncLLM, *, served_model_name: str, api_key: str | None = None,
-              chat_template: str | None = None, drain_on_shutdown: bool = True) -> FastAPI:
+              chat_template: str | None = None, drain_on_shutdown: bool = True, tool_call_parser: str | None = None,
+              enable_auto_tool_choice: bool = False, reasoning_parser: str | None = None) -> FastAPI:
     """The FastAPI app serving `llm` under `served_model_name`.
 
     Args:
@@ -159,8 +210,16 @@ def build_app(llm: AsyncLLM, *, served_model_name: str, api_key: str | None = No
         chat_template: a named chat template or a jinja file; None = the model folder's.
         drain_on_shutdown: at shutdown (SIGTERM), let accepted requests finish before the engine
             thread stops (else abort them).
+        tool_call_parser: finds tool calls in the output of tool_choice="auto" requests (a name of
+            `tool_parsers.TOOL_PARSERS`: "deepseek_v4", "hermes"); used with enable_auto_tool_choice.
+        enable_auto_tool_choice: accept tool_choice="auto" (else such requests get 400).
+        reasoning_parser: splits the thinking into reasoning_content ("deepseek_v4"); None = none.
+    Raises:
+        ValueError: as `check_parser_options`.
     """
-    server = _Server(llm, served_model_name, chat_template)
+    check_parser_options(tool_call_parser, enable_auto_tool_choice, reasoning_parser)
+    server = _Server(llm, served_model_name, chat_template, tool_call_parser, enable_auto_tool_choice,
+                     reasoning_parser)
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:

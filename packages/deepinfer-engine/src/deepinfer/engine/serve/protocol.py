@@ -13,6 +13,8 @@ from typing import Any
 
 from ..sampling_params import InvalidSamplingParams, SamplingParams, StructuredOutput
 from .errors import APIError, bad_request, from_sampling_error
+from .reasoning import thinking_requested
+from .tools import ToolsRequest, parse_tools
 
 # Request field -> SamplingParams field (same name): passed as given; null = the default.
 SAMPLING_FIELDS = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop", "stop_token_ids",
@@ -31,9 +33,10 @@ NOT_SUPPORTED_YET: dict[str, Callable[[object], bool]] = {
     "use_beam_search": _is(None, False),
 }
 COMPLETION_ONLY = {"prompt": None, "echo": _is(None, False), "suffix": _is(None), "logprobs": None}
+# tools / tool_choice / parallel_tool_calls are checked by `tools.parse_tools`.
 CHAT_ONLY = {"messages": None, "max_completion_tokens": None, "logprobs": None, "top_logprobs": None,
-             "chat_template_kwargs": None, "add_generation_prompt": None, "tools": _is(None, []),
-             "tool_choice": _is(None, "none", "auto"), "parallel_tool_calls": None}
+             "chat_template_kwargs": None, "add_generation_prompt": None, "tools": None, "tool_choice": None,
+             "parallel_tool_calls": None}
 # Used by both endpoints; "user" is an end-user id for the caller's own records (it changes nothing).
 COMMON = {"model", "stream", "stream_options", "response_format", "structured_outputs", "user", "best_of",
           "logit_bias", *SAMPLING_FIELDS}
@@ -52,6 +55,7 @@ class GenerateRequest:
         messages: /v1/chat/completions: the raw messages (checked when rendered); None otherwise.
         chat_template_kwargs: the chat template's options.
         add_generation_prompt: end the chat prompt where the assistant's answer starts.
+        tools: the chat request's tools and tool_choice, or None when it gives no tools.
     """
 
     model: str | None
@@ -62,6 +66,12 @@ class GenerateRequest:
     messages: list[Any] | None = None
     chat_template_kwargs: Mapping[str, Any] | None = None
     add_generation_prompt: bool = True
+    tools: ToolsRequest | None = None
+
+    @property
+    def structured_field(self) -> str:
+        """The request field charged with errors of the output constraint."""
+        return "tool_choice" if self.tools is not None and self.tools.forced else "response_format"
 
 
 def parse_completion(body: object) -> GenerateRequest:
@@ -89,9 +99,19 @@ def parse_chat(body: object) -> GenerateRequest:
     kwargs = body.get("chat_template_kwargs")
     if kwargs is not None and not isinstance(kwargs, dict):
         raise bad_request(f"chat_template_kwargs={kwargs!r} must be an object", "chat_template_kwargs")
-    common = _common(body, default_max_tokens=None, logprobs=(0 if top is None else top) if want else None)
+    tools = parse_tools(body)
+    forced = tools.constraint() if tools is not None else None
+    if forced is not None:
+        if body.get("response_format") is not None or body.get("structured_outputs") is not None:
+            raise bad_request(f"tool_choice={body.get('tool_choice')!r} constrains the output itself: it cannot be "
+                              "combined with response_format or structured_outputs", "tool_choice")
+        if thinking_requested(kwargs):
+            raise bad_request(f"tool_choice={body.get('tool_choice')!r} with thinking on is not supported yet (the "
+                              "constraint would apply from the first token, leaving no thinking)", "tool_choice")
+    common = _common(body, default_max_tokens=None, logprobs=(0 if top is None else top) if want else None,
+                     structured=forced)
     return GenerateRequest(**common, messages=messages, chat_template_kwargs=kwargs,
-                           add_generation_prompt=_bool(body, "add_generation_prompt", True))
+                           add_generation_prompt=_bool(body, "add_generation_prompt", True), tools=tools)
 
 
 def _object(body: object) -> dict[str, Any]:
@@ -109,7 +129,9 @@ def _check_fields(body: dict[str, Any], endpoint_fields: Mapping[str, Callable[[
             raise bad_request(f"{name}={value!r} is not supported yet", name)
 
 
-def _common(body: dict[str, Any], *, default_max_tokens: int | None, logprobs: object) -> dict[str, Any]:
+def _common(body: dict[str, Any], *, default_max_tokens: int | None, logprobs: object,
+            structured: StructuredOutput | None = None) -> dict[str, Any]:
+    """The fields both endpoints share; `structured` (a forced tool choice) replaces response_format."""
     model = body.get("model")
     if model is not None and not isinstance(model, str):
         raise bad_request(f"model={model!r} must be a str", "model")
@@ -130,10 +152,11 @@ def _common(body: dict[str, Any], *, default_max_tokens: int | None, logprobs: o
     if best_of is not None and best_of != fields.get("n", 1):
         raise bad_request(f"best_of={best_of!r} is not supported yet unless it equals n={fields.get('n', 1)!r} "
                           "(no ranking of extra samples)", "best_of")
+    field = "tool_choice" if structured is not None else _structured_field(body)
     try:
-        params = SamplingParams(**fields, logprobs=logprobs, structured=_structured(body))
+        params = SamplingParams(**fields, logprobs=logprobs, structured=structured or _structured(body))
     except InvalidSamplingParams as error:
-        raise from_sampling_error(error, _structured_field(body)) from None
+        raise from_sampling_error(error, field) from None
     return {"model": model, "params": params, "stream": stream, "include_usage": include_usage}
 
 

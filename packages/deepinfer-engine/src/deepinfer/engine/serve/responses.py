@@ -9,6 +9,9 @@ in a stream on the first chunk of each choice.
 
 With n > 1 samples there is one choice per sample (`index` 0..n − 1); a stream interleaves the
 samples' chunks as they come, each chunk carrying one choice, as OpenAI does.
+
+A chat request with output parsers (`chat_output`) gets `reasoning_content` and `tool_calls` in its
+message (or its deltas) and finish_reason "tool_calls" when it called a tool.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ from typing import Any
 
 from ..outputs import FINISH_PREEMPTED, CompletionOutput, RequestOutput
 from ..tokenizer import Tokenizer
+from .chat_output import ChoiceStream, OutputParsers
 from .protocol import GenerateRequest
 
 DONE = "data: [DONE]\n\n"
@@ -31,8 +35,11 @@ def sse(payload: dict[str, Any]) -> str:
     return f"data: {json.dumps(payload, ensure_ascii=False, separators=(',', ':'))}\n\n"
 
 
-def finish_reason(completion: CompletionOutput) -> str | None:
+def finish_reason(completion: CompletionOutput, *, tool_calls: bool = False) -> str | None:
+    """The OpenAI finish reason; "tool_calls" for an output that called tools and stopped by itself."""
     reason = completion.finish_reason
+    if tool_calls and reason == "stop":
+        return "tool_calls"
     return "abort" if reason == FINISH_PREEMPTED else reason
 
 
@@ -45,11 +52,14 @@ class ResponseWriter:
         chat: chat.completion shapes (else text_completion).
         req: the checked request (stream options, logprobs count).
         tokenizer: decodes logprob tokens; None = token ids are shown as "token_id:N".
+        parsers: chat only: splits reasoning and tool calls out of the output; None = all is content.
     """
 
     def __init__(self, request_id: str, model: str, chat: bool, req: GenerateRequest,
-                 tokenizer: Tokenizer | None) -> None:
+                 tokenizer: Tokenizer | None, parsers: OutputParsers | None = None) -> None:
         self._id, self._model, self._chat, self._req = request_id, model, chat, req
+        self._parsers = parsers
+        self._streams: dict[int, ChoiceStream] = {}   # per choice index, with parsers
         self._created = int(time.time())
         self._text_offsets: dict[int, int] = {}      # per choice index: completions logprobs' text_offset
         self._finished: set[int] = set()             # choice indices whose finish chunk is sent
@@ -75,12 +85,19 @@ class ResponseWriter:
             if not completion.text and not completion.token_ids and not finished:
                 continue
             logprobs = self._logprobs(completion)
-            if self._chat:
+            calls = False
+            if self._chat and self._parsers is not None:
+                stream = self._streams.setdefault(index, ChoiceStream(self._parsers))
                 choice: dict[str, Any] = {"index": index,
-                                          "delta": {"content": completion.text} if completion.text else {}}
+                                          "delta": stream.delta(completion.text, final=completion.finished)}
+                calls = stream.has_tool_calls
+                if not choice["delta"] and not finished and logprobs is None:
+                    continue                  # held back: may be the start of a marker
+            elif self._chat:
+                choice = {"index": index, "delta": {"content": completion.text} if completion.text else {}}
             else:
                 choice = {"index": index, "text": completion.text}
-            choice.update(logprobs=logprobs, finish_reason=finish_reason(completion))
+            choice.update(logprobs=logprobs, finish_reason=finish_reason(completion, tool_calls=calls))
             if out.prompt_logprobs and index not in self._prompt_logprobs_sent:
                 self._prompt_logprobs_sent.add(index)
                 choice["prompt_logprobs"] = _prompt_logprobs(out)
@@ -102,12 +119,15 @@ class ResponseWriter:
         choices = []
         for completion in last.outputs:
             choice: dict[str, Any] = {"index": completion.index}
-            if self._chat:
+            if self._chat and self._parsers is not None:
+                choice["message"] = self._parsers.message(completion.text)
+            elif self._chat:
                 choice["message"] = {"role": "assistant", "content": completion.text}
             else:
                 choice["text"] = completion.text
-            choice.update(logprobs=self._logprobs(completion), finish_reason=finish_reason(completion),
-                          stop_reason=completion.stop_reason)
+            calls = bool(choice.get("message", {}).get("tool_calls"))
+            choice.update(logprobs=self._logprobs(completion),
+                          finish_reason=finish_reason(completion, tool_calls=calls), stop_reason=completion.stop_reason)
             if last.prompt_logprobs is not None:
                 choice["prompt_logprobs"] = _prompt_logprobs(last)
             choices.append(choice)

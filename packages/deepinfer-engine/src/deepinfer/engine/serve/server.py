@@ -18,7 +18,7 @@ import uvicorn
 
 from ..async_llm import DEFAULT_MAX_NUM_WAITING, AsyncLLM
 from ..llm_engine import LLMEngine
-from .app import build_app
+from .app import build_app, check_parser_options
 
 
 @dataclass(frozen=True, slots=True)
@@ -33,6 +33,9 @@ class ServeOptions:
         chat_template: a named chat template ("deepseek_v4", "plain") or a jinja file; None = the model folder's.
         max_num_waiting: requests accepted but not running before new ones get 503.
         log_level: uvicorn's log level ("info", "warning", ...).
+        tool_call_parser: "deepseek_v4" or "hermes": finds tool calls in tool_choice="auto" output.
+        enable_auto_tool_choice: accept tool_choice="auto" (needs tool_call_parser).
+        reasoning_parser: "deepseek_v4": thinking goes to reasoning_content; None = none.
     """
 
     host: str = "127.0.0.1"
@@ -42,6 +45,9 @@ class ServeOptions:
     chat_template: str | None = None
     max_num_waiting: int = DEFAULT_MAX_NUM_WAITING
     log_level: str = "info"
+    tool_call_parser: str | None = None
+    enable_auto_tool_choice: bool = False
+    reasoning_parser: str | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.port, bool) or not isinstance(self.port, int) or not 0 <= self.port <= 65535:
@@ -53,13 +59,15 @@ class ServeOptions:
             raise ValueError(f"served_model_name={self.served_model_name!r} must be a non-empty str")
         if self.api_key is not None and (not isinstance(self.api_key, str) or not self.api_key):
             raise ValueError("api_key must be a non-empty str or None")
+        check_parser_options(self.tool_call_parser, self.enable_auto_tool_choice, self.reasoning_parser)
 
 
 def run_server(engine: LLMEngine, options: ServeOptions) -> None:
     """Serve `engine` over HTTP until SIGINT / SIGTERM; returns once in-flight requests are done."""
     llm = AsyncLLM(engine, max_num_waiting=options.max_num_waiting)
     app = build_app(llm, served_model_name=options.served_model_name, api_key=options.api_key,
-                    chat_template=options.chat_template)
+                    chat_template=options.chat_template, tool_call_parser=options.tool_call_parser,
+                    enable_auto_tool_choice=options.enable_auto_tool_choice, reasoning_parser=options.reasoning_parser)
     config = uvicorn.Config(app, host=options.host, port=options.port, log_level=options.log_level,
                             access_log=False, timeout_keep_alive=30)
     with _signals_end_quietly():
