@@ -313,10 +313,14 @@ def _engine_args(ns: argparse.Namespace, parser: argparse.ArgumentParser) -> tup
     usage error naming its flag)."""
     kwargs = dataclass_kwargs(ns, EngineArgs)
     try:
-        return kwargs, EngineArgs(**kwargs)
+        args = EngineArgs(**kwargs)
     except InvalidEngineArgs as error:
         where = f"argument {flag_name(error.field)}: " if error.field else ""
         parser.error(f"{where}{error}")
+    if args.data_parallel_size > 1:      # the commands drive one LLMEngine; DP runs through LLM (Python)
+        parser.error(f"argument --data-parallel-size: {args.data_parallel_size} is not supported by the deepinfer "
+                     "command yet (one rank); use LLM(..., data_parallel_size=N) from Python or a torchrun script")
+    return kwargs, args
 
 
 def _build(make: Any, args: EngineArgs) -> Any:

@@ -78,6 +78,15 @@ class GlooStepVoteGroup:
         """This rank's index in the group, in [0, world_size)."""
         return self._rank
 
+    @property
+    def process_group(self) -> dist.ProcessGroup | None:
+        """The gloo process group the vote runs over (None = the default group)."""
+        return self._group
+
+    def any_true(self, flag: bool) -> bool:
+        """Whether `flag` is True on some rank; blocks until all ranks call (one MIN all-reduce)."""
+        return self.all_reduce_min([0 if flag else 1])[0] == 0
+
     def all_reduce_min(self, values: Sequence[int]) -> tuple[int, ...]:
         """Element-wise minimum of `values` (int64) over the group; blocks until all ranks call.
 

@@ -39,11 +39,18 @@ INT_RANGES: dict[str, tuple[int, int]] = {
     "max_num_batched_tokens": (1, MAX_INT32),
     "max_num_prompts": (1, 2**20),
     "prefill_max_sum_seqlen_k": (1, MAX_INT32),
+    "data_parallel_size": (1, 1024),
+    "eplb_redundant_experts_per_rank": (0, 1024),
+    "eplb_window_steps": (1, MAX_INT32),
+    "eplb_interval_steps": (1, MAX_INT32),
 }
+EPLB_PRESETS = ("prefill", "decode")          # DESIGN.md §8; deepinfer.eplb's PREFILL / DECODE_EPLB_CONFIG
+MAX_DISTRIBUTED_TIMEOUT_S = 86400.0
 OPTIONAL_FIELDS = frozenset({"model", "max_model_len", "block_size", "num_kv_blocks", "gpu_memory_utilization",
                              "kv_cache_memory_mb",
-                             "max_num_prompts", "prefill_max_sum_seqlen_k", "expert_dtype"})
-BOOL_FIELDS = ("stop_preempted_request", "kv_quant", "enforce_eager", "engram_on_host")
+                             "max_num_prompts", "prefill_max_sum_seqlen_k", "expert_dtype", "eplb",
+                             "eplb_redundant_experts_per_rank", "eplb_window_steps", "eplb_interval_steps"})
+BOOL_FIELDS = ("stop_preempted_request", "kv_quant", "enforce_eager", "engram_on_host", "expert_parallel")
 
 
 class InvalidEngineArgs(ValueError):
@@ -105,6 +112,22 @@ class EngineArgs:
             before it reads step N's sampled tokens, which feed step N + 1 on the device, so host work
             overlaps the GPU; a request's end is then seen one step late (its extra token is dropped).
             None = on for NORMAL and COMPLETION engines, off for PROMPT engines.
+        data_parallel_size: attention data-parallel ranks, one process each (DESIGN.md §1): `LLM` spawns
+            them (or, under torchrun, this process is rank RANK of WORLD_SIZE); each runs its own engine,
+            requests go to the least-loaded rank and every rank runs the same kind of step. 1 = one
+            process. Only `LLM` runs more than one rank so far: the `deepinfer` commands refuse it.
+        expert_parallel: shard the routed experts over the data-parallel ranks (EP size = DP size), tokens
+            dispatched and combined by all-to-all; needs data_parallel_size >= 2. On CUDA the EP step
+            runs eagerly without ZOS (the all-to-all is not in the decode CUDA graphs yet).
+        eplb: re-place experts live from the routed-token counts (needs expert_parallel): "prefill" (4
+            redundant experts per rank, 100-step window, every 1,000 steps) or "decode" (1 per rank,
+            1,000, every 10,000), DESIGN.md §8; None = the initial round-robin placement, no redundancy.
+        eplb_redundant_experts_per_rank: floor of redundant experts per rank, rounded up so that the
+            slot count divides over the ranks; None = the eplb preset's.
+        eplb_window_steps: steps whose expert counts a placement is computed from; None = the preset's.
+        eplb_interval_steps: steps between placements; None = the preset's.
+        distributed_timeout_s: with data_parallel_size >= 2, how long a rank waits for its peers in a
+            collective (and `LLM` for a rank) before failing with an error naming the rank.
     """
 
     model: str | None = None
@@ -129,6 +152,13 @@ class EngineArgs:
     enforce_eager: bool = False
     engram_on_host: bool = False
     zero_overhead_scheduling: bool | None = None
+    data_parallel_size: int = 1
+    expert_parallel: bool = False
+    eplb: str | None = None
+    eplb_redundant_experts_per_rank: int | None = None
+    eplb_window_steps: int | None = None
+    eplb_interval_steps: int | None = None
+    distributed_timeout_s: float = 120.0
 
     def __post_init__(self) -> None:
         if self.model is not None and not isinstance(self.model, str):
@@ -171,6 +201,24 @@ class EngineArgs:
         if not isinstance(self.engine_type, EngineType):
             _fail("engine_type", f"engine_type={self.engine_type!r} must be an EngineType (NORMAL, PROMPT or "
                   "COMPLETION)")
+        self._check_parallel()
+
+    def _check_parallel(self) -> None:
+        timeout = self.distributed_timeout_s
+        if isinstance(timeout, bool) or not isinstance(timeout, int | float) or \
+                not 0 < timeout <= MAX_DISTRIBUTED_TIMEOUT_S:
+            _fail("distributed_timeout_s", f"distributed_timeout_s={timeout!r} must be > 0 and <= "
+                  f"{MAX_DISTRIBUTED_TIMEOUT_S} (seconds)")
+        if self.expert_parallel and self.data_parallel_size < 2:
+            _fail("expert_parallel", f"expert_parallel=True needs data_parallel_size >= 2 (EP size = DP size), "
+                  f"got data_parallel_size={self.data_parallel_size}")
+        if self.eplb is not None and self.eplb not in EPLB_PRESETS:
+            _fail("eplb", f"eplb={self.eplb!r} must be None or one of {', '.join(map(repr, EPLB_PRESETS))}")
+        if self.eplb is not None and not self.expert_parallel:
+            _fail("eplb", f"eplb={self.eplb!r} needs expert_parallel=True")
+        for name in ("eplb_redundant_experts_per_rank", "eplb_window_steps", "eplb_interval_steps"):
+            if getattr(self, name) is not None and self.eplb is None:
+                _fail(name, f"{name}={getattr(self, name)!r} needs eplb ('prefill' or 'decode')")
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -247,6 +295,9 @@ def allowed_values(name: str) -> str:
         "enforce_eager": "bool",
         "engram_on_host": "bool",
         "zero_overhead_scheduling": "bool, or None",
+        "expert_parallel": "bool",
+        "eplb": ", ".join(EPLB_PRESETS) + ", or None",
+        "distributed_timeout_s": f"float in (0, {MAX_DISTRIBUTED_TIMEOUT_S}]",
     }[name]
 
 

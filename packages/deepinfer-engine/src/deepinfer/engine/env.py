@@ -222,3 +222,35 @@ def _check(var: EnvVar, value: object, default: object) -> None:
 def _as_text(value: object) -> str:
     """A value as it is written in the environment (booleans as 0 / 1)."""
     return str(int(value)) if isinstance(value, bool) else str(value)
+
+
+@dataclass(frozen=True, slots=True)
+class TorchrunEnv:
+    """The rank variables torchrun sets (`RANK`, `WORLD_SIZE`, `MASTER_ADDR`, `MASTER_PORT`)."""
+
+    rank: int            # in [0, world_size)
+    world_size: int      # >= 1
+    master_addr: str
+    master_port: int     # in [1, 65535]
+
+
+def read_torchrun_env(environ: Mapping[str, str] = os.environ) -> TorchrunEnv | None:
+    """torchrun's rank variables, or None when WORLD_SIZE is unset (not launched by torchrun).
+
+    Raises:
+        InvalidEnvVar: a variable missing or out of range, naming it.
+    """
+    if not environ.get("WORLD_SIZE"):
+        return None
+    values: dict[str, int] = {}
+    for name, low, high in (("WORLD_SIZE", 1, 2**20), ("RANK", 0, 2**20), ("MASTER_PORT", 1, 65535)):
+        raw = environ.get(name, "")
+        if not raw.strip().isdigit() or not low <= int(raw) <= high:
+            raise InvalidEnvVar(f"{name}={raw!r} must be an integer in [{low}, {high}] (torchrun sets it)")
+        values[name] = int(raw)
+    if values["RANK"] >= values["WORLD_SIZE"]:
+        raise InvalidEnvVar(f"RANK={values['RANK']} must be < WORLD_SIZE={values['WORLD_SIZE']}")
+    addr = environ.get("MASTER_ADDR", "")
+    if not addr:
+        raise InvalidEnvVar("MASTER_ADDR must be set with WORLD_SIZE (torchrun sets it)")
+    return TorchrunEnv(values["RANK"], values["WORLD_SIZE"], addr, values["MASTER_PORT"])

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from tqdm.auto import tqdm
 
@@ -14,12 +14,16 @@ from deepinfer.sched import EngineType
 from .chat_messages import ChatMessage
 from .chat_template import ChatTemplate, chat_prompt, load_chat_template
 from .engine_args import EngineArgs
+from .env import read_torchrun_env
 from .intake import PromptInput
-from .llm_engine import LLMEngine
+from .llm_engine import LLMEngine, resolve_model_dir
 from .outputs import OutputKind, RequestOutput
 from .request import Request
 from .sampling_params import SamplingParams
-from .tokenizer import require_tokenizer
+from .tokenizer import Tokenizer, load_tokenizer, require_tokenizer
+
+if TYPE_CHECKING:
+    from .parallel import DPRank, RebalanceStats, SpawnedRanks
 
 
 class LLM:
@@ -34,15 +38,44 @@ class LLM:
             `LLMEngine`, whose caller can retry, `LLM` recomputes preempted requests by default
             (stop_preempted_request=False) so that every prompt gets its full output.
 
+    With data_parallel_size = N >= 2 (`deepinfer.engine.parallel`) the engines run in N rank processes,
+    spawned here; under torchrun (WORLD_SIZE set) this process is one of the ranks instead, and every
+    rank must call `generate` with the same prompts (each gets all the outputs). `engine` is then None
+    (spawned) or this rank's engine (torchrun); `parallel` holds the ranks; call `close()` when done.
+
     `generate` calls from several threads run one at a time.
     """
 
     def __init__(self, model: str | None = None, device: str = "auto", dtype: str = "auto", **engine_args: Any):
         if engine_args.get("engine_type", EngineType.NORMAL) is not EngineType.COMPLETION:
             engine_args.setdefault("stop_preempted_request", False)
-        self.engine = LLMEngine(EngineArgs(model=model, device=device, dtype=dtype, **engine_args))
+        args = EngineArgs(model=model, device=device, dtype=dtype, **engine_args)
+        self.parallel: SpawnedRanks | DPRank | None = None
+        self.engine: LLMEngine | None = None
+        if args.data_parallel_size > 1:
+            from .parallel import start_ranks
+
+            self.parallel = start_ranks(args, read_torchrun_env())
+            self.engine = getattr(self.parallel, "engine", None)
+            self.model_dir = resolve_model_dir(args.resolved().model)
+            self.tokenizer: Tokenizer | None = load_tokenizer(self.model_dir)
+        else:
+            self.engine = LLMEngine(args)
+            self.model_dir, self.tokenizer = self.engine.model_dir, self.engine.tokenizer
+        self._embedded = args.model is None
         self._lock = threading.Lock()
         self._chat_templates: dict[str | None, ChatTemplate] = {}
+
+    @property
+    def rebalances(self) -> tuple[RebalanceStats, ...]:
+        """Expert re-placements (EPLB, `EngineArgs.eplb`) adopted so far, with the per-layer max / mean
+        load before and after each; empty for one rank or without EPLB."""
+        return () if self.parallel is None else self.parallel.rebalances
+
+    def close(self) -> None:
+        """Stop the DP ranks (no-op for one rank); the LLM cannot generate afterwards."""
+        if self.parallel is not None:
+            self.parallel.close()
 
     def generate(
         self,
@@ -71,6 +104,8 @@ class LLM:
             if len(params) != len(items):
                 raise ValueError(f"len(sampling_params)={len(params)} must equal len(prompts)={len(items)}")
         with self._lock:
+            if self.parallel is not None:
+                return self.parallel.generate(items, params)
             requests = []
             for i, (item, p) in enumerate(zip(items, params)):
                 if not isinstance(item, str | dict):
@@ -111,7 +146,7 @@ class LLM:
         one = not messages or isinstance(messages[0], dict | ChatMessage)
         conversations = [messages] if one else list(messages)
         template = self.chat_template(chat_template)
-        tokenizer = require_tokenizer(self.engine.tokenizer, self.engine.model_dir)
+        tokenizer = require_tokenizer(self.tokenizer, self.model_dir)
         prompts = [chat_prompt(template, tokenizer, conversation, add_generation_prompt=add_generation_prompt,
                                options=chat_template_kwargs) for conversation in conversations]
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
@@ -119,8 +154,8 @@ class LLM:
     def chat_template(self, override: str | None = None) -> ChatTemplate:
         """The chat template in use: `override` (a name or jinja file), else the model folder's."""
         if override not in self._chat_templates:
-            self._chat_templates[override] = load_chat_template(
-                self.engine.model_dir, embedded=self.engine.args.model is None, override=override)
+            self._chat_templates[override] = load_chat_template(self.model_dir, embedded=self._embedded,
+                                                                override=override)
         return self._chat_templates[override]
 
     def _run(self, requests: list[Request], use_tqdm: bool) -> list[RequestOutput]:

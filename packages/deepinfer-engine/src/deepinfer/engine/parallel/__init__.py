@@ -1,0 +1,22 @@
+"""Attention data parallel + MoE expert parallel over torch.distributed (DESIGN.md §1, §4, §8).
+
+`LLM(..., data_parallel_size=N, expert_parallel=True)` runs N ranks (spawned, or this process under
+torchrun): `launcher` starts them, `rank.DPRank` is one rank's engine and lockstep loop, and
+`eplb_live.LiveBalancer` re-places experts from the router's counts while serving.
+"""
+
+from .eplb_live import LiveBalancer, RebalanceStats
+from .launcher import SpawnedRanks, rank_main, start_ranks
+from .rank import DPRank, RankFailure, RankSpec, assign_least_loaded
+
+__all__ = [
+    "DPRank",
+    "LiveBalancer",
+    "RankFailure",
+    "RankSpec",
+    "RebalanceStats",
+    "SpawnedRanks",
+    "assign_least_loaded",
+    "rank_main",
+    "start_ranks",
+]

@@ -1,0 +1,168 @@
+"""One DP rank: its process group, its `LLMEngine`, its share of the experts, and the lockstep loop.
+
+Every rank of the group calls `DPRank.generate` with the same prompts (SPMD, as torchrun scripts do;
+`launcher.SpawnedRanks` forwards each `LLM.generate` call to every rank). Each rank takes the prompts
+that `assign_least_loaded` gives it, and all ranks then step together while any rank has work: every
+`LLMEngine.step()` runs the scheduler's step-kind vote over the gloo group, a rank whose vote says
+EMPTY_PROMPT / EMPTY_DECODE runs `run_ep_dummy_forward` so that its peers' all-to-alls find it, and
+the finished outputs are gathered so that every rank returns all of them in prompt order.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from deepinfer.model import apply_expert_parallel, moe_layers, run_ep_dummy_forward
+from deepinfer.sched import StepKind
+
+from ..dp_group import GlooStepVoteGroup
+from ..engine_args import EngineArgs
+from ..intake import PromptInput
+from ..llm_engine import LLMEngine
+from ..outputs import OutputKind, RequestOutput
+from ..sampling_params import SamplingParams
+from .eplb_live import LiveBalancer, RebalanceStats, eplb_config, initial_slots
+
+_EMPTY_STEPS = (StepKind.EMPTY_PROMPT, StepKind.EMPTY_DECODE)
+
+
+class RankFailure(RuntimeError):
+    """A DP rank died or stopped answering; the message names the rank."""
+
+
+@dataclass(frozen=True, slots=True)
+class RankSpec:
+    """Where this process sits in the DP group."""
+
+    rank: int            # in [0, world_size)
+    world_size: int      # = EngineArgs.data_parallel_size
+    init_method: str     # torch.distributed rendezvous, e.g. "tcp://127.0.0.1:29500" or "env://"
+
+
+def assign_least_loaded(costs: Sequence[int], world_size: int) -> list[int]:
+    """The rank of each request, in order: each goes to the rank with the least work assigned so far
+    (the sum of its requests' costs; ties to the lower rank)."""
+    loads = [0] * world_size
+    ranks = []
+    for cost in costs:
+        rank = loads.index(min(loads))
+        loads[rank] += cost
+        ranks.append(rank)
+    return ranks
+
+
+def _rank_args(args: EngineArgs, rank: int) -> EngineArgs:
+    """The engine arguments of one rank: single-rank fields, its own GPU, eager steps under EP on CUDA."""
+    args = dataclasses.replace(args, data_parallel_size=1, expert_parallel=False, eplb=None,
+                               eplb_redundant_experts_per_rank=None, eplb_window_steps=None,
+                               eplb_interval_steps=None).resolved()
+    device = torch.device(args.device)
+    if device.type == "cuda" and device.index is None:
+        args = dataclasses.replace(args, device=f"cuda:{rank % torch.cuda.device_count()}")
+    return args
+
+
+class DPRank:
+    """Joins the DP group and builds this rank's engine.
+
+    Args:
+        args: the engine arguments (data_parallel_size = spec.world_size >= 2).
+        spec: this process's rank and the rendezvous.
+
+    Raises:
+        ValueError: spec.world_size differs from args.data_parallel_size.
+        RankFailure: the group could not be formed within args.distributed_timeout_s.
+    """
+
+    def __init__(self, args: EngineArgs, spec: RankSpec) -> None:
+        if spec.world_size != args.data_parallel_size:
+            raise ValueError(f"the launch has {spec.world_size} ranks but data_parallel_size="
+                             f"{args.data_parallel_size}")
+        self.spec = spec
+        self._timeout_s = args.distributed_timeout_s
+        engine_args = _rank_args(args, spec.rank)
+        on_cuda = torch.device(engine_args.device).type == "cuda"
+        if args.expert_parallel and on_cuda:
+            engine_args = dataclasses.replace(engine_args, enforce_eager=True, zero_overhead_scheduling=False)
+        timeout = timedelta(seconds=args.distributed_timeout_s)
+        try:
+            dist.init_process_group("cpu:gloo,cuda:nccl" if on_cuda else "gloo", init_method=spec.init_method,
+                                    rank=spec.rank, world_size=spec.world_size, timeout=timeout)
+        except RuntimeError as err:
+            raise RankFailure(f"DP rank {spec.rank}: could not join the group of {spec.world_size}: {err}") from err
+        self.vote_group = GlooStepVoteGroup.new_group(timeout_s=args.distributed_timeout_s)
+        self.engine = LLMEngine(engine_args, vote_group=self.vote_group)
+        self.balancer: LiveBalancer | None = None
+        self.expert_parallel = args.expert_parallel
+        if args.expert_parallel:
+            self._shard_experts(args, on_cuda, timeout)
+
+    def _shard_experts(self, args: EngineArgs, on_cuda: bool, timeout: timedelta) -> None:
+        model = self.engine.model
+        layers = moe_layers(model)
+        ep_size = self.spec.world_size
+        config = eplb_config(args, ep_size) if args.eplb is not None else None
+        slots = initial_slots(len(layers), layers[0].cfg.n_routed_experts, ep_size, config)
+        ep_group = dist.new_group(backend="nccl" if on_cuda else "gloo", timeout=timeout)
+        apply_expert_parallel(model, ep_group, slots)
+        if config is not None:
+            self.balancer = LiveBalancer(model, config, ep_size, self.vote_group.process_group)
+
+    @property
+    def rebalances(self) -> tuple[RebalanceStats, ...]:
+        """The re-placements adopted so far (empty without EPLB)."""
+        return () if self.balancer is None else self.balancer.rebalances
+
+    def generate(self, prompts: Sequence[PromptInput], params: Sequence[SamplingParams]) -> list[RequestOutput]:
+        """Run this rank's share of `prompts` in lockstep with its peers; every rank calls it with the
+        same arguments and gets every output, in prompt order.
+
+        Raises:
+            ValueError: a bad prompt or request (checked on every rank before anything runs).
+            RankFailure: a peer died or stopped answering.
+        """
+        engine = self.engine
+        prepared = [engine.prepare_request(None, prompt, p, output_kind=OutputKind.FINAL_ONLY)
+                    for prompt, p in zip(prompts, params)]     # every rank checks every prompt: all or none run
+        costs = [len(req.prompt_token_ids) + (p.max_tokens or engine.max_model_len) for req, p in zip(prepared, params)]
+        owners = assign_least_loaded(costs, self.spec.world_size)
+        index_of = {req.request_id: index for index, (req, owner) in enumerate(zip(prepared, owners))
+                    if owner == self.spec.rank}
+        for req, owner in zip(prepared, owners):
+            if owner == self.spec.rank:
+                engine.enqueue(req)
+        finished: dict[int, RequestOutput] = {}
+        gathered: list[dict[int, RequestOutput] | None] = [None] * self.spec.world_size
+        try:
+            while self.vote_group.any_true(engine.has_unfinished_requests()):
+                for out in self.step():
+                    if out.finished and out.request_id in index_of:
+                        finished[index_of[out.request_id]] = out
+            dist.all_gather_object(gathered, finished, group=self.vote_group.process_group)
+        except RuntimeError as err:
+            raise RankFailure(f"DP rank {self.spec.rank}: a peer rank died or did not answer within "
+                              f"{self._timeout_s} s: {err}") from err
+        merged = {index: out for part in gathered for index, out in (part or {}).items()}
+        return [merged[index] for index in range(len(prepared))]
+
+    def step(self) -> list[RequestOutput]:
+        """One engine step on this rank (every rank calls it as often): a dummy forward when the vote
+        left this rank without work, then the step's expert counts to the balancer."""
+        outputs = self.engine.step()
+        kind = self.engine.last_step_kind
+        if self.expert_parallel and kind in _EMPTY_STEPS:
+            run_ep_dummy_forward(self.engine.model, self.engine.runner.ops)
+        if self.balancer is not None and kind is not None and kind is not StepKind.IDLE:
+            self.balancer.after_forward()
+        return outputs
+
+    def close(self) -> None:
+        """Leave the process group."""
+        if dist.is_initialized():
+            dist.destroy_process_group()
