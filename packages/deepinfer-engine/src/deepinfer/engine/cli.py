@@ -173,6 +173,12 @@ def _serve_flags(parser: argparse.ArgumentParser) -> None:
                        help="requests waiting to run before new ones get 503 [default: 1024]")
     group.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug"),
                        help="server log level [default: info]")
+    group.add_argument("--tool-call-parser", default=None, metavar="NAME",
+                       help="deepseek_v4 or hermes: finds tool calls in tool_choice=auto output [default: none]")
+    group.add_argument("--enable-auto-tool-choice", action="store_true",
+                       help="accept tool_choice=auto (needs --tool-call-parser)")
+    group.add_argument("--reasoning-parser", default=None, metavar="NAME",
+                       help="deepseek_v4: the thinking goes to reasoning_content [default: none]")
 
 
 # ---------------------------------------------------------------------------------------- generate
@@ -296,7 +302,9 @@ def _serve(ns: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     try:
         options = ServeOptions(host=ns.host, port=ns.port, served_model_name=name, api_key=ns.api_key,
                                chat_template=ns.chat_template, max_num_waiting=ns.max_num_waiting,
-                               log_level=ns.log_level)
+                               log_level=ns.log_level, tool_call_parser=ns.tool_call_parser,
+                               enable_auto_tool_choice=ns.enable_auto_tool_choice,
+                               reasoning_parser=ns.reasoning_parser)
     except ValueError as error:
         parser.error(str(error))
     from .llm_engine import LLMEngine
