@@ -73,3 +73,11 @@ def test_every_field_has_allowed_values() -> None:
     assert allowed_values("engine_type") == "NORMAL, PROMPT, COMPLETION"
     with pytest.raises(KeyError):
         allowed_values("no_such_field")
+
+
+def test_llm_engine_refuses_more_than_one_rank():
+    """An LLMEngine is one rank: data_parallel_size > 1 goes through LLM(...), never silently one rank."""
+    from deepinfer.engine import LLMEngine
+
+    with pytest.raises(InvalidEngineArgs, match="data_parallel_size"):
+        LLMEngine(EngineArgs(model=None, device="cpu", data_parallel_size=2, expert_parallel=True))

@@ -147,6 +147,9 @@ class LLMEngine(RequestIntake):
     def __init__(self, args: EngineArgs, *, env: EngineEnv | None = None,
                  vote_group: StepVoteGroup | None = None) -> None:
         self.args = args = args.resolved()       # "auto" device / dtype, cache budget, HF repo id
+        if args.data_parallel_size > 1:
+            raise InvalidEngineArgs("LLMEngine runs one rank; data_parallel_size > 1 runs through LLM(...) "
+                                    "(deepinfer.engine.parallel)", "data_parallel_size")
         self.env = env or read_env()
         self.model_dir = resolve_model_dir(args.model)
         cfg = DeepseekV4Config.from_model_dir(self.model_dir)
