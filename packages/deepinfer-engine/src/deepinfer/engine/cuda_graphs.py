@@ -13,6 +13,8 @@ from torch import Tensor
 from deepinfer.kernels import KernelSet
 from deepinfer.model import DeepseekV4ForCausalLM, ForwardBatch, ModelCache
 
+STAGED_ROWS = 4     # rows of `DecodeGraphs.inputs`: token ids, positions, state slots, scheduler rows
+
 
 def graph_sizes(max_size: int, interval: int = 8) -> tuple[int, ...]:
     """1, 2, 4, … < interval, then interval, 2·interval, … up to max_size (max_size itself included)."""
@@ -50,10 +52,12 @@ class DecodeGraphs:
         self.model, self.cache, self.ops = model, cache, ops
         self.sizes = graph_sizes(max_seqs, interval)
         self.max_context_len = max_context_len
-        self.token_ids = torch.zeros(max_seqs, dtype=torch.int64, device=device)
-        self.positions = torch.zeros(max_seqs, dtype=torch.int64, device=device)
+        # The static inputs: one int64 [STAGED_ROWS, max_seqs] tensor (token ids, positions, state
+        # slots, and the scheduler rows the engine keys per-row state by, which the graphs do not
+        # read), so a step's host inputs reach it in one copy (`stage`), plus the block tables.
+        self.inputs = torch.zeros(STAGED_ROWS, max_seqs, dtype=torch.int64, device=device)
+        self.token_ids, self.positions, self.state_slots, self.seq_rows = self.inputs
         self.block_tables = torch.zeros(max_seqs, max_blocks, dtype=torch.int32, device=device)
-        self.state_slots = torch.zeros(max_seqs, dtype=torch.int64, device=device)
         self.rows = torch.arange(max_seqs, dtype=torch.int64, device=device)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, Tensor] = {}
@@ -101,12 +105,45 @@ class DecodeGraphs:
         self.token_ids[:n].copy_(batch.token_ids, non_blocking=True)
         self.positions[:n].copy_(batch.positions, non_blocking=True)
         self.state_slots[:n].copy_(batch.state_slots, non_blocking=True)
-        self.block_tables[:n].zero_()
-        self.block_tables[:n, :width].copy_(batch.block_tables, non_blocking=True)
-        if size > n:                                # padding rows → dummy block 0 / slot 0
-            self.token_ids[n:size].zero_()
-            self.positions[n:size].zero_()
-            self.state_slots[n:size].zero_()
-            self.block_tables[n:size].zero_()
+        self._pad_and_copy_tables(n, size, batch.block_tables)
         self.graphs[size].replay()
         return self.outputs[size][:n].clone()
+
+    def stage(self, inputs: Tensor, block_tables: Tensor) -> int:
+        """Copy one step's inputs into the static buffers (asynchronously, from pinned host memory)
+        for `replay`; returns the graph size the step replays.
+
+        Args:
+            inputs: [STAGED_ROWS, n] int64 on the host (pinned): token ids (-1 where the caller fills
+                the token on the device afterwards), positions, state slots, scheduler rows.
+            block_tables: [n, width] int32 on the host (pinned), width <= the captured width.
+        Raises:
+            ValueError: no graph holds n sequences, or the block tables are too wide.
+        """
+        n = inputs.shape[1]
+        size = self.bucket(n)
+        if size is None or inputs.shape[0] != STAGED_ROWS:
+            raise ValueError(f"no graph for a batch of {n} sequences (inputs {list(inputs.shape)})")
+        if block_tables.shape[1] > self.block_tables.shape[1]:
+            raise ValueError(f"block tables of width {block_tables.shape[1]} exceed the captured "
+                             f"{self.block_tables.shape[1]}")
+        self.inputs[:, :n].copy_(inputs, non_blocking=True)
+        self._pad_and_copy_tables(n, size, block_tables)
+        return size
+
+    def replay(self, n: int) -> Tensor:
+        """Replay the graph of `stage`'s step of n sequences; returns its logits [n, vocab], a view of
+        the graph's output, valid until the next replay (work queued after it on the stream, such
+        as sampling, reads it in time)."""
+        size = self.bucket(n)
+        self.graphs[size].replay()
+        return self.outputs[size][:n]
+
+    def _pad_and_copy_tables(self, n: int, size: int, block_tables: Tensor) -> None:
+        """The block tables of n rows (zero past their width), and padding rows n..size pointed at
+        the dummy block 0 / slot 0 with token 0 at position 0."""
+        width = block_tables.shape[1]
+        self.block_tables[:size].zero_()
+        self.block_tables[:n, :width].copy_(block_tables, non_blocking=True)
+        if size > n:
+            self.inputs[:, n:size].zero_()

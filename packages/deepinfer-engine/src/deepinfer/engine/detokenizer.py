@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from .tokenizer import Tokenizer
 
 REPLACEMENT_CHAR = "\ufffd"   # what lossy UTF-8 decoding gives for bytes that are not (yet) a char
+REANCHOR_TOKENS = 8           # a detokenizer window this long moves up to its latest clean chunk
 
 
 class IncrementalDetokenizer:
@@ -24,7 +25,9 @@ class IncrementalDetokenizer:
     `tokenizer.decode(all_ids)`. Trailing U+FFFD characters (bytes of a character whose remaining
     bytes may come with the next token) are held back until the character completes, a real
     character follows, or `finish` is called, so no U+FFFD is ever emitted for a character that
-    later completes. Each call decodes only the tokens since the previous clean character boundary.
+    later completes. Each call decodes a window of the last few tokens (fewer than
+    REANCHOR_TOKENS since a clean character boundary, plus the chunk being added): one decode per
+    call, and a second one each time the window moves up.
     """
 
     def __init__(self, tokenizer: Tokenizer, *, skip_special_tokens: bool = True) -> None:
@@ -54,12 +57,13 @@ class IncrementalDetokenizer:
         if len(stable) < len(new):
             self._num_emitted_new = max(self._num_emitted_new, len(stable))
             return delta
-        # No incomplete character at the end: the window's end is a clean boundary. The next window
-        # starts at this chunk, unless the chunk alone decodes to nothing (skipped special tokens):
-        # a window must open with visible text, as decoders such as Metaspace strip the leading
-        # space of the first token they see.
+        # No incomplete character at the end: the window's end is a clean boundary. Once the window
+        # holds REANCHOR_TOKENS tokens, the next one starts at this chunk (one more decode, of the
+        # chunk alone), unless the chunk decodes to nothing (skipped special tokens): a window must
+        # open with visible text, as decoders such as Metaspace strip the leading space of the first
+        # token they see. Until then the window grows, and each add costs one decode.
         self._num_committed_chars += len(new)
-        chunk_text = self._decode(self._ids[self._read:])
+        chunk_text = self._decode(self._ids[self._read:]) if len(self._ids) - self._prefix >= REANCHOR_TOKENS else ""
         if chunk_text:
             self._prefix, self._base = self._read, chunk_text
         else:

@@ -208,6 +208,8 @@ class LLMEngine(RequestIntake):
         self.grammars: GrammarCompilePool | None = None     # made at the first constrained request
         self._awaiting_grammar: dict[str, Request | ParallelRequest] = {}
         self._finished_between_steps: list[Request] = []   # reported by the next step()
+        # The previous step's requests and their StepRows, reused while the rows stay the same
+        self._last_rows: tuple[list[Request], StepRows] | None = None
         self.init_pd_split()
 
     def _new_scheduler(self) -> Scheduler:
@@ -392,6 +394,7 @@ class LLMEngine(RequestIntake):
         for req in step.reqs:
             if req.unforked and not req.finished:
                 self._fork(req)
+        ranks = sampled.ranks
         for row, (req, token_id, logprobs) in enumerate(zip(step.reqs, sampled.token_ids, sampled.logprobs)):
             seq_id = req.seq_id
             if req.finish_reason is not None or (preempted and seq_id in step.recomputed):
@@ -402,17 +405,21 @@ class LLMEngine(RequestIntake):
             if error is not None:
                 req.fail(error)
             else:
-                req.add_token(token_id, logprobs, None if sampled.ranks is None else sampled.ranks[row])
+                req.add_token(token_id, logprobs, None if ranks is None else ranks[row])
             if prompt_engine and req.finish_reason is None:
                 req.hand_over()
-            changed[req.request_id] = req.owner
             if preempted and seq_id in step.preempted:
                 req.preempt()       # the scheduler has already freed it
-            elif req.finish_reason is not None:
+                changed[req.request_id] = req.owner
+                continue
+            if req.finish_reason is not None:
+                changed[req.request_id] = req.owner
                 self.scheduler.finish_seq(seq_id, _SCHED_REASON.get(req.finish_reason, FinishReason.STOP))
-            else:
-                continuing_ids.append(seq_id)
-                continuing_tokens.append(token_id)
+                continue
+            if req.reports_each_step:     # a FINAL_ONLY request that goes on reports nothing
+                changed[req.request_id] = req.owner
+            continuing_ids.append(seq_id)
+            continuing_tokens.append(token_id)
         self._record_tokens(step.out.kind, continuing_ids, continuing_tokens)
         handed = [r.request_id for r in changed.values() if isinstance(r, Request) and
                   r.finish_reason == FINISH_PREFILLED] if prompt_engine else None  # only a PROMPT engine hands over
@@ -455,7 +462,14 @@ class LLMEngine(RequestIntake):
         """The sampling parameters of a step's rows, a few passes over its requests (no object per row).
         A request that ended since the step was scheduled samples unconstrained (its token is dropped).
         A row that needs a TokenHistory row gets one at its request's first sampled row, from the host's
-        tokens (then complete: it is a prefill row, never one launched before the previous step is read)."""
+        tokens (then complete: it is a prefill row, never one launched before the previous step is read).
+        A step of the same requests as the previous one, none constrained or controlled, reuses its
+        parameter lists (and so `SamplingStage` its `SamplingBatch`)."""
+        last = self._last_rows
+        if last is not None and last[0] == reqs:   # the steady decode step: the same requests, in order
+            rows = last[1]
+            return StepRows(rows.params, rows.rngs, [len(r.output_token_ids) for r in reqs])
+        self._last_rows = None
         grammars = None if self.grammars is None else [None if r.finished else r.grammar for r in reqs]
         controlled = any(r.controlled for r in reqs)
         if controlled:
@@ -463,10 +477,13 @@ class LLMEngine(RequestIntake):
             for r in reqs:
                 if r.needs_history and r.history_slot is None and not r.finished:
                     r.history_slot = history.acquire(r.prompt_token_ids, r.output_token_ids)
-        return StepRows([r.params for r in reqs], [r.rng for r in reqs], [len(r.output_token_ids) for r in reqs],
+        rows = StepRows([r.params for r in reqs], [r.rng for r in reqs], [len(r.output_token_ids) for r in reqs],
                         grammars if grammars is not None and any(g is not None for g in grammars) else None,
                         history_slots=[r.history_slot for r in reqs] if controlled else None,
                         bad_word_ids=[r.bad_word_ids for r in reqs] if controlled else None, controlled=controlled)
+        if rows.grammars is None and not controlled:    # nothing per row that changes while a request runs
+            self._last_rows = (reqs, rows)
+        return rows
 
     # ------------------------------------------------------------------ disaggregation hooks
     # No-ops in NORMAL engines. A prefill/decode-disaggregated deployment overrides them

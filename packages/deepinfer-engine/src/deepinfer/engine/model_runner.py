@@ -22,7 +22,7 @@ from deepinfer.kernels import kernels_for
 from deepinfer.model import DeepseekV4ForCausalLM, ForwardBatch, ModelCache
 from deepinfer.sched import DecodeBatch, SchedulerOutput, StepKind
 
-from .cuda_graphs import DecodeGraphs
+from .cuda_graphs import STAGED_ROWS, DecodeGraphs
 from .staging import to_device
 
 
@@ -42,13 +42,15 @@ class CachePlan:
 class StepBatch:
     """A scheduler step turned into model input, plus which sequence each logits row belongs to."""
 
-    batch: ForwardBatch
+    batch: ForwardBatch | None          # None: a decode step staged into the CUDA graphs (graph_seqs)
     sample_seq_ids: tuple[str, ...]     # sequences to sample, in logits-row order
     logits_rows: Tensor | None          # [len(sample_seq_ids)] rows of the forward's logits; None = all, in order
     rows: Tensor | None = None          # decode steps: [num_seqs] int64 scheduler row of each sequence (device)
     # prefill steps built with every row's logits (`prepare(..., all_logits_for=...)`): per such chunk
     # (seq_id, first logits row, number of rows, position of its first token); else empty
     prompt_spans: tuple[tuple[str, int, int, int], ...] = ()
+    graph_seqs: int = 0                 # > 0: a decode step of this many sequences already in the graphs'
+                                        # static inputs (`DecodeGraphs.stage`); `batch` is None
 
 
 def default_block_size(model: DeepseekV4ForCausalLM) -> int:
@@ -167,18 +169,42 @@ class ModelRunner:
         if (d.query_lens != 1).any():   # nextn = 0 until speculative decoding lands
             raise ValueError(f"decode query lengths {d.query_lens.tolist()} must all be 1 (nextn=0)")
         n = d.num_seqs
-        move = self._to_device
+        self._ensure_rows(int(d.rows.max()) + 1)
+        in_flight = d.last_token_ids.min() < 0          # ZOS: some rows' tokens are still on the device
+        if self.graphs is not None and self.graphs.bucket(n) is not None:
+            return self._staged_decode_step(d, in_flight)
         host_tokens_and_rows = np.empty((2, n), dtype=np.int64)
         host_tokens_and_rows[0] = d.last_token_ids
         host_tokens_and_rows[1] = d.rows
-        staged = move(host_tokens_and_rows)
+        staged = self._to_device(host_tokens_and_rows)
         tokens, rows = staged[0], staged[1]
-        self._ensure_rows(int(d.rows.max()) + 1)
-        if d.last_token_ids.min() < 0:          # ZOS: these rows' tokens are still on the device
+        if in_flight:
             tokens = torch.where(tokens >= 0, tokens, self.row_tokens.index_select(0, rows))
         batch = ForwardBatch.decode(tokens, d.seq_lens, d.block_tables, d.state_slots, device=self.device,
-                                    to_device=move)
+                                    to_device=self._to_device)
         return StepBatch(batch, tuple(d.seq_ids), None, rows)
+
+    def _staged_decode_step(self, d: DecodeBatch, in_flight: bool) -> StepBatch:
+        """A decode step that replays a CUDA graph: its inputs go straight into the graph's static
+        buffers, in two host-to-device copies from pinned memory (no `ForwardBatch`)."""
+        n = d.num_seqs
+        if d.seq_lens.min() < 1:
+            raise ValueError(f"seq_lens must be >= 1, got {int(d.seq_lens.min())}")
+        inputs = torch.empty((STAGED_ROWS, n), dtype=torch.int64, pin_memory=True)
+        host = inputs.numpy()
+        host[0] = d.last_token_ids
+        np.subtract(d.seq_lens, 1, out=host[1])
+        host[2] = d.state_slots
+        host[3] = d.rows
+        tables = torch.empty(d.block_tables.shape, dtype=torch.int32, pin_memory=True)
+        tables.numpy()[...] = d.block_tables
+        graphs = self.graphs
+        graphs.stage(inputs, tables)
+        rows = graphs.seq_rows[:n]
+        if in_flight:
+            tokens = graphs.token_ids[:n]
+            tokens.copy_(torch.where(tokens >= 0, tokens, self.row_tokens.index_select(0, rows)))
+        return StepBatch(None, tuple(d.seq_ids), None, rows, graph_seqs=n)
 
     def record_sampled(self, step: StepBatch, token_ids: Tensor) -> None:
         """Keep a decode step's sampled tokens ([num_seqs] int64, on the device) by row, for the next
@@ -200,7 +226,8 @@ class ModelRunner:
     def replays_graph(self, step: StepBatch) -> bool:
         """Whether `forward(step)` replays a CUDA graph (rather than running the model eagerly)."""
         batch = step.batch
-        return self.graphs is not None and batch.uniform_decode and self.graphs.bucket(batch.num_seqs) is not None
+        return step.graph_seqs > 0 or (self.graphs is not None and batch.uniform_decode
+                                       and self.graphs.bucket(batch.num_seqs) is not None)
 
     @torch.no_grad()
     def forward(self, step: StepBatch) -> Tensor:
@@ -212,7 +239,9 @@ class ModelRunner:
     def forward_all(self, step: StepBatch) -> tuple[Tensor, Tensor | None]:
         """`forward`, plus the logits of every row when the step has `prompt_spans` (else None)."""
         batch = step.batch
-        if self.replays_graph(step):
+        if step.graph_seqs:
+            logits = self.graphs.replay(step.graph_seqs)
+        elif self.replays_graph(step):
             logits = self.graphs.run(batch)
         else:
             logits = self.model(batch, self.cache, self.ops)

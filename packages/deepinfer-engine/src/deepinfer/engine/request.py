@@ -75,14 +75,18 @@ class Request:
             if tokenizer is not None else None
         self.stops = StopStringChecker(params.stop, include_stop_str_in_output=params.include_stop_str_in_output)
         self.eos_token_ids = () if params.ignore_eos else eos_token_ids
+        # The ids that end the request once min_tokens outputs exist: EOS first (its stop_reason is None)
+        self._stop_token_ids = frozenset(self.eos_token_ids) | frozenset(params.stop_token_ids)
         self.max_model_len = max_model_len
         room = max(1, max_model_len - len(prompt_token_ids))
         self._max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
         self.output_kind = output_kind
+        self.reports_each_step = output_kind is not OutputKind.FINAL_ONLY   # an output at every new token
         # Text is needed every step for stop strings and for per-step outputs; otherwise the tokens
         # are detokenized in one call when the request finishes.
         self._text_each_step = bool(params.stop) or output_kind is not OutputKind.FINAL_ONLY
-        self._num_undecoded = 0          # output tokens not yet given to the detokenizer
+        self._num_decoded = 0            # output tokens given to the detokenizer (FINAL_ONLY, no stop strings)
+        self._min_tokens = params.min_tokens
         self._num_reported = (0, 0)      # (tokens, characters) already in DELTA outputs
         self.output_token_ids: list[int] = []
         # The released text, = self.stops.text, kept from the deltas (no join per step); without stop
@@ -135,10 +139,8 @@ class Request:
             if self.logprob_entries is not None:
                 self.logprob_entries.append(logprob_entries(logprobs, token_id, rank, self._decode_token))
         num_out = len(self.output_token_ids)
-        may_stop = num_out >= self.params.min_tokens
-        if self.detok is not None and not self._text_each_step:
-            self._num_undecoded += 1
-        elif self.detok is not None:
+        may_stop = num_out >= self._min_tokens
+        if self._text_each_step and self.detok is not None:
             delta = self.detok.add([token_id])
             if not self.params.stop:
                 self._text += delta
@@ -148,10 +150,8 @@ class Request:
                 if update.stopped:
                     self._finish(FINISH_STOP, update.stop_str)
                     return
-        if may_stop and token_id in self.eos_token_ids:
-            self._finish(FINISH_STOP, None)
-        elif may_stop and token_id in self.params.stop_token_ids:
-            self._finish(FINISH_STOP, token_id)
+        if may_stop and token_id in self._stop_token_ids:
+            self._finish(FINISH_STOP, None if token_id in self.eos_token_ids else token_id)
         elif num_out >= self._max_tokens:
             self._finish(FINISH_LENGTH, None)
 
@@ -183,9 +183,9 @@ class Request:
         for sample in unforked:          # never started: they end as sample 0 did
             sample.ignored_reason, sample.error_reason = self.ignored_reason, self.error_reason
             sample._finish(reason, None)
-        if self.detok is not None and self._num_undecoded:     # no stop strings on this path
-            self._text += self.detok.add(self.output_token_ids[-self._num_undecoded:])
-            self._num_undecoded = 0
+        if self.detok is not None and not self._text_each_step:   # decoded once, now (no stop strings)
+            self._text += self.detok.add(self.output_token_ids[self._num_decoded:])
+            self._num_decoded = len(self.output_token_ids)
         if self.detok is not None and self.stops.stop_str is None:
             tail = self.detok.finish()
             if not self.params.stop:

@@ -19,6 +19,7 @@ its request. The flag travels to the host in the same copy as the sampled token 
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -32,7 +33,7 @@ from .sampling_batch import RequestRng, SamplingBatch, banned_token_ids, build_s
 from .sampling_params import SamplingParams
 from .staging import to_host
 from .sync_guard import forbid_cuda_sync
-from .token_bitmask import fill_token_bitmask
+from .token_bitmask import StepBitmask, fill_token_bitmask
 
 NON_FINITE_LOGITS = "non-finite logits"     # SampledToken.error of a row whose logits are unusable
 
@@ -140,6 +141,36 @@ class SamplingStage:
         self.eos_token_ids = tuple(eos_token_ids)
         self.vocab_size = vocab_size
         self.sync_guard = sync_guard
+        self._reusable: _ReusableBatch | None = None
+
+    def _batch(self, rows: StepRows, device: torch.device, masks: StepBitmask | None) -> SamplingBatch:
+        """The step's `SamplingBatch`: the previous step's again when its rows have the same parameters,
+        generators and device, and none of them is constrained or banned (the steady decode step: no
+        host work per row beyond two list comparisons, no host-to-device copy), else a new one."""
+        params, rngs, num_out = rows.params, rows.rngs, rows.num_output_tokens
+        reusable = self._reusable
+        if masks is not None or rows.controlled:
+            self._reusable = None
+        elif (reusable is not None and reusable.device == device and reusable.params == params
+                and reusable.rngs == rngs and min(num_out, default=0) >= reusable.max_min_tokens):
+            batch = reusable.batch
+            if not batch.rngs:
+                return batch
+            return dataclasses.replace(batch, draw_positions=tuple(num_out[row] for row in reusable.random_rows))
+        batch = build_sampling_batch(
+            params, rngs=rngs, num_output_tokens=num_out,
+            eos_token_ids=self.eos_token_ids, vocab_size=self.vocab_size, device=device,
+            token_bitmask=None if masks is None else masks.bitmask,
+            bitmask_rows=() if masks is None else masks.rows,
+            controls=build_logit_controls(
+                params, rows.history_slots or [None] * len(params), rows.bad_word_ids or [()] * len(params),
+                self.history, self.vocab_size, device) if rows.controlled else None,
+        )
+        if masks is None and not rows.controlled and not batch.banned_rows.shape[0]:
+            random_rows = [row for row, p in enumerate(params) if not p.is_greedy] if batch.rngs else []
+            self._reusable = _ReusableBatch(batch, device, list(params), list(rngs), random_rows,
+                                            max((p.min_tokens for p in params), default=0))
+        return batch
 
     def launch(self, seq_ids: tuple[str, ...], logits: Tensor, rows: StepRows, *,
                guarded: bool = False) -> InFlightSampling:
@@ -156,16 +187,7 @@ class SamplingStage:
                       for p, num_out, g in zip(rows.params, num_output_tokens, rows.grammars)]
             masks = fill_token_bitmask(list(rows.grammars), list(num_output_tokens), banned, self.vocab_size)
         with forbid_cuda_sync(logits.device, enabled=guarded and self.sync_guard):
-            num_rows = len(rows.params)
-            controls = build_logit_controls(
-                rows.params, rows.history_slots or [None] * num_rows, rows.bad_word_ids or [()] * num_rows,
-                self.history, self.vocab_size, logits.device) if rows.controlled else None
-            batch = build_sampling_batch(
-                rows.params, rngs=rows.rngs, num_output_tokens=num_output_tokens,
-                eos_token_ids=self.eos_token_ids, vocab_size=self.vocab_size, device=logits.device,
-                token_bitmask=None if masks is None else masks.bitmask,
-                bitmask_rows=() if masks is None else masks.rows, controls=controls,
-            )
+            batch = self._batch(rows, logits.device, masks)
             sampled = self.sampler(logits.float(), batch)
             readback, done = to_host(_readback_tensors(sampled, batch))
         dead_rows = {} if masks is None else dict(zip(masks.dead_rows, masks.dead_reasons))
@@ -189,6 +211,18 @@ class SamplingStage:
         for row in errors:
             logprobs[row] = None
         return SampledStep(flight.seq_ids, token_ids, logprobs, errors, rank_rows[0] if rank_rows else None)
+
+
+@dataclass(frozen=True, slots=True)
+class _ReusableBatch:
+    """A `SamplingBatch` with what decides whether the next step may use it again."""
+
+    batch: SamplingBatch
+    device: torch.device
+    params: list[SamplingParams]           # the rows' parameters, compared by identity first
+    rngs: list[RequestRng | None]          # the rows' generators (the same requests when seeded)
+    random_rows: list[int]                 # rows that draw noise (their draw positions move each step)
+    max_min_tokens: int                    # no row is banned once every row has this many outputs
 
 
 def _readback_tensors(sampled: SamplerOutput, batch: SamplingBatch) -> tuple[Tensor, ...]:

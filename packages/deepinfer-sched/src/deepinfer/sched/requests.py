@@ -202,35 +202,32 @@ def append_decode_tokens(
     if int(tokens.min()) < 0 or int(tokens.max()) >= _TOKEN_LIMIT:
         raise ValueError(f"token_ids holds ids outside [0, {_TOKEN_LIMIT})")
     table = st.table
-    seqs = st.seqs
-    kept: list[int] = []
-    targets: list[Sequence] = []
     running = SeqStatus.RUNNING
-    for index, seq_id in enumerate(seq_ids):
-        seq = seqs.get(seq_id)
-        if seq is None or seq.status is not running:   # finished or preempted since: dropped
-            continue
-        if seq.awaiting_first_token or table.pending_steps[seq.row] == 0:
-            raise ValueError(f"seq_id={seq_id!r} has no decode step in flight")
-        kept.append(index)
-        targets.append(seq)
+    targets = list(map(st.seqs.get, seq_ids))
+    if None in targets or any(seq.status is not running for seq in targets):   # finished or preempted since
+        kept = [i for i, seq in enumerate(targets) if seq is not None and seq.status is running]
+        targets = [targets[i] for i in kept]
+        tokens, accepted = tokens[kept], accepted[kept]
     rows = [seq.row for seq in targets]
+    row_array = np.array(rows, dtype=np.int32)
+    stale = [seq.seq_id for seq in targets if seq.awaiting_first_token] or \
+        [targets[i].seq_id for i in np.flatnonzero(table.pending_steps[row_array] == 0).tolist()]
+    if stale:
+        raise ValueError(f"seq_id={stale[0]!r} has no decode step in flight")
     if len(set(rows)) != len(rows):
         raise ValueError("seq_ids lists a sequence twice")
     if tokens.shape[1] == 1:   # one token each (nextn = 0): no per-sequence lists to build
-        for seq, token in zip(targets, tokens[kept, 0].tolist()):
+        for seq, token in zip(targets, tokens[:, 0].tolist()):
             seq.token_ids.append(token)
     else:
-        token_lists = tokens[kept].tolist()
-        for seq, row_tokens, count in zip(targets, token_lists, accepted[kept].tolist()):
+        for seq, row_tokens, count in zip(targets, tokens.tolist(), accepted.tolist()):
             seq.token_ids.extend(row_tokens[:count])
-    row_array = np.array(rows, dtype=np.int32)
-    kept_counts = accepted[kept].astype(np.int32)
+    kept_counts = accepted.astype(np.int32)
     table.pending_steps[row_array] -= 1
     table.num_inflight[row_array] -= query_len
     table.seq_len[row_array] -= query_len - kept_counts
     table.num_output[row_array] += kept_counts
-    table.last_token[row_array] = tokens[kept, kept_counts - 1]
+    table.last_token[row_array] = tokens[np.arange(len(rows)), kept_counts - 1]
     for row in row_array[kept_counts < query_len].tolist():
         _trim_blocks(st, row)
     return len(rows)
