@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+
 import torch
 from v41_configs import tiny_text
 
@@ -52,3 +55,47 @@ def run_chunks(model: DeepseekV41ForCausalLM, seqs: list[list[int]], cuts: list[
             out[i].append(logits[batch.cu_seqlens[k]:batch.cu_seqlens[k + 1]])
             starts[i] += cuts[i][step]
     return [torch.cat(o) for o in out]
+
+
+def place_like_the_loader(model: DeepseekV41ForCausalLM, dtype: torch.dtype) -> DeepseekV41ForCausalLM:
+    """The model in `dtype` the way `build_model_v41` places a loaded one: the tensors of
+    `keeps_fp32_v41` (mHC, sinks, router biases) and the RoPE frequencies stay float32."""
+    from deepinfer.model.model_v41 import keeps_fp32_v41
+
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.is_floating_point() and not keeps_fp32_v41(name):
+                p.data = p.data.to(dtype)
+    return model
+
+
+@contextlib.contextmanager
+def bf16_dots_under_the_interpreter() -> Iterator[None]:
+    """Let `tl.dot` take bfloat16 operands under Triton's CPU interpreter.
+
+    The interpreter keeps bfloat16 values as their uint16 bit patterns and its `create_dot` hands
+    those to numpy as integers (Triton 3.6), so a bfloat16 product there is meaningless; inside this
+    context the operands are widened to float32 first (exact: a bf16 × bf16 product fits float32, as
+    on the GPU's tensor cores, which accumulate in float32). Everything else the kernels do in
+    bfloat16 (loads, stores, casts) the interpreter already handles."""
+    import numpy as np
+    import triton.language as tl
+    from triton.runtime import interpreter
+
+    builder = interpreter.InterpreterBuilder
+    plain_dot = builder.create_dot
+
+    def widen(handle):
+        if handle.dtype.scalar != tl.bfloat16:
+            return handle
+        values = interpreter._convert_float(handle.data, tl.bfloat16, tl.float32, None).view(np.float32)
+        return interpreter.TensorHandle(values, tl.float32)
+
+    def create_dot(self, a, b, d, *args):
+        return plain_dot(self, widen(a), widen(b), d, *args)
+
+    builder.create_dot = create_dot
+    try:
+        yield
+    finally:
+        builder.create_dot = plain_dot
