@@ -1,7 +1,10 @@
 from __future__ import annotations
 
+import json
+
 import pytest
 
+from deepinfer.cache import BlockManager
 from deepinfer.engine.outputs import (
     FINISH_IGNORED,
     FINISH_REASONS,
@@ -10,10 +13,36 @@ from deepinfer.engine.outputs import (
     InvalidOutput,
     RequestOutput,
 )
+from deepinfer.sched import FinishReason, Scheduler, SchedulerConfig
 
 
 def test_finish_reason_vocabulary() -> None:
     assert FINISH_REASONS == {"stop", "length", "abort", "preempted", "ignored", "error", "prefilled"}
+
+
+def test_finish_reasons_are_the_schedulers_type_and_read_as_strings() -> None:
+    """One finish-reason type for sched and engine: the engine's constants are `FinishReason` members,
+    which compare, hash, print and serialise as their plain values."""
+    assert all(isinstance(reason, FinishReason) for reason in FINISH_REASONS)
+    assert FINISH_STOP is FinishReason.STOP and FINISH_STOP == "stop" and "stop" in FINISH_REASONS
+    assert str(FINISH_IGNORED) == f"{FINISH_IGNORED}" == "ignored"
+    assert json.dumps({"finish_reason": FINISH_STOP}) == '{"finish_reason": "stop"}'
+    assert CompletionOutput(0, "", [1], finish_reason="length").finish_reason == FinishReason.LENGTH
+
+
+def test_the_scheduler_takes_the_engines_reasons_and_keeps_its_own() -> None:
+    """finish_seq takes every reason the engine decides and refuses PREEMPTED / IGNORED (the scheduler's)."""
+    for reason in FinishReason:
+        sched = Scheduler(SchedulerConfig(max_num_seqs=2, block_size=16, max_model_len=64,
+                                          max_num_batched_tokens=64), BlockManager(8),
+                          BlockManager.for_state_slots(2, 1))
+        sched.add_seq("a", [1, 2, 3], max_tokens=4)
+        if reason in (FinishReason.PREEMPTED, FinishReason.IGNORED):
+            with pytest.raises(ValueError, match="reason must be one of"):
+                sched.finish_seq("a", reason)
+        else:
+            sched.finish_seq("a", reason)
+            assert not sched.has_unfinished()
 
 
 def test_running_and_finished_outputs() -> None:

@@ -41,7 +41,6 @@ from deepinfer.cache import BlockManager
 from deepinfer.model import ConfigError, DeepseekV4Config, DeepseekV41Config, WeightError, load_model
 from deepinfer.sched import (
     EngineType,
-    FinishReason,
     Scheduler,
     SchedulerConfig,
     SchedulerOutput,
@@ -56,10 +55,6 @@ from .intake import RequestIntake
 from .logit_controls import TokenHistory
 from .model_runner import ModelRunner, default_block_size
 from .outputs import (
-    FINISH_ABORT,
-    FINISH_ERROR,
-    FINISH_LENGTH,
-    FINISH_PREEMPTED,
     FINISH_PREFILLED,
     OutputKind,
     RequestOutput,
@@ -72,9 +67,6 @@ from .sync_guard import forbid_cuda_sync
 from .tokenizer import Tokenizer, load_tokenizer
 
 logger = logging.getLogger(__name__)
-# What the scheduler is told when a request ends (it only frees the sequence's blocks and slot).
-_SCHED_REASON = {FINISH_LENGTH: FinishReason.LENGTH, FINISH_ABORT: FinishReason.ABORT,
-                 FINISH_PREEMPTED: FinishReason.PREEMPTED, FINISH_ERROR: FinishReason.ABORT}
 
 
 # With nothing to run but requests waiting for their grammar, `step()` waits this long for a compile.
@@ -414,7 +406,7 @@ class LLMEngine(RequestIntake):
                 continue
             if req.finish_reason is not None:
                 changed[req.request_id] = req.owner
-                self.scheduler.finish_seq(seq_id, _SCHED_REASON.get(req.finish_reason, FinishReason.STOP))
+                self.scheduler.finish_seq(seq_id, req.finish_reason)
                 continue
             if req.reports_each_step:     # a FINAL_ONLY request that goes on reports nothing
                 changed[req.request_id] = req.owner

@@ -1,6 +1,7 @@
 """What a request gives back: `RequestOutput` holding one `CompletionOutput` per sample.
 
-Finish reasons are plain strings (the OpenAI vocabulary plus five of ours):
+Finish reasons are `deepinfer.sched.FinishReason` members, the one finish-reason type of the scheduler and
+the engine: a str enum, so each equals and prints as its value (the OpenAI vocabulary plus five of ours):
 
 - ``"stop"``: EOS, a stop token id or a stop string ended the output (`stop_reason` says which).
 - ``"length"``: `max_tokens` or the model's max_model_len was reached.
@@ -24,15 +25,18 @@ import enum
 from collections.abc import Callable
 from dataclasses import dataclass
 
-FINISH_STOP = "stop"
-FINISH_LENGTH = "length"
-FINISH_ABORT = "abort"
-FINISH_PREEMPTED = "preempted"
-FINISH_IGNORED = "ignored"
-FINISH_ERROR = "error"
-FINISH_PREFILLED = "prefilled"
-FINISH_REASONS = frozenset({FINISH_STOP, FINISH_LENGTH, FINISH_ABORT, FINISH_PREEMPTED, FINISH_IGNORED, FINISH_ERROR,
-                            FINISH_PREFILLED})
+from deepinfer.sched import FinishReason
+
+# Finish reasons: deepinfer.sched's `FinishReason`, one type shared by the scheduler and the engine (a
+# str enum: each compares equal to, and prints as, its value: "stop", "length", ...).
+FINISH_STOP = FinishReason.STOP
+FINISH_LENGTH = FinishReason.LENGTH
+FINISH_ABORT = FinishReason.ABORT
+FINISH_PREEMPTED = FinishReason.PREEMPTED
+FINISH_IGNORED = FinishReason.IGNORED
+FINISH_ERROR = FinishReason.ERROR
+FINISH_PREFILLED = FinishReason.PREFILLED
+FINISH_REASONS = frozenset(FinishReason)
 
 
 class OutputKind(enum.Enum):
@@ -105,7 +109,7 @@ class CompletionOutput:
     index: int
     text: str
     token_ids: list[int]
-    finish_reason: str | None = None
+    finish_reason: FinishReason | None = None
     logprobs: list[dict[int, float]] | None = None
     stop_reason: str | int | None = None
     ignored_reason: str | None = None

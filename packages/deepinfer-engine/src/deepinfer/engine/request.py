@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from deepinfer.sched import FinishReason
+
 from .detokenizer import IncrementalDetokenizer, StopStringChecker
 from .grammar_backend import GrammarState
 from .outputs import (
@@ -99,7 +101,7 @@ class Request:
         # SamplingParams.prompt_logprobs: filled as the prompt's chunks are prefilled (sample 0 only)
         self.prompt_logprobs: list[dict[int, Logprob] | None] | None = \
             [None] if params.prompt_logprobs is not None and index == 0 else None
-        self.finish_reason: str | None = None
+        self.finish_reason: FinishReason | None = None
         self.stop_reason: str | int | None = None
         self.ignored_reason: str | None = None
         self.error_reason: str | None = None
@@ -175,7 +177,7 @@ class Request:
             self.error_reason = reason
         self._finish(FINISH_ERROR, None)
 
-    def _finish(self, reason: str, stop_reason: str | int | None) -> None:
+    def _finish(self, reason: FinishReason, stop_reason: str | int | None) -> None:
         if self.finished:
             return
         self.finish_reason, self.stop_reason = reason, stop_reason

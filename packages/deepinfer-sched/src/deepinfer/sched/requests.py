@@ -13,7 +13,8 @@ from .sequence import BRANCH_PREFIX, FinishReason, IgnoreReason, SeqStatus, Sequ
 from .state import SchedState
 
 _TOKEN_LIMIT = 2**31
-_ENGINE_REASONS = (FinishReason.STOP, FinishReason.LENGTH, FinishReason.ABORT)
+_ENGINE_REASONS = (FinishReason.STOP, FinishReason.LENGTH, FinishReason.ABORT, FinishReason.ERROR,
+                   FinishReason.PREFILLED)   # the reasons the engine decides (`finish_seq`)
 
 
 def _as_tokens(token_ids: Iterable[int], field: str) -> list[int]:

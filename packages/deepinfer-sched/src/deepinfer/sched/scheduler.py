@@ -139,8 +139,9 @@ class Scheduler:
         requests.abort_seq(self._st, seq_id)
 
     def finish_seq(self, seq_id: str, reason: FinishReason) -> None:
-        """Finishes a sequence (the engine decided: STOP, LENGTH or ABORT) and frees its blocks,
-        state slot and row. Raises KeyError for an unknown id, ValueError for another reason."""
+        """Finishes a sequence (the engine decided: STOP, LENGTH, ABORT, ERROR or PREFILLED) and frees
+        its blocks, state slot and row. Raises KeyError for an unknown id, ValueError for another
+        reason (PREEMPTED and IGNORED are the scheduler's own)."""
         requests.finish_seq(self._st, seq_id, reason)
 
     def append_tokens(self, seq_id: str, token_ids: Iterable[int]) -> None:

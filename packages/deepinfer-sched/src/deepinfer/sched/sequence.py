@@ -27,12 +27,24 @@ class SeqStatus(enum.Enum):
 
 
 class FinishReason(str, enum.Enum):
-    """Why a sequence finished; the values are the engine's finish-reason strings."""
+    """Why a sequence (and the engine's request) finished: one type for the scheduler and the engine,
+    whose outputs carry it; a str whose value is the reason's name as users see it ("stop", ...).
+
+    The engine decides STOP, LENGTH, ABORT, ERROR (a fault, a token its grammar rejected) and PREFILLED
+    (a PROMPT engine handed the request on) and tells the scheduler through `Scheduler.finish_seq`; the
+    scheduler decides PREEMPTED (the cache is full) and IGNORED (`SchedulerOutput.ignored`).
+    """
 
     STOP = "stop"
     LENGTH = "length"
     ABORT = "abort"
     PREEMPTED = "preempted"
+    IGNORED = "ignored"
+    ERROR = "error"
+    PREFILLED = "prefilled"
+
+    def __str__(self) -> str:
+        return self.value
 
 
 class IgnoreReason(str, enum.Enum):
