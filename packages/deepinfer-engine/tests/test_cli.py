@@ -233,10 +233,9 @@ def test_load_errors_exit_1_with_one_line(capsys: pytest.CaptureFixture[str], tm
     code, out, err = _run(capsys, "bench", "--model", str(tmp_path))
     assert (code, out) == (1, "")
     assert re.fullmatch(r"deepinfer: error: \S+config.json: not valid JSON: [^\n]+\n", err)
-    monkeypatch.setenv("DEEPINFER_USE_NEXTN_DECODE", "2")
-    assert _run(capsys, "generate", "x") == (1, "", "deepinfer: error: DEEPINFER_USE_NEXTN_DECODE=2 is not supported "
-                                                    "yet: speculative decoding is not implemented (unset it, or set "
-                                                    "it to 0)\n")
+    monkeypatch.setenv("DEEPINFER_USE_NEXTN_DECODE", "-2")
+    assert _run(capsys, "generate", "x") == (1, "", "deepinfer: error: DEEPINFER_USE_NEXTN_DECODE=-2 must be an int "
+                                                    ">= 0\n")
 
 
 def test_generate_prints_outputs_logprobs_and_finish_reasons(capsys: pytest.CaptureFixture[str],

@@ -44,29 +44,12 @@ def test_every_variable_is_read() -> None:
 def test_variables_describe_every_field_in_order() -> None:
     assert [var.field for var in VARIABLES] == [field.name for field in dataclasses.fields(EngineEnv)]
     assert all(var.description and var.allowed for var in VARIABLES)
-    assert [var.name for var in VARIABLES if var.missing_feature] == ["DEEPINFER_USE_NEXTN_DECODE"]
 
 
-@pytest.mark.parametrize(
-    ("name", "raw", "message"),
-    [
-        ("DEEPINFER_USE_NEXTN_DECODE", "5", "DEEPINFER_USE_NEXTN_DECODE=5 is not supported yet: speculative "
-         r"decoding is not implemented \(unset it, or set it to 0\)"),
-        ("DEEPINFER_USE_NEXTN_DECODE", "1", "DEEPINFER_USE_NEXTN_DECODE=1 is not supported yet"),
-    ],
-)
-def test_variables_of_missing_features_are_refused(name: str, raw: str, message: str) -> None:
-    with pytest.raises(InvalidEnvVar, match=message):
-        read_env({name: raw})
-
-
-def test_missing_features_accept_their_default_and_are_refused_on_direct_construction() -> None:
-    env = read_env({"DEEPINFER_USE_NEXTN_DECODE": "0", "DEEPINFER_DISABLE_SYNC_GUARD": "false"})
-    assert env.use_nextn_decode == 0 and env.disable_sync_guard is False
-    with pytest.raises(InvalidEnvVar, match="DEEPINFER_USE_NEXTN_DECODE=2 is not supported yet"):
-        EngineEnv(use_nextn_decode=2)
-    assert EngineEnv(disable_sync_guard=True).disable_sync_guard         # implemented: accepted
-    assert read_env({"DEEPINFER_BATCH_INVARIANT": "true"}).batch_invariant is True
+def test_nextn_decode_is_read_and_checked() -> None:
+    assert read_env({"DEEPINFER_USE_NEXTN_DECODE": "3"}).use_nextn_decode == 3
+    with pytest.raises(InvalidEnvVar, match=r"DEEPINFER_USE_NEXTN_DECODE=-1 must be an int >= 0"):
+        read_env({"DEEPINFER_USE_NEXTN_DECODE": "-1"})
 
 
 @pytest.mark.parametrize(("raw", "expected"), [("0", False), ("1", True), ("true", True), ("False", False),

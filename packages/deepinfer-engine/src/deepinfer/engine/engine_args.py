@@ -43,14 +43,18 @@ INT_RANGES: dict[str, tuple[int, int]] = {
     "eplb_redundant_experts_per_rank": (0, 1024),
     "eplb_window_steps": (1, MAX_INT32),
     "eplb_interval_steps": (1, MAX_INT32),
+    "num_speculative_tokens": (1, 64),           # deepinfer.sched's nextn range
 }
+VERIFY_POLICIES = ("fixed", "varlen")        # deepinfer.spec's FixedVerifyPolicy / VarlenVerifyPolicy
 EPLB_PRESETS = ("prefill", "decode")          # DESIGN.md §8; deepinfer.eplb's PREFILL / DECODE_EPLB_CONFIG
 MAX_DISTRIBUTED_TIMEOUT_S = 86400.0
 OPTIONAL_FIELDS = frozenset({"model", "max_model_len", "block_size", "num_kv_blocks", "gpu_memory_utilization",
                              "kv_cache_memory_mb",
                              "max_num_prompts", "prefill_max_sum_seqlen_k", "expert_dtype", "eplb",
-                             "eplb_redundant_experts_per_rank", "eplb_window_steps", "eplb_interval_steps"})
-BOOL_FIELDS = ("stop_preempted_request", "kv_quant", "enforce_eager", "engram_on_host", "expert_parallel")
+                             "eplb_redundant_experts_per_rank", "eplb_window_steps", "eplb_interval_steps",
+                             "num_speculative_tokens"})
+BOOL_FIELDS = ("stop_preempted_request", "kv_quant", "enforce_eager", "engram_on_host", "expert_parallel",
+               "speculative_decoding")
 
 
 class InvalidEngineArgs(ValueError):
@@ -128,6 +132,16 @@ class EngineArgs:
         eplb_interval_steps: steps between placements; None = the preset's.
         distributed_timeout_s: with data_parallel_size >= 2, how long a rank waits for its peers in a
             collective (and `LLM` for a rank) before failing with an error naming the rank.
+        speculative_decoding: decode with the checkpoint's DSpark draft head (its `mtp.*` tensors; refused
+            for a checkpoint without them): each decode step verifies k drafted tokens per request in one
+            forward and keeps the accepted ones plus one target token (docs/spec.md); greedy output is the
+            same as without it. Speculative decode steps run with ZOS off and, on CUDA, eagerly.
+        num_speculative_tokens: drafts per request and step, k (needs speculative_decoding); None =
+            DEEPINFER_USE_NEXTN_DECODE when set, else the model's dspark_block_size.
+        verify_policy: how many of the k drafts each request verifies (needs speculative_decoding):
+            "fixed" = all k; "varlen" = DESIGN.md §6's choice by expected throughput, from a step-time
+            curve measured at start-up and the draft head's confidences (a request's tokens then depend
+            on its batch, even seeded ones).
     """
 
     model: str | None = None
@@ -159,6 +173,9 @@ class EngineArgs:
     eplb_window_steps: int | None = None
     eplb_interval_steps: int | None = None
     distributed_timeout_s: float = 120.0
+    speculative_decoding: bool = False
+    num_speculative_tokens: int | None = None
+    verify_policy: str = "fixed"
 
     def __post_init__(self) -> None:
         if self.model is not None and not isinstance(self.model, str):
@@ -202,6 +219,7 @@ class EngineArgs:
             _fail("engine_type", f"engine_type={self.engine_type!r} must be an EngineType (NORMAL, PROMPT or "
                   "COMPLETION)")
         self._check_parallel()
+        self._check_speculative()
 
     def _check_parallel(self) -> None:
         timeout = self.distributed_timeout_s
@@ -219,6 +237,20 @@ class EngineArgs:
         for name in ("eplb_redundant_experts_per_rank", "eplb_window_steps", "eplb_interval_steps"):
             if getattr(self, name) is not None and self.eplb is None:
                 _fail(name, f"{name}={getattr(self, name)!r} needs eplb ('prefill' or 'decode')")
+
+    def _check_speculative(self) -> None:
+        if not isinstance(self.verify_policy, str) or self.verify_policy not in VERIFY_POLICIES:
+            _fail("verify_policy", f"verify_policy={self.verify_policy!r} must be one of "
+                  f"{', '.join(map(repr, VERIFY_POLICIES))}")
+        if not self.speculative_decoding:
+            if self.num_speculative_tokens is not None:
+                _fail("num_speculative_tokens", f"num_speculative_tokens={self.num_speculative_tokens} needs "
+                      "speculative_decoding=True")
+            if self.verify_policy != VERIFY_POLICIES[0]:
+                _fail("verify_policy", f"verify_policy={self.verify_policy!r} needs speculative_decoding=True")
+        elif self.engine_type is EngineType.PROMPT:
+            _fail("speculative_decoding", "speculative_decoding=True needs a NORMAL or COMPLETION engine (a "
+                  "PROMPT engine never decodes)")
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -298,6 +330,8 @@ def allowed_values(name: str) -> str:
         "expert_parallel": "bool",
         "eplb": ", ".join(EPLB_PRESETS) + ", or None",
         "distributed_timeout_s": f"float in (0, {MAX_DISTRIBUTED_TIMEOUT_S}]",
+        "speculative_decoding": "bool",
+        "verify_policy": ", ".join(VERIFY_POLICIES),
     }[name]
 
 

@@ -4,11 +4,9 @@
 unset or empty variable takes its default. Booleans accept 0/1/true/false (any case), nothing else; a
 "choice" variable one of its listed words (any case).
 
-`VARIABLES` describes each variable (allowed values, meaning, and whether the feature behind it is
-implemented yet); the table in docs/environment.md is generated from it by
-`python -m deepinfer.engine.gen_docs`. A variable whose feature is not implemented yet is refused
-when set to anything but its default; a DEEPINFER_* variable that nothing reads (a typo, most
-likely) is warned about, with the closest known name.
+`VARIABLES` describes each variable (allowed values and meaning); the table in docs/environment.md
+is generated from it by `python -m deepinfer.engine.gen_docs`. A DEEPINFER_* variable that nothing
+reads (a typo, most likely) is warned about, with the closest known name.
 """
 
 from __future__ import annotations
@@ -26,8 +24,7 @@ logger = logging.getLogger(__name__)
 
 
 class InvalidEnvVar(ValueError):
-    """An environment variable has a value outside its allowed range, or one for a feature that is
-    not implemented yet; the message names the variable."""
+    """An environment variable has a value outside its allowed range; the message names the variable."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -51,7 +48,7 @@ class EngineEnv:
         if self.sampler_force_topk == 0 and not isinstance(self.sampler_force_topk, bool):
             object.__setattr__(self, "sampler_force_topk", None)
         for field in fields(self):
-            _check(_BY_FIELD[field.name], getattr(self, field.name), field.default)
+            _check(_BY_FIELD[field.name], getattr(self, field.name))
 
 
 @dataclass(frozen=True, slots=True)
@@ -66,9 +63,6 @@ class EnvVar:
         description: what it does (docs/environment.md).
         check: True for an allowed (parsed) value.
         optional: None is a value too (the field is `int | None`).
-        missing_feature: set while the feature behind the variable is not implemented: any value
-            other than the default is refused with "<VAR> is not supported yet: <missing_feature> is
-            not implemented".
     """
 
     field: str
@@ -77,7 +71,6 @@ class EnvVar:
     description: str
     check: Callable[[Any], bool]
     optional: bool = False
-    missing_feature: str | None = None
 
     @property
     def name(self) -> str:
@@ -95,7 +88,8 @@ VARIABLES: tuple[EnvVar, ...] = (
            "state slots per admitted sequence: the engine keeps int(max_num_seqs × ratio) + 1 state "
            "slots", lambda v: v > 0),
     EnvVar("max_backtracking_tokens", "int", "an int >= 0",
-           "spare slots of each sequence's window ring, kept for rejected draft tokens", lambda v: v >= 0),
+           "spare slots of each sequence's window ring, kept for rejected draft tokens; speculative decoding "
+           "needs at least k + 1 (k = draft tokens per step)", lambda v: v >= 0),
     EnvVar("disable_sync_guard", "bool", "a bool",
            "turn off the guard that forbids host-device synchronisation while a ZOS decode step is "
            "launched (`forbid_cuda_sync`; debugging)", lambda v: True),
@@ -106,9 +100,9 @@ VARIABLES: tuple[EnvVar, ...] = (
            "the sampler considers only this many most likely tokens of each row", lambda v: v is None or v >= 1,
            optional=True),
     EnvVar("use_nextn_decode", "int", "an int >= 0",
-           "draft tokens per decode step (the draft block size of speculative decoding; the original "
-           "engine defaults to 5); 0 = no drafts", lambda v: v >= 0,
-           missing_feature="speculative decoding"),
+           "draft tokens per speculative decode step (the DSpark block size k) when "
+           "EngineArgs.speculative_decoding is on and num_speculative_tokens is None; 0 = the model's "
+           "dspark_block_size (5 for the released checkpoints). It does not turn speculation on", lambda v: v >= 0),
     EnvVar("cudagraph_batch_size_interval", "int", "an int >= 1",
            "CUDA-graph batch sizes: 1, 2, 4, ... below it, then every multiple of it up to max_num_seqs",
            lambda v: v >= 1),
@@ -143,8 +137,8 @@ def read_env(environ: Mapping[str, str] = os.environ) -> EngineEnv:
     naming the closest known variable when there is one.
 
     Raises:
-        InvalidEnvVar: a variable does not parse or is out of range, or asks for a feature that is not
-            implemented yet; the message names the variable, its value and what is allowed.
+        InvalidEnvVar: a variable does not parse or is out of range; the message names the variable,
+            its value and what is allowed.
     """
     for name in unknown_env_vars(environ):
         logger.warning("%s", unknown_env_var_message(name))
@@ -209,19 +203,11 @@ _PARSERS: dict[str, Callable[[EnvVar, str], Any]] = {"int": _parse_int, "float":
 _TYPES: dict[str, tuple[type, ...]] = {"int": (int,), "float": (int, float), "bool": (bool,), "choice": (str,)}
 
 
-def _check(var: EnvVar, value: object, default: object) -> None:
+def _check(var: EnvVar, value: object) -> None:
     types = _TYPES[var.kind] + ((type(None),) if var.optional else ())
     wrong_type = not isinstance(value, types) or (isinstance(value, bool) and var.kind != "bool")
     if wrong_type or not var.check(value) or (isinstance(value, float) and not math.isfinite(value)):
         raise InvalidEnvVar(f"{var.name}={value!r} must be {var.allowed}")
-    if var.missing_feature is not None and value != default:
-        raise InvalidEnvVar(f"{var.name}={_as_text(value)} is not supported yet: {var.missing_feature} is not "
-                            f"implemented (unset it, or set it to {_as_text(default)})")
-
-
-def _as_text(value: object) -> str:
-    """A value as it is written in the environment (booleans as 0 / 1)."""
-    return str(int(value)) if isinstance(value, bool) else str(value)
 
 
 @dataclass(frozen=True, slots=True)

@@ -55,11 +55,8 @@ def environment_markdown() -> str:
     defaults = {field.name: field.default for field in dataclasses.fields(EngineEnv)}
     rows = []
     for var in VARIABLES:
-        description = var.description
-        if var.missing_feature is not None:
-            description += (f". **Not supported yet**: {var.missing_feature} is not implemented; any value "
-                            "but the default is refused")
-        rows.append((f"`{var.name}`", f"`{var.field}`", var.allowed, _env_value(defaults[var.field]), description))
+        rows.append((f"`{var.name}`", f"`{var.field}`", var.allowed, _env_value(defaults[var.field]),
+                     var.description))
     others = [(f"`{name}`", meaning) for name, meaning in sorted(OTHER_VARIABLES.items())]
     return "\n".join([
         "# Environment variables",

@@ -62,6 +62,7 @@ from .outputs import (
 from .request import ParallelRequest, Request
 from .sampler import Sampler, logprobs_of
 from .sampling_stage import InFlightSampling, SampledStep, SamplingStage, StepRows
+from .spec_step import SpeculativeDecoder, SpeculativeStats, attach_draft_head
 from .staging import to_device
 from .sync_guard import forbid_cuda_sync
 from .tokenizer import Tokenizer, load_tokenizer
@@ -152,6 +153,7 @@ class LLMEngine(RequestIntake):
                                 load_format=args.load_format, seed=args.seed, engram_on_host=args.engram_on_host)
         if self.env.yoco_prefill_truncation_mode != "off":
             self.model.set_prefill_truncation(self.env.yoco_prefill_truncation_mode, self.env.yoco_prefill_keep_tokens)
+        draft = attach_draft_head(self.model, args, self.env) if args.speculative_decoding else None
         self.load_seconds = time.perf_counter() - started            # wall time of load_model
         self.weight_bytes = sum(t.numel() * t.element_size() for t in self.model.state_dict().values())
         logger.info("loaded %s in %.2f s: %.1f MiB of weights on %s", self.model_dir, self.load_seconds,
@@ -168,7 +170,7 @@ class LLMEngine(RequestIntake):
         sched_cfg = SchedulerConfig(
             block_size=block_size, max_model_len=self.max_model_len, max_num_seqs=args.max_num_seqs,
             max_num_batched_tokens=args.max_num_batched_tokens, max_num_prompts=args.max_num_prompts,
-            prefill_max_sum_seqlen_k=args.prefill_max_sum_seqlen_k, nextn=0,
+            prefill_max_sum_seqlen_k=args.prefill_max_sum_seqlen_k, nextn=0 if draft is None else draft.block_size,
             chunk_checkpoints=args.chunk_checkpoints, stop_preempted_request=args.stop_preempted_request,
             prefill_attempt_interval=self.env.prefill_attempt_interval,
             prefill_any_attempt_interval=self.env.prefill_any_attempt_interval, engine_type=args.engine_type,
@@ -177,15 +179,17 @@ class LLMEngine(RequestIntake):
             self.model, block_size=block_size, num_kv_blocks=args.num_kv_blocks,
             budget_bytes=self._kv_budget_bytes(), num_state_slots=num_state_slots,
             max_backtracking=self.env.max_backtracking_tokens,
-            graph_max_seqs=None if args.enforce_eager else args.max_num_seqs,
+            graph_max_seqs=None if args.enforce_eager or draft is not None else args.max_num_seqs,   # verify: eager
             max_blocks_per_seq=sched_cfg.max_blocks_per_seq, max_model_len=sched_cfg.max_blocks_per_seq * block_size,
             graph_interval=self.env.cudagraph_batch_size_interval, batch_invariant=self.env.batch_invariant,
         )
         self._sched_cfg, self._vote_group = sched_cfg, vote_group
+        # Speculative decode steps (spec_step.py) run synchronously: ZOS stays off with a draft head.
+        self.spec = None if draft is None else SpeculativeDecoder(draft, self.runner, args, self.env, self._seq)
         self.scheduler = self._new_scheduler()
         # One caller at a time: add_request / abort_request / step / has_unfinished_requests take it.
         self._lock = threading.RLock()
-        self.zos = args.zos
+        self.zos = args.zos and self.spec is None
         self.sampling = SamplingStage(Sampler(seed=args.seed, force_top_k=self.env.sampler_force_topk,
                                               batch_invariant=self.env.batch_invariant),
                                       self.eos_token_ids, cfg.vocab_size, sync_guard=not self.env.disable_sync_guard,
@@ -209,7 +213,12 @@ class LLMEngine(RequestIntake):
         slots = BlockManager.for_state_slots(self.args.max_num_seqs, self.env.num_state_slots_ratio)
         # The paged KV pool of the current scheduler; read (num_free, usage) by AsyncLLM's stats.
         self.kv_blocks = BlockManager(self.runner.plan.num_kv_blocks)
-        return Scheduler(self._sched_cfg, self.kv_blocks, slots, vote_group=self._vote_group)
+        return Scheduler(self._sched_cfg, self.kv_blocks, slots, vote_group=self._vote_group,
+                         verify_policy=None if self.spec is None else self.spec.gate)
+
+    def stats(self) -> SpeculativeStats:
+        """Speculative decoding counts so far (drafted and accepted tokens; all 0 with it off)."""
+        return SpeculativeStats() if self.spec is None else self.spec.stats
 
     def _kv_budget_bytes(self) -> int:
         """Cache byte budget (paged KV + state slots): a fraction of the GPU minus the weights, or
@@ -294,6 +303,11 @@ class LLMEngine(RequestIntake):
         device = self.runner.device
         try:
             self.runner.apply_cache_ops(out)
+            if self.spec is not None and out.kind is StepKind.DECODE and out.decode is not None:
+                reqs = [self._seq(seq_id) for seq_id in out.decode.seq_ids]
+                self.spec.step(out.decode, reqs, self.sampling, self._step_rows, self.scheduler, changed)
+                self._pump_grammars()
+                return
             wanting = self._wanting_prompt_logprobs(out)
             with forbid_cuda_sync(device, enabled=guarded):
                 step = self.runner.prepare(out, all_logits_for=wanting) if wanting else self.runner.prepare(out)

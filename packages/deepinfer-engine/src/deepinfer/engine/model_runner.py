@@ -10,6 +10,7 @@ the host already knows (new, or after a prefill) read it from the step's pinned 
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from math import lcm
 
@@ -166,8 +167,9 @@ class ModelRunner:
         return None
 
     def _decode_step(self, d: DecodeBatch) -> StepBatch:
-        if (d.query_lens != 1).any():   # nextn = 0 until speculative decoding lands
-            raise ValueError(f"decode query lengths {d.query_lens.tolist()} must all be 1 (nextn=0)")
+        if (d.query_lens != 1).any():   # speculative decode steps go through `verify_forward`
+            raise ValueError(f"decode query lengths {d.query_lens.tolist()} must all be 1 here; a step with "
+                             "drafts runs through verify_forward")
         n = d.num_seqs
         self._ensure_rows(int(d.rows.max()) + 1)
         in_flight = d.last_token_ids.min() < 0          # ZOS: some rows' tokens are still on the device
@@ -205,6 +207,29 @@ class ModelRunner:
             tokens = graphs.token_ids[:n]
             tokens.copy_(torch.where(tokens >= 0, tokens, self.row_tokens.index_select(0, rows)))
         return StepBatch(None, tuple(d.seq_ids), None, rows, graph_seqs=n)
+
+    @torch.no_grad()
+    def verify_forward(self, d: DecodeBatch, tokens: Tensor) -> Tensor:
+        """The verify forward of a speculative decode step (eager, one varlen batch).
+
+        Args:
+            d: the decode step; sequence i reserved positions [seq_lens[i] − m, seq_lens[i]) with m =
+                tokens.shape[1] (nextn + 1) and feeds its first query_lens[i] of them.
+            tokens: [num_seqs, nextn + 1] int64 on the device: the anchor (last token), then the drafts.
+        Returns:
+            float32 logits [sum(query_lens), vocab] of every fed row, sequence by sequence.
+        """
+        query_lens = d.query_lens.astype(np.int64)
+        width = tokens.shape[1]
+        starts = d.seq_lens.astype(np.int64) - width
+        # flat index into tokens of each fed row: row i's first query_lens[i] columns
+        ends = np.cumsum(query_lens)
+        columns = np.arange(int(ends[-1])) - np.repeat(ends - query_lens, query_lens)
+        flat = np.repeat(np.arange(d.num_seqs) * width, query_lens) + columns
+        batch = ForwardBatch.build([[0] * q for q in query_lens.tolist()], starts.tolist(), list(d.block_tables),
+                                   d.state_slots.tolist(), logits="all", device=self.device)
+        batch = dataclasses.replace(batch, token_ids=tokens.flatten().index_select(0, self._to_device(flat)))
+        return self.model(batch, self.cache, self.ops).float()
 
     def record_sampled(self, step: StepBatch, token_ids: Tensor) -> None:
         """Keep a decode step's sampled tokens ([num_seqs] int64, on the device) by row, for the next
