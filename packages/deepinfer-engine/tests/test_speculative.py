@@ -15,9 +15,10 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from deepinfer.engine import LLM, EngineArgs, InvalidEngineArgs, LLMEngine, SamplingParams
+from deepinfer.engine import LLM, EngineArgs, InvalidEngineArgs, LLMEngine, SamplingParams, StructuredOutput
 from deepinfer.engine.env import EngineEnv
 from deepinfer.model import DraftProposal, DSparkDraft, embedded_model_dir, load_model
+from deepinfer.sched import EngineType
 
 PROMPTS = ["def fibonacci(", "import os\n", "class Parser:", "for i in range(", "x = [1, 2,"]
 FAST = {"device": "cpu", "kv_cache_memory_mb": 16, "max_num_seqs": 8, "max_model_len": 256}
@@ -109,12 +110,15 @@ def test_accepted_runs_are_cut_exactly_by_eos_stops_and_max_tokens(plain: LLM, s
         (PROMPTS[2], SamplingParams(max_tokens=40, temperature=0, logprobs=2)),
         (PROMPTS[3], SamplingParams(max_tokens=30, temperature=0, presence_penalty=0.5)),   # no drafts
         (PROMPTS[4], SamplingParams(max_tokens=1, temperature=0)),
+        (PROMPTS[4], SamplingParams(max_tokens=10, temperature=0,                  # grammar: no drafts
+                                    structured=StructuredOutput(choice=("alpha", "beta", "gamma")))),
     ]
     before = speculative.engine.stats()
     want = plain.generate([c[0] for c in cases], [c[1] for c in cases], use_tqdm=False)
     got = speculative.generate([c[0] for c in cases], [c[1] for c in cases], use_tqdm=False)
     assert _results(got) == _results(want)
-    assert [r[1] for r in _results(got)] == ["length", "stop", "stop", "length", "length", "length"]
+    assert [r[1] for r in _results(got)] == ["length", "stop", "stop", "length", "length", "length",
+                                                 "stop"]
     for g, w in zip(got[3].outputs[0].logprobs, want[3].outputs[0].logprobs):
         assert g.keys() == w.keys() and all(abs(g[t] - w[t]) < 1e-4 for t in g)
     stats = speculative.engine.stats()
@@ -184,6 +188,10 @@ def test_bad_flags_are_refused_naming_the_field(draft_model: Path) -> None:
     with pytest.raises(InvalidEngineArgs, match="verify_policy='greedy' must be one of 'fixed', 'varlen'") as err:
         EngineArgs(speculative_decoding=True, verify_policy="greedy")
     assert err.value.field == "verify_policy"
+    for bad in ({"data_parallel_size": 2}, {"engine_type": EngineType.PROMPT}):
+        with pytest.raises(InvalidEngineArgs, match="speculative_decoding=True") as err:
+            EngineArgs(speculative_decoding=True, **bad)
+        assert err.value.field == "speculative_decoding"
     with pytest.raises(InvalidEngineArgs, match="must be an integer in") as err:
         EngineArgs(speculative_decoding=True, num_speculative_tokens=0)
     assert err.value.field == "num_speculative_tokens"

@@ -248,6 +248,9 @@ class EngineArgs:
                       "speculative_decoding=True")
             if self.verify_policy != VERIFY_POLICIES[0]:
                 _fail("verify_policy", f"verify_policy={self.verify_policy!r} needs speculative_decoding=True")
+        elif self.data_parallel_size > 1:
+            _fail("speculative_decoding", "speculative_decoding=True runs on one rank only so far "
+                  f"(data_parallel_size={self.data_parallel_size}): the lockstep EP steps do not take verify rows")
         elif self.engine_type is EngineType.PROMPT:
             _fail("speculative_decoding", "speculative_decoding=True needs a NORMAL or COMPLETION engine (a "
                   "PROMPT engine never decodes)")

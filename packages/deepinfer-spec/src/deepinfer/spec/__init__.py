@@ -1,6 +1,7 @@
 """deepinfer.spec — speculative decoding: verification and the varlen verify-length policy.
 
-A library for now: the engine does not call it yet (it decodes one token per step).
+The engine's speculative decode steps (`deepinfer.engine.spec_step`) use `DraftSampler`, `verify`,
+`gather_verify_logits` and the verify policies; the rest is library-only so far (docs/spec.md).
 
 Verification (`verify`, `greedy_verify`): one target forward over [anchor, drafts] → accepted
 drafts, the bonus / correction token, logprobs; greedy rows by exact match, sampled rows by
