@@ -129,7 +129,7 @@ class Sampler:
         sampled_logits = logits.gather(1, token_ids[:, None])
         logprobs = (sampled_logits - log_normaliser).squeeze(1)
         ranks = None
-        if any(wanted is not None for wanted in batch.num_logprobs):
+        if batch.wants_logprobs:
             ranks = (logits > sampled_logits).sum(dim=-1) + 1
         num_top = min(batch.num_top_logprobs, batch.vocab_size)
         if num_top == 0:
@@ -210,7 +210,7 @@ def logprob_dicts(output: SamplerOutput, batch: SamplingBatch,
     token and the row's SamplingParams.logprobs most likely alternatives. Copies to the host (syncs)
     only when some row asked; `token_ids` = output.token_ids already on the host, if the caller has it.
     """
-    if all(wanted is None for wanted in batch.num_logprobs):
+    if not batch.wants_logprobs:
         return [None] * batch.num_seqs
     token_ids = output.token_ids.tolist() if token_ids is None else token_ids
     logprobs = output.logprobs.tolist()

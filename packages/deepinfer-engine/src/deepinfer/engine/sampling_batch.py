@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -97,8 +97,15 @@ class SamplingBatch:
     bitmask_rows: Tensor | None = None    # [num_constrained] int64, the logits row of each mask row;
                                           # None with a bitmask: every row, mask row i = logits row i
     controls: LogitControls | None = None  # penalties, logit_bias, allowed_token_ids, bad_words
+    # Derived from num_logprobs once (the sampler and the read-back ask every step of a reused batch):
+    wants_logprobs: bool = field(init=False)    # some row asked for logprobs
+    num_top_logprobs: int = field(init=False)   # alternatives to return per row: the largest
+                                                # SamplingParams.logprobs in the batch (0 = none)
 
     def __post_init__(self) -> None:
+        asked = [n for n in self.num_logprobs if n is not None]
+        object.__setattr__(self, "wants_logprobs", bool(asked))
+        object.__setattr__(self, "num_top_logprobs", max(asked, default=0))
         num_random = self.random_rows.shape[0]
         if self.greedy_rows.shape[0] + num_random != self.num_seqs:
             raise InvalidSamplingBatch(
@@ -127,11 +134,6 @@ class SamplingBatch:
                     f"token_bitmask must be int32 {list(shape)} (one row per bitmask_rows entry), "
                     f"got {self.token_bitmask.dtype} {list(self.token_bitmask.shape)}"
                 )
-
-    @property
-    def num_top_logprobs(self) -> int:
-        """Alternatives to return per row: the largest SamplingParams.logprobs in the batch (0 = none)."""
-        return max((n for n in self.num_logprobs if n is not None), default=0)
 
 
 def build_sampling_batch(

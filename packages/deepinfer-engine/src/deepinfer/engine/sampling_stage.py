@@ -227,7 +227,7 @@ class _ReusableBatch:
 
 def _readback_tensors(sampled: SamplerOutput, batch: SamplingBatch) -> tuple[Tensor, ...]:
     """What the host needs of a step's sampling: ids and finiteness, and logprobs when asked."""
-    if all(wanted is None for wanted in batch.num_logprobs) or sampled.ranks is None:
+    if not batch.wants_logprobs or sampled.ranks is None:
         return (torch.stack((sampled.token_ids, sampled.finite_rows.to(torch.int64))),)
     ids_and_flags = torch.stack((sampled.token_ids, sampled.finite_rows.to(torch.int64), sampled.ranks))
     if sampled.top_ids is None or sampled.top_logprobs is None:
