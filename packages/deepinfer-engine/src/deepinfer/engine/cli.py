@@ -84,7 +84,8 @@ def build_parser() -> argparse.ArgumentParser:
     serve = sub.add_parser("serve", help="an OpenAI-compatible HTTP server",
                            description="Serve the model over HTTP: /v1/completions, /v1/chat/completions, "
                                        "/v1/models, /health, /version, /metrics. SIGTERM drains the requests in "
-                                       "flight, then exits.")
+                                       "flight, then exits. --data-parallel-size N runs N engine processes "
+                                       "(with --expert-parallel sharding the experts over them).")
     _serve_flags(serve)
     _engine_flags(serve, "engine arguments (EngineArgs; a flag left out is not passed; preempted requests are "
                          "recomputed unless --stop-preempted-request)")
@@ -292,11 +293,11 @@ def _bench(ns: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
 # ---------------------------------------------------------------------------------------- serve
 
 def _serve(ns: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
-    engine_kwargs, _ = _engine_args(ns, parser)
+    engine_kwargs, _ = _engine_args(ns, parser, allow_data_parallel=True)
     if engine_kwargs.get("engine_type", EngineType.NORMAL) is not EngineType.COMPLETION:
         engine_kwargs.setdefault("stop_preempted_request", False)     # as LLM: every request gets its output
     args = EngineArgs(**engine_kwargs)
-    from .serve import ServeOptions, run_server
+    from .serve import ServeOptions, run_server, serve_client
 
     name = ns.served_model_name or engine_kwargs.get("model") or "deepinfer-embedded"
     try:
@@ -307,6 +308,9 @@ def _serve(ns: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
                                reasoning_parser=ns.reasoning_parser)
     except ValueError as error:
         parser.error(str(error))
+    if args.data_parallel_size > 1:
+        serve_client(_start_ranks(args, options.max_num_waiting), options)
+        return 0
     from .llm_engine import LLMEngine
 
     engine = _build(lambda: LLMEngine(args), args)
@@ -314,20 +318,37 @@ def _serve(ns: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     return 0
 
 
+def _start_ranks(args: EngineArgs, max_num_waiting: int) -> Any:
+    """The DP ranks of `deepinfer serve`, started, with their start line; a rank that fails to start
+    becomes _CommandError."""
+    from .parallel import DPAsyncLLM, RankFailure
+
+    try:
+        llm = DPAsyncLLM(args, max_num_waiting=max_num_waiting)
+    except (RankFailure, *LOAD_ERRORS) as error:
+        raise _CommandError(_one_line(error)) from None
+    mode = " with expert parallel" if args.expert_parallel else ""
+    print(f"started {args.data_parallel_size} DP ranks{mode} (pids {', '.join(map(str, llm.pids))}) serving "
+          f"{llm.model.model_dir}", file=sys.stderr)
+    return llm
+
+
 # ---------------------------------------------------------------------------------------- engine
 
-def _engine_args(ns: argparse.Namespace, parser: argparse.ArgumentParser) -> tuple[dict[str, Any], EngineArgs]:
+def _engine_args(ns: argparse.Namespace, parser: argparse.ArgumentParser, *,
+                 allow_data_parallel: bool = False) -> tuple[dict[str, Any], EngineArgs]:
     """The engine flags given (to pass on) and the EngineArgs they make (validated: a bad value is a
-    usage error naming its flag)."""
+    usage error naming its flag; --data-parallel-size > 1 is one unless allow_data_parallel)."""
     kwargs = dataclass_kwargs(ns, EngineArgs)
     try:
         args = EngineArgs(**kwargs)
     except InvalidEngineArgs as error:
         where = f"argument {flag_name(error.field)}: " if error.field else ""
         parser.error(f"{where}{error}")
-    if args.data_parallel_size > 1:      # the commands drive one LLMEngine; DP runs through LLM (Python)
+    if args.data_parallel_size > 1 and not allow_data_parallel:     # generate and bench drive one LLMEngine
         parser.error(f"argument --data-parallel-size: {args.data_parallel_size} is not supported by the deepinfer "
-                     "command yet (one rank); use LLM(..., data_parallel_size=N) from Python or a torchrun script")
+                     f"command yet for {ns.command} (one rank); use deepinfer serve, LLM(..., data_parallel_size=N) "
+                     "from Python or a torchrun script")
     return kwargs, args
 
 

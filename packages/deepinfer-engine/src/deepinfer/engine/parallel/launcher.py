@@ -73,7 +73,8 @@ def start_ranks(args: EngineArgs, torchrun: TorchrunEnv | None) -> SpawnedRanks 
     return DPRank(args, spec)
 
 
-def _free_port() -> int:
+def free_port() -> int:
+    """A TCP port of 127.0.0.1 free now (the rendezvous of spawned ranks)."""
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
@@ -89,7 +90,7 @@ class SpawnedRanks:
     def __init__(self, args: EngineArgs) -> None:
         ctx = mp.get_context("spawn")
         self._timeout_s = args.distributed_timeout_s
-        init_method = f"tcp://127.0.0.1:{_free_port()}"
+        init_method = f"tcp://127.0.0.1:{free_port()}"
         self._outbox = ctx.Queue()
         self._inboxes = [ctx.Queue() for _ in range(args.data_parallel_size)]
         self._procs = [ctx.Process(target=rank_main, name=f"deepinfer-dp-rank-{rank}", daemon=True,

@@ -1,15 +1,17 @@
 """deepinfer.engine.serve — the OpenAI-compatible HTTP server (`deepinfer serve`).
 
-    from deepinfer.engine.serve import ServeOptions, run_server
+    from deepinfer.engine.serve import ServeOptions, run_server, serve_client
     run_server(LLMEngine(EngineArgs()), ServeOptions(port=8000))      # blocks; SIGTERM drains, then returns
+    serve_client(DPAsyncLLM(EngineArgs(data_parallel_size=2)), ServeOptions(port=8000))   # DP ranks
 
-`build_app(AsyncLLM(engine), served_model_name=...)` gives the FastAPI app alone (to embed or test).
+`build_app(AsyncLLM(engine), served_model_name=...)` (or any `async_front.EngineClient`) gives the
+FastAPI app alone (to embed or test).
 FastAPI, uvicorn and prometheus_client are imported here only, so `import deepinfer.engine` stays light.
 """
 
 from .app import build_app
 from .errors import APIError
 from .protocol import NOT_SUPPORTED_YET
-from .server import ServeOptions, run_server
+from .server import ServeOptions, run_server, serve_client
 
-__all__ = ["NOT_SUPPORTED_YET", "APIError", "ServeOptions", "build_app", "run_server"]
+__all__ = ["NOT_SUPPORTED_YET", "APIError", "ServeOptions", "build_app", "run_server", "serve_client"]

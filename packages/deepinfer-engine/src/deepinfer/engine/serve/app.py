@@ -1,11 +1,13 @@
-"""The OpenAI-compatible HTTP app (FastAPI) over one `AsyncLLM`.
+"""The OpenAI-compatible HTTP app (FastAPI) over an `EngineClient`: `AsyncLLM` (one engine) or
+`parallel.DPAsyncLLM` (data-parallel ranks).
 
 Routes: POST /v1/completions, POST /v1/chat/completions (server-sent events when "stream": true,
 ending with `data: [DONE]`), GET /v1/models, /health, /version, /metrics. Errors are OpenAI-shaped
 (`errors.APIError`): 400 naming the bad field, 401 without the API key, 404 for an unknown model,
-503 when the waiting queue is full or the server is draining. A client that disconnects aborts its
-request: from a stream, Starlette cancels the response, closing `AsyncLLM.generate`; from a whole
-response, a watcher of the connection cancels the collecting task.
+503 when the waiting queue is full or the server is draining, 500 naming the cause when the engine
+failed (a DP rank died; a stream in progress then ends with an error event and /health answers
+503). A client that disconnects aborts its request: from a stream, Starlette cancels the response,
+closing `generate`; from a whole response, a watcher of the connection cancels the collecting task.
 
 Chat output goes through `chat_output.OutputParsers` when the server has a reasoning parser or the
 request may call tools: tools are rendered by the chat template, and calls and thinking are split
@@ -26,7 +28,7 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from ..async_llm import AsyncLLM, EngineQueueFull, EngineStopped
+from ..async_front import EngineClient, EngineDead, EngineQueueFull, EngineStopped
 from ..chat_messages import InvalidChatRequest
 from ..chat_template import ChatTemplate, ChatTemplateError, chat_prompt, load_chat_template
 from ..grammar_backend import StructuredOutputUnavailable
@@ -59,7 +61,7 @@ class _Server:
     """The state behind the routes: the engine, the served name, the chat template, the output
     parsers' names and the metrics."""
 
-    def __init__(self, llm: AsyncLLM, served_model_name: str, chat_template: str | None,
+    def __init__(self, llm: EngineClient, served_model_name: str, chat_template: str | None,
                  tool_call_parser: str | None, enable_auto_tool_choice: bool, reasoning_parser: str | None) -> None:
         self.llm = llm
         self.name = served_model_name
@@ -72,9 +74,9 @@ class _Server:
 
     def template(self) -> ChatTemplate:
         if self._template is None:
-            engine = self.llm.engine
+            model = self.llm.model
             try:
-                self._template = load_chat_template(engine.model_dir, embedded=engine.args.model is None,
+                self._template = load_chat_template(model.model_dir, embedded=model.embedded,
                                                     override=self._template_override)
             except ChatTemplateError as error:
                 raise bad_request(f"chat is not available for this model: {error}", "messages") from None
@@ -116,9 +118,9 @@ class _Server:
         field = "messages" if chat else "prompt"
         parsers = self.output_parsers(req) if chat else None
         if chat:
-            engine = self.llm.engine
+            model = self.llm.model
             try:
-                tokenizer = require_tokenizer(engine.tokenizer, engine.model_dir)
+                tokenizer = require_tokenizer(model.tokenizer, model.model_dir)
                 prompt: Any = chat_prompt(self.template(), tokenizer, req.messages,
                                           add_generation_prompt=req.add_generation_prompt,
                                           options=req.chat_template_kwargs,
@@ -136,6 +138,8 @@ class _Server:
             first = await anext(outputs)
         except EngineQueueFull as error:
             raise APIError(503, str(error), code="queue_full") from None
+        except EngineDead as error:
+            raise APIError(500, str(error), code="engine_dead") from None
         except EngineStopped as error:
             raise APIError(503, str(error), code="shutting_down") from None
         except StructuredOutputUnavailable as error:
@@ -148,7 +152,7 @@ class _Server:
         if completion.finish_reason == FINISH_IGNORED:
             tracker.finish(FINISH_IGNORED, len(first.prompt_token_ids), 0)
             raise bad_request(f"the request was not run: {completion.ignored_reason}", field)
-        writer = ResponseWriter(request_id, self.name, chat, req, self.llm.engine.tokenizer, parsers)
+        writer = ResponseWriter(request_id, self.name, chat, req, self.llm.model.tokenizer, parsers)
         if req.stream:
             return StreamingResponse(self._stream(writer, first, outputs, tracker), media_type="text/event-stream")
         whole = asyncio.ensure_future(self._whole(first, outputs, tracker))
@@ -162,6 +166,8 @@ class _Server:
                 await asyncio.gather(whole, return_exceptions=True)
         if whole.cancelled():
             return Response(status_code=499)    # nginx's "client closed request"; nobody reads it
+        if isinstance(whole.exception(), EngineDead):
+            raise APIError(500, str(whole.exception()), code="engine_dead")
         return JSONResponse(writer.full(whole.result()))
 
     async def _whole(self, first: RequestOutput, outputs: AsyncGenerator[RequestOutput, None],
@@ -192,7 +198,11 @@ class _Server:
                 if out.finished:
                     reason = out.outputs[0].finish_reason or "abort"
                     break
-                out = await anext(outputs)
+                try:
+                    out = await anext(outputs)
+                except EngineDead as error:        # the headers are sent: the error goes as the last event
+                    yield f"data: {json.dumps(APIError(500, str(error), code='engine_dead').body())}\n\n"
+                    return
             for chunk in writer.end(out, num_tokens):
                 yield chunk
         finally:
@@ -200,7 +210,7 @@ class _Server:
             tracker.finish(reason, len(first.prompt_token_ids), num_tokens)
 
 
-def build_app(llm: AsyncLLM, *, served_model_name: str, api_key: str | None = None,
+def build_app(llm: EngineClient, *, served_model_name: str, api_key: str | None = None,
               chat_template: str | None = None, drain_on_shutdown: bool = True, tool_call_parser: str | None = None,
               enable_auto_tool_choice: bool = False, reasoning_parser: str | None = None) -> FastAPI:
     """The FastAPI app serving `llm` under `served_model_name`.
@@ -258,13 +268,16 @@ def build_app(llm: AsyncLLM, *, served_model_name: str, api_key: str | None = No
     async def models(request: Request) -> dict[str, Any]:
         check_key(request)
         card = {"id": server.name, "object": "model", "created": server.created, "owned_by": "deepinfer",
-                "max_model_len": llm.engine.max_model_len}
+                "max_model_len": llm.model.max_model_len}
         return {"object": "list", "data": [card]}
 
     @app.get("/health")
     async def health() -> Response:
-        alive = llm.is_running
-        return JSONResponse({"status": "ok" if alive else "engine stopped"}, status_code=200 if alive else 503)
+        if llm.is_running:
+            return JSONResponse({"status": "ok"})
+        failure = llm.failure
+        body = {"status": "engine stopped"} if failure is None else {"status": "engine failed", "error": failure}
+        return JSONResponse(body, status_code=503)
 
     @app.get("/version")
     async def version() -> dict[str, str]:

@@ -4,24 +4,35 @@ Names (all prefixed `deepinfer_`): `request_success_total{finished_reason}`, `nu
 `num_requests_waiting`, `kv_cache_usage_perc` (0..1), `kv_cache_free_blocks`,
 `prompt_tokens_total`, `generation_tokens_total`, and the histograms
 `time_to_first_token_seconds`, `inter_token_latency_seconds`, `e2e_request_latency_seconds`.
+
+With DP ranks (`parallel.DPAsyncLLM`) the gauges above are sums over the ranks, and each rank has
+`dp_rank_num_requests_running{rank}`, `dp_rank_num_requests_waiting{rank}`,
+`dp_rank_kv_cache_usage_perc{rank}` and `dp_rank_requests_total{rank}` (requests sent to it). With
+EPLB on: `eplb_rebalances_total`, and per MoE layer (forward order) the max / mean expert load of the
+latest re-placement's window under the old and the new placement,
+`eplb_layer_max_mean_load{layer, placement="before"|"after"}` (absent before the first re-placement,
+and for the layers it left alone).
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
 
-from ..async_llm import AsyncLLM
+from ..async_front import EngineClient
 
 _LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
                     20.0, 40.0, 80.0, 160.0)
 
 
 class ServerMetrics:
-    """The metrics of one server; the gauges read `llm.stats` (the engine thread's last snapshot) when scraped."""
+    """The metrics of one server; the gauges read `llm.stats` (the engine's last snapshot) when scraped."""
 
-    def __init__(self, llm: AsyncLLM) -> None:
+    def __init__(self, llm: EngineClient) -> None:
         self.registry = CollectorRegistry()
         r = self.registry
         self.finished = Counter("deepinfer_request_success", "Finished requests by finish reason",
@@ -41,6 +52,8 @@ class ServerMetrics:
                   "deepinfer_kv_cache_free_blocks": ("Free KV blocks", lambda: llm.stats.num_free_kv_blocks)}
         for name, (text, read) in gauges.items():
             Gauge(name, text, registry=r).set_function(read)
+        if llm.parallel_stats() is not None:
+            r.register(_ParallelCollector(llm))
 
     def render(self) -> bytes:
         """The Prometheus text exposition of every metric."""
@@ -49,6 +62,43 @@ class ServerMetrics:
     def track(self) -> RequestTracker:
         """A tracker for one request arriving now."""
         return RequestTracker(self)
+
+
+class _ParallelCollector(Collector):
+    """Per-rank gauges and EPLB re-placement stats, read from `llm.parallel_stats()` when scraped."""
+
+    def __init__(self, llm: EngineClient) -> None:
+        self._llm = llm
+
+    def collect(self) -> Iterator[Metric]:
+        stats = self._llm.parallel_stats()
+        if stats is None:
+            return
+        per_rank = {"num_requests_running": ("Requests decoding on the DP rank", lambda s: s.num_running),
+                    "num_requests_waiting": ("Requests accepted for the DP rank, not running", lambda s: s.num_waiting),
+                    "kv_cache_usage_perc": ("Fraction of the DP rank's KV blocks in use", lambda s: s.kv_cache_usage)}
+        for name, (text, read) in per_rank.items():
+            family = GaugeMetricFamily(f"deepinfer_dp_rank_{name}", text, labels=["rank"])
+            for rank, rank_stats in enumerate(stats.rank_stats):
+                family.add_metric([str(rank)], read(rank_stats))
+            yield family
+        sent = CounterMetricFamily("deepinfer_dp_rank_requests", "Requests sent to the DP rank", labels=["rank"])
+        for rank, num_requests in enumerate(stats.num_requests):
+            sent.add_metric([str(rank)], num_requests)
+        yield sent
+        if not stats.eplb:
+            return
+        yield CounterMetricFamily("deepinfer_eplb_rebalances", "Expert re-placements adopted",
+                                  value=len(stats.rebalances))
+        load = GaugeMetricFamily("deepinfer_eplb_layer_max_mean_load",
+                                 "Max / mean rank load per MoE layer over the latest re-placement's window",
+                                 labels=["layer", "placement"])
+        if stats.rebalances:
+            last = stats.rebalances[-1]
+            for layer, before, after in zip(last.layer_ids, last.max_mean_before, last.max_mean_after):
+                load.add_metric([str(layer), "before"], before)
+                load.add_metric([str(layer), "after"], after)
+        yield load
 
 
 class RequestTracker:

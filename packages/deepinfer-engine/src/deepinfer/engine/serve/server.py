@@ -1,8 +1,9 @@
-"""Run the app under uvicorn: `run_server(engine, ServeOptions(...))` blocks until SIGINT / SIGTERM.
+"""Run the app under uvicorn: `run_server(engine, ServeOptions(...))` (one engine) or
+`serve_client(DPAsyncLLM(args), ServeOptions(...))` (DP ranks) blocks until SIGINT / SIGTERM.
 
 On SIGTERM (or SIGINT) uvicorn stops accepting connections and waits for the responses in flight
 (streams included); the app's shutdown then waits until every accepted request has finished and
-stops the engine thread (`AsyncLLM.shutdown(drain=True)`), and `run_server` returns, so that
+stops the engine thread or the DP ranks (`shutdown(drain=True)`), and `run_server` returns, so that
 `deepinfer serve` exits 0 after a drain (uvicorn would re-raise the signal and die by it).
 """
 
@@ -16,7 +17,8 @@ from dataclasses import dataclass
 
 import uvicorn
 
-from ..async_llm import DEFAULT_MAX_NUM_WAITING, AsyncLLM
+from ..async_front import DEFAULT_MAX_NUM_WAITING, EngineClient
+from ..async_llm import AsyncLLM
 from ..llm_engine import LLMEngine
 from .app import build_app, check_parser_options
 
@@ -64,7 +66,11 @@ class ServeOptions:
 
 def run_server(engine: LLMEngine, options: ServeOptions) -> None:
     """Serve `engine` over HTTP until SIGINT / SIGTERM; returns once in-flight requests are done."""
-    llm = AsyncLLM(engine, max_num_waiting=options.max_num_waiting)
+    serve_client(AsyncLLM(engine, max_num_waiting=options.max_num_waiting), options)
+
+
+def serve_client(llm: EngineClient, options: ServeOptions) -> None:
+    """Serve `llm` (built with options.max_num_waiting) as `run_server` does; it is shut down on return."""
     app = build_app(llm, served_model_name=options.served_model_name, api_key=options.api_key,
                     chat_template=options.chat_template, tool_call_parser=options.tool_call_parser,
                     enable_auto_tool_choice=options.enable_auto_tool_choice, reasoning_parser=options.reasoning_parser)

@@ -1,0 +1,245 @@
+"""What the asyncio fronts share: `AsyncLLM` (one engine in a thread) and `parallel.DPAsyncLLM` (DP
+rank processes) both hand each request's outputs to an `OutputStream` from a thread of their own and
+implement `EngineClient`, the interface the HTTP server drives.
+
+A stream keeps only the latest cumulative output of its request, so a slow consumer sees fewer,
+larger updates rather than a growing backlog; `StreamingFront.generate` cuts them into deltas when
+asked.
+"""
+
+from __future__ import annotations
+
+import abc
+import asyncio
+import contextlib
+import dataclasses
+from collections.abc import AsyncGenerator, Callable, Iterable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Protocol
+
+from .intake import PromptInput
+from .outputs import RequestOutput, running_output
+from .sampling_params import SamplingParams
+from .tokenizer import Tokenizer
+
+if TYPE_CHECKING:
+    from .parallel.messages import ParallelStats
+
+DEFAULT_MAX_NUM_WAITING = 1024
+
+
+class EngineQueueFull(RuntimeError):
+    """The waiting queue holds `max_num_waiting` requests; retry later (the server answers 503)."""
+
+
+class EngineStopped(RuntimeError):
+    """The front is shut down (or its engine failed); it takes no more requests."""
+
+
+class EngineDead(EngineStopped):
+    """The engine behind the front failed (a DP rank died); the message says which and how."""
+
+
+@dataclass(frozen=True, slots=True)
+class EngineStats:
+    """A snapshot of one engine (or the sum over DP ranks) after its latest step.
+
+    Attributes:
+        num_running: sequences decoding (or about to), per the scheduler.
+        num_waiting: requests accepted but not running: in the inbox, compiling a grammar or
+            waiting for prefill.
+        num_free_kv_blocks: free paged KV blocks (block 0, reserved, not counted).
+        num_kv_blocks: usable paged KV blocks (block 0 excluded).
+    """
+
+    num_running: int
+    num_waiting: int
+    num_free_kv_blocks: int
+    num_kv_blocks: int
+
+    @property
+    def kv_cache_usage(self) -> float:
+        """Fraction of the usable KV blocks in use, in [0, 1]."""
+        return 1.0 - self.num_free_kv_blocks / self.num_kv_blocks if self.num_kv_blocks else 0.0
+
+
+@dataclass(frozen=True, slots=True)
+class ServedModel:
+    """What the server needs to know of the model: where it is, its tokenizer and length limit.
+
+    Attributes:
+        model_dir: the model folder (chat templates are read from it).
+        tokenizer: its tokenizer, or None when the folder has no tokenizer.json.
+        max_model_len: most tokens of prompt + output per request.
+        embedded: the engine runs the embedded default model (EngineArgs.model None).
+    """
+
+    model_dir: Path
+    tokenizer: Tokenizer | None
+    max_model_len: int
+    embedded: bool
+
+
+class EngineClient(Protocol):
+    """The interface `serve.build_app` drives: `AsyncLLM` or `parallel.DPAsyncLLM`."""
+
+    @property
+    def model(self) -> ServedModel: ...
+
+    @property
+    def stats(self) -> EngineStats: ...
+
+    @property
+    def is_running(self) -> bool: ...
+
+    @property
+    def failure(self) -> str | None:
+        """Why the engine stopped when it failed (None while healthy or after a clean shutdown)."""
+
+    def parallel_stats(self) -> ParallelStats | None:
+        """Per-rank stats and EPLB re-placements (None for one engine)."""
+
+    def generate(self, prompt: PromptInput | Sequence[int], params: SamplingParams | None = None,
+                 request_id: str | None = None, *, delta: bool = False) -> AsyncGenerator[RequestOutput, None]: ...
+
+    def abort(self, request_id: str) -> None: ...
+
+    async def shutdown(self, *, drain: bool = True) -> None: ...
+
+
+class OutputStream:
+    """One request's mailbox, owned by the event loop that called `generate`; filled from another
+    thread with `deliver` / `fail`."""
+
+    __slots__ = ("error", "event", "latest", "loop")
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.loop = loop
+        self.event = asyncio.Event()
+        self.latest: RequestOutput | None = None
+        self.error: BaseException | None = None
+
+    @property
+    def ended(self) -> bool:
+        """Its last output (or its error) has reached the event loop."""
+        return self.error is not None or (self.latest is not None and self.latest.finished)
+
+    def fail(self, error: BaseException) -> None:
+        """End the stream with `error` (thread-safe; nothing happens once its event loop is closed)."""
+        def apply() -> None:
+            self.error = error
+            self.event.set()
+
+        with contextlib.suppress(RuntimeError):     # raised when the loop is closed: nobody waits on this stream
+            self.loop.call_soon_threadsafe(apply)
+
+
+def deliver(items: Iterable[tuple[OutputStream, RequestOutput]], on_closed_loop: Callable[[str], None]) -> None:
+    """Post each (stream, cumulative output) to its stream, one `call_soon_threadsafe` per event loop;
+    the requests of a closed event loop (their consumers are gone) go to `on_closed_loop` (abort)."""
+    by_loop: dict[asyncio.AbstractEventLoop, list[tuple[OutputStream, RequestOutput]]] = {}
+    for stream, out in items:
+        by_loop.setdefault(stream.loop, []).append((stream, out))
+    for loop, batch in by_loop.items():
+        try:
+            loop.call_soon_threadsafe(_set_outputs, batch)
+        except RuntimeError:
+            for _, out in batch:
+                on_closed_loop(out.request_id)
+
+
+def _set_outputs(items: list[tuple[OutputStream, RequestOutput]]) -> None:
+    for stream, out in items:
+        stream.latest = out
+        stream.event.set()
+
+
+class StreamingFront(abc.ABC):
+    """`generate` over `OutputStream`s; a subclass queues requests (`_submit`) and aborts them (`abort`)."""
+
+    _streams: dict[str, OutputStream]
+
+    @abc.abstractmethod
+    def _submit(self, prompt: PromptInput | Sequence[int], params: SamplingParams,
+                request_id: str | None) -> tuple[str, OutputStream]:
+        """Queue a request (raising as `generate` says when it cannot); its id and its registered stream."""
+
+    @abc.abstractmethod
+    def abort(self, request_id: str) -> None:
+        """Abort a request (unknown or finished ids are ignored); its stream ends without a last output."""
+
+    async def generate(self, prompt: PromptInput | Sequence[int], params: SamplingParams | None = None,
+                       request_id: str | None = None, *, delta: bool = False) -> AsyncGenerator[RequestOutput, None]:
+        """Run one request; yields its outputs as the engine produces them, the last one finished.
+
+        Args:
+            prompt: text, `{"prompt_token_ids": [...]}` or a list of token ids (as `LLMEngine.add_request`).
+            params: None = SamplingParams().
+            request_id: None = a fresh "req-<uuid>" id.
+            delta: yield only what is new since the previous output (text, token_ids and logprobs of
+                the new tokens) instead of the cumulative output.
+        Raises (all from the first iteration, before any output, unless said otherwise):
+            EngineQueueFull: max_num_waiting requests already wait; nothing was queued.
+            EngineStopped: shut down, or the engine failed (`EngineDead`, also after some outputs).
+            ValueError / StructuredOutputUnavailable: the engine refused the request (a bad or
+                duplicate id, a bad prompt, ...).
+        Closing or cancelling the iterator before the last output aborts the request, which frees
+        its cache blocks at the engine's next step.
+        """
+        request_id, stream = self._submit(prompt, params or SamplingParams(), request_id)
+        finished = False
+        reported: list[tuple[int, int]] = []      # per sample: (tokens, characters) already yielded
+        try:
+            while True:
+                await stream.event.wait()
+                stream.event.clear()
+                if stream.error is not None:
+                    finished = True
+                    raise stream.error
+                out = stream.latest
+                if out is None:
+                    continue
+                finished = out.finished
+                if delta:
+                    new = _delta(out, reported)
+                    reported = [(len(c.token_ids), len(c.text)) for c in out.outputs]
+                    out = new
+                yield out
+                if finished:
+                    return
+        finally:
+            self._streams.pop(request_id, None)
+            if not finished:
+                self.abort(request_id)
+
+    @property
+    def num_unfinished(self) -> int:
+        """Requests accepted and not yet finished."""
+        return len(self._streams)
+
+    async def _wait_streams_ended(self, poll_s: float) -> None:
+        """Until every open stream got its last output or error (a consumer that never reads it does
+        not hold this up)."""
+        while any(not stream.ended for stream in self._streams.values()):
+            await asyncio.sleep(poll_s)
+
+
+def _delta(out: RequestOutput, reported: list[tuple[int, int]]) -> RequestOutput:
+    """`out` with each sample cut to what follows its first (tokens, characters) in `reported` (none
+    there: nothing cut; the engine only appends to both, so the cut is exact). A running output of one
+    sample is rebuilt without the field checks (`running_output`: it has no finish reason to check), as
+    the engine builds it."""
+    cut = []
+    for index, completion in enumerate(out.outputs):
+        num_tokens, num_chars = reported[index] if index < len(reported) else (0, 0)
+        logprobs = None if completion.logprobs is None else completion.logprobs[num_tokens:]
+        entries = None if completion.logprob_entries is None else completion.logprob_entries[num_tokens:]
+        cut.append((completion, completion.text[num_chars:], completion.token_ids[num_tokens:], logprobs, entries))
+    if not out.finished and len(cut) == 1:
+        _, text, token_ids, logprobs, entries = cut[0]
+        return running_output(out.request_id, out.prompt, out.prompt_token_ids, text, token_ids, logprobs, entries,
+                              out.prompt_logprobs)
+    return dataclasses.replace(out, outputs=[dataclasses.replace(c, text=text, token_ids=ids, logprobs=logprobs,
+                                                                 logprob_entries=entries)
+                                             for c, text, ids, logprobs, entries in cut])

@@ -1,0 +1,356 @@
+"""DPAsyncLLM: the asyncio front of `data_parallel_size` rank processes, for `deepinfer serve`.
+
+    llm = DPAsyncLLM(EngineArgs(data_parallel_size=2, expert_parallel=True))
+    async for out in llm.generate("def f(", SamplingParams(max_tokens=8), delta=True):
+        print(out.outputs[0].text, end="")
+    await llm.shutdown()
+
+The front spawns one process per rank (`serve_rank.serve_rank_main`) and talks to them over
+torch.multiprocessing queues (`messages`). It tokenizes a text prompt itself, sends the request to
+the least-loaded rank (fewest tokens of prompt and output in its unfinished requests; ties to the
+lower rank) and a `Wake` to every other rank, so all of them step in lockstep while any has work
+and sleep on their inboxes when none has. A reader thread takes the ranks' reports: it adds each
+DELTA output to its request's cumulative one and posts that to the request's `OutputStream`, and it
+watches the rank processes: when one dies or reports an error, every request in flight fails with
+`EngineDead` naming the rank, the others are stopped, and the front takes no more requests.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+import time
+import uuid
+from collections.abc import Sequence
+from typing import Any
+
+import torch.multiprocessing as mp
+
+from ..async_front import (
+    DEFAULT_MAX_NUM_WAITING,
+    EngineDead,
+    EngineQueueFull,
+    EngineStats,
+    EngineStopped,
+    OutputStream,
+    ServedModel,
+    StreamingFront,
+    deliver,
+)
+from ..engine_args import EngineArgs
+from ..intake import PromptInput
+from ..llm_engine import resolve_model_dir
+from ..outputs import CompletionOutput, RequestOutput, running_output
+from ..sampling_params import SamplingParams
+from ..tokenizer import load_tokenizer
+from .eplb_live import RebalanceStats
+from .launcher import free_port
+from .messages import (
+    Abort,
+    ParallelStats,
+    RankError,
+    RankLoad,
+    RankReady,
+    RankReport,
+    Stop,
+    Submit,
+    Wake,
+)
+from .rank import RankFailure, RankSpec
+from .serve_rank import serve_rank_main
+
+logger = logging.getLogger(__name__)
+
+_POLL_S = 0.05
+
+
+class DPAsyncLLM(StreamingFront):
+    """Async generation over `args.data_parallel_size` rank processes (an `async_front.EngineClient`).
+
+    Args:
+        args: the engine arguments; data_parallel_size >= 2 ranks are spawned, each running an
+            `LLMEngine` (with expert_parallel, the routed experts are sharded over them).
+        max_num_waiting: most requests accepted but not yet running, over all ranks; one more
+            raises `EngineQueueFull` from `generate`.
+
+    Raises:
+        ValueError: data_parallel_size < 2 or a bad max_num_waiting.
+        RankFailure: a rank failed to start (its error in the message); every rank is stopped.
+    """
+
+    def __init__(self, args: EngineArgs, *, max_num_waiting: int = DEFAULT_MAX_NUM_WAITING) -> None:
+        if isinstance(max_num_waiting, bool) or not isinstance(max_num_waiting, int) or max_num_waiting < 1:
+            raise ValueError(f"max_num_waiting={max_num_waiting!r} must be an int >= 1")
+        if args.data_parallel_size < 2:
+            raise ValueError(f"data_parallel_size={args.data_parallel_size} must be >= 2 (use AsyncLLM for one rank)")
+        self.max_num_waiting = max_num_waiting
+        self._num_ranks = args.data_parallel_size
+        self._timeout_s = args.distributed_timeout_s
+        self._eplb = args.eplb is not None
+        self._streams: dict[str, OutputStream] = {}
+        self._lock = threading.Lock()            # guards everything below, shared with the reader thread
+        self._seq = 0                            # counted messages sent to every rank
+        self._owner: dict[str, int] = {}         # request id -> its rank, until its last output
+        self._cost: dict[str, int] = {}          # request id -> its tokens (prompt + output so far)
+        self._cumulative: dict[str, RequestOutput] = {}
+        self._loads = [0] * self._num_ranks      # per rank: the sum of its requests' costs
+        self._num_owned = [0] * self._num_ranks
+        self._num_sent = [0] * self._num_ranks
+        self._rank_loads = [RankLoad(0, 0, 0)] * self._num_ranks
+        self._rebalances: list[RebalanceStats] = []
+        self._stopping = False
+        self._failure: str | None = None
+        ctx = mp.get_context("spawn")
+        init_method = f"tcp://127.0.0.1:{free_port()}"
+        self._outbox = ctx.Queue()
+        self._inboxes = [ctx.Queue() for _ in range(self._num_ranks)]
+        self._procs = [ctx.Process(target=serve_rank_main, name=f"deepinfer-dp-serve-rank-{rank}", daemon=True,
+                                   args=(RankSpec(rank, self._num_ranks, init_method), args, inbox, self._outbox))
+                       for rank, inbox in enumerate(self._inboxes)]
+        for proc in self._procs:
+            proc.start()
+        max_model_len = self._wait_ready()
+        model_dir = resolve_model_dir(args.resolved().model)
+        self.model = ServedModel(model_dir, load_tokenizer(model_dir), max_model_len, args.model is None)
+        self._reader = threading.Thread(target=self._read, name="deepinfer-dp-reader", daemon=True)
+        self._reader.start()
+
+    # ------------------------------------------------------------------ state
+
+    @property
+    def pids(self) -> tuple[int, ...]:
+        """The rank processes' ids, by rank."""
+        return tuple(proc.pid for proc in self._procs)
+
+    @property
+    def is_running(self) -> bool:
+        """Every rank is alive and the front takes requests (not shut down, not failed)."""
+        return not self._stopping and self._failure is None and self._reader.is_alive()
+
+    @property
+    def failure(self) -> str | None:
+        """Why the ranks stopped when one failed ("DP rank 1 exited with code -9", ...), else None."""
+        return self._failure
+
+    @property
+    def stats(self) -> EngineStats:
+        """The sum of `parallel_stats().rank_stats`."""
+        ranks = self._rank_stats()
+        return EngineStats(sum(s.num_running for s in ranks), sum(s.num_waiting for s in ranks),
+                           sum(s.num_free_kv_blocks for s in ranks), sum(s.num_kv_blocks for s in ranks))
+
+    def parallel_stats(self) -> ParallelStats:
+        """Per-rank running / waiting requests, KV cache and requests sent, and the EPLB re-placements so far."""
+        with self._lock:
+            rebalances, num_sent = tuple(self._rebalances), tuple(self._num_sent)
+        return ParallelStats(self._rank_stats(), num_sent, self._eplb, rebalances)
+
+    def _rank_stats(self) -> tuple[EngineStats, ...]:
+        with self._lock:      # waiting: owned by the rank (queued here or there) and not running there
+            return tuple(EngineStats(load.num_running, max(0, owned - load.num_running), load.num_free_kv_blocks,
+                                     load.num_kv_blocks) for load, owned in zip(self._rank_loads, self._num_owned))
+
+    # ------------------------------------------------------------------ event-loop side
+
+    def _submit(self, prompt: PromptInput | Sequence[int], params: SamplingParams,
+                request_id: str | None) -> tuple[str, OutputStream]:
+        if self._failure is not None:
+            raise EngineDead(self._failure)
+        if self._stopping:
+            raise EngineStopped("the server is shutting down")
+        if len(self._streams) - self.stats.num_running >= self.max_num_waiting:
+            raise EngineQueueFull(f"{self.max_num_waiting} requests are already waiting (max_num_waiting); retry later")
+        request_id = f"req-{uuid.uuid4().hex}" if request_id is None else request_id
+        if request_id in self._streams or request_id in self._owner:
+            raise ValueError(f"request_id={request_id!r} is already in use")
+        prompt, num_prompt_tokens = self._tokenized(prompt)
+        stream = OutputStream(asyncio.get_running_loop())
+        self._streams[request_id] = stream
+        with self._lock:
+            rank = self._loads.index(min(self._loads))
+            self._owner[request_id] = rank
+            self._cost[request_id] = num_prompt_tokens
+            self._loads[rank] += num_prompt_tokens
+            self._num_owned[rank] += 1
+            self._num_sent[rank] += 1
+            self._send_counted(lambda seq, r: Submit(seq, request_id, prompt, params) if r == rank else Wake(seq))
+        return request_id, stream
+
+    def _tokenized(self, prompt: PromptInput | Sequence[int]) -> tuple[PromptInput | Sequence[int], int]:
+        """(the prompt to send, its token count). Text becomes {"prompt_token_ids", "prompt"} here (the
+        engine gives both forms the same result), so the rank does not tokenize it again; a prompt
+        the front cannot read goes as it is, to be refused by the rank's engine."""
+        tokenizer = self.model.tokenizer
+        if isinstance(prompt, str):
+            if tokenizer is None:
+                return prompt, 0
+            ids = tokenizer.encode(prompt)
+            return {"prompt_token_ids": ids, "prompt": prompt}, len(ids)
+        ids = prompt.get("prompt_token_ids") if isinstance(prompt, dict) else prompt
+        return prompt, len(ids) if isinstance(ids, list | tuple) else 0
+
+    def _send_counted(self, make: Any) -> None:
+        """Send `make(seq, rank)` to every rank under the next sequence number (lock held)."""
+        self._seq += 1
+        for rank, inbox in enumerate(self._inboxes):
+            inbox.put(make(self._seq, rank))
+
+    def abort(self, request_id: str) -> None:
+        """Abort a request (unknown or finished ids are ignored); its stream ends without a last output."""
+        with self._lock:
+            rank = self._owner.get(request_id)
+            if rank is not None and self._failure is None:
+                self._inboxes[rank].put(Abort(request_id))
+
+    async def shutdown(self, *, drain: bool = True, poll_s: float = 0.05) -> None:
+        """Stop taking requests; with drain, let every accepted request finish (else abort them), then
+        stop the ranks (they exit once none has work) and wait for them."""
+        if self._stopping:
+            return
+        self._stopping = True
+        if not drain:
+            for request_id in list(self._streams):
+                self.abort(request_id)
+        with self._lock:
+            if self._failure is None:
+                self._send_counted(lambda seq, _: Stop(seq))
+        await asyncio.to_thread(self._join_ranks)
+        await asyncio.to_thread(self._reader.join)
+        await self._wait_streams_ended(poll_s)
+
+    def _join_ranks(self) -> None:
+        """Wait for every rank to exit (a drained rank exits by itself); terminate what is left after
+        the distributed timeout."""
+        deadline = time.monotonic() + self._timeout_s
+        for proc in self._procs:
+            proc.join(max(0.0, deadline - time.monotonic()))
+        self._terminate()
+
+    def _terminate(self) -> None:
+        for proc in self._procs:
+            if proc.is_alive():
+                proc.terminate()
+                proc.join(self._timeout_s)
+                if proc.is_alive():
+                    proc.kill()
+                    proc.join()
+
+    # ------------------------------------------------------------------ start-up
+
+    def _wait_ready(self) -> int:
+        """Wait for every rank's `RankReady`; the max_model_len they report. A rank that fails first
+        stops them all and raises RankFailure."""
+        max_model_len = 0
+        ready: set[int] = set()
+        while len(ready) < self._num_ranks:
+            try:
+                message = self._outbox.get(timeout=_POLL_S)
+            except queue.Empty:
+                dead = self._dead_ranks()
+                if dead:
+                    self._terminate()
+                    raise RankFailure(f"{dead} while starting") from None
+                continue
+            if isinstance(message, RankError):
+                self._terminate()
+                raise RankFailure(f"DP rank {message.rank} failed while starting: {message.detail}")
+            if isinstance(message, RankReady):
+                ready.add(message.rank)
+                max_model_len = message.max_model_len
+        return max_model_len
+
+    def _dead_ranks(self) -> str:
+        """'DP rank R exited with code C; ...' for the ranks that exited (after Stop, exit code 0 is fine)."""
+        return "; ".join(f"DP rank {rank} exited with code {proc.exitcode}" for rank, proc in enumerate(self._procs)
+                         if not proc.is_alive() and not (self._stopping and proc.exitcode == 0))
+
+    # ------------------------------------------------------------------ reader thread
+
+    def _read(self) -> None:
+        """Take the ranks' reports until every rank has exited (and its last report is read), or one fails."""
+        while True:
+            try:
+                message = self._outbox.get(timeout=_POLL_S)
+            except queue.Empty:
+                message = None
+            dead = self._dead_ranks()
+            if isinstance(message, RankError) or dead:
+                error = f"DP rank {message.rank}: {message.detail}" if isinstance(message, RankError) else ""
+                self._fail("; ".join(part for part in (dead, error) if part))
+                return
+            if isinstance(message, RankReport):
+                self._take_report(message)
+            elif message is None and not any(proc.is_alive() for proc in self._procs):
+                return        # stopped: every rank exited cleanly and its reports are read
+
+    def _take_report(self, report: RankReport) -> None:
+        posts: list[tuple[OutputStream, RequestOutput]] = []
+        with self._lock:
+            self._rank_loads[report.rank] = report.load
+            self._rebalances.extend(report.rebalances)
+            for delta in report.outputs:
+                request_id = delta.request_id
+                out = _accumulate(self._cumulative.get(request_id), delta)
+                num_new = sum(len(c.token_ids) for c in delta.outputs)
+                if out.finished:
+                    self._forget(request_id)
+                else:
+                    self._cumulative[request_id] = out
+                    self._cost[request_id] += num_new
+                    self._loads[report.rank] += num_new
+                stream = self._streams.get(request_id)
+                if stream is not None:
+                    posts.append((stream, out))
+            for refusal in report.refusals:
+                self._forget(refusal.request_id)
+                stream = self._streams.get(refusal.request_id)
+                if stream is not None:
+                    stream.fail(refusal.error)
+        deliver(posts, self.abort)
+
+    def _forget(self, request_id: str) -> None:
+        """Drop a request that ended on its rank (lock held)."""
+        rank = self._owner.pop(request_id)
+        self._loads[rank] -= self._cost.pop(request_id)
+        self._num_owned[rank] -= 1
+        self._cumulative.pop(request_id, None)
+
+    def _fail(self, reason: str) -> None:
+        """A rank failed: fail every stream with EngineDead(reason), stop the other ranks."""
+        logger.error("the DP ranks stopped: %s; every request in flight fails", reason)
+        with self._lock:
+            self._failure = reason
+        for stream in list(self._streams.values()):
+            stream.fail(EngineDead(f"the server's engine failed: {reason}"))
+        self._terminate()
+
+
+def _accumulate(previous: RequestOutput | None, delta: RequestOutput) -> RequestOutput:
+    """The cumulative output after `delta` (a rank's DELTA output, `messages.RankReport`): each sample's
+    text, tokens and logprobs appended to `previous`'s, the finish fields of `delta`; the prompt, its ids
+    and logprobs kept from the first output that had them."""
+    if previous is None:
+        return delta
+    prompt_logprobs = delta.prompt_logprobs or previous.prompt_logprobs
+    if not delta.finished and len(delta.outputs) == 1:
+        old, new = previous.outputs[0], delta.outputs[0]
+        return running_output(previous.request_id, previous.prompt, previous.prompt_token_ids, old.text + new.text,
+                              old.token_ids + new.token_ids, _joined(old.logprobs, new.logprobs),
+                              _joined(old.logprob_entries, new.logprob_entries), prompt_logprobs)
+    samples = [CompletionOutput(index=new.index, text=old.text + new.text, token_ids=old.token_ids + new.token_ids,
+                                finish_reason=new.finish_reason, logprobs=_joined(old.logprobs, new.logprobs),
+                                stop_reason=new.stop_reason, ignored_reason=new.ignored_reason,
+                                error_reason=new.error_reason,
+                                logprob_entries=_joined(old.logprob_entries, new.logprob_entries))
+               for old, new in zip(previous.outputs, delta.outputs)]
+    return RequestOutput(previous.request_id, previous.prompt, previous.prompt_token_ids, samples, delta.finished,
+                         prompt_logprobs)
+
+
+def _joined(old: list | None, new: list | None) -> list | None:
+    return None if old is None or new is None else old + new
+
+
+__all__ = ["DPAsyncLLM"]
