@@ -1,5 +1,5 @@
-"""Prefill of V4-Flash-shaped layers on one GPU: tokens/s, the FLOP and byte model per op class, a
-torch.profiler attribution of the kernel time to those classes, MFU and bandwidth per class.
+"""Prefill of V4-Flash-shaped layers on one GPU: tokens/s, the FLOP and byte model per op class, the
+time of one marked prompt per op class (CUDA events), MFU and bandwidth per class.
 
     source .device/activate.sh && source benchmarks/device_env.sh
     python3 benchmarks/prefill_gpu.py --layers 8 --out $OUT/prefill.json
@@ -12,12 +12,13 @@ expert dtype (`--expert-dtypes`, bf16 and FP8 block-scaled by default) and per c
 prompt:chunk — a one-shot 8K prompt, a 32K prompt in 8K and in 2K chunks by default): one warm-up
 prompt (Triton compiles for the shapes), then `--repeats` prompts of fresh random tokens, the whole
 prompt timed by CUDA events (chunks back to back, one sequence, one forward per chunk), the median
-reported. The cases in `--profile-cases` then run once more under torch.profiler with every module
-forward and kernel-set op wrapped in a `record_function` range naming its op class; each kernel's
-time goes to the innermost range it was launched in (see `Attribution`). FLOPs and floor bytes come
-from `prefill_flops.py`; MFU = FLOPs / time / peak (the FP8 peak for FP8 experts), overall as the
-time at peak over the time taken. Sections fail independently (an error is recorded, the rest
-runs); past `--budget-s` the remaining sections are skipped. JSON to `--out` after every section.
+reported. The cases in `--attribute-cases` then run once more, separately, with a pair of CUDA
+events around every hooked module forward and kernel-set op (`prefill_ranges.py`): each class gets
+the exclusive stream time of its ranges, and the classes add up to the marked prompt's time, which
+the event records make slightly longer than the unmarked median. FLOPs and floor bytes come from
+`prefill_flops.py`; MFU = FLOPs / time / peak (the FP8 peak for FP8 experts), overall as the time at
+peak over the time taken. Sections fail independently (an error is recorded, the rest runs); past
+`--budget-s` the remaining sections are skipped. JSON to `--out` after every section.
 """
 
 from __future__ import annotations
@@ -37,32 +38,18 @@ os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
 
 import torch
 from prefill_flops import CLASSES, OpCost, chunked, prefill_costs
+from prefill_ranges import CudaClock, OpClassTimer
 from v4_decode_gpu import FLASH, copy_bandwidth, layer_schedule
 from v4_flash_dummy import flash_config
 
 from deepinfer.kernels import KernelSet
 from deepinfer.model import DeepseekV4Config, ForwardBatch, ModelCache
-from deepinfer.model.layers.attention import Attention
-from deepinfer.model.layers.compressor import Compressor
-from deepinfer.model.layers.moe import Experts, MoE
-from deepinfer.model.model import Block, build_model
+from deepinfer.model.model import build_model
 
 BLOCK_SIZE = 128
-# Profile classes beyond the FLOP model's: kernels launched by the attention outside any op (row
-# gathers, cache writes, casts), and by nothing we label.
-PROFILE_CLASSES = (*CLASSES, "data_movement", "other")
-OP_CLASS = {
-    "sparse_attention": "attn_core", "indexer_scores": "indexer", "topk_lowest_index": "indexer",
-    "compress_pool": "compressor", "hc_pre": "mhc", "hc_post": "mhc", "hc_head": "embed_head",
-    "rms_norm": "norm_rope", "norm_rope": "norm_rope", "apply_rope": "norm_rope", "grouped_linear": "attn_proj",
-    "route": "router", "router_scores": "router", "routing_weights": "router", "moe_experts": "moe_routed",
-    "moe_experts_fp8": "moe_routed", "moe_experts_mxfp4": "moe_routed", "clamped_swiglu": "moe_shared",
-    "linear": "other", "fake_quant_fp8": "norm_rope", "fake_quant_fp4": "norm_rope",
-}
-# Context (module forward) → class of the kernels launched in it outside any op; the compressor's
-# context claims its ops too (its norm and RoPE are the compressor's in the FLOP model).
-CONTEXT_CLASS = {"model": "embed_head", "block": "other", "attention": "data_movement", "compressor": "compressor",
-                 "moe": "other", "experts": "moe_routed"}
+# Timed classes beyond the FLOP model's: the attention's time outside any op (row gathers, cache
+# writes, casts), and what no range claims (prefill_ranges.py).
+TIMED_CLASSES = (*CLASSES, "data_movement", "other")
 
 
 def parse_args() -> argparse.Namespace:
@@ -72,7 +59,7 @@ def parse_args() -> argparse.Namespace:
                     help="issue: v4_decode_gpu.py's 0,4,128,4 pattern; release: the released schedule's first layers")
     ap.add_argument("--cases", default="8192:8192,32768:8192,32768:2048", help="prompt:chunk lengths")
     ap.add_argument("--expert-dtypes", default="bf16,fp8", help="routed experts: bf16, fp8, fp4")
-    ap.add_argument("--profile-cases", default="8192:8192", help="cases also run under torch.profiler")
+    ap.add_argument("--attribute-cases", default="8192:8192", help="cases also run once with op-class ranges marked")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--peak-bf16", type=float, default=790e12, help="FLOP/s, dense bf16")
     ap.add_argument("--peak-fp8", type=float, default=1580e12, help="FLOP/s, dense FP8")
@@ -102,7 +89,7 @@ def case_name(case: tuple[int, int]) -> str:
 
 def peaks(args: argparse.Namespace, expert_dtype: str | None) -> dict[str, float]:
     """FLOP/s peak of each class: bf16, except routed experts stored in FP8 (FP8 peak)."""
-    out = dict.fromkeys(PROFILE_CLASSES, args.peak_bf16)
+    out = dict.fromkeys(TIMED_CLASSES, args.peak_bf16)
     if expert_dtype == "fp8":
         out["moe_routed"] = args.peak_fp8
     return out
@@ -111,7 +98,7 @@ def peaks(args: argparse.Namespace, expert_dtype: str | None) -> dict[str, float
 def class_rows(costs: dict[str, OpCost], seconds: dict[str, float], peak: dict[str, float], bw: float) -> dict:
     """Per class: FLOPs, floor bytes, floor time, and with a measured time the achieved rates."""
     rows = {}
-    for name in PROFILE_CLASSES:
+    for name in TIMED_CLASSES:
         cost = costs.get(name, OpCost(0.0, 0.0))
         floor = max(cost.flops / peak[name], cost.bytes / bw)
         row = {"gflop": cost.flops / 1e9, "gbytes": cost.bytes / 1e9, "floor_ms": floor * 1e3,
@@ -147,135 +134,6 @@ def dry_run(args: argparse.Namespace, cfg: DeepseekV4Config) -> None:
             print(f"{'class':<12}{'GFLOP':>10}{'GB':>9}{'floor ms':>10}  bound")
             for name, row in rows.items():
                 print(f"{name:<12}{row['gflop']:10.1f}{row['gbytes']:9.2f}{row['floor_ms']:10.2f}  {row['bound']}")
-
-
-class Attribution:
-    """torch.profiler ranges for the op classes, installed on a model and a kernel set for one run.
-
-    Module forwards (the model, its blocks, attention, MoE, routed experts) and the compressors'
-    `compress` get a "pf/ctx:<context>" range through forward hooks (the compressors through an
-    instance attribute wrapping the method); every kernel-set op called outside the compressor gets
-    "pf/op:<class>" — or, for the projections whose weights are stacked (an attention's input
-    projections, its query-latent projections), "pf/split:<key>", whose time is split between classes
-    in proportion to their output columns (one GEMM, one input: time ∝ columns). A kernel belongs
-    to the innermost range it was launched in; kernels in a context outside any op take
-    CONTEXT_CLASS of the context.
-    """
-
-    def __init__(self, model: torch.nn.Module, base: KernelSet) -> None:
-        self.ops = KernelSet(base.device_type)
-        self.splits: dict[str, dict[str, float]] = {}
-        self.linear_key: dict[int, str] = {}
-        self._stack: list[tuple[str, torch.profiler.record_function]] = []
-        self._in_op = False
-        self._hooks: list = []
-        self._wrapped: list[Compressor] = []
-        for name in OP_CLASS:
-            setattr(self.ops, name, self._wrap_op(name, getattr(base, name)))
-        for module in model.modules():
-            if isinstance(module, Attention):
-                self._register_splits(module)
-            if isinstance(module, MoE):
-                self.linear_key[module.gate.weight.data_ptr()] = "op:router"
-            context = ("model" if module is model else "block" if isinstance(module, Block)
-                       else "attention" if isinstance(module, Attention) else "moe" if isinstance(module, MoE)
-                       else "experts" if isinstance(module, Experts) else None)
-            if context is not None:
-                self._hooks.append(module.register_forward_pre_hook(lambda *_, c=context: self._enter(c)))
-                self._hooks.append(module.register_forward_hook(lambda *_: self._exit()))
-            if isinstance(module, Compressor):
-                module.compress = self._wrap_context("compressor", module.compress)
-                self._wrapped.append(module)
-
-    def remove(self) -> None:
-        """Take the hooks and the compressor wrappers off the model."""
-        for hook in self._hooks:
-            hook.remove()
-        for module in self._wrapped:
-            del module.compress
-        self._stack.clear()
-
-    def _register_splits(self, attn: Attention) -> None:
-        """Stacked weights of `attn` (built by its first forward) → their classes' column shares."""
-        def share(parts: list[tuple[str, torch.nn.Linear]]) -> dict[str, float]:
-            out: dict[str, float] = defaultdict(float)
-            for name, linear in parts:
-                out[name] += linear.out_features
-            total = sum(out.values())
-            return {name: columns / total for name, columns in out.items()}
-
-        x_parts = [("attn_proj", attn.wq_a), ("attn_proj", attn.wkv)]
-        q_parts = [("attn_proj", attn.wq_b)]
-        if attn.compressor is not None:
-            x_parts += [("compressor", attn.compressor.wkv), ("compressor", attn.compressor.wgate)]
-        if attn.indexer is not None:
-            x_parts += [("indexer", attn.indexer.weights_proj), ("compressor", attn.indexer.compressor.wkv),
-                        ("compressor", attn.indexer.compressor.wgate)]
-            q_parts += [("indexer", attn.indexer.wq_b)]
-        for attr, parts in (("_x_weight", x_parts), ("_q_weight", q_parts)):
-            stacked = attn.__dict__.get(attr)
-            if stacked is not None:
-                key = f"{attr[1]}{attn.layer}"
-                self.splits[key] = share(parts)
-                self.linear_key[stacked.data_ptr()] = f"split:{key}"
-        self.linear_key[attn.wo_b.weight.data_ptr()] = "op:attn_proj"
-
-    def _enter(self, context: str) -> None:
-        rf = torch.profiler.record_function(f"pf/ctx:{context}")
-        rf.__enter__()
-        self._stack.append((context, rf))
-
-    def _exit(self) -> None:
-        self._stack.pop()[1].__exit__(None, None, None)
-
-    def _wrap_context(self, context: str, fn):
-        def wrapped(*args, **kwargs):
-            self._enter(context)
-            try:
-                return fn(*args, **kwargs)
-            finally:
-                self._exit()
-        return wrapped
-
-    def _wrap_op(self, name: str, fn):
-        def wrapped(*args, **kwargs):
-            if self._in_op or (self._stack and self._stack[-1][0] == "compressor"):
-                return fn(*args, **kwargs)
-            label = f"op:{OP_CLASS[name]}"
-            if name == "linear":
-                label = self.linear_key.get(args[1].data_ptr(), f"op:{self._context_class()}")
-            self._in_op = True
-            try:
-                with torch.profiler.record_function(f"pf/{label}"):
-                    return fn(*args, **kwargs)
-            finally:
-                self._in_op = False
-        return wrapped
-
-    def _context_class(self) -> str:
-        return CONTEXT_CLASS[self._stack[-1][0]] if self._stack else "other"
-
-    def attribute(self, prof) -> tuple[dict[str, float], dict[str, list], float]:
-        """(seconds per class, top kernels per class [(name, ms)], all kernels' seconds) of a profile."""
-        seconds: dict[str, float] = defaultdict(float)
-        kernels: dict[str, dict[str, float]] = defaultdict(lambda: defaultdict(float))
-        for event in prof.events():
-            if event.device_type.name != "CPU" or not event.kernels:
-                continue
-            parent = event
-            while parent is not None and not parent.name.startswith("pf/"):
-                parent = parent.cpu_parent
-            label = parent.name[3:] if parent is not None else "op:other"
-            kind, _, key = label.partition(":")
-            shares = (self.splits[key] if kind == "split" else {CONTEXT_CLASS[key] if kind == "ctx" else key: 1.0})
-            for kernel in event.kernels:
-                for cls, fraction in shares.items():
-                    seconds[cls] += kernel.duration * 1e-6 * fraction
-                    kernels[cls][kernel.name[:60]] += kernel.duration * 1e-3 * fraction
-        device_s = sum(e.time_range.elapsed_us() for e in prof.events() if e.device_type.name == "CUDA") * 1e-6
-        top = {cls: sorted(((n, round(ms, 2)) for n, ms in by_name.items()), key=lambda x: -x[1])[:3]
-               for cls, by_name in kernels.items()}
-        return dict(seconds), top, device_s
 
 
 def prompt_batches(cfg: DeepseekV4Config, case: tuple[int, int], table: list[int], seed: int) -> list[ForwardBatch]:
@@ -314,23 +172,26 @@ def time_case(model, cfg, ops, case, repeats: int) -> dict:
             "chunk_ms": chunk_ms, "peak_memory_GB": torch.cuda.max_memory_allocated() / 1e9}
 
 
-def profile_case(model, cfg, base_ops, case) -> dict:
-    from torch.profiler import ProfilerActivity, profile
-
+def attribute_case(model, cfg, base_ops, case) -> dict:
+    """One more prompt of `case` with the op classes' ranges marked by CUDA events (prefill_ranges.py):
+    the marked prompt's time and its seconds per class, summed over its chunks."""
     blocks = -(-case[0] // BLOCK_SIZE)
     cache = ModelCache.allocate(model.cache_spec(BLOCK_SIZE), blocks + 1, 2, "cuda")
     table = list(range(1, blocks + 1))
     run_prompt(model, cache, base_ops, prompt_batches(cfg, case, table, seed=0))   # stacked weights exist now
-    attribution = Attribution(model, base_ops)
+    timer = OpClassTimer(model, base_ops, CudaClock())
     try:
-        batches = prompt_batches(cfg, case, table, seed=99)
-        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-            wall_s, _ = run_prompt(model, cache, attribution.ops, batches)
-        seconds, top, device_s = attribution.attribute(prof)
+        with torch.no_grad():
+            chunks = [timer.time(functools.partial(model, batch, cache))
+                      for batch in prompt_batches(cfg, case, table, seed=99)]
     finally:
-        attribution.remove()
-    return {"profiled_wall_s": wall_s, "kernel_s": device_s, "unlinked_s": device_s - sum(seconds.values()),
-            "class_s": seconds, "top_kernels": top}
+        timer.remove()
+    class_s: dict[str, float] = defaultdict(float)
+    for times in chunks:
+        for name, seconds in times.class_s.items():
+            class_s[name] += seconds
+    return {"marked_s": sum(t.total_s for t in chunks), "num_ranges": sum(t.num_ranges for t in chunks),
+            "class_s": dict(class_s)}
 
 
 def measure_ceilings() -> dict:
@@ -420,15 +281,15 @@ def main() -> None:
                 row.update(overall(costs, row["prefill_s"], peak, args.peak_bw))
                 print(f"{key}: {row['tokens_per_s']:,.0f} tokens/s, MFU {row['mfu']:.3f}", flush=True)
             _write(report, args.out)
-        for case in parse_cases(args.profile_cases):
-            key = f"{dtype}/{case_name(case)}/profile"
+        for case in parse_cases(args.attribute_cases):
+            key = f"{dtype}/{case_name(case)}/classes"
             if model is None:
                 continue
-            prof = guarded(report, key, started, args.budget_s,
-                           functools.partial(profile_case, model, cfg, base_ops, case))
-            if prof and "class_s" in prof:
+            marked = guarded(report, key, started, args.budget_s,
+                             functools.partial(attribute_case, model, cfg, base_ops, case))
+            if marked and "class_s" in marked:
                 costs = prefill_costs(cfg, chunked(*case), expert_dtype=expert_dtype)
-                prof["classes"] = class_rows(costs, prof.pop("class_s"), peak, args.peak_bw)
+                marked["classes"] = class_rows(costs, marked.pop("class_s"), peak, args.peak_bw)
             _write(report, args.out)
         del model
         gc.collect()
@@ -445,7 +306,7 @@ def _write(report: dict, path: str | None) -> None:
 
 
 def print_tables(report: dict) -> None:
-    """The cases, then each profile's classes (the figures the docs take)."""
+    """The cases, then each marked prompt's classes (the figures the docs take)."""
     ceilings = report.get("ceilings", {})
     if "copy_Bps" in ceilings:
         print(f"\nceilings: copy {ceilings['copy_Bps'] / 1e12:.2f} TB/s, bf16 GEMM "
@@ -459,23 +320,24 @@ def print_tables(report: dict) -> None:
                       f"{row['floor_ms']:10.1f}{row['over_floor']:8.2f}{row['peak_memory_GB']:8.1f}")
             else:
                 print(f"{key:<16}{row.get('error', row.get('skipped', ''))[:60]}")
-    for key, prof in report.items():
-        if not key.endswith("/profile") or not isinstance(prof, dict):
+    for key, marked in report.items():
+        if not key.endswith("/classes") or not isinstance(marked, dict):
             continue
-        if "classes" not in prof:
-            print(f"\n{key}: {prof.get('error', prof.get('skipped', ''))[:80]}")
+        if "classes" not in marked:
+            print(f"\n{key}: {marked.get('error', marked.get('skipped', ''))[:80]}")
             continue
-        print(f"\n{key}: kernels {prof['kernel_s'] * 1e3:.1f} ms, profiled wall "
-              f"{prof['profiled_wall_s'] * 1e3:.1f} ms, unlinked {prof['unlinked_s'] * 1e3:.1f} ms")
+        unmarked = report.get(key.removesuffix("/classes"), {}).get("prefill_s")
+        slower = f" ({marked['marked_s'] / unmarked - 1:+.1%} against the unmarked median)" if unmarked else ""
+        print(f"\n{key}: marked prompt {marked['marked_s'] * 1e3:.1f} ms{slower}, {marked['num_ranges']} ranges; "
+              f"classes sum to {sum(r.get('ms', 0.0) for r in marked['classes'].values()):.1f} ms")
         print(f"{'class':<14}{'ms':>8}{'share':>7}{'GFLOP':>9}{'TFLOP/s':>9}{'MFU':>7}{'GB/s':>8}{'BW':>6}"
               f"{'x floor':>8}")
-        for name, row in prof["classes"].items():
+        for name, row in marked["classes"].items():
             if "ms" not in row:
                 continue
-            print(f"{name:<14}{row['ms']:8.2f}{row['ms'] / prof['kernel_s'] / 1e3:7.1%}{row['gflop']:9.0f}"
+            print(f"{name:<14}{row['ms']:8.2f}{row['ms'] / marked['marked_s'] / 1e3:7.1%}{row['gflop']:9.0f}"
                   f"{row['tflops']:9.1f}{row['mfu']:7.3f}{row['gbps']:8.0f}{row['bw_frac']:6.2f}"
                   f"{row['over_floor'] or float('nan'):8.2f}")
-
 
 if __name__ == "__main__":
     main()
