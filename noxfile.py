@@ -42,7 +42,7 @@ LOCAL_DEPS: dict[str, tuple[str, ...]] = {
     "sched": ("cache",),
     "spec": ("kernels", "model"),   # runtime: none; its tests run the loop over a tiny deepinfer-model
     "eplb": (),
-    "engine": ("kernels", "model", "cache", "sched"),
+    "engine": ("kernels", "model", "cache", "sched", "spec", "eplb"),
 }
 NEEDS_TORCH = {"kernels", "model", "spec", "engine"}
 COMPILED = {"cache", "sched"}  # Cython: built, then repaired into manylinux wheels

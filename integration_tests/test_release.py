@@ -94,7 +94,8 @@ def test_every_package_ships_the_root_license_under_spdx_apache() -> None:
 def test_engine_requires_only_the_siblings_it_imports() -> None:
     project = tomllib.loads((ROOT / "packages/deepinfer-engine/pyproject.toml").read_text(encoding="utf-8"))["project"]
     siblings = sorted(r for r in project["dependencies"] if r.startswith("deepinfer-"))
-    assert siblings == sorted(f"deepinfer-{name}~={VERSION}" for name in ("kernels", "model", "cache", "sched"))
+    assert siblings == sorted(f"deepinfer-{name}~={VERSION}"
+                              for name in ("kernels", "model", "cache", "sched", "spec", "eplb"))
 
 
 def test_bump_moves_every_version_pin_and_changelog_and_nothing_else(tree: Path) -> None:
@@ -107,7 +108,8 @@ def test_bump_moves_every_version_pin_and_changelog_and_nothing_else(tree: Path)
     assert release.check_sources(tree) == []
     engine = tomllib.loads((tree / "packages/deepinfer-engine/pyproject.toml").read_text(encoding="utf-8"))
     assert [r for r in engine["project"]["dependencies"] if r.startswith("deepinfer-")] == [
-        "deepinfer-kernels~=9.8.7", "deepinfer-model~=9.8.7", "deepinfer-cache~=9.8.7", "deepinfer-sched~=9.8.7"]
+        "deepinfer-kernels~=9.8.7", "deepinfer-model~=9.8.7", "deepinfer-cache~=9.8.7", "deepinfer-sched~=9.8.7",
+        "deepinfer-spec~=9.8.7", "deepinfer-eplb~=9.8.7"]
     after = _snapshot(tree)
     for name in release.PACKAGES:
         pyproject = f"packages/deepinfer-{name}/pyproject.toml"
@@ -147,13 +149,13 @@ TAMPERS: dict[str, tuple[Callable[[Path], None], str]] = {
                            f'"deepinfer-cache>={VERSION}"'),
         f"deepinfer-sched: pin deepinfer-cache>={VERSION} is not deepinfer-cache~={VERSION}"),
     "sibling imported, not declared": (
-        lambda root: (root / "packages/deepinfer-engine/src/deepinfer/engine/_balance.py").write_text(
+        lambda root: (root / "packages/deepinfer-sched/src/deepinfer/sched/_balance.py").write_text(
             "def plan():\n    from deepinfer.eplb import rebalance_experts\n    return rebalance_experts\n"),
-        "deepinfer-engine imports deepinfer.eplb but does not declare deepinfer-eplb"),
+        "deepinfer-sched imports deepinfer.eplb but does not declare deepinfer-eplb"),
     "sibling declared, not imported": (
-        lambda root: _edit(root, "packages/deepinfer-engine/pyproject.toml", '    "torch>=',
-                           f'    "deepinfer-spec~={VERSION}",\n    "torch>='),
-        "deepinfer-engine declares deepinfer-spec but never imports deepinfer.spec"),
+        lambda root: _edit(root, "packages/deepinfer-sched/pyproject.toml", '    "numpy>=',
+                           f'    "deepinfer-spec~={VERSION}",\n    "numpy>='),
+        "deepinfer-sched declares deepinfer-spec but never imports deepinfer.spec"),
     "third party declared, not imported": (
         lambda root: _edit(root, "packages/deepinfer-eplb/pyproject.toml", '    "numpy>=1.24",\n',
                            '    "numpy>=1.24",\n    "tqdm>=4.60",\n'),
