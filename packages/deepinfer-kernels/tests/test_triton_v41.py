@@ -3,7 +3,9 @@
 Runs on a CUDA device; without one, under Triton's CPU interpreter when TRITON_INTERPRET=1 (float32,
 small shapes; `./dev.sh test` runs it so); otherwise skipped. Fresh random inputs per case; every cache
 row that no query may read is poisoned (NaN for plain rows, 0xFF bytes — NaN codes and scales — for
-packed ones), so a kernel that reads a row it should not, or misses one it should, fails.
+packed ones), so a kernel that reads a row it should not, or misses one it should, fails. Under the
+interpreter every test also checks each load and store of its kernels against the launch's tensor
+arguments (`kernel_bounds`, conftest.py): an access the GPU would fault on fails the test on CPU.
 """
 
 from __future__ import annotations
@@ -26,8 +28,14 @@ BIG = CUDA                      # V4.1-Flash shapes only on the GPU (the interpr
 
 
 @pytest.fixture(autouse=True)
-def _triton():
+def _triton(request: pytest.FixtureRequest):
     pytest.importorskip("triton")
+    if not INTERPRET:
+        yield
+        return
+    bounds = request.getfixturevalue("kernel_bounds")
+    yield
+    bounds.assert_clean()
 
 
 def _poison(rows: torch.Tensor, where: torch.Tensor) -> None:
@@ -146,6 +154,45 @@ def test_prefill_attention_matches_reference(num_queries, heads, dim, window, ra
     case = attention_case(num_queries + dim, num_queries, heads, dim, window, ratio, num_ids, packed=packed,
                           dtype=dtype, chunk=num_queries)
     close(case.call(v41_attention_fused), case.call(reference.v41_attention), dtype)
+
+
+@pytest.mark.parametrize(("block_h", "block_n"), [(16, 16), (64, 32)], ids=["float32-tiles", "two-byte-tiles"])
+@pytest.mark.parametrize("packed", [True, False], ids=["packed", "plain"])
+def test_later_prefill_query_block_stays_in_bounds(block_h, block_n, packed, kernel_bounds) -> None:
+    """The prefill kernel for queries 9 … 23 of a 24-row chunk (as csa2 calls it per PREFILL_QUERY_BLOCK),
+    at the float32 tiles and at the two-byte ones of >= 128 queries on the GPU (more heads and rows per
+    tile than there are heads, window rows or picks): the interpreter cannot run those in bfloat16."""
+    from deepinfer.kernels.triton_ops import v41_paged
+    from deepinfer.kernels.triton_ops.paged import _attention_tiles
+
+    case = attention_case(5, 24, 4, 64, 12, 2, 20, packed=packed, dtype=torch.float32, chunk=24)
+    rows = slice(9, 24)
+    args = (case.q[rows], case.positions[rows], case.ring, case.slots[rows], case.window, case.sink, 64**-0.5,
+            case.chunk_kv, case.chunk_start, case.paged, case.tables[rows], case.ids[rows], case.ratio)
+    tiles = {**_attention_tiles(4, 64, 1), "BLOCK_H": block_h, "BLOCK_N": block_n}
+    got = v41_paged._launch_attention(*args, tiles, 1)
+    kernel_bounds.assert_clean("_v41_attention_kernel")
+    close(got, reference.v41_attention(*args), torch.float32)
+
+
+def test_split_decode_attention_stays_in_bounds(kernel_bounds) -> None:
+    from deepinfer.kernels.triton_ops import v41_attention_invariant
+
+    case = attention_case(11, 3, 4, 64, 8, 2, 5, packed=True, dtype=torch.float32)
+    close(case.call(v41_attention_invariant), case.call(reference.v41_attention), torch.float32)
+    kernel_bounds.assert_clean("_v41_attention_kernel", "_combine_kernel")
+
+
+def test_the_bounds_check_sees_a_read_past_a_tensor(kernel_bounds) -> None:
+    from deepinfer.kernels.triton_ops.v41_quant import MXFP8, _quant_rows_kernel
+
+    x, out = torch.randn(2, 64), torch.empty(2, 66, dtype=torch.uint8)
+    _quant_rows_kernel[(2,)](x, out, 64, 66, 64, FMT=MXFP8, FAKE=False, BLOCK=32, NUM_BLOCKS=2, BLOCK_D=64)
+    kernel_bounds.assert_clean("_quant_rows_kernel")
+    _quant_rows_kernel[(2,)](x, out, 96, 66, 64, FMT=MXFP8, FAKE=False, BLOCK=32, NUM_BLOCKS=2, BLOCK_D=64)
+    bad = [(v.kernel, v.kind, v.num_bad, v.num_checked, v.offset) for v in kernel_bounds.violations]
+    assert bad == [("_quant_rows_kernel", "load", 32, 64, 512)]   # row 1 at x_row 96: floats 128 … 159 of 128
+    kernel_bounds.violations.clear()
 
 
 INDEX_CASES = [(3, 16, 32, 2, 8, 13, True), (11, 8, 32, 2, 8, 21, True), (4, 8, 64, 1, 8, 40, True),
