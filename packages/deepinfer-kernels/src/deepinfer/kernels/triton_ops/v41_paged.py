@@ -239,7 +239,10 @@ def v41_attention_fused(
         return reference.v41_attention(q, positions, ring, slots, window, sink, scale, chunk_kv, chunk_start, paged,
                                        block_tables, entry_ids, ratio)
     num_queries = q.shape[0]
-    tiles = _attention_tiles(q.element_size(), q.shape[2], num_queries)
+    # Prefill (a chunk) takes the small, unpipelined tiles (those of float32 and of batch-1 decode):
+    # the bf16 tiles of large batches (64 heads, 32 rows, 2 stages) made the prefill kernel fault
+    # with an illegal memory access on the H200 (docs/benchmarks/v41_prefill_h200.md).
+    tiles = _attention_tiles(q.element_size() if chunk_kv is None else 4, q.shape[2], num_queries)
     splits = 1
     if chunk_kv is None:
         num_tiles = triton.cdiv(window, tiles["BLOCK_N"]) + (triton.cdiv(entry_ids.shape[1], tiles["BLOCK_N"])
