@@ -38,6 +38,7 @@ import socket
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -151,13 +152,16 @@ def start_server(args: argparse.Namespace) -> tuple[subprocess.Popen, str]:
                "--max-num-seqs", str(args.max_num_seqs), "--seed", str(args.seed)]
     if args.model:
         command += ["--model", args.model]
+    log = tempfile.TemporaryFile()          # the server's stderr, shown if it does not come up
     child = subprocess.Popen(command, env={**os.environ, "OMP_NUM_THREADS": str(args.threads)},
-                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                             stdout=subprocess.DEVNULL, stderr=log)
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 120
     while True:
         if child.poll() is not None:
-            raise RuntimeError(f"deepinfer serve exited with {child.returncode}")
+            log.seek(0)
+            tail = log.read().decode(errors="replace")[-3000:]
+            raise RuntimeError(f"deepinfer serve exited with {child.returncode}; its stderr ends:\n{tail}")
         try:
             if httpx.get(f"{url}/health", timeout=1).status_code == 200:
                 return child, url
