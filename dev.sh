@@ -40,7 +40,7 @@ case "$job" in
     # The Triton-interpreter pass (one core's worth of Python) runs beside the main suite, each with one
     # torch thread: two busy processes on two cores, instead of one after the other.
     interp_log=$(mktemp)
-    TRITON_INTERPRET=1 OMP_NUM_THREADS=1 "$VENV/bin/python" -m pytest -q -p no:cacheprovider \
+    TRITON_INTERPRET=1 OMP_NUM_THREADS=1 "$VENV/bin/python" -m pytest -rA -p no:cacheprovider \
         -W ignore::DeprecationWarning \
         packages/deepinfer-kernels/tests/test_triton_ops.py packages/deepinfer-kernels/tests/test_triton_v41.py \
         packages/deepinfer-model/tests/test_v41_kernels.py integration_tests/test_triton_path.py \
@@ -50,8 +50,11 @@ case "$job" in
     OMP_NUM_THREADS=1 "$VENV/bin/python" -m pytest packages/*/tests integration_tests "$@" || status=$?
     interp_status=0
     wait "$interp" || interp_status=$?
-    echo "--- the Triton-interpreter pass (TRITON_INTERPRET=1):"
-    if [[ $interp_status -ne 0 ]]; then cat "$interp_log"; status=1; else tail -n 3 "$interp_log"; fi
+    if [[ $interp_status -ne 0 ]]; then
+        cat "$interp_log"; echo "--- the Triton-interpreter pass (TRITON_INTERPRET=1) FAILED"; status=1
+    else
+        echo "--- the Triton-interpreter pass (TRITON_INTERPRET=1) passed: $(grep -c PASSED "$interp_log") tests"
+    fi
     rm -f "$interp_log"
     exit "$status" ;;
   shell)    setup; exec bash --rcfile <(echo "source $VENV/bin/activate") ;;

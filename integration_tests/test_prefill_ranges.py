@@ -3,40 +3,17 @@ hooks on a tiny V4 model on CPU (the host clock standing in for CUDA events)."""
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
-
 import pytest
 import torch
+from scripts_under_test import TINY_V4, load_script
 
 from deepinfer.kernels import kernels_for
 from deepinfer.model import DeepseekV4Config, ForwardBatch, ModelCache
 from deepinfer.model.model import build_model
 
-ROOT = Path(__file__).resolve().parents[1]
+ranges = load_script("benchmarks/prefill_ranges.py")
 
 
-def _load_ranges():
-    path = ROOT / "benchmarks" / "prefill_ranges.py"
-    spec = importlib.util.spec_from_file_location("prefill_ranges_under_test", path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module               # dataclasses look their module up
-    spec.loader.exec_module(module)
-    return module
-
-
-ranges = _load_ranges()
-
-# Sliding, CSA (ratio 4) and HCA (ratio 8) layers, 4 experts top-2 + 1 shared, hc 2.
-TINY = dict(
-    vocab_size=256, hidden_size=64, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=1, head_dim=32,
-    qk_rope_head_dim=8, q_lora_rank=32, o_groups=2, o_lora_rank=16, n_routed_experts=4, n_shared_experts=1,
-    num_experts_per_tok=2, moe_intermediate_size=64, num_hash_layers=1, sliding_window=8, hc_mult=2,
-    hc_sinkhorn_iters=3, index_n_heads=2, index_head_dim=16, index_topk=2,
-    layer_types=["sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention"],
-    compress_rates={"compressed_sparse_attention": 4, "heavily_compressed_attention": 8},
-)
 
 
 class TickClock:
@@ -72,7 +49,7 @@ def test_exclusive_time_subtracts_only_the_directly_nested_ranges() -> None:
 def tiny_prefill():
     """(model, cache, batch) of a 24-token prompt after one forward (the stacked weights exist)."""
     torch.manual_seed(0)
-    model = build_model(DeepseekV4Config.from_dict(TINY), device="cpu", dtype=torch.float32)
+    model = build_model(DeepseekV4Config.from_dict(TINY_V4), device="cpu", dtype=torch.float32)
     model.init_weights(seed=0, std=0.02)
     cache = ModelCache.allocate(model.cache_spec(8), 4, 2, "cpu")
     batch = ForwardBatch.build([list(range(3, 27))], [0], [[1, 2, 3]], [1], device="cpu")

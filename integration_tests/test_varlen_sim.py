@@ -3,28 +3,16 @@ acceptance model, the curve's extension limit and the reading of a v4_decode_gpu
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
+from scripts_under_test import load_script
 
 from deepinfer.spec import SamplerRuntimeEstimator, StepTimeCurve
 
-ROOT = Path(__file__).resolve().parents[1]
-
-
-def _load_sim():
-    spec = importlib.util.spec_from_file_location("varlen_sim_under_test", ROOT / "benchmarks" / "varlen_sim.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module               # dataclasses look their module up
-    spec.loader.exec_module(module)
-    return module
-
-
-sim = _load_sim()
+sim = load_script("benchmarks/varlen_sim.py")
 P = sim.continuation_for_mean(3.2, 5)
 
 

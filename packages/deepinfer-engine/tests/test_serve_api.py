@@ -5,9 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-import socket
 import threading
-import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from types import SimpleNamespace
@@ -16,6 +14,7 @@ import httpx
 import openai
 import pytest
 import uvicorn
+from serve_helpers import start_uvicorn
 
 from deepinfer.engine import EngineArgs, LLMEngine, RequestOutput
 from deepinfer.engine.async_llm import AsyncLLM
@@ -35,17 +34,8 @@ class Served:
 
 def start_server(llm: AsyncLLM, **app_kwargs: object) -> Served:
     """Serve `llm` on 127.0.0.1 on a free port, in a thread (the socket is bound before uvicorn starts)."""
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    app = build_app(llm, served_model_name=MODEL, **app_kwargs)
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 30
-    while not server.started:
-        assert time.monotonic() < deadline and thread.is_alive(), "the server did not start"
-        time.sleep(0.01)
-    return Served(f"http://127.0.0.1:{sock.getsockname()[1]}", llm, server, thread)
+    url, server, thread = start_uvicorn(build_app(llm, served_model_name=MODEL, **app_kwargs))
+    return Served(url, llm, server, thread)
 
 
 @pytest.fixture(scope="module")

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import threading
 import time
 from collections.abc import Iterator
@@ -19,6 +18,7 @@ import httpx
 import openai
 import pytest
 import uvicorn
+from serve_helpers import start_uvicorn
 
 from deepinfer.engine import LLM, EngineArgs, SamplingParams
 from deepinfer.engine.cli import main
@@ -51,16 +51,8 @@ def served() -> Iterator[Served]:
     llm = DPAsyncLLM(EngineArgs(**SMALL, data_parallel_size=2, expert_parallel=True, eplb="decode",
                                 eplb_redundant_experts_per_rank=1, eplb_window_steps=3, eplb_interval_steps=3,
                                 distributed_timeout_s=TIMEOUT_S))
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    server = uvicorn.Server(uvicorn.Config(build_app(llm, served_model_name=MODEL), log_level="warning"))
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 30
-    while not server.started:
-        assert time.monotonic() < deadline and thread.is_alive(), "the server did not start"
-        time.sleep(0.01)
-    yield Served(f"http://127.0.0.1:{sock.getsockname()[1]}", llm, server, thread)
+    url, server, thread = start_uvicorn(build_app(llm, served_model_name=MODEL))
+    yield Served(url, llm, server, thread)
     server.should_exit = True
     thread.join(timeout=TIMEOUT_S + 10)
     assert not any(proc.is_alive() for proc in llm._procs)

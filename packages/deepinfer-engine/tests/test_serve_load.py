@@ -7,7 +7,6 @@ from __future__ import annotations
 import asyncio
 import json
 import re
-import socket
 import threading
 import time
 from collections.abc import Iterator
@@ -16,6 +15,7 @@ from dataclasses import dataclass
 import httpx
 import pytest
 import uvicorn
+from serve_helpers import start_uvicorn
 
 from deepinfer.engine import EngineArgs, LLMEngine
 from deepinfer.engine.async_llm import AsyncLLM
@@ -36,16 +36,8 @@ class Served:
 @pytest.fixture(scope="module")
 def served() -> Iterator[Served]:
     engine = LLMEngine(EngineArgs(seed=0, stop_preempted_request=False))
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    server = uvicorn.Server(uvicorn.Config(build_app(AsyncLLM(engine), served_model_name="tiny"), log_level="warning"))
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 30
-    while not server.started:
-        assert time.monotonic() < deadline and thread.is_alive(), "the server did not start"
-        time.sleep(0.01)
-    yield Served(f"http://127.0.0.1:{sock.getsockname()[1]}", engine, server, thread)
+    url, server, thread = start_uvicorn(build_app(AsyncLLM(engine), served_model_name="tiny"))
+    yield Served(url, engine, server, thread)
     server.should_exit = True
     thread.join(timeout=30)
 

@@ -7,15 +7,12 @@ parsers on crafted text are tested in test_tool_parsers.py."""
 from __future__ import annotations
 
 import json
-import socket
-import threading
-import time
 from collections.abc import Iterator
 
 import httpx
 import openai
 import pytest
-import uvicorn
+from serve_helpers import start_uvicorn
 
 from deepinfer.engine import EngineArgs, LLMEngine
 from deepinfer.engine.async_llm import AsyncLLM
@@ -40,16 +37,8 @@ def base_url() -> Iterator[str]:
     app = build_app(AsyncLLM(LLMEngine(EngineArgs(seed=0, stop_preempted_request=False))), served_model_name=MODEL,
                     chat_template="deepseek_v4", tool_call_parser="deepseek_v4", enable_auto_tool_choice=True,
                     reasoning_parser="deepseek_v4")
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 30
-    while not server.started:
-        assert time.monotonic() < deadline and thread.is_alive(), "the server did not start"
-        time.sleep(0.01)
-    yield f"http://127.0.0.1:{sock.getsockname()[1]}"
+    url, server, thread = start_uvicorn(app)
+    yield url
     server.should_exit = True
     thread.join(timeout=30)
 

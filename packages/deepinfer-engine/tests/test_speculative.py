@@ -39,6 +39,16 @@ def draft_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="module")
+def no_draft_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The embedded model's folder without its draft head (mtp.safetensors and the index left out)."""
+    src, dst = embedded_model_dir(), tmp_path_factory.mktemp("no_dspark")
+    for name in ("config.json", "tokenizer.json", "tokenizer_config.json", "generation_config.json",
+                 "model.safetensors"):
+        shutil.copy(src / name, dst / name)
+    return dst
+
+
+@pytest.fixture(scope="module")
 def plain(draft_model: Path) -> LLM:
     return LLM(model=str(draft_model), **FAST)
 
@@ -178,9 +188,9 @@ def test_varlen_verify_and_the_draft_count_flags(draft_model: Path, plain: LLM, 
     assert llm.engine.stats().spec_verify_steps > 0
 
 
-def test_bad_flags_are_refused_naming_the_field(draft_model: Path) -> None:
+def test_bad_flags_are_refused_naming_the_field(draft_model: Path, no_draft_model: Path) -> None:
     with pytest.raises(InvalidEngineArgs, match="no mtp.* tensors") as err:
-        LLMEngine(EngineArgs(speculative_decoding=True, **FAST))          # the embedded model has no draft head
+        LLMEngine(EngineArgs(model=str(no_draft_model), speculative_decoding=True, **FAST))
     assert err.value.field == "speculative_decoding"
     with pytest.raises(InvalidEngineArgs, match="needs speculative_decoding=True") as err:
         EngineArgs(num_speculative_tokens=3)
