@@ -135,7 +135,9 @@ def test_idle_ranks_block_instead_of_polling(served: Served) -> None:
 
     start = cpu_ticks()
     time.sleep(1.0)
-    assert cpu_ticks() - start <= 2          # clock ticks (1/100 s) over 1 s, both ranks together
+    # clock ticks (1/100 s) over 1 s, both ranks together: a spinning or tightly polling rank takes tens
+    # to a hundred; blocked ranks take 0-3 (a garbage collection or a gloo keep-alive may land here)
+    assert cpu_ticks() - start <= 5
 
 
 def test_metrics_per_rank_sums_and_expert_load(served: Served) -> None:
