@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from deepinfer.engine import LLM, SamplingParams
+from deepinfer.engine.bench import run_bench
 from deepinfer.model import embedded_model_dir, num_stages_in
 
 ENGINE = {"device": "cpu", "kv_cache_memory_mb": 16, "max_num_seqs": 4, "max_model_len": 512}
@@ -38,3 +39,10 @@ def test_shipped_head_is_accepted_and_keeps_the_greedy_tokens() -> None:
     assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]
     stats = speculative.engine.stats()
     assert stats.mean_accepted_length >= MIN_MEAN_ACCEPTED_LENGTH, stats
+    # `deepinfer bench` reports the mean accepted length of its timed requests (random token prompts:
+    # few drafts accepted, but every verified row gives at least the target's own token)
+    result = run_bench(speculative.engine, num_prompts=2, input_len=16, output_len=12)
+    assert result["spec_draft_tokens"] > 0 and result["spec_verify_steps"] > 0
+    assert 1.0 <= result["spec_mean_accepted_length"] <= 1 + speculative.engine.spec.k
+    assert "spec_mean_accepted_length" not in run_bench(LLM(**ENGINE).engine, num_prompts=1, input_len=8,
+                                                        output_len=4)

@@ -132,7 +132,9 @@ def run_bench(engine: LLMEngine, num_prompts: int, input_len: int, output_len: i
 
     Returns:
         `bench_metrics` of the timed requests, plus the workload's parameters (request_rate as the
-        string "inf" when unbounded, so that the dict is valid JSON).
+        string "inf" when unbounded, so that the dict is valid JSON); with speculative decoding also
+        the timed requests' spec_verify_steps, spec_draft_tokens, spec_accepted_tokens and
+        spec_mean_accepted_length (tokens per verified row: accepted drafts + the target's own token).
     Raises:
         InvalidBenchArgs: a parameter out of range, or input_len + output_len > engine.max_model_len.
     """
@@ -142,14 +144,23 @@ def run_bench(engine: LLMEngine, num_prompts: int, input_len: int, output_len: i
     params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
     _run_to_completion(engine, requests.warmup_prompts, params)
     prompts, offsets = requests.prompts, requests.arrival_offsets
+    spec_before = engine.stats()
     with tqdm(total=num_prompts, disable=not progress, desc="bench", unit="req") as bar:
         traces, elapsed, decode_steps = _run_timed(engine, prompts, params, offsets, max_concurrency, bar)
+    spec_after = engine.stats()
     result: dict[str, Any] = {
         "num_prompts": num_prompts, "input_len": input_len, "output_len": output_len, "num_warmup": num_warmup,
         "request_rate": "inf" if math.isinf(request_rate) else request_rate, "max_concurrency": max_concurrency,
         "seed": seed,
     }
     result.update(bench_metrics(traces, elapsed, input_len, decode_steps))
+    if engine.args.speculative_decoding:     # the timed requests' drafts (the warm-up's left out)
+        rows = spec_after.spec_verify_rows - spec_before.spec_verify_rows
+        accepted = spec_after.spec_accepted_tokens - spec_before.spec_accepted_tokens
+        result.update(spec_verify_steps=spec_after.spec_verify_steps - spec_before.spec_verify_steps,
+                      spec_draft_tokens=spec_after.spec_draft_tokens - spec_before.spec_draft_tokens,
+                      spec_accepted_tokens=accepted,
+                      spec_mean_accepted_length=round((accepted + rows) / rows, 3) if rows else None)
     return result
 
 
