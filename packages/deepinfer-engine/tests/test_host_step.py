@@ -123,3 +123,33 @@ def test_decode_step_is_built_from_the_scheduler_arrays() -> None:
     finally:
         del engine.runner.prepare
     assert seen and max(seen) == 2
+
+
+def test_a_reused_sampling_batch_samples_as_a_fresh_one() -> None:
+    """The steady decode step reuses the previous step's SamplingBatch (same rows, nothing banned or
+    constrained): the seeded rows' draw positions still move with their output counts, so every step
+    samples exactly as a batch built from scratch; a row still below min_tokens gets a new batch."""
+    from deepinfer.engine.sampler import Sampler
+    from deepinfer.engine.sampling_stage import SamplingStage
+
+    vocab = 64
+    greedy, seeded = SamplingParams(temperature=0.0), SamplingParams(temperature=0.9, seed=5)
+    unseeded = SamplingParams(temperature=0.7, top_p=0.9)
+    params = [greedy, seeded, unseeded, seeded]
+    rngs = [None, RequestRng(5), None, RequestRng(6)]
+    reusing = SamplingStage(Sampler(seed=1), (0,), vocab)
+    logits = torch.randn(len(params), vocab, generator=torch.Generator().manual_seed(0))
+    first = None
+    for step in range(4):
+        counts = [3 + step, 7 + step, 1 + step, 2 + step]
+        flight = reusing.launch(("a", "b", "c", "d"), logits, StepRows(params, rngs, counts))
+        assert flight.batch.draw_positions == (7 + step, 1 + step, 2 + step)
+        first = first or flight.batch
+        assert flight.batch.greedy_rows is first.greedy_rows      # reused, not rebuilt
+        fresh = build_sampling_batch(params, rngs=[None, RequestRng(5), None, RequestRng(6)], num_output_tokens=counts,
+                                     eos_token_ids=(0,), vocab_size=vocab)
+        want = Sampler(seed=1)(logits, fresh).token_ids
+        assert flight.token_ids[[0, 1, 3]].tolist() == want[[0, 1, 3]].tolist()   # row 2 draws from a shared stream
+    banned = [SamplingParams(temperature=0.0, min_tokens=10)] * 4
+    flight = reusing.launch(("a", "b", "c", "d"), logits, StepRows(banned, [None] * 4, [3, 4, 5, 6]))
+    assert flight.batch.banned_rows.tolist() == [0, 1, 2, 3]
