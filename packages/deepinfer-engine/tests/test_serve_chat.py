@@ -171,3 +171,10 @@ def test_llm_chat_on_the_embedded_model() -> None:
     assert both[0].outputs[0].text == out.outputs[0].text and both[1].prompt.startswith("user:")
     with pytest.raises(InvalidChatRequest):
         llm.chat([{"role": "user", "content": [{"type": "image_url"}]}], params)
+    # tools reach the template (the plain template writes a `tools:` paragraph), checked as the server does
+    weather = {"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}
+    [with_tools] = llm.chat(messages, params, tools=[weather], use_tqdm=False)
+    assert with_tools.prompt.startswith('tools: {"name": "get_weather"') and with_tools.prompt.endswith(out.prompt)
+    with pytest.raises(InvalidChatRequest, match="is given twice") as err:
+        llm.chat(messages, params, tools=[weather, weather])
+    assert err.value.field == "tools[1].function.name"

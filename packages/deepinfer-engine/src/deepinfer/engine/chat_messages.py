@@ -9,9 +9,15 @@ are refused, never dropped.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
+
+MAX_TOOLS = 512
+_TOOL_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
+_TOOL_FIELDS = frozenset({"type", "function"})
+_FUNCTION_FIELDS = frozenset({"name", "description", "parameters", "strict"})
 
 MAX_MESSAGES = 4096
 
@@ -141,3 +147,40 @@ def _tool_calls(calls: object, where: str) -> tuple[ToolCall, ...]:
                                      "'arguments': str}}}", f"{where}[{i}]")
         out.append(ToolCall(name, arguments))
     return tuple(out)
+
+
+def parse_tool_list(tools: object) -> tuple[dict[str, Any], ...]:
+    """The OpenAI `tools` of a chat request, checked: None or a list of at most MAX_TOOLS
+    `{"type": "function", "function": {"name", "description"?, "parameters"?, "strict"?}}` objects
+    with distinct names of 1 to 64 letters, digits, '_' or '-'.
+
+    Raises:
+        InvalidChatRequest: naming the bad field (e.g. "tools[1].function.name").
+    """
+    if tools is None:
+        return ()
+    if not isinstance(tools, list) or len(tools) > MAX_TOOLS:
+        raise InvalidChatRequest(f"tools must be a list of at most {MAX_TOOLS} {{'type': 'function', "
+                                 "'function': {...}} objects", "tools")
+    names: set[str] = set()
+    for index, tool in enumerate(tools):
+        where = f"tools[{index}]"
+        if not isinstance(tool, dict) or tool.get("type") != "function" or set(tool) - _TOOL_FIELDS:
+            raise InvalidChatRequest(f"{where} must be {{'type': 'function', 'function': {{'name': ..., 'parameters': "
+                                     "...}}}", where)
+        function = tool.get("function")
+        if not isinstance(function, dict) or set(function) - _FUNCTION_FIELDS:
+            raise InvalidChatRequest(f"{where}.function must be an object with name and optionally description, "
+                                     "parameters, strict", f"{where}.function")
+        name = function.get("name")
+        if not isinstance(name, str) or not _TOOL_NAME.fullmatch(name):
+            raise InvalidChatRequest(f"{where}.function.name={name!r} must be 1 to 64 letters, digits, '_' or '-'",
+                                     f"{where}.function.name")
+        if name in names:
+            raise InvalidChatRequest(f"{where}.function.name={name!r} is given twice", f"{where}.function.name")
+        names.add(name)
+        for key, kind in (("description", str), ("parameters", dict), ("strict", bool)):
+            if function.get(key) is not None and not isinstance(function[key], kind):
+                what = "a JSON schema object" if kind is dict else f"a {kind.__name__}"
+                raise InvalidChatRequest(f"{where}.function.{key} must be {what}", f"{where}.function.{key}")
+    return tuple(tools)

@@ -11,7 +11,7 @@ from tqdm.auto import tqdm
 
 from deepinfer.sched import EngineType
 
-from .chat_messages import ChatMessage
+from .chat_messages import ChatMessage, parse_tool_list
 from .chat_template import ChatTemplate, chat_prompt, load_chat_template
 from .engine_args import EngineArgs
 from .env import read_torchrun_env
@@ -125,6 +125,7 @@ class LLM:
         chat_template: str | None = None,
         chat_template_kwargs: dict[str, Any] | None = None,
         add_generation_prompt: bool = True,
+        tools: Sequence[dict[str, Any]] | None = None,
         use_tqdm: bool = True,
     ) -> list[RequestOutput]:
         """Generate the next assistant turn of one conversation or of each of several.
@@ -137,6 +138,9 @@ class LLM:
                 model folder's (see `chat_template.load_chat_template`).
             chat_template_kwargs: the template's options (e.g. {"thinking": True} for deepseek_v4).
             add_generation_prompt: end the prompt where the assistant's answer starts.
+            tools: OpenAI tool objects (`{"type": "function", "function": {"name", "parameters", ...}}`)
+                the template shows the model, as `deepinfer serve`'s chat endpoint does; the output is
+                not parsed for calls here.
         Returns:
             One RequestOutput per conversation, in order; `prompt` holds the rendered text.
         Raises:
@@ -147,8 +151,9 @@ class LLM:
         conversations = [messages] if one else list(messages)
         template = self.chat_template(chat_template)
         tokenizer = require_tokenizer(self.tokenizer, self.model_dir)
+        checked_tools = parse_tool_list(list(tools) if tools is not None else None)
         prompts = [chat_prompt(template, tokenizer, conversation, add_generation_prompt=add_generation_prompt,
-                               options=chat_template_kwargs) for conversation in conversations]
+                               options=chat_template_kwargs, tools=checked_tools) for conversation in conversations]
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
 
     def chat_template(self, override: str | None = None) -> ChatTemplate:

@@ -14,18 +14,14 @@ when parallel_tool_calls is false).
 
 from __future__ import annotations
 
-import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from ..chat_messages import InvalidChatRequest, parse_tool_list
 from ..sampling_params import StructuredOutput
 from .errors import bad_request
 
-MAX_TOOLS = 512
-_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
-_TOOL_FIELDS = frozenset({"type", "function"})
-_FUNCTION_FIELDS = frozenset({"name", "description", "parameters", "strict"})
 _EMPTY_PARAMETERS: dict[str, Any] = {"type": "object", "properties": {}}
 
 
@@ -89,33 +85,10 @@ def parse_tools(body: Mapping[str, Any]) -> ToolsRequest | None:
 
 
 def _tools(tools: object) -> tuple[dict[str, Any], ...]:
-    if tools is None:
-        return ()
-    if not isinstance(tools, list) or len(tools) > MAX_TOOLS:
-        raise bad_request(f"tools must be a list of at most {MAX_TOOLS} {{'type': 'function', 'function': {{...}}}} "
-                          "objects", "tools")
-    names: set[str] = set()
-    for index, tool in enumerate(tools):
-        where = f"tools[{index}]"
-        if not isinstance(tool, dict) or tool.get("type") != "function" or set(tool) - _TOOL_FIELDS:
-            raise bad_request(f"{where} must be {{'type': 'function', 'function': {{'name': ..., 'parameters': "
-                              "...}}}", where)
-        function = tool.get("function")
-        if not isinstance(function, dict) or set(function) - _FUNCTION_FIELDS:
-            raise bad_request(f"{where}.function must be an object with name and optionally description, "
-                              "parameters, strict", f"{where}.function")
-        name = function.get("name")
-        if not isinstance(name, str) or not _NAME.fullmatch(name):
-            raise bad_request(f"{where}.function.name={name!r} must be 1 to 64 letters, digits, '_' or '-'",
-                              f"{where}.function.name")
-        if name in names:
-            raise bad_request(f"{where}.function.name={name!r} is given twice", f"{where}.function.name")
-        names.add(name)
-        for key, kind in (("description", str), ("parameters", dict), ("strict", bool)):
-            if function.get(key) is not None and not isinstance(function[key], kind):
-                what = "a JSON schema object" if kind is dict else f"a {kind.__name__}"
-                raise bad_request(f"{where}.function.{key} must be {what}", f"{where}.function.{key}")
-    return tuple(tools)
+    try:
+        return parse_tool_list(tools)
+    except InvalidChatRequest as error:
+        raise bad_request(str(error), error.field) from None
 
 
 def _choice(choice: object, tools: tuple[dict[str, Any], ...]) -> tuple[str, str | None]:
