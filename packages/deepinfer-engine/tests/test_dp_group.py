@@ -5,11 +5,12 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 
 import pytest
+
+from deepinfer.engine.parallel.launcher import free_port
 
 WORKER = r"""
 import json, sys
@@ -48,12 +49,6 @@ result["kinds"] = kinds
 print(json.dumps(result))
 dist.destroy_process_group()
 """
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 @pytest.fixture(scope="module")

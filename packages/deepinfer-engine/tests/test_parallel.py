@@ -8,7 +8,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -17,6 +16,7 @@ import pytest
 
 from deepinfer.engine import LLM, SamplingParams
 from deepinfer.engine.parallel import RankFailure, assign_least_loaded
+from deepinfer.engine.parallel.launcher import free_port
 
 PROMPTS = ["def add(a, b):", "import os", "class Stack:", "for i in range(10):"]
 GREEDY = SamplingParams(max_tokens=6, temperature=0)
@@ -82,12 +82,6 @@ llm.close()
 """
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def _tokens(outputs) -> list[list[int]]:
     return [out.outputs[0].token_ids for out in outputs]
 
@@ -142,7 +136,7 @@ def test_killed_rank_makes_its_peer_exit_with_a_clear_error(ep_llm: LLM) -> None
 
 
 def test_torchrun_dp_and_live_balancer_against_offline_eplb(expected: list[list[int]]) -> None:
-    port = _free_port()
+    port = free_port()
     procs = [subprocess.Popen([sys.executable, "-c", TORCHRUN_SCRIPT, json.dumps(PROMPTS)], stdout=subprocess.PIPE,
                               stderr=subprocess.PIPE, text=True,
                               env={**os.environ, "RANK": str(rank), "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1",
