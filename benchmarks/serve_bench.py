@@ -149,7 +149,8 @@ def start_server(args: argparse.Namespace) -> tuple[subprocess.Popen, str]:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
     command = [sys.executable, "-m", "deepinfer.engine.cli", "serve", "--port", str(port), "--log-level", "warning",
-               "--max-num-seqs", str(args.max_num_seqs), "--seed", str(args.seed)]
+               "--max-num-seqs", str(args.max_num_seqs), "--seed", str(args.seed),
+               "--gpu-memory-utilization", str(args.gpu_memory_utilization)]
     if args.model:
         command += ["--model", args.model]
     log = tempfile.TemporaryFile()          # the server's stderr, shown if it does not come up
@@ -187,6 +188,8 @@ def main() -> None:
     parser.add_argument("--prompts-per-slot", type=int, default=2, help="prompts per point = this x concurrency "
                         "(at least 8); rate points send 2 x overhead-concurrency")
     parser.add_argument("--max-num-seqs", type=int, default=64)
+    parser.add_argument("--gpu-memory-utilization", type=float, default=0.4,
+                        help="each engine's share of the GPU (on CUDA the offline engine and the server share one)")
     parser.add_argument("--threads", type=int, default=1, help="torch / OMP threads of each engine")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--output-json", default=None)
@@ -195,7 +198,8 @@ def main() -> None:
     result: dict[str, Any] = {"machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPUs",
                               "torch": torch.__version__, "args": vars(args)}
     num_overhead = args.prompts_per_slot * args.overhead_concurrency
-    engine = LLMEngine(EngineArgs(model=args.model, max_num_seqs=args.max_num_seqs, seed=args.seed))
+    engine = LLMEngine(EngineArgs(model=args.model, max_num_seqs=args.max_num_seqs, seed=args.seed,
+                                  gpu_memory_utilization=args.gpu_memory_utilization))
     vocab_size = engine.model.cfg.vocab_size
 
     def prompts(count: int) -> list[list[int]]:
