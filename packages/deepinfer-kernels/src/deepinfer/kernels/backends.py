@@ -63,8 +63,8 @@ _INVARIANT_CUDA: dict[str, tuple[str, dict[str, str]]] = {
     "grouped_linear": ("grouped_linear_invariant", {}),
     "clamped_swiglu": ("clamped_swiglu_fused", {"linear": "linear_invariant"}),
     "moe_experts": ("moe_experts_invariant", {}),
-    "moe_experts_fp8": ("moe_experts_fp8_fused", {}),            # the expert kernels at any batch already
-    "moe_experts_mxfp4": ("moe_experts_mxfp4_fused", {}),
+    "moe_experts_fp8": ("moe_experts_fp8_invariant", {}),        # the small-batch expert kernels at any batch
+    "moe_experts_mxfp4": ("moe_experts_mxfp4_invariant", {}),
     "route": ("route_fused", {}),                                 # one program per token
     "hc_pre": ("hc_pre_invariant", {}),
     "hc_post": ("hc_post_fused", {}),                             # one program per (token, channel block)
@@ -83,10 +83,12 @@ _INVARIANT_CUDA: dict[str, tuple[str, dict[str, str]]] = {
 def register_builtin_backends() -> None:
     """CUDA: Triton kernels (static shapes, CUDA-graph safe) for mHC, RMSNorm, RoPE (alone or fused),
     the batched-decode ops that read the cache in place, the prefill's attention over gathered rows,
-    top-k, routing, the experts (grouped GEMMs: Triton for small batches, cuBLAS beyond; FP8 and
-    MXFP4 experts: Triton at any batch), the projections of 1–4 rows (GEMV; TileLang's for one row
-    where installed), the sampler's filters + race (sort-free) and DeepSeek-V4.1's attention and index
-    scores over the packed cache rows (decode and prefill) and its cache-row quantisation (one launch).
+    top-k, routing, the experts (Triton's expert kernels for small batches, from
+    `moe.GROUPED_MIN_PAIRS` pairs its grouped GEMMs over the pairs sorted by expert: bf16, FP8 on the
+    FP8 tensor cores, MXFP4 decoded in the kernel; cuBLAS's for float32 beyond), the projections of
+    1–4 rows (GEMV; TileLang's for one row where installed), the sampler's filters + race (sort-free)
+    and DeepSeek-V4.1's attention and index scores over the packed cache rows (decode and prefill) and
+    its cache-row quantisation (one launch).
     Everything else: the reference.
     The batch-invariant set on CUDA: `_INVARIANT_CUDA`."""
     for name in ("hc_pre", "hc_post", "rms_norm", "apply_rope", "norm_rope", "compress_decode",

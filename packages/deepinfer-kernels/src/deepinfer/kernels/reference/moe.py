@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from .quant import dequant_fp8_block, dequant_mxfp4
+from .quant import FP8_E4M3_MAX, dequant_fp8_block, dequant_mxfp4
 
 SCORING_FUNCS = ("sqrtsoftplus", "sigmoid", "softmax")
 
@@ -154,3 +154,60 @@ def mxfp4_expert(w13: Tensor, w13_scale: Tensor, w2: Tensor, w2_scale: Tensor,
     """e -> expert e's (w13, w2) dequantised from MXFP4 storage to `dtype` (shapes as
     `moe_experts_mxfp4`); shared with the batch-invariant twin."""
     return lambda e: (dequant_mxfp4(w13[e], w13_scale[e]).to(dtype), dequant_mxfp4(w2[e], w2_scale[e]).to(dtype))
+
+
+def quant_fp8_groups(x: Tensor, group: int) -> tuple[Tensor, Tensor]:
+    """Activations → FP8 e4m3 with one float32 scale per 1 × `group` group of a row: the scale is the
+    group's absolute maximum / 448 (1 for an all-zero group), each value divided by it, kept within
+    ±448 and rounded to nearest.
+
+    Args:
+        x: [rows, cols] float, cols divisible by group.
+    Returns:
+        (codes [rows, cols] float8_e4m3fn, scales [rows, cols / group] float32).
+    """
+    rows, cols = x.shape
+    groups = x.float().reshape(rows, cols // group, group)
+    amax = groups.abs().amax(-1)
+    scale = torch.where(amax > 0, amax / FP8_E4M3_MAX, torch.ones_like(amax))
+    codes = (groups / scale[..., None]).clamp(-FP8_E4M3_MAX, FP8_E4M3_MAX).to(torch.float8_e4m3fn)
+    return codes.reshape(rows, cols), scale
+
+
+def _fp8_groups_dequant(x: Tensor, group: int) -> Tensor:
+    """x rounded through `quant_fp8_groups` and back (float32)."""
+    codes, scale = quant_fp8_groups(x, group)
+    rows, cols = x.shape
+    return (codes.float().reshape(rows, cols // group, group) * scale[..., None]).reshape(rows, cols)
+
+
+def moe_experts_fp8_w8a8(
+    x: Tensor, expert_ids: Tensor, weights: Tensor, w13: Tensor, w13_scale: Tensor, w2: Tensor, w2_scale: Tensor,
+    limit: float, block: int,
+) -> Tensor:
+    """`moe_experts_fp8` as DeepSeek's FP8 GEMMs compute it: the activations are quantised too, per
+    1 × block group (`quant_fp8_groups`: each token's x before w13, each SwiGLU output row before
+    w2), the products in float32; each pair's weighted output rounded to x's dtype, a token's top-k
+    rows added in float32 in slot order. The twin of the grouped FP8 kernels
+    (`triton_ops.moe_grouped`), which the CUDA `moe_experts_fp8` uses for large batches.
+
+    Args and returns: as `moe_experts_fp8`.
+    """
+    num_tokens, top_k = expert_ids.shape
+    hidden = x.shape[1]
+    xq = _fp8_groups_dequant(x, block)
+    pairs = torch.zeros(num_tokens * top_k, hidden, dtype=x.dtype, device=x.device)
+    flat_ids, flat_weights = expert_ids.reshape(-1), weights.reshape(-1).float()
+    expert = fp8_expert(w13, w13_scale, w2, w2_scale, block, torch.float32)
+    for e in torch.unique(flat_ids).tolist():
+        rows = (flat_ids == e).nonzero(as_tuple=True)[0]
+        w13e, w2e = expert(e)
+        inter = w2e.shape[-1]
+        h = xq[rows // top_k] @ w13e.T
+        gate, up = h[:, :inter].clamp(max=limit), h[:, inter:].clamp(min=-limit, max=limit)
+        act = _fp8_groups_dequant(gate * torch.sigmoid(gate) * up, block)
+        pairs[rows] = ((act @ w2e.T) * flat_weights[rows, None]).to(x.dtype)
+    out = torch.zeros(num_tokens, hidden, dtype=torch.float32, device=x.device)
+    for k in range(top_k):
+        out += pairs.view(num_tokens, top_k, hidden)[:, k].float()
+    return out.to(x.dtype)

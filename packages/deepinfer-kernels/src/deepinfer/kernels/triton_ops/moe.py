@@ -7,15 +7,16 @@
   the a-th active expert, gathers its tokens' rows and computes the clamped SwiGLU of both halves of
   `w13` for its block of intermediate channels; the second kernel applies `w2`, scales by the
   routing weight and stores each pair's row at its original slot; a third sums each token's top-k
-  rows in slot order (deterministic, no atomics). Only the active experts' weights are read. Larger
-  batches use the cuBLAS grouped GEMMs of `torch_ops.moe_experts_grouped`.
+  rows in slot order (deterministic, no atomics). Only the active experts' weights are read. From
+  `GROUPED_MIN_PAIRS` pairs (prefill) the grouped GEMMs of `moe_grouped` take over (128-row tiles
+  over the pairs sorted by expert, the gather fused into the load, SwiGLU in the epilogue).
 - `moe_experts_fp8_fused` / `moe_experts_mxfp4_fused`: the same kernels on FP8 block-scaled weights
   (each tile converted to the activations' dtype, its partial product scaled) or MXFP4 ones (bfloat16
   activations on a GPU: Triton's microscaling `dot_scaled` on the packed codes and e8m0 scales;
-  else each tile's e2m1 codes decoded and scaled per 32 inputs here), for any batch (large ones
-  aligned with torch ops).
-- `moe_experts_invariant`: the expert kernels at any batch (batch-invariant; FP8 and MXFP4 ones are
-  already so).
+  else each tile's e2m1 codes decoded and scaled per 32 inputs here); from `GROUPED_MIN_PAIRS`
+  pairs the grouped GEMMs (FP8: e4m3 × e4m3 on the FP8 tensor cores, activations quantised per
+  1 × block group). `*_invariant`: the kernels here at any batch (batch-invariant).
+- `moe_experts_invariant`: the expert kernels at any batch (batch-invariant).
 - `clamped_swiglu_fused` (the shared expert): the gate + up projections (one GEMV over the stacked
   w1; w3), the activation in one kernel, the down projection.
 """
@@ -35,6 +36,7 @@ from ._launch import on_triton, precision
 from .gemv import linear_fused
 
 FUSED_MAX_PAIRS = 2048
+GROUPED_MIN_PAIRS = FUSED_MAX_PAIRS + 1     # from here on the grouped GEMMs of `moe_grouped` (prefill)
 _SCORING = {"sqrtsoftplus": 0, "sigmoid": 1, "softmax": 2}
 
 
@@ -278,10 +280,16 @@ def _sum_slots_kernel(y_ptr, out_ptr, hidden, TOP_K: tl.constexpr, BLOCK: tl.con
 
 
 def moe_experts_fused(x: Tensor, expert_ids: Tensor, weights: Tensor, w13: Tensor, w2: Tensor, limit: float) -> Tensor:
-    """Same contract as `reference.moe_experts` (CUDA-graph safe: no host synchronisation)."""
+    """Same contract as `reference.moe_experts` (CUDA-graph safe: no host synchronisation): up to
+    `FUSED_MAX_PAIRS` pairs the expert kernels here; from `GROUPED_MIN_PAIRS` the grouped GEMMs of
+    `moe_grouped` (two-byte activations), else cuBLAS's grouped GEMMs."""
     pairs = expert_ids.numel()
-    if (not on_triton(x) or pairs > FUSED_MAX_PAIRS or pairs == 0 or x.dtype != w13.dtype
+    if (not on_triton(x) or pairs == 0 or x.dtype != w13.dtype
             or not (x.is_contiguous() and w13.is_contiguous() and w2.is_contiguous())):
+        return moe_experts_grouped(x, expert_ids, weights, w13, w2, limit)
+    if pairs >= GROUPED_MIN_PAIRS and _grouped(x, PLAIN, w2.shape[-1], 1):
+        return _grouped_experts(x, expert_ids, weights, w13, w2, limit, PLAIN, w13, w2, 1, w2.shape[-1])
+    if pairs > FUSED_MAX_PAIRS:
         return moe_experts_grouped(x, expert_ids, weights, w13, w2, limit)
     return _experts(x, expert_ids, weights, w13, w2, limit, PLAIN, w13, w2, 1, w2.shape[-1])
 
@@ -302,10 +310,26 @@ def moe_experts_fp8_fused(
     x: Tensor, expert_ids: Tensor, weights: Tensor, w13: Tensor, w13_scale: Tensor, w2: Tensor, w2_scale: Tensor,
     limit: float, block: int,
 ) -> Tensor:
-    """Same contract as `reference.moe_experts_fp8`: the expert kernels read the FP8 weights and
-    apply each block's scale to the tile's partial product (any number of pairs; above
-    `FUSED_MAX_PAIRS` the pairs are aligned with torch ops over all experts). Needs block ≥ 16, a
-    power of two, dividing the intermediate size; else the reference."""
+    """Same contract as `reference.moe_experts_fp8`. Below `GROUPED_MIN_PAIRS` pairs the expert kernels
+    here read the FP8 weights and apply each block's scale to the tile's partial product (bfloat16
+    activations, as the reference); from there on, the grouped GEMMs of `moe_grouped` on Hopper's FP8 tensor
+    cores, the activations quantised per 1 × block group as DeepSeek's FP8 GEMMs do (twin:
+    `reference.moe.moe_experts_fp8_w8a8`). Needs block ≥ 16, a power of two, dividing the
+    intermediate size; else the reference."""
+    if expert_ids.numel() >= GROUPED_MIN_PAIRS and on_triton(x) and _grouped(x, FP8_BLOCK, w2.shape[-1], block) and all(
+            t.is_contiguous() for t in (x, w13, w13_scale, w2, w2_scale)):
+        return _grouped_experts(x, expert_ids, weights, w13, w2, limit, FP8_BLOCK, w13_scale, w2_scale, block,
+                                w2.shape[-1])
+    return moe_experts_fp8_invariant(x, expert_ids, weights, w13, w13_scale, w2, w2_scale, limit, block)
+
+
+def moe_experts_fp8_invariant(
+    x: Tensor, expert_ids: Tensor, weights: Tensor, w13: Tensor, w13_scale: Tensor, w2: Tensor, w2_scale: Tensor,
+    limit: float, block: int,
+) -> Tensor:
+    """Same contract as `reference.moe_experts_fp8`, batch-invariant: the expert kernels here at any
+    number of pairs (above `FUSED_MAX_PAIRS` aligned with torch ops). Needs block ≥ 16, a power of
+    two, dividing the intermediate size; else the reference."""
     tensors = (x, w13, w13_scale, w2, w2_scale)
     if (not on_triton(x) or expert_ids.numel() == 0 or block < 16 or block & (block - 1) or w2.shape[-1] % block
             or not all(t.is_contiguous() for t in tensors)):
@@ -317,9 +341,26 @@ def moe_experts_mxfp4_fused(
     x: Tensor, expert_ids: Tensor, weights: Tensor, w13: Tensor, w13_scale: Tensor, w2: Tensor, w2_scale: Tensor,
     limit: float,
 ) -> Tensor:
-    """Same contract as `reference.moe_experts_mxfp4`: the expert kernels decode the packed e2m1
-    codes and their e8m0 group scales tile by tile (any number of pairs). Needs hidden and
-    intermediate sizes divisible by 32 and uint8-coded scales; else the reference."""
+    """Same contract as `reference.moe_experts_mxfp4`: below `GROUPED_MIN_PAIRS` pairs the expert
+    kernels here, from there on the grouped GEMMs of `moe_grouped` (both decode the e2m1 codes in the
+    kernel). Needs hidden and intermediate sizes divisible by 32 and uint8-coded scales; else the
+    reference."""
+    inter = 2 * w2.shape[-1]
+    if (expert_ids.numel() >= GROUPED_MIN_PAIRS and on_triton(x) and _grouped(x, MXFP4, inter, 32)
+            and w13_scale.dtype == torch.uint8 and w2_scale.dtype == torch.uint8
+            and all(t.is_contiguous() for t in (x, w13, w13_scale, w2, w2_scale))):
+        return _grouped_experts(x, expert_ids, weights, w13.view(torch.uint8), w2.view(torch.uint8), limit, MXFP4,
+                                w13_scale, w2_scale, 32, inter)
+    return moe_experts_mxfp4_invariant(x, expert_ids, weights, w13, w13_scale, w2, w2_scale, limit)
+
+
+def moe_experts_mxfp4_invariant(
+    x: Tensor, expert_ids: Tensor, weights: Tensor, w13: Tensor, w13_scale: Tensor, w2: Tensor, w2_scale: Tensor,
+    limit: float,
+) -> Tensor:
+    """Same contract as `reference.moe_experts_mxfp4`, batch-invariant: the expert kernels here decode
+    the packed e2m1 codes and their e8m0 group scales tile by tile (any number of pairs). Needs hidden
+    and intermediate sizes divisible by 32 and uint8-coded scales; else the reference."""
     tensors = (x, w13, w13_scale, w2, w2_scale)
     inter, hidden = 2 * w2.shape[-1], x.shape[-1]
     if (not on_triton(x) or expert_ids.numel() == 0 or inter % 32 or hidden % 32 or w13_scale.dtype != torch.uint8
@@ -327,6 +368,20 @@ def moe_experts_mxfp4_fused(
         return reference.moe_experts_mxfp4(x, expert_ids, weights, w13, w13_scale, w2, w2_scale, limit)
     return _experts(x, expert_ids, weights, w13.view(torch.uint8), w2.view(torch.uint8), limit, MXFP4, w13_scale,
                     w2_scale, 32, inter)
+
+
+def _grouped(x: Tensor, fmt: int, inter: int, block: int) -> bool:
+    """Whether a large batch takes the grouped GEMMs: two-byte activations on a GPU (any float dtype
+    under the interpreter) and sizes their tiles divide."""
+    from .moe_grouped import grouped_supported
+
+    return (x.element_size() == 2 or not x.is_cuda) and grouped_supported(fmt, x.shape[-1], inter, block)
+
+
+def _grouped_experts(*args) -> Tensor:
+    from .moe_grouped import grouped_experts  # imports this module: bound at first use
+
+    return grouped_experts(*args)
 
 
 def _align(expert_ids: Tensor, num_experts: int) -> tuple[Tensor, Tensor, int]:
