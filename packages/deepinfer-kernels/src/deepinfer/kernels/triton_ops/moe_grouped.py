@@ -186,7 +186,7 @@ def quant_groups(x: Tensor, group: int) -> tuple[Tensor, Tensor]:
     rows, cols = x.shape
     q = torch.empty(rows, cols, dtype=torch.float8_e4m3fn, device=x.device)
     s = torch.empty(rows, cols // group, dtype=torch.float32, device=x.device)
-    groups = max(1, min(cols // group, 2048 // group))
+    groups = min(triton.next_power_of_2(cols // group), max(1, 2048 // group))    # up to 2048 columns a program
     if rows:
         _quant_groups_kernel[(rows, triton.cdiv(cols // group, groups))](x, q, s, cols, x.stride(0), GROUP=group,
                                                                         GROUPS=groups, F8_CVT=x.is_cuda, num_warps=4)

@@ -1,0 +1,82 @@
+"""The grouped expert GEMMs of prefill compiled for Hopper (sm_90) on a machine without a GPU, at the
+V4-Flash shapes and with every shipped tile: the SASS must use the warpgroup matrix instructions
+(HGMMA for bf16 and decoded MXFP4, QGMMA for FP8 e4m3 × e4m3), software-pipelined copies
+(LDGSTS: the `num_stages` took effect) and no local memory (no spills)."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+from pathlib import Path
+
+import pytest
+import triton
+
+BIN = Path(triton.__file__).parent / "backends/nvidia/bin"
+pytestmark = pytest.mark.skipif(
+    os.environ.get("TRITON_INTERPRET") == "1" or not (BIN / "ptxas").exists() or not (BIN / "cuobjdump").exists(),
+    reason="needs Triton's compiler (not the interpreter) and the ptxas / cuobjdump of its wheel",
+)
+
+# What the launch specialises at V4-Flash's shapes: pointers and these integers divisible by 16.
+ALIGNED = {"hidden", "inter", "x_row", "w_expert", "w_row", "s_expert"}
+INTS = ("max_tiles", "num_n", "hidden", "inter", "top_k", "x_row", "w_expert", "w_row", "s_expert", "s_row")
+
+
+def signature(kernel: str, weight: str, scale: str, fp8: bool) -> dict[str, str]:
+    act = "*fp8e4nv" if fp8 else "*bf16"
+    side = "*fp32" if fp8 else "*bf16"
+    if kernel == "up":
+        pointers = {"x_ptr": act, "xs_ptr": side, "order_ptr": "*i64", "tiles_ptr": "*i32", "w13_ptr": weight,
+                    "s13_ptr": scale, "act_ptr": act, "acts_ptr": side}
+        ints = dict.fromkeys(INTS, "i32")
+        return {**pointers, **{k: v for k, v in ints.items() if k in INTS[:5]}, "limit": "fp32",
+                **{k: v for k, v in ints.items() if k not in INTS[:5]}}
+    pointers = {"act_ptr": act, "acts_ptr": side, "order_ptr": "*i64", "tiles_ptr": "*i32", "weights_ptr": "*fp32",
+                "w2_ptr": weight, "s2_ptr": scale, "y_ptr": "*bf16"}
+    return {**pointers, **dict.fromkeys(("max_tiles", "num_n", "hidden", "inter", "w_expert", "w_row", "s_expert",
+                                         "s_row"), "i32")}
+
+
+def cases():
+    from deepinfer.kernels.triton_ops import moe
+    from deepinfer.kernels.triton_ops.moe_grouped import expert_tiles
+
+    formats = (("bf16", moe.PLAIN, "*bf16", "*bf16"), ("fp8", moe.FP8_BLOCK, "*fp8e4nv", "*fp32"),
+               ("mxfp4", moe.MXFP4, "*u8", "*u8"))
+    for name, fmt, weight, scale in formats:
+        for rows_per_expert in (1.0, 200.0):
+            tiles = expert_tiles(fmt, rows_per_expert, 4096, 2048, 128)
+            for kernel, t in (("up", tiles.up), ("down", tiles.down)):
+                yield pytest.param(kernel, fmt, signature(kernel, weight, scale, fmt == moe.FP8_BLOCK), t,
+                                   "QGMMA" if fmt == moe.FP8_BLOCK else "HGMMA",
+                                   id=f"{name}-{kernel}-{t.block_m}x{t.block_n}x{t.block_k}-w{t.num_warps}")
+
+
+@pytest.mark.parametrize(("kernel", "fmt", "sig", "tiles", "mma"), list(cases()))
+def test_grouped_expert_kernels_compile_to_warpgroup_mma(kernel, fmt, sig, tiles, mma, tmp_path) -> None:
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from deepinfer.kernels.triton_ops import moe, moe_grouped
+
+    fn = moe_grouped._up_kernel if kernel == "up" else moe_grouped._down_kernel
+    constants = dict(FORMAT=fmt, BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k,
+                     GROUP=128 if fmt == moe.FP8_BLOCK else 1, PRECISION="tf32", F8_DOT=fmt == moe.FP8_BLOCK)
+    attrs = {(fn.arg_names.index(n),): [["tt.divisibility", 16]] for n, t in sig.items()
+             if t.startswith("*") or n in ALIGNED}
+    source = ASTSource(fn=fn, signature={**sig, **dict.fromkeys(constants, "constexpr")}, constexprs=constants,
+                       attrs=attrs)
+    compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32),
+                              options={"num_warps": tiles.num_warps, "num_stages": tiles.num_stages})
+    cubin = tmp_path / "k.cubin"
+    cubin.write_bytes(compiled.asm["cubin"])
+    sass = subprocess.run([str(BIN / "cuobjdump"), "-sass", str(cubin)], capture_output=True, text=True,
+                          check=True).stdout
+    usage = subprocess.run([str(BIN / "cuobjdump"), "-res-usage", str(cubin)], capture_output=True, text=True,
+                           check=True).stdout
+    assert re.search(rf"\b{mma}\.", sass), f"no {mma} in the SASS"
+    assert "LDGSTS" in sass, "loads not software-pipelined"
+    assert "LDL" not in sass and "STL" not in sass and re.search(r"STACK:0\b", usage), "local memory (spills)"
+    assert compiled.metadata.shared <= 227 * 1024
