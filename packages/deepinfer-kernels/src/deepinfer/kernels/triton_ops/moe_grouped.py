@@ -32,9 +32,7 @@ import triton.language as tl
 from torch import Tensor
 
 from ._launch import precision
-from .moe import FP8_BLOCK, MXFP4, PLAIN, _clamped_silu_mul, _sum_slots_kernel, _weight_tile
-
-FP8_MAX = 448.0
+from .moe import FP8_BLOCK, MXFP4, _clamped_silu_mul, _sum_slots_kernel, _weight_tile
 
 
 @dataclass(frozen=True, slots=True)
@@ -42,41 +40,60 @@ class TilePlan:
     """The pairs sorted by expert and the row tiles of the grouped GEMMs.
 
     order: [pairs] int64, pair ids (token · top_k + slot) sorted by expert, stably.
-    tiles: [3, max_tiles] int32: per tile its expert, first sorted row and end row; unused tiles
-        (beyond the schedule) are (-1, 0, 0). Tiles of one expert follow each other.
-    block_m: rows per tile.
+    tiles: [3, max_tiles] int32: per tile its expert, first sorted row and end row (at most block_m
+        rows); unused entries (beyond the schedule) are (-1, 0, 0). Tiles of one expert follow each other.
+    tail: with tail_m, [3, min(experts, pairs)] int32: the last rows of each expert that has at most
+        tail_m of them beyond its full tiles (run by a launch of tail_m-row tiles), as `tiles`; else None.
     """
 
     order: Tensor
     tiles: Tensor
+    tail: Tensor | None
     block_m: int
-
-    @property
-    def max_tiles(self) -> int:
-        return self.tiles.shape[1]
+    tail_m: int
 
 
-def plan_tiles(expert_ids: Tensor, num_experts: int, block_m: int) -> TilePlan:
+def plan_tiles(expert_ids: Tensor, num_experts: int, block_m: int, tail_m: int = 0) -> TilePlan:
     """Sort the (token, expert) pairs of `expert_ids` [num_tokens, top_k] by expert and cut each
-    expert's rows into tiles of `block_m`; the table has room for the most tiles any routing of
-    this many pairs can need (static shape, no host synchronisation)."""
+    expert's rows into tiles of `block_m`, or (`tail_m` > 0) its last rows, when no more than `tail_m`,
+    into a tail tile. The tables have room for the most tiles any routing of this many pairs can need
+    (static shapes, no host synchronisation)."""
     flat = expert_ids.reshape(-1).long()
     pairs, device = flat.numel(), flat.device
     order = torch.argsort(flat, stable=True)
     counts = torch.zeros(num_experts, dtype=torch.int64, device=device)
     counts.scatter_add_(0, flat, torch.ones_like(flat))
     ends = torch.cumsum(counts, 0)
-    tiles_per_expert = (counts + block_m - 1) // block_m
+    starts = ends - counts
+    rest = counts % block_m
+    tailed = (rest > 0) & (rest <= tail_m)
+    main = counts - torch.where(tailed, rest, 0)
+    tiles = _tile_table(starts, main, block_m, -(-pairs // block_m) + min(num_experts, pairs))
+    if not tail_m:
+        return TilePlan(order, tiles, None, block_m, 0)
+    slots = min(num_experts, pairs)
+    slot = torch.where(tailed, torch.cumsum(tailed, 0) - 1, slots)          # untailed experts: a dump column
+    tail = torch.zeros(3, slots + 1, dtype=torch.int64, device=device)
+    tail[0] = -1
+    values = torch.stack((torch.arange(num_experts, device=device), starts + main, ends))
+    tail.scatter_(1, slot.expand(3, -1), values)
+    return TilePlan(order, tiles, tail[:, :slots].to(torch.int32), block_m, tail_m)
+
+
+def _tile_table(starts: Tensor, rows: Tensor, block_m: int, max_tiles: int) -> Tensor:
+    """[3, max_tiles] int32 (expert, first row, end row) cutting each expert's `rows` rows from its
+    `starts` into tiles of `block_m`, in expert order; (-1, 0, 0) after the last."""
+    num_experts = starts.numel()
+    tiles_per_expert = (rows + block_m - 1) // block_m
     tile_ends = torch.cumsum(tiles_per_expert, 0)
-    max_tiles = -(-pairs // block_m) + min(num_experts, pairs)
-    t = torch.arange(max_tiles, device=device)
+    t = torch.arange(max_tiles, device=starts.device)
     expert = torch.searchsorted(tile_ends, t, right=True)
     used = expert < num_experts
     e = expert.clamp(max=num_experts - 1)
-    first = ends[e] - counts[e] + (t - (tile_ends[e] - tiles_per_expert[e])) * block_m
-    end = torch.minimum(first + block_m, ends[e])
-    tiles = torch.stack((torch.where(used, e, -1), torch.where(used, first, 0), torch.where(used, end, 0)))
-    return TilePlan(order, tiles.to(torch.int32), block_m)
+    first = starts[e] + (t - (tile_ends[e] - tiles_per_expert[e])) * block_m
+    end = torch.minimum(first + block_m, starts[e] + rows[e])
+    return torch.stack((torch.where(used, e, -1), torch.where(used, first, 0), torch.where(used, end, 0))).to(
+        torch.int32)
 
 
 @dataclass(frozen=True, slots=True)
@@ -93,35 +110,55 @@ class GemmTiles:
 
 @dataclass(frozen=True, slots=True)
 class ExpertTiles:
+    """The up and down GEMMs' tiles; `*_tail` (optional, fewer rows): the launch for each expert's
+    last rows when they fill no more than that many (`plan_tiles`' tail)."""
+
     up: GemmTiles
     down: GemmTiles
+    up_tail: GemmTiles | None = None
+    down_tail: GemmTiles | None = None
 
 
 def expert_tiles(fmt: int, rows_per_expert: float, hidden: int, inter: int, block: int = 128) -> ExpertTiles:
-    """Fixed tiles per weight format and batch range (no autotuning: two shapes per format), narrowed
-    where a tile would not divide hidden or the intermediate size (small test models).
+    """Fixed tiles per weight format and batch range (no autotuning: two shapes per GEMM and format,
+    the second also the tail launch of the first), narrowed where a tile would not divide hidden or
+    the intermediate size (small test models).
 
     `rows_per_expert`: pairs / experts, the mean rows an expert gets. From 96 up, 128-row tiles (a
-    weight tile feeds 128 rows: two warpgroups of Hopper's 64-row matrix instructions); below, 64.
-    FP8 (`block` the scale block, the K step): a fresh float32 partial product per K block sits beside
-    the accumulator, so the up kernel (`block` gate columns, to quantise whole groups in its epilogue,
-    and as many up columns beside them) keeps 64 rows under 8 warps.
+    weight tile feeds 128 rows: two warpgroups of Hopper's 64-row matrix instructions), an expert's
+    last ≤ 64 rows in a 64-row tile (at 8K tokens an expert gets ~192 rows: 128 + 64, not 2 × 128);
+    below 96, 64-row tiles. FP8 (`block` the scale block, the K step): a fresh float32 partial product
+    per K block sits beside the accumulator, so the up kernel (`block` gate columns, to quantise whole
+    groups in its epilogue, and as many up columns beside them) keeps 64 rows under 8 warps.
     """
     big = rows_per_expert >= 96
     if fmt == FP8_BLOCK:
-        up, down = GemmTiles(64, block, block, 8, 4), GemmTiles(128 if big else 64, 128, block, 8 if big else 4, 4)
+        up = GemmTiles(64, block, block, 8, 4)
+        down, down_tail = GemmTiles(128, 128, block, 8, 4), GemmTiles(64, 128, block, 4, 4)
+        up_tail = None
     elif fmt == MXFP4:
-        up = GemmTiles(128 if big else 64, 64, 64, 8 if big else 4, 3)
-        down = GemmTiles(128 if big else 64, 128, 64, 8 if big else 4, 3)
-    elif big:
-        up, down = GemmTiles(128, 128, 64, 8, 3), GemmTiles(128, 256, 64, 8, 3)
+        up, up_tail = GemmTiles(128, 64, 64, 8, 3), GemmTiles(64, 64, 64, 4, 3)
+        down, down_tail = GemmTiles(128, 128, 64, 8, 3), GemmTiles(64, 128, 64, 4, 3)
     else:
-        up, down = GemmTiles(64, 128, 64, 4, 4), GemmTiles(64, 256, 64, 4, 3)
-    down = replace(down, block_n=_fit(hidden, down.block_n))
-    if fmt != FP8_BLOCK:                     # FP8: K steps of one scale block, whole groups per up tile
-        up = replace(up, block_n=_fit(inter, up.block_n), block_k=_fit(hidden, up.block_k))
-        down = replace(down, block_k=_fit(inter, down.block_k))
-    return ExpertTiles(up, down)
+        up, up_tail = GemmTiles(128, 128, 64, 8, 3), GemmTiles(64, 128, 64, 4, 4)
+        down, down_tail = GemmTiles(128, 256, 64, 8, 3), GemmTiles(64, 256, 64, 4, 3)
+    if not big:
+        up, down = up_tail or up, down_tail
+        up_tail = down_tail = None
+    tiles = ExpertTiles(up, down, up_tail, down_tail)
+    return ExpertTiles(*(_narrow(t, fmt, hidden, inter, i % 2 == 1) for i, t in enumerate(
+        (tiles.up, tiles.down, tiles.up_tail, tiles.down_tail))))
+
+
+def _narrow(t: GemmTiles | None, fmt: int, hidden: int, inter: int, down: bool) -> GemmTiles | None:
+    """`t` with its columns and K step halved until they divide the GEMM (FP8 keeps its K step, the
+    scale block, and the up kernel's columns, whole groups)."""
+    if t is None:
+        return None
+    n_size, k_size = (hidden, inter) if down else (inter, hidden)
+    if fmt == FP8_BLOCK:
+        return replace(t, block_n=_fit(n_size, t.block_n)) if down else t
+    return replace(t, block_n=_fit(n_size, t.block_n), block_k=_fit(k_size, t.block_k))
 
 
 def _fit(size: int, tile: int) -> int:
@@ -284,6 +321,86 @@ def _down_kernel(act_ptr, acts_ptr, order_ptr, tiles_ptr, weights_ptr, w2_ptr, s
         tl.store(y_ptr + pair[:, None] * hidden + n[None, :], acc.to(y_ptr.dtype.element_ty), mask=live[:, None])
 
 
+@dataclass(frozen=True, slots=True)
+class Weights:
+    """One GEMM's expert weights as the kernels take them: `w` [experts, rows, K (MXFP4: K / 2 bytes)],
+    `scale` its scales (PLAIN: any tensor, unused), `fmt`, `block` (FP8: the scale block; else 1 / 32)."""
+
+    w: Tensor
+    scale: Tensor
+    fmt: int
+    block: int
+
+
+def _meta(fmt: int, block: int, on_gpu: bool, x: Tensor) -> dict:
+    f8 = fmt == FP8_BLOCK
+    return dict(FORMAT=fmt, GROUP=block if f8 else 1, PRECISION="ieee" if f8 and not on_gpu else precision(x),
+                F8_DOT=f8 and on_gpu)
+
+
+def _launches(plan: TilePlan, main: GemmTiles, tail: GemmTiles | None):
+    """(tile table, its length, tiles) per launch: the full tiles, then the tail tiles if planned."""
+    yield plan.tiles, plan.tiles.shape[1], main
+    if plan.tail is not None:
+        yield plan.tail, plan.tail.shape[1], tail
+
+
+def run_up(x: Tensor, xs: Tensor, plan: TilePlan, w13: Weights, top_k: int, limit: float, inter: int,
+           tiles: GemmTiles, tail: GemmTiles | None = None) -> tuple[Tensor, Tensor]:
+    """The up kernel over `plan`: (act [pairs, inter] in sorted-row order — x's dtype, FP8: e4m3 —,
+    its FP8 scales [pairs, inter / block] float32, else act again). FP8: `x` e4m3 with scales `xs`."""
+    pairs, hidden = plan.order.numel(), x.shape[1]
+    if w13.fmt == FP8_BLOCK:
+        act = torch.empty(pairs, inter, dtype=torch.float8_e4m3fn, device=x.device)
+        acts = torch.empty(pairs, inter // w13.block, dtype=torch.float32, device=x.device)
+    else:
+        act = acts = torch.empty(pairs, inter, dtype=x.dtype, device=x.device)
+    meta = _meta(w13.fmt, w13.block, x.is_cuda, x)
+    for table, num_tiles, t in _launches(plan, tiles, tail):
+        num_n = inter // t.block_n
+        _up_kernel[(num_tiles * num_n,)](
+            x, xs, plan.order, table, w13.w, w13.scale, act, acts, num_tiles, num_n, hidden, inter, top_k, limit,
+            x.stride(0), w13.w.stride(0), w13.w.stride(1), w13.scale.stride(0), w13.scale.stride(1),
+            BLOCK_M=t.block_m, BLOCK_N=t.block_n, BLOCK_K=t.block_k, num_warps=t.num_warps, num_stages=t.num_stages,
+            **meta)
+    return act, acts
+
+
+def run_down(act: Tensor, acts: Tensor, plan: TilePlan, weights: Tensor, w2: Weights, hidden: int,
+             dtype: torch.dtype, tiles: GemmTiles, tail: GemmTiles | None = None) -> Tensor:
+    """The down kernel over `plan`: y [pairs, hidden] in `dtype`, row pair = routing weight · the
+    pair's expert output (`weights` [pairs] float32)."""
+    pairs, inter = act.shape
+    y = torch.empty(pairs, hidden, dtype=dtype, device=act.device)
+    meta = _meta(w2.fmt, w2.block, act.is_cuda, y)
+    for table, num_tiles, t in _launches(plan, tiles, tail):
+        num_n = hidden // t.block_n
+        _down_kernel[(num_tiles * num_n,)](
+            act, acts, plan.order, table, weights, w2.w, w2.scale, y, num_tiles, num_n, hidden, inter,
+            w2.w.stride(0), w2.w.stride(1), w2.scale.stride(0), w2.scale.stride(1), BLOCK_M=t.block_m,
+            BLOCK_N=t.block_n, BLOCK_K=t.block_k, num_warps=t.num_warps, num_stages=t.num_stages, **meta)
+    return y
+
+
+def sum_slots(y: Tensor, num_tokens: int, top_k: int, dtype: torch.dtype) -> Tensor:
+    """[num_tokens · top_k, hidden] → [num_tokens, hidden] in `dtype`: each token's rows added in slot
+    order in float32."""
+    hidden = y.shape[1]
+    out = torch.empty(num_tokens, hidden, dtype=dtype, device=y.device)
+    width = min(triton.next_power_of_2(hidden), 1024)
+    _sum_slots_kernel[(num_tokens, triton.cdiv(hidden, width))](y, out, hidden, TOP_K=top_k, BLOCK=width, num_warps=4)
+    return out
+
+
+def plans(expert_ids: Tensor, num_experts: int, tiles: ExpertTiles) -> tuple[TilePlan, TilePlan]:
+    """(the up kernel's plan, the down kernel's): one plan when their row tiles agree."""
+    up = plan_tiles(expert_ids, num_experts, tiles.up.block_m, tiles.up_tail.block_m if tiles.up_tail else 0)
+    down_tail = tiles.down_tail.block_m if tiles.down_tail else 0
+    if (tiles.down.block_m, down_tail) == (up.block_m, up.tail_m):
+        return up, up
+    return up, plan_tiles(expert_ids, num_experts, tiles.down.block_m, down_tail)
+
+
 def grouped_experts(x: Tensor, expert_ids: Tensor, weights: Tensor, w13: Tensor, w2: Tensor, limit: float, fmt: int,
                     s13: Tensor, s2: Tensor, block: int, inter: int, tiles: ExpertTiles | None = None) -> Tensor:
     """The routed experts through the grouped kernels: plan the tiles, quantise x (FP8), the up and
@@ -291,39 +408,14 @@ def grouped_experts(x: Tensor, expert_ids: Tensor, weights: Tensor, w13: Tensor,
     `moe._experts` (PLAIN: scales unused); `tiles` overrides `expert_tiles` (the sweep). The caller
     checks shapes (`grouped_supported`)."""
     num_tokens, top_k = expert_ids.shape
-    pairs, hidden, num_experts = num_tokens * top_k, x.shape[1], w13.shape[0]
-    tiles = tiles or expert_tiles(fmt, pairs / num_experts, hidden, inter, block)
-    f8 = fmt == FP8_BLOCK
-    f8_dot = f8 and x.is_cuda
-    prec = "ieee" if f8 and not x.is_cuda else precision(x)
-    meta = dict(FORMAT=fmt, GROUP=block if f8 else 1, PRECISION=prec, F8_DOT=f8_dot)
-    if f8:
-        xq, xs = quant_groups(x, block)
-        act = torch.empty(pairs, inter, dtype=torch.float8_e4m3fn, device=x.device)
-        acts = torch.empty(pairs, inter // block, dtype=torch.float32, device=x.device)
-    else:
-        xq, xs = x, x
-        act = torch.empty(pairs, inter, dtype=x.dtype, device=x.device)
-        acts = act
-    up, down = tiles.up, tiles.down
-    plan = plan_tiles(expert_ids, num_experts, up.block_m)
-    num_n = inter // up.block_n
-    _up_kernel[(plan.max_tiles * num_n,)](
-        xq, xs, plan.order, plan.tiles, w13, s13, act, acts, plan.max_tiles, num_n, hidden, inter, top_k, limit,
-        xq.stride(0), w13.stride(0), w13.stride(1), s13.stride(0), s13.stride(1), BLOCK_M=up.block_m,
-        BLOCK_N=up.block_n, BLOCK_K=up.block_k, num_warps=up.num_warps, num_stages=up.num_stages, **meta)
-    if down.block_m != up.block_m:
-        plan = plan_tiles(expert_ids, num_experts, down.block_m)
-    y = torch.empty(pairs, hidden, dtype=x.dtype, device=x.device)
-    num_n = hidden // down.block_n
-    _down_kernel[(plan.max_tiles * num_n,)](
-        act, acts, plan.order, plan.tiles, weights.reshape(-1).float().contiguous(), w2, s2, y, plan.max_tiles, num_n,
-        hidden, inter, w2.stride(0), w2.stride(1), s2.stride(0), s2.stride(1), BLOCK_M=down.block_m,
-        BLOCK_N=down.block_n, BLOCK_K=down.block_k, num_warps=down.num_warps, num_stages=down.num_stages, **meta)
-    out = torch.empty_like(x)
-    width = min(triton.next_power_of_2(hidden), 1024)
-    _sum_slots_kernel[(num_tokens, triton.cdiv(hidden, width))](y, out, hidden, TOP_K=top_k, BLOCK=width, num_warps=4)
-    return out
+    hidden, num_experts = x.shape[1], w13.shape[0]
+    tiles = tiles or expert_tiles(fmt, num_tokens * top_k / num_experts, hidden, inter, block)
+    up_plan, down_plan = plans(expert_ids, num_experts, tiles)
+    xq, xs = quant_groups(x, block) if fmt == FP8_BLOCK else (x, x)
+    act, acts = run_up(xq, xs, up_plan, Weights(w13, s13, fmt, block), top_k, limit, inter, tiles.up, tiles.up_tail)
+    y = run_down(act, acts, down_plan, weights.reshape(-1).float().contiguous(), Weights(w2, s2, fmt, block), hidden,
+                 x.dtype, tiles.down, tiles.down_tail)
+    return sum_slots(y, num_tokens, top_k, x.dtype)
 
 
 def grouped_supported(fmt: int, hidden: int, inter: int, block: int, tiles: ExpertTiles | None = None) -> bool:
@@ -332,15 +424,21 @@ def grouped_supported(fmt: int, hidden: int, inter: int, block: int, tiles: Expe
     is the K step; MXFP4: K steps of whole 32-input groups."""
     if fmt == FP8_BLOCK and not (16 <= block <= 128 and block & (block - 1) == 0):
         return False
-    for t in (tiles,) if tiles else (expert_tiles(fmt, 1.0, hidden, inter, block),
-                                     expert_tiles(fmt, 128.0, hidden, inter, block)):
-        if (inter % t.up.block_n or hidden % t.up.block_k or hidden % t.down.block_n or inter % t.down.block_k
-                or (fmt == FP8_BLOCK and (t.up.block_k != block or t.down.block_k != block
-                                           or t.up.block_n % block))
-                or (fmt == MXFP4 and (t.up.block_k % 32 or t.down.block_k % 32))):
+    options = (tiles,) if tiles else (expert_tiles(fmt, 1.0, hidden, inter, block),
+                                      expert_tiles(fmt, 128.0, hidden, inter, block))
+    for t in options:
+        for up in (t.up, t.up_tail):
+            if up is not None and (inter % up.block_n or hidden % up.block_k or (
+                    fmt == FP8_BLOCK and (up.block_k != block or up.block_n % block))):
+                return False
+        for down in (t.down, t.down_tail):
+            if down is not None and (hidden % down.block_n or inter % down.block_k or (
+                    fmt == FP8_BLOCK and down.block_k != block)):
+                return False
+        if fmt == MXFP4 and any(g is not None and g.block_k % 32 for g in (t.up, t.down, t.up_tail, t.down_tail)):
             return False
     return True
 
 
-__all__ = ["PLAIN", "ExpertTiles", "GemmTiles", "TilePlan", "expert_tiles", "grouped_experts", "grouped_supported",
-           "plan_tiles", "quant_groups"]
+__all__ = ["ExpertTiles", "GemmTiles", "TilePlan", "Weights", "expert_tiles", "grouped_experts", "grouped_supported",
+           "plan_tiles", "plans", "quant_groups", "run_down", "run_up", "sum_slots"]
