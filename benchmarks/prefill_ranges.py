@@ -43,7 +43,8 @@ from deepinfer.model.layers.moe import Experts, MoE
 from deepinfer.model.model import Block
 
 OP_CLASS = {
-    "sparse_attention": "attn_core", "indexer_scores": "indexer", "topk_lowest_index": "indexer",
+    "sparse_attention": "attn_core", "prefill_attention": "attn_core", "indexer_scores": "indexer",
+    "topk_lowest_index": "indexer",
     "compress_pool": "compressor", "hc_pre": "mhc", "hc_post": "mhc", "hc_head": "embed_head",
     "rms_norm": "norm_rope", "norm_rope": "norm_rope", "apply_rope": "norm_rope", "grouped_linear": "attn_proj",
     "route": "router", "router_scores": "router", "routing_weights": "router", "moe_experts": "moe_routed",

@@ -20,9 +20,9 @@ from deepinfer.kernels import KernelSet
 from deepinfer.model import ForwardBatch, ModelCache
 
 pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="needs TRITON_INTERPRET=1")
-FUSED = ("apply_rope", "clamped_swiglu", "compress_decode", "hc_post", "hc_pre", "linear", "moe_experts",
-         "moe_experts_fp8", "moe_experts_mxfp4", "norm_rope", "paged_decode_attention", "paged_indexer_scores",
-         "rms_norm", "route", "sparse_attention", "topk_lowest_index")
+FUSED = ("apply_rope", "clamped_swiglu", "compress_decode", "hc_post", "hc_pre", "indexer_scores", "linear",
+         "moe_experts", "moe_experts_fp8", "moe_experts_mxfp4", "norm_rope", "paged_decode_attention",
+         "paged_indexer_scores", "prefill_attention", "rms_norm", "route", "sparse_attention", "topk_lowest_index")
 
 
 def planned_cache(model, block_size: int, num_blocks: int, num_slots: int) -> ModelCache:

@@ -96,6 +96,26 @@ def attention_kernels():
             "SPLITS": 1, "HAS_PAGED": True, "PRECISION": "tf32", **paged._attention_tiles(2, 512, num_seqs)}
 
 
+def prefill_kernels():
+    """The prefill attention reading its rows in place (CSA and window-only, bfloat16 tiles) and the
+    prefill's index scores, at V4-Flash's shapes."""
+    from deepinfer.kernels.triton_ops import indexer, paged
+
+    pointers = {"q_ptr": "*bf16", "win_ptr": "*bf16", "sink_ptr": "*fp32", "out_ptr": "*bf16", "paged_ptr": "*bf16",
+                "table_ptr": "*i32", "ids_ptr": "*i64"}
+    ints = ("q_query", "q_head", "win_row", "paged_block", "paged_row", "ids_stride", "out_query", "out_head",
+            "num_heads", "head_dim", "start", "window", "num_ids", "table_width", "rows_per_block", "ratio")
+    signature = {**pointers, **dict.fromkeys(ints, "i32"), "scale": "fp32"}
+    for has_paged in (True, False):
+        yield paged._prefill_attention_kernel, signature, {"HAS_PAGED": has_paged, "PRECISION": "tf32",
+                                                           **paged._prefill_tiles(2, 512)}
+    index = {"q_ptr": "*bf16", "keys_ptr": "*bf16", "w_ptr": "*fp32", "out_ptr": "*fp32",
+             **dict.fromkeys(("q_query", "q_head", "keys_row", "w_query", "out_query", "num_queries", "num_heads",
+                              "dim", "num_keys"), "i32"), "scale": "fp32"}
+    yield indexer._index_scores_kernel, index, {"BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_D": 128, "PRECISION": "tf32",
+                                                "num_warps": 4, "num_stages": 3}
+
+
 def invariant_kernels():
     """The batch-invariant GEMM at V4-Flash's projection shapes (its tiles depend on them alone), in
     bfloat16 and float32 (the mHC projection's split-K partials), and the decode attention's fixed
@@ -159,8 +179,8 @@ def v41_kernels():
 
 
 @pytest.mark.parametrize(("fn", "signature", "constants"),
-                         [*sampling_kernels(), *expert_kernels(), *attention_kernels(), *invariant_kernels(),
-                          *v41_kernels()],
+                         [*sampling_kernels(), *expert_kernels(), *attention_kernels(), *prefill_kernels(),
+                          *invariant_kernels(), *v41_kernels()],
                          ids=lambda v: getattr(v, "__name__", None) if callable(v) else None)
 def test_kernel_compiles_for_hopper(fn, signature, constants) -> None:
     kernel = compile_for_hopper(fn, signature, constants)

@@ -410,6 +410,70 @@ def test_fused_sparse_attention_matches_reference(num_queries, heads, rows, head
     assert not got[1].any()
 
 
+PREFILL_CASES = [  # (num_queries, start, heads, head_dim, window, ratio, num_ids, block_size)
+    (9, 0, 4, 64, 8, 4, 5, 16), (7, 13, 20, 48, 8, 0, 0, 16), (6, 300, 8, 32, 16, 128, 3, 128)] + (
+    [(300, 4000, 64, 512, 128, 4, 512, 128), (200, 0, 64, 512, 128, 128, 64, 128),
+     (129, 8000, 64, 512, 128, 0, 0, 128)] if BIG else [])
+
+
+@pytest.mark.parametrize(("num_queries", "start", "heads", "head_dim", "window", "ratio", "num_ids", "block_size"),
+                         PREFILL_CASES)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_fused_prefill_attention_matches_reference(num_queries, start, heads, head_dim, window, ratio, num_ids,
+                                                   block_size, dtype, request) -> None:
+    """One sequence's prefill queries over a contiguous window run (the rows before position 0 NaN:
+    never read) and entries through the block table: picks of −1, picks past the table (block 0
+    holds NaN: never read), a head count not a multiple of the head block."""
+    from deepinfer.kernels.triton_ops import prefill_attention_fused
+
+    gen = torch.Generator().manual_seed(num_queries + start + heads + ratio)
+    q = randn(gen, num_queries, heads, head_dim, dtype=dtype)
+    window_kv = randn(gen, window + num_queries, head_dim, dtype=dtype)
+    window_kv[:max(0, window - start)] = float("nan")
+    sink = randn(gen, heads, scale=2.0)
+    args = {}
+    if ratio:
+        rows, max_blocks = block_size // ratio, 4
+        paged = randn(gen, max_blocks + 2, rows, head_dim, dtype=dtype)
+        paged[0] = float("nan")
+        ids = torch.randint(0, (max_blocks + 1) * rows, (num_queries, num_ids), generator=gen)
+        ids[torch.rand(num_queries, num_ids, generator=gen) < 0.3] = -1
+        table = (torch.randperm(max_blocks + 1, generator=gen)[:max_blocks] + 1).to(DEVICE)
+        args = dict(paged=paged, block_table=table, entry_ids=ids.to(DEVICE), ratio=ratio)
+    poison_allocator()
+    bounds = request.getfixturevalue("kernel_bounds") if INTERPRET else None   # every access inside its tensor
+    got = prefill_attention_fused(q, window_kv, start, window, sink, head_dim**-0.5, **args)
+    if bounds is not None:
+        bounds.assert_clean("_prefill_attention_kernel")
+    if ratio:
+        args["paged"] = args["paged"].nan_to_num()              # the reference multiplies masked rows by 0
+    want = reference.prefill_attention(q, window_kv.nan_to_num(), start, window, sink, head_dim**-0.5, **args)
+    close(got, want, dtype)
+
+
+INDEXER_CASES = [(5, 4, 32, 37), (20, 3, 64, 9), (1, 2, 16, 70)] + (
+    [(4096, 64, 128, 1024), (300, 64, 128, 2047)] if BIG else [])
+
+
+@pytest.mark.parametrize(("num_queries", "heads", "dim", "num_keys"), INDEXER_CASES)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_fused_indexer_scores_match_reference(num_queries, heads, dim, num_keys, dtype, request) -> None:
+    """The prefill's index scores against shared keys; the queries a head slice of a wider tensor."""
+    from deepinfer.kernels.triton_ops import indexer_scores_fused
+
+    gen = torch.Generator().manual_seed(num_queries * heads + num_keys)
+    q = randn(gen, num_queries, heads + 1, dim, dtype=dtype)[:, 1:]
+    keys = randn(gen, num_keys, dim, dtype=dtype)
+    weights = randn(gen, num_queries, heads) * heads**-0.5
+    poison_allocator()
+    bounds = request.getfixturevalue("kernel_bounds") if INTERPRET else None
+    got = indexer_scores_fused(q, keys, weights, dim**-0.5)
+    if bounds is not None:
+        bounds.assert_clean("_index_scores_kernel")
+    close(got, reference.indexer_scores(q, keys, weights, dim**-0.5), torch.float32 if dtype == torch.float32
+          else torch.bfloat16)
+
+
 GEMV_CASES = [((1, 256), 1000), ((3, 96), 64), ((2, 1, 512), 37), ((4, 1024), 4096), ((1, 512), 4100),
               ((2, 300), 2050)] + (
     [((1, 4096), 1024), ((1, 1024), 32768), ((2, 8192), 4096), ((4, 4096), 512), ((1, 4096), 4160)] if BIG else [])

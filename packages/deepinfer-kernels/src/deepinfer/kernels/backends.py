@@ -70,6 +70,7 @@ _INVARIANT_CUDA: dict[str, tuple[str, dict[str, str]]] = {
     "hc_post": ("hc_post_fused", {}),                             # one program per (token, channel block)
     "hc_head": ("hc_head", {"linear": "linear_invariant", "rms_norm": "rms_norm_fused"}),
     "sparse_attention": ("sparse_attention_fused", {}),           # one program per (query, head block)
+    "prefill_attention": ("prefill_attention_fused", {}),         # one program per (head block, query)
     "paged_decode_attention": ("paged_decode_attention_invariant", {}),
     "indexer_scores": ("indexer_scores", {"linear": "linear_invariant"}),
     "paged_indexer_scores": ("paged_indexer_scores_fused", {}),   # one program per (sequence, entry block)
@@ -82,19 +83,21 @@ _INVARIANT_CUDA: dict[str, tuple[str, dict[str, str]]] = {
 
 def register_builtin_backends() -> None:
     """CUDA: Triton kernels (static shapes, CUDA-graph safe) for mHC, RMSNorm, RoPE (alone or fused),
-    the batched-decode ops that read the cache in place, the prefill's attention over gathered rows,
-    top-k, routing, the experts (Triton's expert kernels for small batches, from
-    `moe.GROUPED_MIN_PAIRS` pairs its grouped GEMMs over the pairs sorted by expert: bf16, FP8 on the
-    FP8 tensor cores, MXFP4 decoded in the kernel; cuBLAS's for float32 beyond), the projections of
-    1–4 rows (GEMV; TileLang's for one row where installed), the sampler's filters + race (sort-free)
-    and DeepSeek-V4.1's attention and index scores over the packed cache rows (decode and prefill) and
-    its cache-row quantisation (one launch).
-    Everything else: the reference.
+    the batched-decode ops that read the cache in place, the prefill's attention reading the window
+    rows and the paged entries in place (and the older one over gathered rows), the prefill's index
+    scores (one launch, no float32 intermediates), top-k, routing, the experts (Triton's expert kernels
+    for small batches, from `moe.GROUPED_MIN_PAIRS` pairs its grouped GEMMs over the pairs sorted by
+    expert: bf16, FP8 on the FP8 tensor cores, MXFP4 decoded in the kernel; cuBLAS's for float32
+    beyond), the projections of 1–4 rows (GEMV; TileLang's for one row where installed), the sampler's
+    filters + race (sort-free) and DeepSeek-V4.1's attention and index scores over the packed cache
+    rows (decode and prefill) and its cache-row quantisation (one launch). Everything else: the
+    reference.
     The batch-invariant set on CUDA: `_INVARIANT_CUDA`."""
     for name in ("hc_pre", "hc_post", "rms_norm", "apply_rope", "norm_rope", "compress_decode",
                  "paged_decode_attention", "paged_indexer_scores", "topk_lowest_index", "route", "moe_experts",
-                 "moe_experts_fp8", "moe_experts_mxfp4", "sample_race", "sparse_attention", "v41_attention",
-                 "v41_index_scores", "quant_mxfp8_rows", "quant_fp4_rows", "fake_quant_mxfp8", "fake_quant_fp4_rows"):
+                 "moe_experts_fp8", "moe_experts_mxfp4", "sample_race", "sparse_attention", "prefill_attention",
+                 "indexer_scores", "v41_attention", "v41_index_scores", "quant_mxfp8_rows", "quant_fp4_rows",
+                 "fake_quant_mxfp8", "fake_quant_fp4_rows"):
         register(name, "cuda", _triton(name))
     register("linear", "cuda", _linear)
     register("clamped_swiglu", "cuda", _clamped_swiglu)

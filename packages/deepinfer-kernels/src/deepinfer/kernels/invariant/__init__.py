@@ -22,6 +22,7 @@ from .attention import (
     indexer_scores,
     paged_decode_attention,
     paged_indexer_scores,
+    prefill_attention,
     sparse_attention,
 )
 from .linear import grouped_linear, linear
@@ -69,6 +70,7 @@ __all__ = [
     "moe_experts_mxfp4",
     "paged_decode_attention",
     "paged_indexer_scores",
+    "prefill_attention",
     "route",
     "router_scores",
     "routing_weights",

@@ -64,6 +64,21 @@ def paged_decode_attention(
     return sparse_attention(q, rows, valid, sink, scale)
 
 
+def prefill_attention(
+    q: Tensor, window_kv: Tensor, start: int, window: int, sink: Tensor, scale: float, paged: Tensor | None = None,
+    block_table: Tensor | None = None, entry_ids: Tensor | None = None, ratio: int = 1,
+) -> Tensor:
+    """Same contract as `reference.prefill_attention` (each query's rows gathered as there, attended by
+    this module's `sparse_attention`)."""
+    out = torch.empty_like(q)
+    for lo in range(0, q.shape[0], reference_paged.PREFILL_ROWS_BLOCK):
+        hi = min(q.shape[0], lo + reference_paged.PREFILL_ROWS_BLOCK)
+        rows, valid = reference_paged.prefill_attention_rows(q, window_kv, start, window, paged, block_table,
+                                                             entry_ids, ratio, lo, hi)
+        out[lo:hi] = sparse_attention(q[lo:hi], rows, valid, sink, scale)
+    return out
+
+
 def indexer_scores(q: Tensor, keys: Tensor, head_weights: Tensor, softmax_scale: float, *,
                    linear: Linear = linear) -> Tensor:
     """Same contract as `reference.indexer_scores`. Keys shared by every query: one `linear` of the

@@ -20,7 +20,7 @@ from .moe import (
     select_experts,
 )
 from .norm import rms_norm
-from .paged import compress_decode, paged_decode_attention, paged_indexer_scores
+from .paged import compress_decode, paged_decode_attention, paged_indexer_scores, prefill_attention
 from .quant import (
     dequant_fp8_block,
     dequant_mxfp4,
@@ -81,6 +81,7 @@ __all__ = [
     "packed_row_bytes",
     "paged_decode_attention",
     "paged_indexer_scores",
+    "prefill_attention",
     "quant_fp4_rows",
     "quant_fp8_block",
     "quant_mxfp4",

@@ -7,6 +7,8 @@ at row `(e·ratio mod block_size) // ratio` of that block. Entries whose block l
 width are not readable (attention skips them; scoring reads the reserved block 0 instead).
 
 Static shapes throughout, no host synchronisation: these ops may be captured in a CUDA graph.
+`prefill_attention` is the prefill's form (one sequence's chunk of queries): the same rows, the
+window read from one contiguous run of KV rows, the entries through the block table.
 """
 
 from __future__ import annotations
@@ -148,6 +150,59 @@ def decode_attention_rows(
         blocks, in_block, inside = entry_location(block_tables, entry_ids, ratio, block_size)
         rows = torch.cat((rows, paged[blocks, in_block].to(q.dtype)), dim=1)
         valid = torch.cat((valid, (entry_ids >= 0) & inside), dim=1)
+    return rows, valid
+
+
+PREFILL_ROWS_BLOCK = 1024   # queries whose rows this twin gathers at once (≈ 3 MB each at V4-Flash sizes)
+
+
+def prefill_attention(
+    q: Tensor, window_kv: Tensor, start: int, window: int, sink: Tensor, scale: float, paged: Tensor | None = None,
+    block_table: Tensor | None = None, entry_ids: Tensor | None = None, ratio: int = 1,
+) -> Tensor:
+    """`sparse_attention` of one sequence's prefill queries over their sliding window and their chosen
+    compressed entries, read where they are (the fused kernel gathers nothing; this twin gathers
+    PREFILL_ROWS_BLOCK queries' rows at a time).
+
+    Query i sits at position start + i. Row e of `window_kv` holds the KV of position start − window + e,
+    so query i's window is rows i + 1 … i + window (those at positions ≥ 0; the others are never read).
+    Compressed rows: `entry_ids[i]` (−1 = none) of `paged` through `block_table` (entries past the
+    table are skipped).
+
+    Args:
+        q: [num_queries, num_heads, head_dim].
+        window_kv: [window + num_queries, head_dim] (e.g. the ring's last `window` rows, then the chunk's).
+        start: position of the first query; window: rows of the sliding window.
+        sink: [num_heads] float32; scale: softmax scale.
+        paged: [num_blocks, block_size // ratio, head_dim] or None (window-only layer);
+        block_table: [max_blocks] the sequence's blocks; entry_ids: [num_queries, k] int64.
+    Returns:
+        [num_queries, num_heads, head_dim] in q's dtype.
+    """
+    out = torch.empty_like(q)
+    for lo in range(0, q.shape[0], PREFILL_ROWS_BLOCK):
+        hi = min(q.shape[0], lo + PREFILL_ROWS_BLOCK)
+        rows, valid = prefill_attention_rows(q, window_kv, start, window, paged, block_table, entry_ids, ratio, lo,
+                                             hi)
+        out[lo:hi] = sparse_attention(q[lo:hi], rows, valid, sink, scale)
+    return out
+
+
+def prefill_attention_rows(
+    q: Tensor, window_kv: Tensor, start: int, window: int, paged: Tensor | None, block_table: Tensor | None,
+    entry_ids: Tensor | None, ratio: int, lo: int, hi: int,
+) -> tuple[Tensor, Tensor]:
+    """The rows queries lo … hi − 1 of `prefill_attention` attend over, gathered: ([hi − lo, window + k,
+    head_dim] in q's dtype, validity [hi − lo, window + k] bool)."""
+    index = torch.arange(lo + 1, hi + 1, device=q.device)[:, None] + torch.arange(window, device=q.device)[None, :]
+    rows = window_kv[index].to(q.dtype)
+    valid = index >= window - start                      # position start − window + index ≥ 0
+    if paged is not None:
+        ids = entry_ids[lo:hi]
+        blocks, in_block, inside = entry_location(block_table, ids.flatten(), ratio, paged.shape[1] * ratio)
+        entries = paged[blocks, in_block].view(*ids.shape, paged.shape[-1]).to(q.dtype)
+        rows = torch.cat((rows, entries), dim=1)
+        valid = torch.cat((valid, (ids >= 0) & inside.view(ids.shape)), dim=1)
     return rows, valid
 
 

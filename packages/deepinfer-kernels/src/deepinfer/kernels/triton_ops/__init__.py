@@ -2,6 +2,7 @@
 
 from .gemm import grouped_linear_invariant, linear_invariant
 from .gemv import linear_fused
+from .indexer import indexer_scores_fused
 from .mhc import hc_post_fused, hc_pre_fused, hc_pre_invariant
 from .moe import (
     clamped_swiglu_fused,
@@ -18,6 +19,7 @@ from .paged import (
     paged_decode_attention_fused,
     paged_decode_attention_invariant,
     paged_indexer_scores_fused,
+    prefill_attention_fused,
     sparse_attention_fused,
 )
 from .rowwise import apply_rope_fused, norm_rope_fused, rms_norm_fused
@@ -29,10 +31,11 @@ from .v41_quant import fake_quant_fp4_rows_fused, fake_quant_mxfp8_fused, quant_
 __all__ = [
     "fake_quant_fp4_rows_fused", "fake_quant_mxfp8_fused", "quant_fp4_rows_fused", "quant_mxfp8_rows_fused",
     "apply_rope_fused", "clamped_swiglu_fused", "compress_decode_fused", "grouped_linear_invariant", "hc_post_fused",
-    "hc_pre_fused", "hc_pre_invariant", "linear_fused", "linear_invariant", "moe_experts_fp8_fused",
-    "moe_experts_fp8_invariant", "moe_experts_fused", "moe_experts_invariant", "moe_experts_mxfp4_fused",
-    "moe_experts_mxfp4_invariant", "norm_rope_fused",
+    "hc_pre_fused", "hc_pre_invariant", "indexer_scores_fused", "linear_fused", "linear_invariant",
+    "moe_experts_fp8_fused", "moe_experts_fp8_invariant", "moe_experts_fused", "moe_experts_invariant",
+    "moe_experts_mxfp4_fused", "moe_experts_mxfp4_invariant", "norm_rope_fused",
     "paged_decode_attention_fused", "paged_decode_attention_invariant", "paged_indexer_scores_fused",
-    "rms_norm_fused", "route_fused", "sample_race_fused", "sample_race_invariant", "sparse_attention_fused",
+    "prefill_attention_fused", "rms_norm_fused", "route_fused", "sample_race_fused", "sample_race_invariant",
+    "sparse_attention_fused",
     "topk_lowest_index_fused", "v41_attention_fused", "v41_attention_invariant", "v41_index_scores_fused",
 ]

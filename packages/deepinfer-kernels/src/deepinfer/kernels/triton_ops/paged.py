@@ -8,6 +8,9 @@
   final normaliser. One program per (sequence, block of heads); K = V (single latent).
 - `paged_indexer_scores_fused`: the lightning indexer's ReLU-weighted dot products against index
   keys read through the block table. One program per (sequence, block of entries).
+- `prefill_attention_fused`: the prefill's attention of one sequence's queries over their window (a
+  contiguous run of KV rows) and their chosen compressed entries read through the block table — no
+  gathered rows. One program per (block of heads, query).
 
 Every wrapper keeps its reference twin's signature and falls back to it for inputs the kernels do
 not cover (non-CUDA tensors, a last dimension that is not contiguous). `paged_decode_attention_invariant`
@@ -263,6 +266,88 @@ def sparse_attention_fused(q: Tensor, kv: Tensor, valid: Tensor, sink: Tensor, s
         flags.stride(0), out.stride(0), out.stride(1), num_heads, head_dim, kv.shape[1], scale,
         BLOCK_H=block_h, BLOCK_N=block_n, BLOCK_D=block_d, CHUNK_D=min(block_d, 64), PRECISION=precision(q),
         num_warps=8, num_stages=1 if wide else 2,
+    )
+    return out
+
+
+@triton.jit
+def _prefill_attention_kernel(
+    q_ptr, win_ptr, sink_ptr, out_ptr, paged_ptr, table_ptr, ids_ptr, q_query, q_head, win_row, paged_block,
+    paged_row, ids_stride, out_query, out_head, num_heads, head_dim, start, window, num_ids, table_width,
+    rows_per_block, ratio, scale,
+    HAS_PAGED: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    CHUNK_D: tl.constexpr, PRECISION: tl.constexpr,
+):
+    """Program (head block, query i): online softmax over the window's rows i + 1 … i + window of
+    `win_ptr`, then over the query's entries looked up in the block table, sink in the normaliser.
+    Head blocks are the grid's fastest axis: the programs reading one query's rows run side by side."""
+    h = tl.program_id(0) * BLOCK_H + tl.arange(0, BLOCK_H)
+    i = tl.program_id(1).to(tl.int64)
+    hm = h < num_heads
+    d = tl.arange(0, BLOCK_D)
+    q_rows = q_ptr + i * q_query + tl.where(hm, h, 0)[:, None] * q_head
+    m = tl.full([BLOCK_H], -1e30, tl.float32)
+    l = tl.zeros([BLOCK_H], tl.float32)
+    acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
+    n = tl.arange(0, BLOCK_N)
+    for j0 in range(0, window, BLOCK_N):
+        e = i + 1 + j0 + n
+        valid = (j0 + n < window) & (e >= window - start)          # position start − window + e ≥ 0
+        rows = win_ptr + tl.where(valid, e, 0)[:, None] * win_row
+        m, l, acc = _attend(q_rows, rows, valid, m, l, acc, scale, head_dim, BLOCK_D, CHUNK_D, PRECISION)
+    if HAS_PAGED:
+        block_size = rows_per_block * ratio
+        for k0 in range(0, num_ids, BLOCK_N):
+            k = k0 + n
+            e = tl.load(ids_ptr + i * ids_stride + k, mask=k < num_ids, other=-1)
+            first = tl.where(e >= 0, e, 0) * ratio
+            col = first // block_size
+            valid = (e >= 0) & (col < table_width)
+            blk = tl.load(table_ptr + col, mask=valid, other=0).to(tl.int64)
+            rows = paged_ptr + blk[:, None] * paged_block + ((first % block_size) // ratio).to(tl.int64)[:, None] \
+                * paged_row
+            m, l, acc = _attend(q_rows, rows, valid, m, l, acc, scale, head_dim, BLOCK_D, CHUNK_D, PRECISION)
+    sink = tl.load(sink_ptr + h, mask=hm, other=0.0)
+    m_final = tl.maximum(m, sink)
+    alpha = tl.exp(m - m_final)
+    out = acc * alpha[:, None] / (l * alpha + tl.exp(sink - m_final))[:, None]
+    tl.store(out_ptr + i * out_query + h[:, None] * out_head + d[None, :], out.to(out_ptr.dtype.element_ty),
+             mask=hm[:, None] & (d < head_dim)[None, :])
+
+
+def _prefill_tiles(element_size: int, head_dim: int) -> dict[str, int]:
+    """Tiles of `_prefill_attention_kernel`: those `sparse_attention_fused` runs on the H200 (16 heads;
+    32 rows and two stages for two-byte types, 16 rows unpipelined for float32)."""
+    wide = element_size > 2
+    block_d = max(triton.next_power_of_2(head_dim), 16)
+    return dict(BLOCK_H=16, BLOCK_N=16 if wide else 32, BLOCK_D=block_d, CHUNK_D=min(block_d, 64), num_warps=8,
+                num_stages=1 if wide else 2)
+
+
+def prefill_attention_fused(
+    q: Tensor, window_kv: Tensor, start: int, window: int, sink: Tensor, scale: float, paged: Tensor | None = None,
+    block_table: Tensor | None = None, entry_ids: Tensor | None = None, ratio: int = 1,
+) -> Tensor:
+    """Same contract as `reference.prefill_attention` (the paged stream contiguous, rows of q and
+    window_kv contiguous): every row read in place, in the model dtype with float32 accumulation."""
+    if (not on_triton(q) or q.stride(-1) != 1 or window_kv.stride(-1) != 1
+            or (paged is not None and not paged.is_contiguous())):
+        return reference.prefill_attention(q, window_kv, start, window, sink, scale, paged, block_table, entry_ids,
+                                           ratio)
+    num_queries, num_heads, head_dim = q.shape
+    out = torch.empty_like(q)
+    if num_queries == 0:
+        return out
+    has_paged = paged is not None
+    ids = entry_ids.contiguous() if has_paged else window_kv
+    tiles = _prefill_tiles(q.element_size(), head_dim)
+    _prefill_attention_kernel[(triton.cdiv(num_heads, tiles["BLOCK_H"]), num_queries)](
+        q, window_kv, sink.float().contiguous(), out, paged if has_paged else window_kv,
+        block_table if has_paged else window_kv, ids, q.stride(0), q.stride(1), window_kv.stride(0),
+        paged.stride(0) if has_paged else 0, paged.stride(1) if has_paged else 0, ids.stride(0) if has_paged else 0,
+        out.stride(0), out.stride(1), num_heads, head_dim, start, window, ids.shape[1] if has_paged else 0,
+        block_table.shape[0] if has_paged else 0, paged.shape[1] if has_paged else 1, ratio, scale,
+        HAS_PAGED=has_paged, PRECISION=precision(q), **tiles,
     )
     return out
 

@@ -19,7 +19,7 @@ from deepinfer.kernels.reference.paged import entry_location
 
 from ..batch import ForwardBatch
 from ..cache import ModelCache
-from ..config import CSA, HCA, DeepseekV4Config
+from ..config import CSA, DeepseekV4Config
 
 if TYPE_CHECKING:
     from ..config_v41 import DeepseekV41Config
@@ -44,9 +44,9 @@ class Projections(NamedTuple):
     comp: tuple[Tensor, Tensor] | None
     index_comp: tuple[Tensor, Tensor] | None
 
-# Prefill queries gathered at once: their [queries, window + picks, head_dim] rows (and float32
-# copies) are the prefill's largest transient, ≈ 3 MB per query at V4-Flash sizes (≈ 3 GB per block).
-PREFILL_QUERY_BLOCK = 1024
+# Prefill queries scored by the indexer at once: their [queries, entries] float32 scores (and the HCA
+# layers' [queries, entries] ids) are the prefill's largest transient, 8K queries × 2K entries = 64 MB.
+PREFILL_QUERY_BLOCK = 8192
 
 
 class Indexer(nn.Module):
@@ -144,17 +144,38 @@ class Attention(nn.Module):
 
     def _prefill_attention(self, p: Projections, batch: ForwardBatch, cache: ModelCache, ops: KernelSet,
                            inv_freq: Tensor, kv_quant: bool) -> Tensor:
-        """Any query lengths: one sequence at a time, in blocks of at most PREFILL_QUERY_BLOCK queries
-        (each block is a prefill chunk of its own, so the gathered rows stay small)."""
-        out = torch.empty_like(p.q)
+        """Any query lengths, one sequence at a time: the window ring and the compressors advance over
+        the sequence's whole chunk at once, then its queries (in blocks of PREFILL_QUERY_BLOCK, for the
+        indexer's scores) attend to their window and entries read in place (`ops.prefill_attention`)."""
+        window, scale = self.cfg.sliding_window, self.cfg.head_dim**-0.5
+        outs = []
         for i in range(batch.num_seqs):
             a, b = batch.cu_seqlens[i], batch.cu_seqlens[i + 1]
-            for lo in range(a, b, PREFILL_QUERY_BLOCK):
-                hi = min(b, lo + PREFILL_QUERY_BLOCK)
-                start = batch.start_positions[i] + lo - a
-                rows, valid = self._gather_rows(i, lo, hi, start, p, batch, cache, ops, inv_freq, kv_quant)
-                out[lo:hi] = ops.sparse_attention(p.q[lo:hi], rows, valid, self.attn_sink, self.cfg.head_dim**-0.5)
-        return out
+            start, slot, table = batch.start_positions[i], batch.state_slots[i:i + 1], batch.block_tables[i]
+            window_kv = self._advance_window(p.kv[a:b], start, slot, cache)
+            paged = keys = None
+            if self.compressor is not None:
+                paged, keys = self._compress_sequence(a, b, p, start, slot, table, cache, ops, inv_freq, kv_quant)
+            for lo in range(0, b - a, PREFILL_QUERY_BLOCK):
+                hi = min(b - a, lo + PREFILL_QUERY_BLOCK)
+                ids = None if paged is None else self._entry_ids(p, a + lo, a + hi, batch.positions[a + lo:a + hi],
+                                                                 start + b - a, keys, ops)
+                outs.append(ops.prefill_attention(p.q[a + lo:a + hi], window_kv[lo:hi + window], start + lo, window,
+                                                  self.attn_sink, scale, paged, table, ids, self.ratio))
+        return outs[0] if len(outs) == 1 else torch.cat(outs)
+
+    def _advance_window(self, kv: Tensor, start: int, slot: Tensor, cache: ModelCache) -> Tensor:
+        """The KV rows of positions start − window … start + len(kv) − 1 as `ops.prefill_attention` reads
+        them ([window + len(kv), head_dim]: the ring's last `window` rows, then the chunk's), read before
+        the chunk's last rows overwrite the ring."""
+        window = self.cfg.sliding_window
+        ring = cache.state[f"layers.{self.layer}.window"]                # [num_slots, ring, head_dim]
+        ring_len, end = ring.shape[1], start + kv.shape[0]
+        earlier = torch.arange(start - window, start, device=kv.device).clamp(min=0) % ring_len
+        window_kv = torch.cat((ring[slot, earlier].to(kv.dtype), kv))
+        keep = max(start, end - ring_len)
+        ring[slot, torch.arange(keep, end, device=kv.device) % ring_len] = kv[keep - start:].to(ring.dtype)
+        return window_kv
 
     def _quant_index(self, x: Tensor, ops: KernelSet) -> Tensor:
         """Official V4 numerics of index queries and keys: Hadamard rotation, then FP4 (block 32)."""
@@ -165,72 +186,50 @@ class Attention(nn.Module):
         rope = self.cfg.qk_rope_head_dim
         return torch.cat((ops.fake_quant_fp8(kv[..., :-rope], 64), kv[..., -rope:]), dim=-1)
 
-    def _gather_rows(
-        self, i: int, a: int, b: int, start: int, p: Projections, batch: ForwardBatch, cache: ModelCache,
-        ops: KernelSet, inv_freq: Tensor, kv_quant: bool,
-    ) -> tuple[Tensor, Tensor]:
-        """KV rows each query of rows a … b − 1 (sequence i, positions from `start`) attends to:
-        [q, rows, head_dim] and a validity mask."""
-        window, kv = self.cfg.sliding_window, p.kv
-        q_len = b - a
-        slot = batch.state_slots[i]
-        pos = batch.positions[a:b]
-        # Window: the ring holds positions < start; this chunk's rows come from kv directly.
-        ring = cache.state[f"layers.{self.layer}.window"][slot]
-        ring_len = ring.shape[0]
-        key_pos = pos[:, None] - window + 1 + torch.arange(window, device=kv.device)[None, :]   # [q, W]
-        in_chunk = key_pos >= start
-        win_rows = torch.where(
-            in_chunk[..., None],
-            kv[a + (key_pos - start).clamp(0, q_len - 1)],
-            ring[key_pos.clamp(min=0) % ring_len],
-        )
-        win_valid = key_pos >= 0
-        keep = max(start, start + q_len - ring_len)
-        ring[torch.arange(keep, start + q_len, device=kv.device) % ring_len] = kv[a + keep - start:b]
-        if self.compressor is None:
-            return win_rows, win_valid
-        table = batch.block_tables[i]
-        comp_rows, comp_valid = self._compressed_rows(a, b, p, table, slot, start, pos, cache, ops, inv_freq,
-                                                      kv_quant)
-        return torch.cat((win_rows, comp_rows), dim=1), torch.cat((win_valid, comp_valid), dim=1)
-
     def _compress_chunk(
         self, comp: Compressor, stream: str, state: str, inputs: tuple[Tensor, Tensor], pos: Tensor, start: int,
         slot: Tensor, table: Tensor, cache: ModelCache, ops: KernelSet, inv_freq: Tensor, post: RowPost | None,
     ) -> Tensor:
-        """Run one compressor over a sequence's chunk (its projected (kv, gate) rows), write the
-        windows it closes into the paged `stream`, and return every compressed row of the sequence
-        so far [entries, width]."""
-        r, block_size = self.ratio, cache.spec.block_size
+        """Run one compressor over a sequence's chunk (its projected (kv, gate) rows) and write the
+        windows it closes into the paged `stream`; returns the stream [num_blocks, rows, width]."""
         paged = cache.paged[stream]
-        k, g = comp.pool_inputs(*inputs, pos)
-        ring_k, ring_g = cache.state[f"{state}.kv"][slot], cache.state[f"{state}.gate"][slot]
-        ids, new_rows = comp.compress(k, g, start, ring_k, ring_g, ops, inv_freq, self.cfg.rms_norm_eps)
+        ids, new_rows = comp.compress(*inputs, pos, start, cache.state[f"{state}.kv"], cache.state[f"{state}.gate"],
+                                      slot, ops, inv_freq, self.cfg.rms_norm_eps)
         if post is not None and len(ids):
             new_rows = post(new_rows, ops)
-        blocks, rows, _ = entry_location(table, ids, r, block_size)
+        blocks, rows, _ = entry_location(table, ids, self.ratio, cache.spec.block_size)
         paged[blocks, rows] = new_rows.to(paged.dtype)
-        all_ids = torch.arange((start + k.shape[0]) // r, device=k.device)
-        blocks, rows, _ = entry_location(table, all_ids, r, block_size)
-        return paged[blocks, rows]
+        return paged
 
-    def _compressed_rows(
-        self, a: int, b: int, p: Projections, table: Tensor, slot: Tensor, start: int, pos: Tensor,
-        cache: ModelCache, ops: KernelSet, inv_freq: Tensor, kv_quant: bool,
-    ) -> tuple[Tensor, Tensor]:
+    def _compress_sequence(
+        self, a: int, b: int, p: Projections, start: int, slot: Tensor, table: Tensor, cache: ModelCache,
+        ops: KernelSet, inv_freq: Tensor, kv_quant: bool,
+    ) -> tuple[Tensor, Tensor | None]:
+        """Advance the layer's compressors over rows a … b − 1 (one sequence's chunk): the paged KV
+        stream, and on CSA layers the index keys of every entry so far [entries, index_head_dim]."""
         layer = self.layer
-        entries = self._compress_chunk(self.compressor, f"layers.{layer}.kv", f"layers.{layer}.compressor",
-                                       (p.comp[0][a:b], p.comp[1][a:b]), pos, start, slot, table, cache, ops,
-                                       inv_freq, self._quant_kv if kv_quant else None)
+        pos = torch.arange(start, start + b - a, device=p.kv.device)
+        paged = self._compress_chunk(self.compressor, f"layers.{layer}.kv", f"layers.{layer}.compressor",
+                                     (p.comp[0][a:b], p.comp[1][a:b]), pos, start, slot, table, cache, ops, inv_freq,
+                                     self._quant_kv if kv_quant else None)
+        if self.indexer is None:
+            return paged, None
+        index_paged = self._compress_chunk(self.indexer.compressor, f"layers.{layer}.index_k",
+                                           f"layers.{layer}.indexer", (p.index_comp[0][a:b], p.index_comp[1][a:b]),
+                                           pos, start, slot, table, cache, ops, inv_freq,
+                                           self._quant_index if kv_quant else None)
+        ids = torch.arange((start + b - a) // self.ratio, device=pos.device)
+        blocks, rows, _ = entry_location(table, ids, self.ratio, cache.spec.block_size)
+        return paged, index_paged[blocks, rows]
+
+    def _entry_ids(self, p: Projections, a: int, b: int, pos: Tensor, end: int, keys: Tensor | None,
+                   ops: KernelSet) -> Tensor:
+        """The compressed entries queries a … b − 1 (at positions `pos`, of a chunk ending before `end`)
+        attend to, [b − a, k] int64 with −1 = none: every visible one (HCA), or the indexer's top-k (CSA)."""
         visible = (pos + 1) // self.ratio                                  # entries usable per query
-        if self.kind == HCA:
-            ids = torch.arange(entries.shape[0], device=entries.device)
-            return entries.unsqueeze(0).expand(b - a, -1, -1), ids[None, :] < visible[:, None]
+        if self.indexer is None:
+            ids = torch.arange(end // self.ratio, device=pos.device)[None, :]
+            return torch.where(ids < visible[:, None], ids, -1)
         ix = self.indexer
-        keys = self._compress_chunk(ix.compressor, f"layers.{layer}.index_k", f"layers.{layer}.indexer",
-                                    (p.index_comp[0][a:b], p.index_comp[1][a:b]), pos, start, slot, table, cache,
-                                    ops, inv_freq, self._quant_index if kv_quant else None)
         scores = ops.indexer_scores(p.index_q[a:b], keys, p.index_w[a:b], ix.head_dim**-0.5)
-        picks = ops.topk_lowest_index(scores, visible, ix.topk)            # [q, k], −1 = none
-        return entries[picks.clamp(min=0)], picks >= 0
+        return ops.topk_lowest_index(scores, visible, ix.topk)             # [q, k], −1 = none

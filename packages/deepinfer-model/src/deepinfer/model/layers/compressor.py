@@ -44,39 +44,44 @@ class Compressor(nn.Module):
 
     def compress(
         self,
-        k: Tensor,
-        g: Tensor,
+        kv: Tensor,
+        gate: Tensor,
+        positions: Tensor,
         start: int,
         ring_k: Tensor,
         ring_g: Tensor,
+        slot: Tensor,
         ops: KernelSet,
         inv_freq: Tensor,
         eps: float,
     ) -> tuple[Tensor, Tensor]:
-        """Emit the windows that complete inside one sequence's chunk and update its ring.
+        """Emit the windows that complete inside one sequence's chunk and update its ring: a fixed
+        number of whole-chunk operations, whatever the chunk's length.
 
         Args:
-            k, g: [q, mult·width] this chunk's rows, positions start … start+q−1.
-            ring_k, ring_g: [ring, mult·width] the sequence's state (views, updated in place).
+            kv, gate: [q, mult·width] this chunk's projections (`pool_inputs`'s inputs), at `positions`
+                start … start+q−1.
+            ring_k, ring_g: [num_slots, ring, mult·width] float32, every sequence's ring (updated in place).
+            slot: [1] int64, the sequence's state slot (a one-element index: nothing is read back to the host).
         Returns:
             (entry ids [n] int64, rows [n, width] float32) of the n completed windows.
         """
+        k, g = self.pool_inputs(kv, gate, positions)
         r, q = self.ratio, k.shape[0]
         end = start + q
-        ring = ring_k.shape[0]
+        ring = ring_k.shape[1]
         first, stop = start // r, end // r                   # windows completing in [start, end)
         entries = torch.arange(first, stop, dtype=torch.int64, device=k.device)
         rows = k.new_zeros((0, self.width))
         if stop > first:
+            # Positions lo … stop·r − 1: those before the chunk (fewer than `ring`) from the ring, then the chunk's.
             lo = (first - 1) * r if self.overlap else first * r
-            pos = torch.arange(lo, stop * r, device=k.device)
-            from_ring = pos < start
-            idx_ring = pos.clamp(min=0) % ring
-            idx_chunk = (pos - start).clamp(min=0, max=q - 1)
-            kk = torch.where(from_ring[:, None], ring_k[idx_ring], k[idx_chunk])
-            gg = torch.where(from_ring[:, None], ring_g[idx_ring], g[idx_chunk])
-            gg = gg.masked_fill((pos < 0)[:, None], float("-inf"))
-            kk = kk.masked_fill((pos < 0)[:, None], 0.0)
+            earlier = torch.arange(lo, start, device=k.device).clamp(min=0) % ring
+            kk = torch.cat((ring_k[slot, earlier], k[:stop * r - start]))
+            gg = torch.cat((ring_g[slot, earlier], g[:stop * r - start]))
+            if lo < 0:                                        # the window before the first one: weight 0
+                kk[:-lo] = 0.0
+                gg[:-lo] = float("-inf")
             n = stop - first
             if self.overlap:
                 w = self.width
@@ -88,7 +93,7 @@ class Compressor(nn.Module):
             pooled = ops.rms_norm(ops.compress_pool(slot_k, slot_g), self.norm.weight, eps)
             rows = ops.apply_rope(pooled, entries * r, inv_freq)
         keep = max(start, end - ring)
-        write = torch.arange(keep, end, device=k.device)
-        ring_k[write % ring] = k[write - start]
-        ring_g[write % ring] = g[write - start]
+        write = torch.arange(keep, end, device=k.device) % ring
+        ring_k[slot, write] = k[keep - start:]
+        ring_g[slot, write] = g[keep - start:]
         return entries, rows
