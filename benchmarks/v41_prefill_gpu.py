@@ -90,6 +90,12 @@ def main() -> None:
                 elif reference_logits is not None:
                     row["last_logits_max_abs_diff_to_off"] = (logits - reference_logits).abs().max().item()
                     row["last_token_argmax_same_as_off"] = bool(logits.argmax() == reference_logits.argmax())
+                    # the scale the difference is read against, and how close off's top two logits are
+                    row["off_last_logits_max_abs"] = reference_logits.abs().max().item()
+                    top2 = reference_logits.float().topk(2).values
+                    row["off_top2_gap"] = (top2[0] - top2[1]).item()
+                    row["last_logits_cosine_to_off"] = torch.nn.functional.cosine_similarity(
+                        logits.float().flatten(), reference_logits.float().flatten(), dim=0).item()
             row = {"mode": mode, "prompt_len": prompt_len, **row}
             report["runs"].append(row)
             print(json.dumps({k: v for k, v in row.items() if k not in ("layer_ms", "traceback")}), flush=True)
