@@ -97,8 +97,8 @@ def attention_kernels():
 
 
 def prefill_kernels():
-    """The prefill attention reading its rows in place (CSA and window-only, bfloat16 tiles) and the
-    prefill's index scores, at V4-Flash's shapes."""
+    """The prefill attention reading its rows in place (CSA and window-only, bfloat16 tiles of a long
+    chunk; the batch-invariant one-query tiles) and the prefill's index scores, at V4-Flash's shapes."""
     from deepinfer.kernels.triton_ops import indexer, paged
 
     pointers = {"q_ptr": "*bf16", "win_ptr": "*bf16", "sink_ptr": "*fp32", "out_ptr": "*bf16", "paged_ptr": "*bf16",
@@ -106,14 +106,13 @@ def prefill_kernels():
     ints = ("q_query", "q_head", "win_row", "paged_block", "paged_row", "ids_stride", "out_query", "out_head",
             "num_heads", "head_dim", "start", "window", "num_ids", "table_width", "rows_per_block", "ratio")
     signature = {**pointers, **dict.fromkeys(ints, "i32"), "scale": "fp32"}
-    for has_paged in (True, False):
+    for has_paged, num_queries in ((True, 8192), (False, 8192), (True, 1)):   # the wrapper's tiles, the invariant's
         yield paged._prefill_attention_kernel, signature, {"HAS_PAGED": has_paged, "PRECISION": "tf32",
-                                                           **paged._prefill_tiles(2, 512)}
+                                                           **paged._attention_tiles(2, 512, num_queries)}
     index = {"q_ptr": "*bf16", "keys_ptr": "*bf16", "w_ptr": "*fp32", "out_ptr": "*fp32",
              **dict.fromkeys(("q_query", "q_head", "keys_row", "w_query", "out_query", "num_queries", "num_heads",
                               "dim", "num_keys"), "i32"), "scale": "fp32"}
-    yield indexer._index_scores_kernel, index, {"BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_D": 128, "PRECISION": "tf32",
-                                                "num_warps": 4, "num_stages": 3}
+    yield indexer._index_scores_kernel, index, {"PRECISION": "tf32", **indexer.index_tiles(2, 128)}
 
 
 def invariant_kernels():

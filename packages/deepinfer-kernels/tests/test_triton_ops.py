@@ -451,6 +451,26 @@ def test_fused_prefill_attention_matches_reference(num_queries, start, heads, he
     close(got, want, dtype)
 
 
+@pytest.mark.skipif(not INTERPRET, reason="the interpreter's bounds check")
+def test_prefill_attention_with_long_chunk_tiles_stays_in_bounds(kernel_bounds) -> None:
+    """The two-byte tiles the GPU takes for long chunks (64 heads, 32 rows, more than this case's
+    heads, window and picks), run on float32 under the interpreter: every access inside its tensor."""
+    from deepinfer.kernels.triton_ops import paged
+
+    gen = torch.Generator().manual_seed(7)
+    num_queries, start, heads, head_dim, window, ratio, rows = 11, 5, 20, 64, 8, 4, 4
+    q = randn(gen, num_queries, heads, head_dim)
+    window_kv = randn(gen, window + num_queries, head_dim)
+    paged_kv = randn(gen, 6, rows, head_dim)
+    table = torch.tensor([3, 1, 4, 2], dtype=torch.int32)
+    ids = torch.randint(-1, 5 * rows, (num_queries, 7), generator=gen)
+    sink = randn(gen, heads)
+    args = (q, window_kv, start, window, sink, head_dim**-0.5, paged_kv, table, ids, ratio)
+    got = paged._prefill_attention(*args, paged._attention_tiles(2, head_dim, 256))
+    kernel_bounds.assert_clean("_prefill_attention_kernel")
+    close(got, reference.prefill_attention(*args), torch.float32)
+
+
 INDEXER_CASES = [(5, 4, 32, 37), (20, 3, 64, 9), (1, 2, 16, 70)] + (
     [(4096, 64, 128, 1024), (300, 64, 128, 2047)] if BIG else [])
 

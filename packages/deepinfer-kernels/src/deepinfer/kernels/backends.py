@@ -70,7 +70,7 @@ _INVARIANT_CUDA: dict[str, tuple[str, dict[str, str]]] = {
     "hc_post": ("hc_post_fused", {}),                             # one program per (token, channel block)
     "hc_head": ("hc_head", {"linear": "linear_invariant", "rms_norm": "rms_norm_fused"}),
     "sparse_attention": ("sparse_attention_fused", {}),           # one program per (query, head block)
-    "prefill_attention": ("prefill_attention_fused", {}),         # one program per (head block, query)
+    "prefill_attention": ("prefill_attention_invariant", {}),     # fixed tiles, one program per (head block, query)
     "paged_decode_attention": ("paged_decode_attention_invariant", {}),
     "indexer_scores": ("indexer_scores", {"linear": "linear_invariant"}),
     "paged_indexer_scores": ("paged_indexer_scores_fused", {}),   # one program per (sequence, entry block)

@@ -20,6 +20,7 @@ from .paged import (
     paged_decode_attention_invariant,
     paged_indexer_scores_fused,
     prefill_attention_fused,
+    prefill_attention_invariant,
     sparse_attention_fused,
 )
 from .rowwise import apply_rope_fused, norm_rope_fused, rms_norm_fused
@@ -35,7 +36,7 @@ __all__ = [
     "moe_experts_fp8_fused", "moe_experts_fp8_invariant", "moe_experts_fused", "moe_experts_invariant",
     "moe_experts_mxfp4_fused", "moe_experts_mxfp4_invariant", "norm_rope_fused",
     "paged_decode_attention_fused", "paged_decode_attention_invariant", "paged_indexer_scores_fused",
-    "prefill_attention_fused", "rms_norm_fused", "route_fused", "sample_race_fused", "sample_race_invariant",
-    "sparse_attention_fused",
+    "prefill_attention_fused", "prefill_attention_invariant", "rms_norm_fused", "route_fused", "sample_race_fused",
+    "sample_race_invariant", "sparse_attention_fused",
     "topk_lowest_index_fused", "v41_attention_fused", "v41_attention_invariant", "v41_index_scores_fused",
 ]

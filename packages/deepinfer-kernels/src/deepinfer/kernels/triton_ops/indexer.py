@@ -44,6 +44,16 @@ def _index_scores_kernel(
     tl.store(out_ptr + i[:, None] * out_query + n[None, :], total, mask=im[:, None] & nm[None, :])
 
 
+def index_tiles(element_size: int, dim: int) -> dict[str, int]:
+    """Tiles of `_index_scores_kernel`: two-byte types 64 queries × 128 keys (each program reads its
+    64 query rows once per head: the wider the key block, the fewer times the queries are read);
+    float32 small and unpipelined (the interpreter, shared memory)."""
+    block_d = max(triton.next_power_of_2(dim), 16)
+    if element_size > 2:
+        return dict(BLOCK_M=16, BLOCK_N=32, BLOCK_D=block_d, num_warps=4, num_stages=1)
+    return dict(BLOCK_M=64, BLOCK_N=128, BLOCK_D=block_d, num_warps=8, num_stages=3)
+
+
 def indexer_scores_fused(q: Tensor, keys: Tensor, head_weights: Tensor, softmax_scale: float) -> Tensor:
     """Same contract as `reference.indexer_scores`; keys per query (3-D) run the reference."""
     if not on_triton(q) or keys.dim() != 2 or q.stride(-1) != 1 or keys.stride(-1) != 1:
@@ -54,12 +64,9 @@ def indexer_scores_fused(q: Tensor, keys: Tensor, head_weights: Tensor, softmax_
     if num_queries == 0 or num_keys == 0:
         return out
     weights = head_weights.float().contiguous()
-    wide = q.element_size() > 2
-    block_m, block_n = (16, 32) if wide else (64, 64)
-    _index_scores_kernel[(triton.cdiv(num_keys, block_n), triton.cdiv(num_queries, block_m))](
+    tiles = index_tiles(q.element_size(), dim)
+    _index_scores_kernel[(triton.cdiv(num_keys, tiles["BLOCK_N"]), triton.cdiv(num_queries, tiles["BLOCK_M"]))](
         q, keys, weights, out, q.stride(0), q.stride(1), keys.stride(0), weights.stride(0), out.stride(0),
-        num_queries, num_heads, dim, num_keys, softmax_scale,
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=max(triton.next_power_of_2(dim), 16), PRECISION=precision(q),
-        num_warps=4, num_stages=1 if wide else 3,
+        num_queries, num_heads, dim, num_keys, softmax_scale, PRECISION=precision(q), **tiles,
     )
     return out

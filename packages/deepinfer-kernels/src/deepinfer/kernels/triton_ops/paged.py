@@ -10,7 +10,7 @@
   keys read through the block table. One program per (sequence, block of entries).
 - `prefill_attention_fused`: the prefill's attention of one sequence's queries over their window (a
   contiguous run of KV rows) and their chosen compressed entries read through the block table — no
-  gathered rows. One program per (block of heads, query).
+  gathered rows. One program per (block of heads, query); `prefill_attention_invariant` with fixed tiles.
 
 Every wrapper keeps its reference twin's signature and falls back to it for inputs the kernels do
 not cover (non-CUDA tensors, a last dimension that is not contiguous). `paged_decode_attention_invariant`
@@ -315,32 +315,51 @@ def _prefill_attention_kernel(
              mask=hm[:, None] & (d < head_dim)[None, :])
 
 
-def _prefill_tiles(element_size: int, head_dim: int) -> dict[str, int]:
-    """Tiles of `_prefill_attention_kernel`: those `sparse_attention_fused` runs on the H200 (16 heads;
-    32 rows and two stages for two-byte types, 16 rows unpipelined for float32)."""
-    wide = element_size > 2
-    block_d = max(triton.next_power_of_2(head_dim), 16)
-    return dict(BLOCK_H=16, BLOCK_N=16 if wide else 32, BLOCK_D=block_d, CHUNK_D=min(block_d, 64), num_warps=8,
-                num_stages=1 if wide else 2)
-
-
 def prefill_attention_fused(
     q: Tensor, window_kv: Tensor, start: int, window: int, sink: Tensor, scale: float, paged: Tensor | None = None,
     block_table: Tensor | None = None, entry_ids: Tensor | None = None, ratio: int = 1,
 ) -> Tensor:
     """Same contract as `reference.prefill_attention` (the paged stream contiguous, rows of q and
-    window_kv contiguous): every row read in place, in the model dtype with float32 accumulation."""
-    if (not on_triton(q) or q.stride(-1) != 1 or window_kv.stride(-1) != 1
-            or (paged is not None and not paged.is_contiguous())):
+    window_kv contiguous): every row read in place, in the model dtype with float32 accumulation.
+    Each query is a decode step's worth of work (window + k rows for all heads), so it takes the decode
+    kernel's tiles for that many sequences: from 128 queries in two-byte types, all 64 V4-Flash heads
+    per program (each query's rows read once, the products 64 heads tall)."""
+    if not _prefill_applies(q, window_kv, paged):
         return reference.prefill_attention(q, window_kv, start, window, sink, scale, paged, block_table, entry_ids,
                                            ratio)
+    tiles = _attention_tiles(q.element_size(), q.shape[2], q.shape[0])
+    return _prefill_attention(q, window_kv, start, window, sink, scale, paged, block_table, entry_ids, ratio, tiles)
+
+
+def prefill_attention_invariant(
+    q: Tensor, window_kv: Tensor, start: int, window: int, sink: Tensor, scale: float, paged: Tensor | None = None,
+    block_table: Tensor | None = None, entry_ids: Tensor | None = None, ratio: int = 1,
+) -> Tensor:
+    """Same contract as `reference.prefill_attention`, batch-invariant: the one-query tiles whatever
+    the number of queries (one program per head block and query, rows in a fixed order)."""
+    if not _prefill_applies(q, window_kv, paged):
+        return invariant.prefill_attention(q, window_kv, start, window, sink, scale, paged, block_table, entry_ids,
+                                           ratio)
+    tiles = _attention_tiles(q.element_size(), q.shape[2], 1)
+    return _prefill_attention(q, window_kv, start, window, sink, scale, paged, block_table, entry_ids, ratio, tiles)
+
+
+def _prefill_applies(q: Tensor, window_kv: Tensor, paged: Tensor | None) -> bool:
+    return (on_triton(q) and q.stride(-1) == 1 and window_kv.stride(-1) == 1
+            and (paged is None or paged.is_contiguous()))
+
+
+def _prefill_attention(
+    q: Tensor, window_kv: Tensor, start: int, window: int, sink: Tensor, scale: float, paged: Tensor | None,
+    block_table: Tensor | None, entry_ids: Tensor | None, ratio: int, tiles: dict[str, int],
+) -> Tensor:
+    """Launch `_prefill_attention_kernel` with these tiles."""
     num_queries, num_heads, head_dim = q.shape
     out = torch.empty_like(q)
     if num_queries == 0:
         return out
     has_paged = paged is not None
     ids = entry_ids.contiguous() if has_paged else window_kv
-    tiles = _prefill_tiles(q.element_size(), head_dim)
     _prefill_attention_kernel[(triton.cdiv(num_heads, tiles["BLOCK_H"]), num_queries)](
         q, window_kv, sink.float().contiguous(), out, paged if has_paged else window_kv,
         block_table if has_paged else window_kv, ids, q.stride(0), q.stride(1), window_kv.stride(0),
