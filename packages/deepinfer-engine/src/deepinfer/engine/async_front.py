@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
 
 from .intake import PromptInput
-from .outputs import RequestOutput, running_output
+from .outputs import CompletionOutput, RequestOutput, running_output
 from .sampling_params import SamplingParams
 from .tokenizer import Tokenizer
 
@@ -110,20 +110,36 @@ class EngineClient(Protocol):
 
 class OutputStream:
     """One request's mailbox, owned by the event loop that called `generate`; filled from another
-    thread with `deliver` / `fail`."""
+    thread with `deliver` / `fail`. Fed cumulative outputs: each replaces the one before (a slow
+    consumer sees fewer, larger updates); `take(delta=True)` cuts what was already taken off."""
 
-    __slots__ = ("error", "event", "latest", "loop")
+    __slots__ = ("_reported", "error", "event", "latest", "loop")
 
     def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
         self.loop = loop
         self.event = asyncio.Event()
         self.latest: RequestOutput | None = None
         self.error: BaseException | None = None
+        self._reported: list[tuple[int, int]] = []     # per sample: (tokens, characters) already taken
 
     @property
     def ended(self) -> bool:
         """Its last output (or its error) has reached the event loop."""
         return self.error is not None or (self.latest is not None and self.latest.finished)
+
+    def put(self, out: RequestOutput) -> None:
+        """Post an output (on the stream's event loop)."""
+        self.latest = out
+        self.event.set()
+
+    def take(self, delta: bool) -> RequestOutput | None:
+        """The output to yield now, cumulative or cut to what is new (None: nothing posted yet)."""
+        out = self.latest
+        if out is None or not delta:
+            return out
+        cut = _delta(out, self._reported)
+        self._reported = [(len(c.token_ids), len(c.text)) for c in out.outputs]
+        return cut
 
     def fail(self, error: BaseException) -> None:
         """End the stream with `error` (thread-safe; nothing happens once its event loop is closed)."""
@@ -135,8 +151,45 @@ class OutputStream:
             self.loop.call_soon_threadsafe(apply)
 
 
+class DeltaStream(OutputStream):
+    """An `OutputStream` fed DELTA outputs (what is new since the previous one, as an engine process
+    reports them): they queue until taken, then are joined into one delta (`accumulate`), or into
+    the cumulative output so far for a cumulative consumer. Only the first output of a request needs
+    its prompt and prompt token ids: the joined outputs keep the first's."""
+
+    __slots__ = ("_cumulative", "_final", "_pending")
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        super().__init__(loop)
+        self._pending: list[RequestOutput] = []
+        self._cumulative: RequestOutput | None = None
+        self._final = False
+
+    @property
+    def ended(self) -> bool:
+        return self.error is not None or self._final
+
+    def put(self, out: RequestOutput) -> None:
+        self._pending.append(out)
+        self._final = out.finished
+        self.event.set()
+
+    def take(self, delta: bool) -> RequestOutput | None:
+        pending = self._pending
+        if not pending:
+            return None
+        self._pending = []
+        out = pending[0]
+        for more in pending[1:]:
+            out = accumulate(out, more)
+        if delta:
+            return out
+        self._cumulative = out = accumulate(self._cumulative, out)
+        return out
+
+
 def deliver(items: Iterable[tuple[OutputStream, RequestOutput]], on_closed_loop: Callable[[str], None]) -> None:
-    """Post each (stream, cumulative output) to its stream, one `call_soon_threadsafe` per event loop;
+    """Post each (stream, output) to its stream, one `call_soon_threadsafe` per event loop;
     the requests of a closed event loop (their consumers are gone) go to `on_closed_loop` (abort)."""
     by_loop: dict[asyncio.AbstractEventLoop, list[tuple[OutputStream, RequestOutput]]] = {}
     for stream, out in items:
@@ -151,8 +204,7 @@ def deliver(items: Iterable[tuple[OutputStream, RequestOutput]], on_closed_loop:
 
 def _set_outputs(items: list[tuple[OutputStream, RequestOutput]]) -> None:
     for stream, out in items:
-        stream.latest = out
-        stream.event.set()
+        stream.put(out)
 
 
 class StreamingFront(abc.ABC):
@@ -189,7 +241,6 @@ class StreamingFront(abc.ABC):
         """
         request_id, stream = self._submit(prompt, params or SamplingParams(), request_id)
         finished = False
-        reported: list[tuple[int, int]] = []      # per sample: (tokens, characters) already yielded
         try:
             while True:
                 await stream.event.wait()
@@ -197,14 +248,10 @@ class StreamingFront(abc.ABC):
                 if stream.error is not None:
                     finished = True
                     raise stream.error
-                out = stream.latest
+                out = stream.take(delta)
                 if out is None:
                     continue
                 finished = out.finished
-                if delta:
-                    new = _delta(out, reported)
-                    reported = [(len(c.token_ids), len(c.text)) for c in out.outputs]
-                    out = new
                 yield out
                 if finished:
                     return
@@ -243,3 +290,29 @@ def _delta(out: RequestOutput, reported: list[tuple[int, int]]) -> RequestOutput
     return dataclasses.replace(out, outputs=[dataclasses.replace(c, text=text, token_ids=ids, logprobs=logprobs,
                                                                  logprob_entries=entries)
                                              for c, text, ids, logprobs, entries in cut])
+
+
+def accumulate(previous: RequestOutput | None, delta: RequestOutput) -> RequestOutput:
+    """The output after `previous` and then `delta` (a DELTA output): each sample's text, tokens and
+    logprobs appended to `previous`'s, the finish fields of `delta`; the prompt, its ids and logprobs
+    kept from the first output that had them (later deltas may leave them out: None, [], None)."""
+    if previous is None:
+        return delta
+    prompt_logprobs = delta.prompt_logprobs or previous.prompt_logprobs
+    if not delta.finished and len(delta.outputs) == 1:
+        old, new = previous.outputs[0], delta.outputs[0]
+        return running_output(previous.request_id, previous.prompt, previous.prompt_token_ids, old.text + new.text,
+                              old.token_ids + new.token_ids, _joined(old.logprobs, new.logprobs),
+                              _joined(old.logprob_entries, new.logprob_entries), prompt_logprobs)
+    samples = [CompletionOutput(index=new.index, text=old.text + new.text, token_ids=old.token_ids + new.token_ids,
+                                finish_reason=new.finish_reason, logprobs=_joined(old.logprobs, new.logprobs),
+                                stop_reason=new.stop_reason, ignored_reason=new.ignored_reason,
+                                error_reason=new.error_reason,
+                                logprob_entries=_joined(old.logprob_entries, new.logprob_entries))
+               for old, new in zip(previous.outputs, delta.outputs)]
+    return RequestOutput(previous.request_id, previous.prompt, previous.prompt_token_ids, samples, delta.finished,
+                         prompt_logprobs)
+
+
+def _joined(old: list | None, new: list | None) -> list | None:
+    return None if old is None or new is None else old + new

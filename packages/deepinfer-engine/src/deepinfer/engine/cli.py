@@ -84,8 +84,10 @@ def build_parser() -> argparse.ArgumentParser:
     serve = sub.add_parser("serve", help="an OpenAI-compatible HTTP server",
                            description="Serve the model over HTTP: /v1/completions, /v1/chat/completions, "
                                        "/v1/models, /health, /version, /metrics. SIGTERM drains the requests in "
-                                       "flight, then exits. --data-parallel-size N runs N engine processes "
-                                       "(with --expert-parallel sharding the experts over them).")
+                                       "flight, then exits. The engine steps in a process of its own (the HTTP "
+                                       "work runs beside it on another core; --engine-in-thread keeps it in a "
+                                       "thread of the server's process); --data-parallel-size N runs N engine "
+                                       "processes (with --expert-parallel sharding the experts over them).")
     _serve_flags(serve)
     _engine_flags(serve, "engine arguments (EngineArgs; a flag left out is not passed; preempted requests are "
                          "recomputed unless --stop-preempted-request)")
@@ -180,6 +182,10 @@ def _serve_flags(parser: argparse.ArgumentParser) -> None:
                        help="accept tool_choice=auto (needs --tool-call-parser)")
     group.add_argument("--reasoning-parser", default=None, metavar="NAME",
                        help="deepseek_v4: the thinking goes to reasoning_content [default: none]")
+    group.add_argument("--engine-in-thread", action="store_true",
+                       help="step the engine in a thread of the server's process, as before the engine process "
+                            "(its steps and the per-token HTTP work then share one interpreter lock) [default: a "
+                            "process of its own]; not with --data-parallel-size > 1")
 
 
 # ---------------------------------------------------------------------------------------- generate
@@ -309,13 +315,34 @@ def _serve(ns: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     except ValueError as error:
         parser.error(str(error))
     if args.data_parallel_size > 1:
+        if ns.engine_in_thread:
+            parser.error("argument --engine-in-thread: not with --data-parallel-size > 1 (each rank is a process)")
         serve_client(_start_ranks(args, options.max_num_waiting), options)
+        return 0
+    if not ns.engine_in_thread:
+        serve_client(_start_engine_process(args, options.max_num_waiting), options)
         return 0
     from .llm_engine import LLMEngine
 
     engine = _build(lambda: LLMEngine(args), args)
     run_server(engine, options)
     return 0
+
+
+def _start_engine_process(args: EngineArgs, max_num_waiting: int) -> Any:
+    """The engine process of `deepinfer serve`, started, with its load line; an engine that cannot be
+    built becomes _CommandError."""
+    from .async_process import AsyncLLMProcess, EngineStartFailed
+
+    _check_device(args)
+    try:
+        llm = AsyncLLMProcess(args, max_num_waiting=max_num_waiting)
+    except (EngineStartFailed, *LOAD_ERRORS) as error:
+        raise _CommandError(_one_line(error)) from None
+    ready = llm.ready
+    print(f"loaded {ready.model_dir} in {ready.load_seconds:.2f} s, {ready.weight_bytes / 2**20:.1f} MiB of weights "
+          f"(engine process, pid {ready.pid})", file=sys.stderr)
+    return llm
 
 
 def _start_ranks(args: EngineArgs, max_num_waiting: int) -> Any:
@@ -354,10 +381,7 @@ def _engine_args(ns: argparse.Namespace, parser: argparse.ArgumentParser, *,
 
 def _build(make: Any, args: EngineArgs) -> Any:
     """Build an LLM / LLMEngine with `make()`, print its load line; load failures become _CommandError."""
-    import torch
-
-    if args.device != AUTO and torch.device(args.device).type == "cuda" and not torch.cuda.is_available():
-        raise _CommandError(f"device={args.device!r} needs CUDA, which this torch ({torch.__version__}) cannot use")
+    _check_device(args)
     try:
         built = make()
     except LOAD_ERRORS as error:
@@ -366,6 +390,13 @@ def _build(make: Any, args: EngineArgs) -> Any:
     print(f"loaded {engine.model_dir} in {engine.load_seconds:.2f} s, {engine.weight_bytes / 2**20:.1f} MiB of "
           "weights", file=sys.stderr)
     return built
+
+
+def _check_device(args: EngineArgs) -> None:
+    import torch
+
+    if args.device != AUTO and torch.device(args.device).type == "cuda" and not torch.cuda.is_available():
+        raise _CommandError(f"device={args.device!r} needs CUDA, which this torch ({torch.__version__}) cannot use")
 
 
 def _one_line(error: BaseException) -> str:

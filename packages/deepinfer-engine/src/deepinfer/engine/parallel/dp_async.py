@@ -37,12 +37,13 @@ from ..async_front import (
     OutputStream,
     ServedModel,
     StreamingFront,
+    accumulate,
     deliver,
 )
 from ..engine_args import EngineArgs
 from ..intake import PromptInput
 from ..llm_engine import resolve_model_dir
-from ..outputs import CompletionOutput, RequestOutput, running_output
+from ..outputs import RequestOutput
 from ..sampling_params import SamplingParams
 from ..tokenizer import load_tokenizer
 from .eplb_live import RebalanceStats
@@ -292,7 +293,7 @@ class DPAsyncLLM(StreamingFront):
             self._rebalances.extend(report.rebalances)
             for delta in report.outputs:
                 request_id = delta.request_id
-                out = _accumulate(self._cumulative.get(request_id), delta)
+                out = accumulate(self._cumulative.get(request_id), delta)
                 num_new = sum(len(c.token_ids) for c in delta.outputs)
                 if out.finished:
                     self._forget(request_id)
@@ -325,32 +326,6 @@ class DPAsyncLLM(StreamingFront):
         for stream in list(self._streams.values()):
             stream.fail(EngineDead(f"the server's engine failed: {reason}"))
         self._terminate()
-
-
-def _accumulate(previous: RequestOutput | None, delta: RequestOutput) -> RequestOutput:
-    """The cumulative output after `delta` (a rank's DELTA output, `messages.RankReport`): each sample's
-    text, tokens and logprobs appended to `previous`'s, the finish fields of `delta`; the prompt, its ids
-    and logprobs kept from the first output that had them."""
-    if previous is None:
-        return delta
-    prompt_logprobs = delta.prompt_logprobs or previous.prompt_logprobs
-    if not delta.finished and len(delta.outputs) == 1:
-        old, new = previous.outputs[0], delta.outputs[0]
-        return running_output(previous.request_id, previous.prompt, previous.prompt_token_ids, old.text + new.text,
-                              old.token_ids + new.token_ids, _joined(old.logprobs, new.logprobs),
-                              _joined(old.logprob_entries, new.logprob_entries), prompt_logprobs)
-    samples = [CompletionOutput(index=new.index, text=old.text + new.text, token_ids=old.token_ids + new.token_ids,
-                                finish_reason=new.finish_reason, logprobs=_joined(old.logprobs, new.logprobs),
-                                stop_reason=new.stop_reason, ignored_reason=new.ignored_reason,
-                                error_reason=new.error_reason,
-                                logprob_entries=_joined(old.logprob_entries, new.logprob_entries))
-               for old, new in zip(previous.outputs, delta.outputs)]
-    return RequestOutput(previous.request_id, previous.prompt, previous.prompt_token_ids, samples, delta.finished,
-                         prompt_logprobs)
-
-
-def _joined(old: list | None, new: list | None) -> list | None:
-    return None if old is None or new is None else old + new
 
 
 __all__ = ["DPAsyncLLM"]

@@ -203,7 +203,7 @@ class _Server:
                 except EngineDead as error:        # the headers are sent: the error goes as the last event
                     yield f"data: {json.dumps(APIError(500, str(error), code='engine_dead').body())}\n\n"
                     return
-            for chunk in writer.end(out, num_tokens):
+            for chunk in writer.end(len(first.prompt_token_ids), num_tokens):
                 yield chunk
         finally:
             await outputs.aclose()            # aborts the request unless it finished

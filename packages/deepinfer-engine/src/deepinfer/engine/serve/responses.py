@@ -106,10 +106,10 @@ class ResponseWriter:
                 choice["stop_reason"] = completion.stop_reason
             yield sse(self._chunk(choice))
 
-    def end(self, last: RequestOutput, num_output_tokens: int) -> Iterator[str]:
+    def end(self, num_prompt_tokens: int, num_output_tokens: int) -> Iterator[str]:
         """The usage chunk (when asked for) and `data: [DONE]`."""
         if self._req.include_usage:
-            yield sse({**self._chunk(None), "choices": [], "usage": _usage(last, num_output_tokens)})
+            yield sse({**self._chunk(None), "choices": [], "usage": _usage(num_prompt_tokens, num_output_tokens)})
         yield DONE
 
     # ------------------------------------------------------------------ whole
@@ -133,7 +133,7 @@ class ResponseWriter:
             choices.append(choice)
         return {"id": self._id, "object": "chat.completion" if self._chat else "text_completion",
                 "created": self._created, "model": self._model, "choices": choices,
-                "usage": _usage(last, sum(len(c.token_ids) for c in last.outputs))}
+                "usage": _usage(len(last.prompt_token_ids), sum(len(c.token_ids) for c in last.outputs))}
 
     # ------------------------------------------------------------------ pieces
 
@@ -173,7 +173,6 @@ def _prompt_logprobs(out: RequestOutput) -> list[dict[str, dict[str, Any]] | Non
             for entry in out.prompt_logprobs or ()]
 
 
-def _usage(out: RequestOutput, num_output_tokens: int) -> dict[str, int]:
-    num_prompt = len(out.prompt_token_ids)
-    return {"prompt_tokens": num_prompt, "completion_tokens": num_output_tokens,
-            "total_tokens": num_prompt + num_output_tokens}
+def _usage(num_prompt_tokens: int, num_output_tokens: int) -> dict[str, int]:
+    return {"prompt_tokens": num_prompt_tokens, "completion_tokens": num_output_tokens,
+            "total_tokens": num_prompt_tokens + num_output_tokens}

@@ -1,0 +1,270 @@
+"""AsyncLLMProcess: async generation over an `LLMEngine` that runs in a process of its own, the front
+`deepinfer serve` uses by default.
+
+    llm = AsyncLLMProcess(EngineArgs())
+    async for out in llm.generate("def f(", SamplingParams(max_tokens=8), delta=True):
+        print(out.outputs[0].text, end="")
+    await llm.shutdown()
+
+The engine loop (`engine_process`) steps in a spawned child; this process keeps the event loop, the
+HTTP work and a reader thread. The front tokenizes text prompts itself and writes each request to
+the child's pipe; the reader thread takes one `StepReport` per engine step, turns its columns back
+into `RequestOutput`s (the prompt from the request's first output) and posts them to their
+`DeltaStream`s with one `call_soon_threadsafe` per step and event loop. When the child dies (or
+reports an error) every request in flight fails with `EngineDead`, `failure` says how, and the front
+takes no more requests. `shutdown` stops the child and waits for it: no process is left behind.
+
+`AsyncLLM` (an engine in a thread of this process) stays for library use and `deepinfer serve
+--engine-in-thread`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import multiprocessing as mp
+import threading
+import uuid
+from collections.abc import Sequence
+
+from .async_front import (
+    DEFAULT_MAX_NUM_WAITING,
+    DeltaStream,
+    EngineDead,
+    EngineQueueFull,
+    EngineStats,
+    EngineStopped,
+    OutputStream,
+    ServedModel,
+    StreamingFront,
+    deliver,
+)
+from .engine_args import EngineArgs
+from .engine_process import (
+    AbortRequests,
+    EngineFailed,
+    EngineLoad,
+    EngineReady,
+    StepReport,
+    StopEngine,
+    SubmitRequest,
+    engine_process_main,
+    receive,
+    send,
+)
+from .intake import PromptInput
+from .outputs import RequestOutput, running_output
+from .sampling_params import SamplingParams
+from .tokenizer import load_tokenizer
+
+logger = logging.getLogger(__name__)
+
+
+class EngineStartFailed(RuntimeError):
+    """The engine process could not build its engine (the message says why) or died while starting."""
+
+
+class AsyncLLMProcess(StreamingFront):
+    """Async generation over one `LLMEngine` in a child process (an `async_front.EngineClient`).
+
+    Args:
+        args: the engine arguments (data_parallel_size 1; `parallel.DPAsyncLLM` runs more ranks).
+        max_num_waiting: most requests accepted but not yet running; one more raises
+            `EngineQueueFull` from `generate`.
+
+    Raises:
+        ValueError: data_parallel_size > 1 or a bad max_num_waiting.
+        EngineStartFailed: the engine could not be built (a bad model folder, device, ...); the child
+            has exited.
+    """
+
+    def __init__(self, args: EngineArgs, *, max_num_waiting: int = DEFAULT_MAX_NUM_WAITING) -> None:
+        if isinstance(max_num_waiting, bool) or not isinstance(max_num_waiting, int) or max_num_waiting < 1:
+            raise ValueError(f"max_num_waiting={max_num_waiting!r} must be an int >= 1")
+        if args.data_parallel_size != 1:
+            raise ValueError(f"data_parallel_size={args.data_parallel_size} must be 1 (use parallel.DPAsyncLLM)")
+        self.max_num_waiting = max_num_waiting
+        self._streams: dict[str, OutputStream] = {}
+        self._prompts: dict[str, RequestOutput] = {}   # running request -> its first output (its prompt)
+        self._num_unfinished = 0                        # submitted, not yet finished or refused
+        self._load = EngineLoad(0, 0, 0)
+        self._stopping = False
+        self._failure: str | None = None
+        self._send_lock = threading.Lock()
+        ctx = mp.get_context("spawn")
+        from_engine, engine_out = ctx.Pipe(duplex=False)
+        engine_in, to_engine = ctx.Pipe(duplex=False)
+        self._proc = ctx.Process(target=engine_process_main, name="deepinfer-engine", daemon=True,
+                                 args=(args, engine_in, engine_out))
+        self._proc.start()
+        engine_in.close()           # the child's ends: closed here, so that its death reads as EOF
+        engine_out.close()
+        self._from_engine, self._to_engine = from_engine, to_engine
+        self.ready = self._wait_ready()
+        self.model = ServedModel(self.ready.model_dir, load_tokenizer(self.ready.model_dir), self.ready.max_model_len,
+                                 args.model is None)
+        self._reader = threading.Thread(target=self._read, name="deepinfer-engine-reader", daemon=True)
+        self._reader.start()
+
+    # ------------------------------------------------------------------ state
+
+    @property
+    def pid(self) -> int:
+        """The engine process's id."""
+        assert self._proc.pid is not None
+        return self._proc.pid
+
+    @property
+    def is_running(self) -> bool:
+        """The engine process is alive and the front takes requests (not shut down, not failed)."""
+        return not self._stopping and self._failure is None and self._reader.is_alive()
+
+    @property
+    def failure(self) -> str | None:
+        """Why the engine process stopped when it failed ("the engine process exited with code -9"), else None."""
+        return self._failure
+
+    @property
+    def stats(self) -> EngineStats:
+        """The engine after its latest reported step; waiting = submitted, unfinished and not running."""
+        load = self._load
+        return EngineStats(load.num_running, max(0, self._num_unfinished - load.num_running), load.num_free_kv_blocks,
+                           load.num_kv_blocks)
+
+    def parallel_stats(self) -> None:
+        """None: one engine, no DP ranks."""
+        return None
+
+    # ------------------------------------------------------------------ event-loop side
+
+    def _submit(self, prompt: PromptInput | Sequence[int], params: SamplingParams,
+                request_id: str | None) -> tuple[str, OutputStream]:
+        if self._failure is not None:
+            raise EngineDead(self._failure)
+        if self._stopping:
+            raise EngineStopped("the engine is shutting down")
+        if len(self._streams) - self._load.num_running >= self.max_num_waiting:
+            raise EngineQueueFull(f"{self.max_num_waiting} requests are already waiting (max_num_waiting); retry later")
+        request_id = f"req-{uuid.uuid4().hex}" if request_id is None else request_id
+        if request_id in self._streams:
+            raise ValueError(f"request_id={request_id!r} is already in use")
+        stream = DeltaStream(asyncio.get_running_loop())
+        self._streams[request_id] = stream
+        self._num_unfinished += 1
+        self._send(SubmitRequest(request_id, self._tokenized(prompt), params))
+        return request_id, stream
+
+    def _tokenized(self, prompt: PromptInput | Sequence[int]) -> PromptInput | Sequence[int]:
+        """Text becomes {"prompt_token_ids", "prompt"} here (the engine gives both forms the same
+        result), so the engine process does not tokenize it; anything else goes as it is."""
+        tokenizer = self.model.tokenizer
+        if isinstance(prompt, str) and tokenizer is not None:
+            return {"prompt_token_ids": tokenizer.encode(prompt), "prompt": prompt}
+        return prompt
+
+    def abort(self, request_id: str) -> None:
+        """Abort a request (unknown or finished ids are ignored); its stream ends without a last output."""
+        if self._failure is None:
+            self._send(AbortRequests((request_id,)))
+
+    def _send(self, message: object) -> None:
+        with self._send_lock:
+            try:
+                send(self._to_engine, message)
+            except OSError:          # the engine process is gone (or stopped): the reader reports it
+                pass
+
+    async def shutdown(self, *, drain: bool = True, poll_s: float = 0.05) -> None:
+        """Stop taking requests; with drain, let every accepted request finish (else abort them); the
+        engine process then exits and is waited for."""
+        if self._stopping:
+            return
+        self._stopping = True
+        if not drain:
+            for request_id in list(self._streams):
+                self.abort(request_id)
+        self._send(StopEngine())
+        await asyncio.to_thread(self._proc.join)
+        await asyncio.to_thread(self._reader.join)
+        self._to_engine.close()
+        await self._wait_streams_ended(poll_s)
+
+    # ------------------------------------------------------------------ start-up
+
+    def _wait_ready(self) -> EngineReady:
+        try:
+            message = receive(self._from_engine)
+        except EOFError:
+            message = None
+        if isinstance(message, EngineReady):
+            return message
+        self._kill()
+        if isinstance(message, EngineFailed):
+            raise EngineStartFailed(message.detail)
+        raise EngineStartFailed(f"the engine process exited with code {self._proc.exitcode} while starting")
+
+    def _kill(self) -> None:
+        if self._proc.is_alive():
+            self._proc.kill()
+        self._proc.join()
+        self._from_engine.close()
+        self._to_engine.close()
+
+    # ------------------------------------------------------------------ reader thread
+
+    def _read(self) -> None:
+        """Take the engine's reports until it exits (after `StopEngine`, its last report read) or fails."""
+        while True:
+            try:
+                message = receive(self._from_engine)
+            except (EOFError, OSError):
+                self._proc.join(timeout=10)
+                code = self._proc.exitcode
+                if not (self._stopping and code == 0):
+                    self._fail(f"the engine process exited with code {code}")
+                self._from_engine.close()
+                return
+            if isinstance(message, StepReport):
+                self._take_report(message)
+            elif isinstance(message, EngineFailed):
+                self._fail(f"the engine process failed: {message.detail}")
+                return
+
+    def _take_report(self, report: StepReport) -> None:
+        streams, prompts = self._streams, self._prompts
+        posts: list[tuple[OutputStream, RequestOutput]] = []
+        for request_id, text, token_ids in zip(report.request_ids, report.texts, report.token_ids):
+            stream = streams.get(request_id)
+            first = prompts.get(request_id)
+            if stream is not None and first is not None:
+                posts.append((stream, running_output(request_id, first.prompt, first.prompt_token_ids, text,
+                                                     token_ids, None)))
+        for out in report.outputs:
+            request_id = out.request_id
+            if out.finished:
+                first = prompts.pop(request_id, None)
+                self._num_unfinished -= 1
+            elif request_id not in prompts:
+                prompts[request_id] = out
+            stream = streams.get(request_id)
+            if stream is not None:
+                posts.append((stream, out))
+        for refusal in report.refusals:
+            self._num_unfinished -= 1
+            stream = streams.get(refusal.request_id)
+            if stream is not None:
+                stream.fail(refusal.error)
+        self._load = report.load
+        deliver(posts, self.abort)
+
+    def _fail(self, reason: str) -> None:
+        """The engine process died or failed: fail every stream with EngineDead(reason), take no more
+        requests, make sure the process is gone."""
+        logger.error("the engine process stopped: %s; every request in flight fails", reason)
+        self._failure = reason
+        for stream in list(self._streams.values()):
+            stream.fail(EngineDead(f"the server's engine failed: {reason}"))
+        self._kill()
+
+
+__all__ = ["AsyncLLMProcess", "EngineStartFailed"]
