@@ -44,9 +44,10 @@ class Projections(NamedTuple):
     comp: tuple[Tensor, Tensor] | None
     index_comp: tuple[Tensor, Tensor] | None
 
-# Prefill queries scored by the indexer at once: their [queries, entries] float32 scores (and the HCA
-# layers' [queries, entries] ids) are the prefill's largest transient, 8K queries × 2K entries = 64 MB.
-PREFILL_QUERY_BLOCK = 8192
+# Prefill queries the indexer scores at once, against the entries the block's last query sees: bounds
+# the [queries, entries] float32 scores, and skips most of the entries no query of a block can pick
+# (at one 8K chunk, 56% of the key blocks a whole-chunk scoring would compute).
+PREFILL_QUERY_BLOCK = 1024
 
 
 class Indexer(nn.Module):
@@ -145,8 +146,8 @@ class Attention(nn.Module):
     def _prefill_attention(self, p: Projections, batch: ForwardBatch, cache: ModelCache, ops: KernelSet,
                            inv_freq: Tensor, kv_quant: bool) -> Tensor:
         """Any query lengths, one sequence at a time: the window ring and the compressors advance over
-        the sequence's whole chunk at once, then its queries (in blocks of PREFILL_QUERY_BLOCK, for the
-        indexer's scores) attend to their window and entries read in place (`ops.prefill_attention`)."""
+        the sequence's whole chunk at once, the entries are picked (`_entry_ids`), then all its queries
+        attend to their window and entries read in place (`ops.prefill_attention`, one launch)."""
         window, scale = self.cfg.sliding_window, self.cfg.head_dim**-0.5
         outs = []
         for i in range(batch.num_seqs):
@@ -156,12 +157,9 @@ class Attention(nn.Module):
             paged = keys = None
             if self.compressor is not None:
                 paged, keys = self._compress_sequence(a, b, p, start, slot, table, cache, ops, inv_freq, kv_quant)
-            for lo in range(0, b - a, PREFILL_QUERY_BLOCK):
-                hi = min(b - a, lo + PREFILL_QUERY_BLOCK)
-                ids = None if paged is None else self._entry_ids(p, a + lo, a + hi, batch.positions[a + lo:a + hi],
-                                                                 start + b - a, keys, ops)
-                outs.append(ops.prefill_attention(p.q[a + lo:a + hi], window_kv[lo:hi + window], start + lo, window,
-                                                  self.attn_sink, scale, paged, table, ids, self.ratio))
+            ids = None if paged is None else self._entry_ids(p, a, b, start, batch.positions[a:b], keys, ops)
+            outs.append(ops.prefill_attention(p.q[a:b], window_kv, start, window, self.attn_sink, scale, paged,
+                                              table, ids, self.ratio))
         return outs[0] if len(outs) == 1 else torch.cat(outs)
 
     def _advance_window(self, kv: Tensor, start: int, slot: Tensor, cache: ModelCache) -> Tensor:
@@ -222,14 +220,28 @@ class Attention(nn.Module):
         blocks, rows, _ = entry_location(table, ids, self.ratio, cache.spec.block_size)
         return paged, index_paged[blocks, rows]
 
-    def _entry_ids(self, p: Projections, a: int, b: int, pos: Tensor, end: int, keys: Tensor | None,
+    def _entry_ids(self, p: Projections, a: int, b: int, start: int, pos: Tensor, keys: Tensor | None,
                    ops: KernelSet) -> Tensor:
-        """The compressed entries queries a … b − 1 (at positions `pos`, of a chunk ending before `end`)
-        attend to, [b − a, k] int64 with −1 = none: every visible one (HCA), or the indexer's top-k (CSA)."""
-        visible = (pos + 1) // self.ratio                                  # entries usable per query
+        """The compressed entries rows a … b − 1 (one sequence's chunk from position `start`; `pos` their
+        positions) attend to, [b − a, k] int64 with −1 = none: every visible one (HCA), or the indexer's
+        top-k (CSA), scored PREFILL_QUERY_BLOCK queries at a time against the entries they can see."""
+        r = self.ratio
+        visible = (pos + 1) // r                                           # entries usable per query
         if self.indexer is None:
-            ids = torch.arange(end // self.ratio, device=pos.device)[None, :]
+            ids = torch.arange((start + b - a) // r, device=pos.device)[None, :]
             return torch.where(ids < visible[:, None], ids, -1)
         ix = self.indexer
-        scores = ops.indexer_scores(p.index_q[a:b], keys, p.index_w[a:b], ix.head_dim**-0.5)
-        return ops.topk_lowest_index(scores, visible, ix.topk)             # [q, k], −1 = none
+        picks = None
+        for lo in range(0, b - a, PREFILL_QUERY_BLOCK):
+            hi = min(b - a, lo + PREFILL_QUERY_BLOCK)
+            seen = (start + hi) // r                                        # entries the block's last query sees
+            scores = ops.indexer_scores(p.index_q[a + lo:a + hi], keys[:seen], p.index_w[a + lo:a + hi],
+                                        ix.head_dim**-0.5)
+            block = ops.topk_lowest_index(scores, visible[lo:hi], ix.topk)   # [hi − lo, min(k, seen)]
+            if hi - lo == b - a:
+                return block
+            if picks is None:
+                picks = torch.full((b - a, min(ix.topk, (start + b - a) // r)), -1, dtype=torch.int64,
+                                   device=pos.device)
+            picks[lo:hi, :block.shape[1]] = block
+        return picks
