@@ -43,7 +43,8 @@ case "$job" in
     TRITON_INTERPRET=1 OMP_NUM_THREADS=1 "$VENV/bin/python" -m pytest -rA -p no:cacheprovider \
         -W ignore::DeprecationWarning \
         packages/deepinfer-kernels/tests/test_triton_ops.py packages/deepinfer-kernels/tests/test_triton_v41.py \
-        packages/deepinfer-model/tests/test_v41_kernels.py integration_tests/test_triton_path.py \
+        packages/deepinfer-kernels/tests/test_triton_moe_grouped.py packages/deepinfer-model/tests/test_v41_kernels.py \
+        packages/deepinfer-model/tests/test_moe_grouped_prefill.py integration_tests/test_triton_path.py \
         > "$interp_log" 2>&1 &
     interp=$!
     status=0
