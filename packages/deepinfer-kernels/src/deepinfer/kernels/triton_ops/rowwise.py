@@ -1,8 +1,9 @@
 """Row-wise Triton kernel: RMSNorm, the interleaved partial RoPE, or both, in one launch.
 
 Twins of `reference.rms_norm`, `reference.apply_rope` and `reference.norm_rope` (same signatures;
-float32 arithmetic, output in the input's dtype, contiguous). Each program handles one row of the
-last dimension. The input may be a strided view: rows [tokens, dim] with any token stride, or
+float32 arithmetic, output in the input's dtype, contiguous). Each program handles ROW_ELEMENTS //
+dim rows of the last dimension (one when longer): a prefill's 8K tokens × 64 heads of 512 are 64K
+programs of 8 rows, not 512K of one. The input may be a strided view: rows [tokens, dim] with any token stride, or
 [tokens, heads, dim] with contiguous heads — the column slices of a stacked projection's output are
 read in place, without a copy kernel.
 """
@@ -19,35 +20,39 @@ from ._launch import on_triton
 
 
 @triton.jit
-def _row_kernel(x_ptr, w_ptr, pos_ptr, freq_ptr, out_ptr, dim, heads, token_stride, rope_start, eps, sign,
-                NORM: tl.constexpr, HAS_WEIGHT: tl.constexpr, ROPE: tl.constexpr, BLOCK: tl.constexpr):
-    row = tl.program_id(0).to(tl.int64)
+def _row_kernel(x_ptr, w_ptr, pos_ptr, freq_ptr, out_ptr, num_rows, dim, heads, token_stride, rope_start, eps, sign,
+                NORM: tl.constexpr, HAS_WEIGHT: tl.constexpr, ROPE: tl.constexpr, ROWS: tl.constexpr,
+                BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
+    rm = row < num_rows
     token = row // heads
-    src = x_ptr + token * token_stride + (row % heads) * dim
-    d = tl.arange(0, BLOCK)
-    live = d < dim
+    src = x_ptr + (token * token_stride + (row % heads) * dim)[:, None]
+    d = tl.arange(0, BLOCK)[None, :]
+    live = rm[:, None] & (d < dim)
     x = tl.load(src + d, mask=live, other=0.0).to(tl.float32)
     if ROPE:
         in_rope = live & (d >= rope_start)
         partner = tl.load(src + (d ^ 1), mask=in_rope, other=0.0).to(tl.float32)
     if NORM:
-        inv_rms = tl.rsqrt(tl.sum(x * x, axis=0) / dim + eps)
+        inv_rms = tl.rsqrt(tl.sum(x * x, axis=1) / dim + eps)[:, None]
         x = x * inv_rms
         if HAS_WEIGHT:
-            x = tl.load(w_ptr + d, mask=live, other=0.0).to(tl.float32) * x
+            x = tl.load(w_ptr + d, mask=d < dim, other=0.0).to(tl.float32) * x
         x = x.to(out_ptr.dtype.element_ty).to(tl.float32)           # the norm's output, as stored
         if ROPE:
             partner = partner * inv_rms
             if HAS_WEIGHT:
-                partner = tl.load(w_ptr + (d ^ 1), mask=in_rope, other=0.0).to(tl.float32) * partner
+                partner = tl.load(w_ptr + (d ^ 1), mask=(d < dim) & (d >= rope_start), other=0.0).to(tl.float32) \
+                    * partner
             partner = partner.to(out_ptr.dtype.element_ty).to(tl.float32)
     if ROPE:
-        pair = tl.where(in_rope, (d - rope_start) // 2, 0)
-        angle = tl.load(pos_ptr + token).to(tl.float32) * tl.load(freq_ptr + pair, mask=in_rope, other=0.0)
+        pair = tl.where(d >= rope_start, (d - rope_start) // 2, 0)
+        freq = tl.load(freq_ptr + pair, mask=(d < dim) & (d >= rope_start), other=0.0)
+        angle = tl.load(pos_ptr + token, mask=rm, other=0).to(tl.float32)[:, None] * freq
         sin = tl.sin(angle) * sign
         rotated = x * tl.cos(angle) + tl.where((d % 2) == 1, partner * sin, -partner * sin)
         x = tl.where(in_rope, rotated, x)
-    tl.store(out_ptr + row * dim + d, x.to(out_ptr.dtype.element_ty), mask=live)
+    tl.store(out_ptr + row[:, None] * dim + d, x.to(out_ptr.dtype.element_ty), mask=live)
 
 
 def _launch(x: Tensor, weight: Tensor | None, eps: float, positions: Tensor | None, inv_freq: Tensor | None,
@@ -63,14 +68,22 @@ def _launch(x: Tensor, weight: Tensor | None, eps: float, positions: Tensor | No
     rows = src.numel() // dim
     out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     rope = inv_freq is not None
-    _row_kernel[(rows,)](
+    block = triton.next_power_of_2(dim)
+    # Rows per program by the row length alone: a row's arithmetic never depends on how many rows the
+    # call has (the batch-invariant set runs these kernels too).
+    per_program = max(1, ROW_ELEMENTS // block)
+    _row_kernel[(triton.cdiv(rows, per_program),)](
         src, weight if weight is not None else src, positions.contiguous() if rope else src,
-        inv_freq.float().contiguous() if rope else src, out, dim, heads, src.stride(0) if src.dim() > 1 else dim,
-        dim - 2 * inv_freq.shape[0] if rope else dim, eps, -1.0 if inverse else 1.0,
-        NORM=norm, HAS_WEIGHT=weight is not None, ROPE=rope, BLOCK=triton.next_power_of_2(dim),
-        num_warps=4 if dim <= 4096 else 8,
+        inv_freq.float().contiguous() if rope else src, out, rows, dim, heads,
+        src.stride(0) if src.dim() > 1 else dim, dim - 2 * inv_freq.shape[0] if rope else dim, eps,
+        -1.0 if inverse else 1.0,
+        NORM=norm, HAS_WEIGHT=weight is not None, ROPE=rope, ROWS=per_program, BLOCK=block,
+        num_warps=4 if per_program * block <= 4096 else 8,
     )
     return out
+
+
+ROW_ELEMENTS = 4096   # elements per program: short rows (a head's 512, q_lora's 1024) go several to a program
 
 
 def rms_norm_fused(x: Tensor, weight: Tensor | None, eps: float) -> Tensor:

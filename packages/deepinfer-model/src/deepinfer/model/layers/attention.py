@@ -45,8 +45,8 @@ class Projections(NamedTuple):
     index_comp: tuple[Tensor, Tensor] | None
 
 # Prefill queries the indexer scores at once, against the entries the block's last query sees: bounds
-# the [queries, entries] float32 scores, and skips most of the entries no query of a block can pick
-# (at one 8K chunk, 56% of the key blocks a whole-chunk scoring would compute).
+# the [queries, entries] float32 scores, and skips the entries no query of a block can pick (at one
+# 8K chunk it scores 56% of what scoring every query against every entry would: 44% skipped).
 PREFILL_QUERY_BLOCK = 1024
 
 
