@@ -8,6 +8,7 @@ that cannot load fails before a byte of weights is read (`WeightError` naming th
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -48,6 +49,10 @@ class Placement:
     expert: int | None = None     # one expert of a stacked target; None with `stacked` = all of them
     row_start: int = 0            # first row of that expert's matrix this source fills (w3 after w1)
     stacked: bool = False         # target is a stacked [experts, rows, cols] expert tensor
+    # An EP rank's shard of a stacked target (`moe_ep.shard_experts`): for one expert's source, the
+    # target slots it fills (a redundant expert fills several); for a source of all experts, the
+    # expert each target slot takes. None: target row = expert id.
+    slots: tuple[int, ...] | None = None
 
     @property
     def nbytes(self) -> int:
@@ -55,10 +60,12 @@ class Placement:
 
 
 def plan_load(stored: dict[str, StoredTensor], expected: dict[str, Tensor], cfg: DeepseekV4Config,
-              expert_dtype: str | None, model_dir: Path) -> list[Placement]:
+              expert_dtype: str | None, model_dir: Path,
+              expert_shards: dict[str, tuple[int, ...]] | None = None) -> list[Placement]:
     """Placements in reading order (file, then offset); raises WeightError for any missing,
     unexpected, duplicate, mis-shaped or mis-typed tensor. `expected`: the model's state dict (meta);
-    `model_dir`: named in messages about tensors the checkpoint lacks."""
+    `model_dir`: named in messages about tensors the checkpoint lacks; `expert_shards`: an EP rank's
+    experts (`moe_ep.shard_experts`' result): other experts' tensors are left unread (still checked)."""
     scale_of = {key: _scale_key(key, stored) for key in stored}
     scales = {s for s in scale_of.values() if s is not None}
     placements, unexpected = [], []
@@ -75,11 +82,25 @@ def plan_load(stored: dict[str, StoredTensor], expected: dict[str, Tensor], cfg:
     if unexpected:
         raise WeightError("unexpected weight(s): " + ", ".join(t.where() for t in unexpected[:5])
                           + (f" and {len(unexpected) - 5} more" if len(unexpected) > 5 else ""))
-    _check_coverage(placements, expected, cfg, model_dir)
+    shards = expert_shards or {}
+    _check_coverage(placements, expected, cfg, model_dir, shards)
     block = cfg.quant.fp8_block if cfg.quant else 128
     for p in placements:
         _check(p, expected, cfg, expert_dtype, block)
+    if shards:
+        placements = [local for p in placements if (local := _to_shard(p, shards)) is not None]
     return sorted(placements, key=lambda p: (str(p.source.path), p.source.order))
+
+
+def _to_shard(p: Placement, shards: dict[str, tuple[int, ...]]) -> Placement | None:
+    """`p` aimed at its EP rank's slots; None for one expert that has no slot on this rank."""
+    experts = shards.get(p.target.rsplit(".", 1)[0]) if p.stacked else None
+    if experts is None:
+        return p
+    if p.expert is None:
+        return dataclasses.replace(p, slots=experts)
+    slots = tuple(slot for slot, expert in enumerate(experts) if expert == p.expert)
+    return dataclasses.replace(p, slots=slots) if slots else None
 
 
 def _scale_key(key: str, stored: dict[str, StoredTensor]) -> str | None:
@@ -125,9 +146,9 @@ def _mode(tensor: StoredTensor, scale: StoredTensor | None, expert_dtype: str | 
 
 
 def _check_coverage(placements: list[Placement], expected: dict[str, Tensor], cfg: DeepseekV4Config,
-                    model_dir: Path) -> None:
-    """Each parameter filled exactly once (each expert's w1, w3 and w2 too); scales of quantised
-    experts are filled with their weights."""
+                    model_dir: Path, shards: dict[str, tuple[int, ...]]) -> None:
+    """Each parameter filled exactly once (each expert's w1, w3 and w2 too, of a sharded target the
+    experts of its slots); scales of quantised experts are filled with their weights."""
     filled: dict[str, dict[tuple[int | None, int], Placement]] = {}
     for p in placements:
         if p.mode == DRAFT:
@@ -149,7 +170,7 @@ def _check_coverage(placements: list[Placement], expected: dict[str, Tensor], cf
             raise WeightError(f"missing weight {name!r} (expected shape {tuple(t.shape)}) in {model_dir}")
         prefix = name.rsplit(".", 1)[0]
         parts = (("w1", 0), ("w3", inter)) if name.endswith("w13") else (("w2", 0),)
-        for expert in range(cfg.n_routed_experts):
+        for expert in sorted(set(shards.get(prefix, range(cfg.n_routed_experts)))):
             for part, row_start in parts:
                 if (expert, row_start) not in units:
                     shape = (cfg.hidden_size, inter) if part == "w2" else (inter, cfg.hidden_size)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 import torch
@@ -16,6 +17,7 @@ from .config import CSA, SLIDING, ConfigError, DeepseekV4Config
 from .layers.attention import Attention
 from .layers.common import RMSNorm, add_hc_site_params, matmul_t
 from .layers.moe import Experts, MoE
+from .layers.moe_ep import shard_experts
 
 if TYPE_CHECKING:
     from .dspark import DSparkDraft
@@ -196,12 +198,16 @@ def keeps_fp32(name: str) -> bool:
 
 
 def build_model(cfg: DeepseekV4Config, *, device: torch.device | str, dtype: torch.dtype,
-                kv_quant: bool = False, expert_dtype: str | None = None) -> DeepseekV4ForCausalLM:
+                kv_quant: bool = False, expert_dtype: str | None = None,
+                local_experts: Sequence[Sequence[int]] | None = None) -> DeepseekV4ForCausalLM:
     """An uninitialised model allocated directly on `device`: matrices in `dtype`, `keeps_fp32`
     tensors in float32 (the hash table int64). Fill it with `load_state_dict(..., assign=True)` or
-    `init_weights`."""
+    `init_weights`. `local_experts`: one EP rank's expert slots per MoE layer (`moe_ep.shard_experts`);
+    only those are allocated."""
     with torch.device("meta"):
         model = DeepseekV4ForCausalLM(cfg, kv_quant=kv_quant, expert_dtype=expert_dtype)
+    if local_experts is not None:
+        shard_experts(model, local_experts)
     for module_name, module in model.named_modules():
         prefix = f"{module_name}." if module_name else ""
         for name, p in list(module._parameters.items()):

@@ -19,6 +19,7 @@ at hand.
 from __future__ import annotations
 
 import sys
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -33,6 +34,7 @@ from .config_v41 import DeepseekV41Config
 from .dummy import dummy_model
 from .engram_vocab import compressed_token_map
 from .layers.moe import quantise_expert_matrix
+from .layers.moe_ep import shard_experts
 from .load_plan import COPY, DRAFT, ENGRAM_TABLE, KEEP, PACKED_FP4, TABLE, Placement, plan_load
 from .model import DeepseekV4ForCausalLM, build_model
 from .model_v41 import DeepseekV41ForCausalLM, build_model_v41
@@ -56,6 +58,7 @@ def load_model(
     load_format: str = "safetensors",
     seed: int = 0,
     engram_on_host: bool = False,
+    local_experts: Sequence[Sequence[int]] | None = None,
 ) -> DeepseekV4ForCausalLM | DeepseekV41ForCausalLM:
     """Build the model of `model_dir` and stream its weights in (or make them up: `load_format`).
 
@@ -74,6 +77,11 @@ def load_model(
         seed: the seed of the "dummy" weights (unused for "safetensors").
         engram_on_host: DeepSeek-V4.1 only: keep the Engram tables in host memory (pinned when
             `device` is CUDA) and copy only the rows each step needs (`DeepseekV41ForCausalLM`).
+        local_experts: one expert-parallel rank's share (DeepSeek-V4, safetensors): per MoE layer in
+            `moe_layers` order, the logical expert of each of the rank's slots
+            (`ExpertSlots.local_logical_ids(rank)`). Only those experts are read and allocated, a
+            redundant one into each of its slots; the model must then get
+            `apply_expert_parallel(model, group, slots, loaded_sharded=True)` before its first forward.
 
     A DeepSeek-V4.1 folder (`DeepseekV41Config`) gives a `DeepseekV41ForCausalLM`: its cache
     quantisation is part of the model (`kv_quant` has no effect on it), Engram tables stored as FP8
@@ -89,21 +97,27 @@ def load_model(
         ConfigError: bad config.json. WeightError: an unusable checkpoint file, or a missing,
         unexpected, duplicate, mis-shaped, mis-typed or non-finite tensor (the message names the key
         and the file; no model is returned). ValueError: `dtype` is not a float dtype, an unknown
-        `load_format`, or a negative `seed` with "dummy".
+        `load_format`, a negative `seed` with "dummy", or `local_experts` with a V4.1 model, the
+        dummy format, or not matching the model's MoE layers and experts.
     """
     if dtype not in _MODEL_DTYPES:
         raise ValueError(f"dtype={dtype} must be one of {', '.join(map(str, _MODEL_DTYPES))}")
     if load_format not in LOAD_FORMATS:
         raise ValueError(f"load_format={load_format!r} must be one of {', '.join(map(repr, LOAD_FORMATS))}")
     cfg = cfg or DeepseekV4Config.from_model_dir(model_dir)
+    if local_experts is not None and (isinstance(cfg, DeepseekV41Config) or load_format == "dummy"):
+        raise ValueError("local_experts (a sharded expert load) works for DeepSeek-V4 checkpoints in the "
+                         "safetensors format only")
     if isinstance(cfg, DeepseekV41Config):
         return _load_v41(model_dir, cfg, dtype, torch.device(device), expert_dtype, progress, load_format, seed,
                          engram_on_host)
     if load_format == "dummy":
         return dummy_model(cfg, dtype=dtype, device=device, kv_quant=kv_quant, expert_dtype=expert_dtype, seed=seed)
-    expected = build_model(cfg, device="meta", dtype=dtype, kv_quant=kv_quant, expert_dtype=expert_dtype).state_dict()
-    plan = plan_load(read_headers(model_dir), expected, cfg, expert_dtype, Path(model_dir))
-    model = build_model(cfg, device=device, dtype=dtype, kv_quant=kv_quant, expert_dtype=expert_dtype)
+    meta = build_model(cfg, device="meta", dtype=dtype, kv_quant=kv_quant, expert_dtype=expert_dtype)
+    shards = shard_experts(meta, local_experts) if local_experts is not None else None
+    plan = plan_load(read_headers(model_dir), meta.state_dict(), cfg, expert_dtype, Path(model_dir), shards)
+    model = build_model(cfg, device=device, dtype=dtype, kv_quant=kv_quant, expert_dtype=expert_dtype,
+                        local_experts=local_experts)
     with torch.no_grad():
         model.draft_weights = _stream(plan, model.state_dict(), _Context(cfg, expert_dtype, torch.device(device)),
                                       progress)
@@ -200,10 +214,12 @@ def _progress_bar(total_bytes: int, num_files: int) -> Any:
 
 
 def _units(p: Placement, source: Tensor, scale: Tensor | None) -> list[tuple[int, tuple[Tensor, Tensor | None]]]:
-    """(expert id, (its matrix, its scale)) for a stacked source (every expert) or a per-expert one."""
+    """(target slot, (an expert's matrix, its scale)) for a stacked source (every expert) or a
+    per-expert one; the slot is the expert id unless the target is an EP rank's shard (`p.slots`)."""
     if p.expert is not None:
-        return [(p.expert, (source, scale))]
-    return [(e, (source[e], scale[e] if scale is not None else None)) for e in range(source.shape[0])]
+        return [(slot, (source, scale)) for slot in (p.slots if p.slots is not None else (p.expert,))]
+    experts = p.slots if p.slots is not None else range(source.shape[0])
+    return [(slot, (source[e], scale[e] if scale is not None else None)) for slot, e in enumerate(experts)]
 
 
 def _slot(p: Placement, state: dict[str, Tensor], expert: int | None) -> Tensor:
@@ -252,9 +268,10 @@ def _values(p: Placement, source: Tensor, scale: Tensor | None, ctx: _Context) -
 
 
 def _copy(p: Placement, source: Tensor, scale: Tensor | None, state: dict[str, Tensor], ctx: _Context) -> None:
-    if scale is not None and p.stacked and p.expert is None:      # stacked quantised → float, expert by expert
-        for expert, (part, part_scale) in _units(p, source, scale):
-            _fill(p, state[p.target][expert], _dequantised(p, part, part_scale, ctx.block))
+    if p.stacked and (p.slots is not None or (scale is not None and p.expert is None)):
+        # expert by expert: a quantised stacked source into float, or any source into an EP shard
+        for slot, (part, part_scale) in _units(p, source, scale):
+            _fill(p, _slot(p, state, slot), _dequantised(p, part, part_scale, ctx.block))
         return
     slot = _slot(p, state, p.expert)
     _fill(p, slot, _values(p, source, scale, ctx))

@@ -148,8 +148,43 @@ def moe_layers(model: nn.Module) -> list[MoE]:
     return [module for module in model.modules() if isinstance(module, MoE)]
 
 
-def apply_expert_parallel(model: nn.Module, group: dist.ProcessGroup, slots: Sequence[ExpertSlots]) -> None:
-    """Shard the routed experts of every MoE layer over the EP group (after loading all of them).
+def shard_experts(model: nn.Module, local_experts: Sequence[Sequence[int]]) -> dict[str, tuple[int, ...]]:
+    """Give every MoE layer of a model that holds no data yet (built on the meta device) only the
+    expert slots of one EP rank, so that loading reads and allocates those experts alone.
+
+    Args:
+        model: a model on the meta device (`build_model` calls this before allocating).
+        local_experts: per MoE layer, in `moe_layers(model)` order, the logical expert of each of
+            this rank's slots (`ExpertSlots.local_logical_ids(rank)`; an expert may fill several).
+
+    Returns:
+        {the experts module's name (e.g. "layers.3.ffn.experts"): its slots' logical experts}, what
+        the load plan needs to send each stored expert to its slots.
+
+    Raises:
+        ValueError: a layer count that does not match the model, an empty layer, or an expert id
+            outside [0, n_routed_experts).
+    """
+    layers = moe_layers(model)
+    if len(local_experts) != len(layers):
+        raise ValueError(f"local_experts has {len(local_experts)} layers; the model has {len(layers)} MoE layers")
+    names = {id(module): name for name, module in model.named_modules()}
+    shards: dict[str, tuple[int, ...]] = {}
+    for index, (moe, ids) in enumerate(zip(layers, local_experts)):
+        ids = tuple(int(e) for e in ids)
+        num = moe.cfg.n_routed_experts
+        if not ids or min(ids) < 0 or max(ids) >= num:
+            raise ValueError(f"local_experts[{index}] must be a non-empty list of expert ids in [0, {num}), "
+                             f"got {list(ids)[:8]}")
+        shards[names[id(moe.experts)]] = ids
+        with torch.device("meta"):
+            moe.experts = Experts(moe.cfg, moe.experts.expert_dtype, num_experts=len(ids))
+    return shards
+
+
+def apply_expert_parallel(model: nn.Module, group: dist.ProcessGroup, slots: Sequence[ExpertSlots],
+                          loaded_sharded: bool = False) -> None:
+    """Shard the routed experts of every MoE layer over the EP group, and attach the exchange.
 
     Each rank keeps the rows of its slots (a logical expert's weights copied into each of its
     slots); shared experts, attention and everything else stay whole on every rank.
@@ -158,6 +193,9 @@ def apply_expert_parallel(model: nn.Module, group: dist.ProcessGroup, slots: Seq
         model: a loaded model; every rank of `group` calls this with the same `slots`.
         group: the EP process group; its size must equal every `slots[i].ep_size`.
         slots: one placement per MoE layer, in `moe_layers(model)` order.
+        loaded_sharded: the model was loaded with this rank's slots only (`load_model(...,
+            local_experts=...)` with `slots[i].local_logical_ids(rank)`): nothing is copied, the
+            exchange is attached to the experts as loaded.
 
     Raises:
         ValueError: a placement count, EP size or expert count that does not match the model.
@@ -173,12 +211,17 @@ def apply_expert_parallel(model: nn.Module, group: dist.ProcessGroup, slots: Seq
                              f"{moe.cfg.n_routed_experts} experts")
         full = moe.experts
         device = full.w13.device
-        local_ids = layer_slots.local_logical_ids(rank).to(device)
-        local = Experts(moe.cfg, full.expert_dtype, num_experts=layer_slots.slots_per_rank).to(device)
-        with torch.no_grad():
-            for name in full.param_names:
-                getattr(local, name).data = getattr(full, name).index_select(0, local_ids)
-        moe.experts = local
+        if loaded_sharded:
+            if full.w13.shape[0] != layer_slots.slots_per_rank:
+                raise ValueError(f"layer {index}: loaded with {full.w13.shape[0]} expert slots, the placement "
+                                 f"gives each rank {layer_slots.slots_per_rank}")
+        else:
+            local_ids = layer_slots.local_logical_ids(rank).to(device)
+            local = Experts(moe.cfg, full.expert_dtype, num_experts=layer_slots.slots_per_rank).to(device)
+            with torch.no_grad():
+                for name in full.param_names:
+                    getattr(local, name).data = getattr(full, name).index_select(0, local_ids)
+            moe.experts = local
         counts = torch.zeros(moe.cfg.n_routed_experts, dtype=torch.int64, device=device)
         moe.ep = ExpertParallel(group, rank, layer_slots.to(device), counts)
 
