@@ -228,6 +228,36 @@ def test_append_decode_tokens_matches_one_by_one_appends(make_sched) -> None:
     assert results[1][2].num_computed_tokens == 6 and results[1][2].block_ids == (5, 6)
 
 
+def test_steady_append_decode_tokens_matches_one_by_one_appends(make_sched) -> None:
+    """One token per sequence for an unchanged batch (the same seq_ids tuple: the fast path without
+    per-sequence lookups) gives the same state as one append_tokens per sequence, ZOS-style."""
+    results = []
+    for batched in (False, True):
+        sched = make_sched()
+        for name, length in (("a", 3), ("b", 9), ("c", 5)):
+            sched.add_seq(name, [1] * length, 16)
+        batch = prefill_all(sched).decode
+        for step in range(4):
+            following = sched.schedule().decode          # scheduled before this step's tokens are in
+            assert following.seq_ids is batch.seq_ids   # nothing changed: the same tuple
+            tokens = np.array([[40 + step], [50 + step], [60 + step]])
+            if batched:
+                assert sched.append_decode_tokens(batch.seq_ids, tokens, np.ones(3, dtype=np.int64)) == 3
+            else:
+                for seq_id, token in zip(batch.seq_ids, tokens[:, 0].tolist()):
+                    sched.append_tokens(seq_id, [token])
+            sched.check_integrity()
+            batch = following
+        results.append([sched.get_seq(name) for name in "abc"])
+        if batched:
+            sched.append_decode_tokens(batch.seq_ids, np.array([[1], [2], [3]]), np.ones(3, dtype=np.int64))
+            with pytest.raises(ValueError, match="no decode step in flight"):   # that step is in already
+                sched.append_decode_tokens(batch.seq_ids, np.array([[1], [2], [3]]), np.ones(3, dtype=np.int64))
+            sched.check_integrity()
+    assert results[0] == results[1]
+    assert results[1][1].output_token_ids == (7, 40, 41, 42, 43)     # b is the longest: first
+
+
 def test_append_decode_tokens_drops_finished_sequences_and_checks_input(make_sched) -> None:
     sched = make_sched()
     for name in "ab":

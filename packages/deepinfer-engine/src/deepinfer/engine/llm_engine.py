@@ -30,8 +30,9 @@ import itertools
 import logging
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
+from itertools import compress
 from pathlib import Path
 
 import numpy as np
@@ -48,6 +49,7 @@ from deepinfer.sched import (
     StepVoteGroup,
 )
 
+from .decode_rows import SteadyRows
 from .engine_args import EngineArgs, InvalidEngineArgs
 from .env import EngineEnv, read_env
 from .grammar_compiler import GrammarCompilePool
@@ -204,8 +206,8 @@ class LLMEngine(RequestIntake):
         self.grammars: GrammarCompilePool | None = None     # made at the first constrained request
         self._awaiting_grammar: dict[str, Request | ParallelRequest] = {}
         self._finished_between_steps: list[Request] = []   # reported by the next step()
-        # The previous step's requests and their StepRows, reused while the rows stay the same
-        self._last_rows: tuple[list[Request], StepRows] | None = None
+        # The last decode step's rows, reused while the next steps have the same ones (decode_rows.py)
+        self._steady: SteadyRows | None = None
         self.init_pd_split()
 
     def _new_scheduler(self) -> Scheduler:
@@ -321,18 +323,27 @@ class LLMEngine(RequestIntake):
                         self._add_prompt_logprobs(step.prompt_spans, all_logits)
             if previous is not None:                                               # (2) post-process N − 1
                 done, previous = previous, None
-                self._post_process(done, self.sampling.collect(done.sampling), changed)
+                # The same decode tuple as N − 1's: no row of it changed since, so none of its
+                # requests ended (every end drops its sequence from the scheduler).
+                unchanged = out.decode is not None and done.out.decode is not None and \
+                    out.decode.seq_ids is done.out.decode.seq_ids
+                self._post_process(done, self.sampling.collect(done.sampling), changed, rows_unchanged=unchanged)
             current = None
             if step is not None and logits is not None and step.sample_seq_ids:    # (3) sample N
                 seq_ids = step.sample_seq_ids
-                try:
-                    reqs = list(map(self._seqs.__getitem__, seq_ids))     # the common case: no "_" id
-                except KeyError:
-                    reqs = [self._seq(seq_id) for seq_id in seq_ids]
+                steady = self._steady
+                if steady is not None and steady.seq_ids is seq_ids:      # the same rows as the last step
+                    reqs = steady.reqs
+                else:
+                    try:
+                        reqs = list(map(self._seqs.__getitem__, seq_ids))     # the common case: no "_" id
+                    except KeyError:
+                        reqs = [self._seq(seq_id) for seq_id in seq_ids]
                 if out.kind is StepKind.PREFILL and any(r.unforked for r in reqs):
                     logits, reqs = self._rows_per_sample(logits, reqs)   # n rows for a prefilled group
                     seq_ids = tuple(r.seq_id for r in reqs)
-                sampling = self.sampling.launch(seq_ids, logits, self._step_rows(reqs), guarded=guarded)
+                rows = self._step_rows(reqs, seq_ids if out.kind is StepKind.DECODE else None)
+                sampling = self.sampling.launch(seq_ids, logits, rows, guarded=guarded)
                 self.runner.record_sampled(step, sampling.token_ids)
                 current = _InFlightStep(out, reqs, sampling)
             self._pump_grammars()                                                  # (4) pre_sampler_sync
@@ -391,17 +402,63 @@ class LLMEngine(RequestIntake):
         if branch_ids != expected:     # the ids _check_ids_free reserved
             raise RuntimeError(f"fork of {req.seq_id!r} gave {branch_ids}, expected {expected}")
 
-    def _post_process(self, step: _InFlightStep, sampled: SampledStep, changed: dict[str, Request]) -> None:
+    def _post_process(self, step: _InFlightStep, sampled: SampledStep, changed: dict[str, Request], *,
+                      rows_unchanged: bool = False) -> None:
+        """Take a step's sampled tokens. `rows_unchanged`: the caller knows that no request of this
+        (decode) step has ended since it was launched."""
+        steady = self._steady
+        if steady is not None and step.reqs is steady.reqs:
+            if not (sampled.errors or step.preempted or step.recomputed or sampled.token_array is None
+                    or self.args.engine_type is EngineType.PROMPT):
+                self._post_process_steady(step, sampled, changed, steady, rows_unchanged)
+                return
+            self._steady = None          # its output counts would go stale: rebuilt at the next launch
         continuing_ids: list[str] = []
         continuing_tokens: list[int] = []
-        prompt_engine = self.args.engine_type is EngineType.PROMPT
-        errors = sampled.errors
-        preempted = step.preempted | step.recomputed
         for req in step.reqs:
             if req.unforked and not req.finished:
                 self._fork(req)
+        self._post_process_rows(step, sampled, range(len(step.reqs)), changed, continuing_ids, continuing_tokens)
+        self._record_tokens(step.out.kind, continuing_ids, continuing_tokens)
+        prompt_engine = self.args.engine_type is EngineType.PROMPT
+        handed = [r.request_id for r in changed.values() if isinstance(r, Request) and
+                  r.finish_reason == FINISH_PREFILLED] if prompt_engine else None  # only a PROMPT engine hands over
+        if handed:
+            self.pe_prepare_save_kvcache(handed)
+            self.pe_do_save_kvcache(handed)
+            self.send_processed_prompts(step.out)
+
+    def _post_process_steady(self, step: _InFlightStep, sampled: SampledStep, changed: dict[str, Request],
+                             steady: SteadyRows, rows_unchanged: bool) -> None:
+        """A decode step of `steady`'s rows: the tokens that cannot end their request go in, in bulk
+        (`SteadyRows.take_tokens`); the other rows go through `_post_process_rows`."""
+        per_row = steady.take_tokens(sampled.token_array, sampled.token_ids, maybe_ended=not rows_unchanged)
+        seq_ids = step.out.decode.seq_ids
+        if not len(per_row):
+            self.scheduler.append_decode_tokens(seq_ids, sampled.token_array[:, None], steady.ones)
+            return
+        continuing_ids: list[str] = []
+        continuing_tokens: list[int] = []
+        self._post_process_rows(step, sampled, per_row.tolist(), changed, continuing_ids, continuing_tokens)
+        steady.resync(per_row)
+        keep = np.ones(len(seq_ids), dtype=np.bool_)
+        keep[per_row] = False
+        kept_ids = [*compress(seq_ids, keep.tolist()), *continuing_ids]
+        kept_tokens = np.concatenate([sampled.token_array[keep], np.array(continuing_tokens, dtype=np.int64)])
+        self._record_tokens(StepKind.DECODE, kept_ids, kept_tokens.tolist())
+
+    def _post_process_rows(self, step: _InFlightStep, sampled: SampledStep, rows: Iterable[int],
+                           changed: dict[str, Request], continuing_ids: list[str],
+                           continuing_tokens: list[int]) -> None:
+        """Take the sampled tokens of these rows (ascending) one by one: stop checks, finishing, and the
+        ids and tokens of the rows that go on (appended to continuing_ids / continuing_tokens)."""
+        prompt_engine = self.args.engine_type is EngineType.PROMPT
+        errors = sampled.errors
+        preempted = step.preempted | step.recomputed
         ranks = sampled.ranks
-        for row, (req, token_id, logprobs) in enumerate(zip(step.reqs, sampled.token_ids, sampled.logprobs)):
+        reqs, token_ids, logprob_rows = step.reqs, sampled.token_ids, sampled.logprobs
+        for row in rows:
+            req, token_id, logprobs = reqs[row], token_ids[row], logprob_rows[row]
             seq_id = req.seq_id
             if req.finish_reason is not None or (preempted and seq_id in step.recomputed):
                 if req.history_slot is not None and not req.finished:     # its token was counted: take it out
@@ -426,13 +483,6 @@ class LLMEngine(RequestIntake):
                 changed[req.request_id] = req.owner
             continuing_ids.append(seq_id)
             continuing_tokens.append(token_id)
-        self._record_tokens(step.out.kind, continuing_ids, continuing_tokens)
-        handed = [r.request_id for r in changed.values() if isinstance(r, Request) and
-                  r.finish_reason == FINISH_PREFILLED] if prompt_engine else None  # only a PROMPT engine hands over
-        if handed:
-            self.pe_prepare_save_kvcache(handed)
-            self.pe_do_save_kvcache(handed)
-            self.send_processed_prompts(step.out)
 
     def _fail(self, seq_id: str, err: BaseException, changed: dict[str, Request]) -> None:
         """Finish one sequence's request as "error" because of `err` and free what it holds."""
@@ -464,18 +514,18 @@ class LLMEngine(RequestIntake):
             for seq_id, token in zip(seq_ids, token_ids):
                 self.scheduler.append_tokens(seq_id, [token])
 
-    def _step_rows(self, reqs: list[Request]) -> StepRows:
+    def _step_rows(self, reqs: list[Request], decode_seq_ids: tuple[str, ...] | None = None) -> StepRows:
         """The sampling parameters of a step's rows, a few passes over its requests (no object per row).
         A request that ended since the step was scheduled samples unconstrained (its token is dropped).
         A row that needs a TokenHistory row gets one at its request's first sampled row, from the host's
         tokens (then complete: it is a prefill row, never one launched before the previous step is read).
         A step of the same requests as the previous one, none constrained or controlled, reuses its
-        parameter lists (and so `SamplingStage` its `SamplingBatch`)."""
-        last = self._last_rows
-        if last is not None and last[0] == reqs:   # the steady decode step: the same requests, in order
-            rows = last[1]
-            return StepRows(rows.params, rows.rngs, [len(r.output_token_ids) for r in reqs])
-        self._last_rows = None
+        parameter lists (and so `SamplingStage` its `SamplingBatch`): `SteadyRows`, kept for a decode step
+        (`decode_seq_ids`, its `DecodeBatch.seq_ids`)."""
+        steady = self._steady
+        if steady is not None and steady.reqs is reqs:     # the same rows as the last step (`_run_step`)
+            return steady.step_rows()
+        self._steady = None
         grammars = None if self.grammars is None else [None if r.finished else r.grammar for r in reqs]
         controlled = any(r.controlled for r in reqs)
         if controlled:
@@ -487,8 +537,8 @@ class LLMEngine(RequestIntake):
                         grammars if grammars is not None and any(g is not None for g in grammars) else None,
                         history_slots=[r.history_slot for r in reqs] if controlled else None,
                         bad_word_ids=[r.bad_word_ids for r in reqs] if controlled else None, controlled=controlled)
-        if rows.grammars is None and not controlled:    # nothing per row that changes while a request runs
-            self._last_rows = (reqs, rows)
+        if decode_seq_ids is not None and rows.grammars is None and not controlled:   # nothing per row that
+            self._steady = SteadyRows(decode_seq_ids, reqs, rows)                     # changes while it runs
         return rows
 
     # ------------------------------------------------------------------ disaggregation hooks

@@ -78,7 +78,7 @@ class Request:
         self.stops = StopStringChecker(params.stop, include_stop_str_in_output=params.include_stop_str_in_output)
         self.eos_token_ids = () if params.ignore_eos else eos_token_ids
         # The ids that end the request once min_tokens outputs exist: EOS first (its stop_reason is None)
-        self._stop_token_ids = frozenset(self.eos_token_ids) | frozenset(params.stop_token_ids)
+        self.stop_token_ids = frozenset(self.eos_token_ids) | frozenset(params.stop_token_ids)
         self.max_model_len = max_model_len
         room = max(1, max_model_len - len(prompt_token_ids))
         self._max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
@@ -88,7 +88,7 @@ class Request:
         # are detokenized in one call when the request finishes.
         self._text_each_step = bool(params.stop) or output_kind is not OutputKind.FINAL_ONLY
         self._num_decoded = 0            # output tokens given to the detokenizer (FINAL_ONLY, no stop strings)
-        self._min_tokens = params.min_tokens
+        self.min_tokens = params.min_tokens
         self._num_reported = (0, 0)      # (tokens, characters) already in DELTA outputs
         self.output_token_ids: list[int] = []
         # The released text, = self.stops.text, kept from the deltas (no join per step); without stop
@@ -97,6 +97,9 @@ class Request:
         self._prompt_out: list[int] | None = None   # the prompt list every output of this request shares
         self.logprobs: list[dict[int, float]] | None = [] if params.logprobs is not None else None
         self.logprob_entries: list[dict[int, Logprob]] | None = [] if params.logprob_entries else None
+        # A decode token of this request needs no per-row work unless it may end the request (no text,
+        # logprobs or output per step): `SteadyRows.take_tokens` appends it in bulk.
+        self.plain_decode = not self._text_each_step and self.logprobs is None
         self._decode_token = None if tokenizer is None else tokenizer.decode_token
         # SamplingParams.prompt_logprobs: filled as the prompt's chunks are prefilled (sample 0 only)
         self.prompt_logprobs: list[dict[int, Logprob] | None] | None = \
@@ -141,7 +144,7 @@ class Request:
             if self.logprob_entries is not None:
                 self.logprob_entries.append(logprob_entries(logprobs, token_id, rank, self._decode_token))
         num_out = len(self.output_token_ids)
-        may_stop = num_out >= self._min_tokens
+        may_stop = num_out >= self.min_tokens
         if self._text_each_step and self.detok is not None:
             delta = self.detok.add([token_id])
             if not self.params.stop:
@@ -152,7 +155,7 @@ class Request:
                 if update.stopped:
                     self._finish(FINISH_STOP, update.stop_str)
                     return
-        if may_stop and token_id in self._stop_token_ids:
+        if may_stop and token_id in self.stop_token_ids:
             self._finish(FINISH_STOP, None if token_id in self.eos_token_ids else token_id)
         elif num_out >= self._max_tokens:
             self._finish(FINISH_LENGTH, None)

@@ -23,6 +23,7 @@ import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -61,6 +62,7 @@ class SampledStep:
                                                 # NON_FINITE_LOGITS); usually empty
     ranks: list[int] | None = None              # the sampled tokens' ranks (`SamplerOutput.ranks`) when
                                                 # some row asked for logprobs
+    token_array: np.ndarray | None = None       # [num_rows] int64, token_ids as an array (None: not kept)
 
     def tokens(self) -> list[SampledToken]:
         """The same, one `SampledToken` per row."""
@@ -210,7 +212,8 @@ class SamplingStage:
                     errors.setdefault(row, NON_FINITE_LOGITS)
         for row in errors:
             logprobs[row] = None
-        return SampledStep(flight.seq_ids, token_ids, logprobs, errors, rank_rows[0] if rank_rows else None)
+        return SampledStep(flight.seq_ids, token_ids, logprobs, errors, rank_rows[0] if rank_rows else None,
+                           ids_and_flags[0].numpy())
 
 
 @dataclass(frozen=True, slots=True)

@@ -15,7 +15,7 @@ from .fork import copy_on_write
 from .output import DecodeBatch
 from .preemption import fit_by_preemption
 from .seq_table import SeqTable
-from .sequence import SeqStatus
+from .sequence import SeqStatus, Sequence
 from .state import SchedState
 from .verify import VerifyLengthPolicy, checked_query_lens
 
@@ -29,13 +29,28 @@ class DecodeScratch:
         self.last_rows = np.zeros(0, dtype=np.int32)
         self.last_ids_version = -1
         self.last_seq_ids: tuple[str, ...] = ()
+        self._last_seqs: list[Sequence] | None = None
+        self._maybe_awaiting = False
 
     def seq_ids(self, table: SeqTable, rows: np.ndarray) -> tuple[str, ...]:
         if table.ids_version != self.last_ids_version or not np.array_equal(rows, self.last_rows):
             self.last_seq_ids = tuple(table.ids[rows].tolist())
             self.last_rows = rows.copy()
             self.last_ids_version = table.ids_version
+            self._last_seqs = None
         return self.last_seq_ids
+
+    def last_batch(self, table: SeqTable, seq_ids: tuple[str, ...]) -> tuple[np.ndarray, list[Sequence], bool] | None:
+        """(rows, sequences, whether one of them may still await its first token) of the last decode
+        batch when `seq_ids` is its very tuple and no row of the table changed its sequence since
+        (every one of them is then still live and running); else None. A sequence's first token can
+        only become awaited again with a new row, so the flag, taken once, stays an upper bound."""
+        if seq_ids is not self.last_seq_ids or table.ids_version != self.last_ids_version:
+            return None
+        if self._last_seqs is None:
+            self._last_seqs = [table.seqs[row] for row in self.last_rows.tolist()]
+            self._maybe_awaiting = any(seq.awaiting_first_token for seq in self._last_seqs)
+        return self.last_rows, self._last_seqs, self._maybe_awaiting
 
     def ensure(self, num_rows: int) -> np.ndarray:
         if num_rows > len(self.need):

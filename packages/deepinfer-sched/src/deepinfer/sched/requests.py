@@ -4,6 +4,8 @@ sampled tokens, and the read-only view."""
 from __future__ import annotations
 
 from collections.abc import Iterable
+from operator import attrgetter
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -11,6 +13,11 @@ from .config import EngineType
 from .output import IgnoredSeq, PrefilledSeq
 from .sequence import BRANCH_PREFIX, FinishReason, IgnoreReason, SeqStatus, Sequence, SeqView
 from .state import SchedState
+
+if TYPE_CHECKING:
+    from .decode import DecodeScratch
+
+_awaiting_first_token = attrgetter("awaiting_first_token")
 
 _TOKEN_LIMIT = 2**31
 _ENGINE_REASONS = (FinishReason.STOP, FinishReason.LENGTH, FinishReason.ABORT, FinishReason.ERROR,
@@ -181,9 +188,11 @@ def view(st: SchedState, seq: Sequence) -> SeqView:
 
 
 def append_decode_tokens(
-    st: SchedState, seq_ids: tuple[str, ...], token_ids: np.ndarray, num_accepted: np.ndarray
+    st: SchedState, seq_ids: tuple[str, ...], token_ids: np.ndarray, num_accepted: np.ndarray,
+    scratch: DecodeScratch | None = None,
 ) -> int:
-    """Batched `append_tokens` for one decode step's sequences; see Scheduler.append_decode_tokens."""
+    """Batched `append_tokens` for one decode step's sequences; see Scheduler.append_decode_tokens.
+    `scratch`: the decode step's, whose last batch gives the rows when seq_ids is still its tuple."""
     tokens = np.asarray(token_ids)
     accepted = np.asarray(num_accepted)
     num_seqs = len(seq_ids)
@@ -203,6 +212,9 @@ def append_decode_tokens(
     if int(tokens.min()) < 0 or int(tokens.max()) >= _TOKEN_LIMIT:
         raise ValueError(f"token_ids holds ids outside [0, {_TOKEN_LIMIT})")
     table = st.table
+    rows_and_seqs = None if scratch is None else scratch.last_batch(table, seq_ids)
+    if rows_and_seqs is not None and tokens.shape[1] == 1 and query_len == 1:
+        return _append_one_each(st, *rows_and_seqs, tokens[:, 0])
     running = SeqStatus.RUNNING
     targets = list(map(st.seqs.get, seq_ids))
     if None in targets or any(seq.status is not running for seq in targets):   # finished or preempted since
@@ -232,3 +244,24 @@ def append_decode_tokens(
     for row in row_array[kept_counts < query_len].tolist():
         _trim_blocks(st, row)
     return len(rows)
+
+
+def _append_one_each(
+    st: SchedState, rows: np.ndarray, seqs: list[Sequence], maybe_awaiting: bool, tokens: np.ndarray
+) -> int:
+    """`append_decode_tokens` of one token per sequence for the rows of the last decode batch, which
+    still hold the same live, running sequences (`DecodeScratch.last_batch`): no per-sequence lookups."""
+    table = st.table
+    if not (table.pending_steps[rows] > 0).all() or (maybe_awaiting and any(map(_awaiting_first_token, seqs))):
+        stale = next(seq.seq_id for seq, row in zip(seqs, rows.tolist())
+                     if seq.awaiting_first_token or table.pending_steps[row] == 0)
+        raise ValueError(f"seq_id={stale!r} has no decode step in flight")
+    for seq, token in zip(seqs, tokens.tolist()):
+        seq.token_ids.append(token)
+    query_len = st.config.max_query_len
+    table.pending_steps[rows] -= 1
+    table.num_inflight[rows] -= query_len
+    table.seq_len[rows] -= query_len - 1
+    table.num_output[rows] += 1
+    table.last_token[rows] = tokens
+    return len(seqs)

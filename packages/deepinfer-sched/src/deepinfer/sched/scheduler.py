@@ -176,7 +176,7 @@ class Scheduler:
             ValueError: bad shapes or values, a repeated sequence, or a sequence with no decode
                 step in flight (nothing is changed for any shape or value error).
         """
-        return requests.append_decode_tokens(self._st, seq_ids, token_ids, num_accepted)
+        return requests.append_decode_tokens(self._st, seq_ids, token_ids, num_accepted, self._scratch)
 
     def fork_seq(self, parent_id: str, num_branches: int) -> tuple[str, ...]:
         """Makes `num_branches` copies of a prefilled sequence that share its KV blocks and state
