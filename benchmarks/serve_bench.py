@@ -18,9 +18,10 @@ Per point: request and output-token throughput, and p50 / p90 / p99 of
   ITL   gaps between consecutive chunks of a request (a chunk holds the tokens of one engine step
         unless the client lagged; `tokens_per_chunk` says how often that happened).
 Server overhead = 1 - server output tok/s / offline output tok/s of a pair (median over pairs), and
-the CPU overhead = server process CPU time per output token (all its threads: engine, event loop)
-/ the offline run's CPU time per output token - 1, which other load on a shared machine disturbs
-far less than wall-clock throughput. The
+the CPU overhead = the server's CPU time per output token (all threads of the server process and of
+the processes below it: the engine process, by default; `api_cpu_ms_per_token` and
+`engine_cpu_ms_per_token` split it) / the offline run's CPU time per output token - 1, which other
+load on a shared machine disturbs far less than wall-clock throughput. The
 client runs in this process, on the same machine as the server: on a small CPU it competes with the
 server for cores (--threads sets the torch threads of both engines, OMP_NUM_THREADS of the child).
 """
@@ -103,11 +104,38 @@ async def _one(http: httpx.AsyncClient, prompt: list[int], output_len: int, star
     return Trace(start, tuple(times), usage["completion_tokens"])
 
 
+def _stat(pid: int) -> list[str]:
+    """The fields of /proc/PID/stat after the command name (field 3 on)."""
+    with open(f"/proc/{pid}/stat") as stat:
+        return stat.read().rsplit(")", 1)[1].split()
+
+
 def process_cpu_s(pid: int) -> float:
     """User + system CPU seconds used so far by process `pid` (all its threads), from /proc."""
-    with open(f"/proc/{pid}/stat") as stat:
-        fields = stat.read().rsplit(")", 1)[1].split()
+    fields = _stat(pid)
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def descendants(pid: int) -> list[int]:
+    """The live processes below `pid` (children, their children, ...), from /proc."""
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                children.setdefault(int(_stat(int(entry))[1]), []).append(int(entry))
+            except (OSError, IndexError, ValueError):
+                pass                     # exited meanwhile
+    found, todo = [], [pid]
+    while todo:
+        for child in children.get(todo.pop(), ()):
+            found.append(child)
+            todo.append(child)
+    return found
+
+
+def server_cpu_s(pid: int, engine_pids: list[int]) -> tuple[float, float]:
+    """(CPU seconds of the server process `pid`, of its engine processes `engine_pids`) so far."""
+    return process_cpu_s(pid), sum(process_cpu_s(p) for p in engine_pids)
 
 
 async def run_point(base_url: str, prompts: list[list[int]], output_len: int, *, request_rate: float,
@@ -122,7 +150,8 @@ is known."""
         at += 0.0 if math.isinf(request_rate) else rng.expovariate(request_rate)
     slots = asyncio.Semaphore(max_concurrency or len(prompts))
     limits = httpx.Limits(max_connections=max_concurrency or len(prompts))
-    cpu_before = process_cpu_s(server_pid) if server_pid is not None else None
+    engine_pids = descendants(server_pid) if server_pid is not None else []
+    cpu_before = server_cpu_s(server_pid, engine_pids) if server_pid is not None else None
     client_cpu_before = time.process_time()
     async with httpx.AsyncClient(base_url=base_url, limits=limits, timeout=600) as http:
         t0 = time.perf_counter()
@@ -140,7 +169,10 @@ is known."""
     num_tokens = sum(t.num_tokens for t in traces)
     result["client_cpu_ms_per_token"] = round(1000 * (time.process_time() - client_cpu_before) / num_tokens, 4)
     if cpu_before is not None:
-        result["cpu_ms_per_token"] = round(1000 * (process_cpu_s(server_pid) - cpu_before) / num_tokens, 4)
+        api_s, engine_s = (after - before for after, before in zip(server_cpu_s(server_pid, engine_pids), cpu_before))
+        result["cpu_ms_per_token"] = round(1000 * (api_s + engine_s) / num_tokens, 4)
+        result["api_cpu_ms_per_token"] = round(1000 * api_s / num_tokens, 4)
+        result["engine_cpu_ms_per_token"] = round(1000 * engine_s / num_tokens, 4)
     return result
 
 
@@ -153,6 +185,8 @@ def start_server(args: argparse.Namespace) -> tuple[subprocess.Popen, str]:
                "--gpu-memory-utilization", str(args.gpu_memory_utilization)]
     if args.model:
         command += ["--model", args.model]
+    if args.engine_in_thread:
+        command += ["--engine-in-thread"]
     log = tempfile.TemporaryFile()          # the server's stderr, shown if it does not come up
     child = subprocess.Popen(command, env={**os.environ, "OMP_NUM_THREADS": str(args.threads)},
                              stdout=subprocess.DEVNULL, stderr=log)
@@ -192,6 +226,9 @@ def main() -> None:
                         help="each engine's share of the GPU (on CUDA the offline engine and the server share one)")
     parser.add_argument("--threads", type=int, default=1, help="torch / OMP threads of each engine")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--engine-in-thread", action="store_true",
+                        help="serve with the engine in a thread of the server's process (the old way) rather than "
+                             "in an engine process of its own")
     parser.add_argument("--output-json", default=None)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)

@@ -1,10 +1,13 @@
 """`deepinfer serve` through the real `openai` client and raw HTTP: completions, chat, streaming,
-structured output, logprobs, usage, models / health / version, and the 400 / 401 / 404 / 503 errors."""
+structured output, logprobs, usage, models / health / version, and the 400 / 401 / 404 / 503 errors.
+The server drives an engine process (`AsyncLLMProcess`, serve's default); the 503 test holds an
+in-thread `AsyncLLM` over a stand-in engine."""
 
 from __future__ import annotations
 
 import asyncio
 import json
+import os
 import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -16,8 +19,10 @@ import pytest
 import uvicorn
 from serve_helpers import start_uvicorn
 
-from deepinfer.engine import EngineArgs, LLMEngine, RequestOutput
+from deepinfer.engine import EngineArgs, RequestOutput
+from deepinfer.engine.async_front import EngineClient
 from deepinfer.engine.async_llm import AsyncLLM
+from deepinfer.engine.async_process import AsyncLLMProcess
 from deepinfer.engine.outputs import CompletionOutput
 from deepinfer.engine.serve import NOT_SUPPORTED_YET, build_app
 
@@ -27,12 +32,12 @@ MODEL = "tiny"
 @dataclass
 class Served:
     base_url: str
-    llm: AsyncLLM
+    llm: AsyncLLMProcess
     server: uvicorn.Server
     thread: threading.Thread
 
 
-def start_server(llm: AsyncLLM, **app_kwargs: object) -> Served:
+def start_server(llm: EngineClient, **app_kwargs: object) -> Served:
     """Serve `llm` on 127.0.0.1 on a free port, in a thread (the socket is bound before uvicorn starts)."""
     url, server, thread = start_uvicorn(build_app(llm, served_model_name=MODEL, **app_kwargs))
     return Served(url, llm, server, thread)
@@ -40,12 +45,14 @@ def start_server(llm: AsyncLLM, **app_kwargs: object) -> Served:
 
 @pytest.fixture(scope="module")
 def served() -> Iterator[Served]:
-    engine = LLMEngine(EngineArgs(seed=0, stop_preempted_request=False))
-    result = start_server(AsyncLLM(engine))
+    llm = AsyncLLMProcess(EngineArgs(seed=0, stop_preempted_request=False))
+    result = start_server(llm)
     yield result
     result.server.should_exit = True
     result.thread.join(timeout=30)
-    assert not result.llm.is_running            # the app's shutdown stopped the engine thread
+    assert not result.llm.is_running and result.llm.failure is None   # the app's shutdown stopped the engine
+    with pytest.raises(ProcessLookupError):                          # and its process is gone, reaped
+        os.kill(llm.pid, 0)
 
 
 @pytest.fixture(scope="module")
@@ -301,7 +308,7 @@ def test_n_choices_greedy_identical_seeded_distinct_and_reproducible(client: ope
 
 
 def test_penalties_bias_and_bans_change_the_tokens(served: Served, client: openai.OpenAI) -> None:
-    tokenizer = served.llm.engine.tokenizer
+    tokenizer = served.llm.model.tokenizer
 
     def ids(**kwargs: object) -> list[int]:
         reply = client.completions.create(model=MODEL, prompt="def fibonacci(", max_tokens=16, temperature=0,
@@ -330,7 +337,7 @@ def test_prompt_logprobs_whole_and_streamed(served: Served, http: httpx.Client) 
         for token_id, entry in zip(body["prompt"][1:], entries[1:]):
             mine = entry[str(token_id)]
             assert mine["logprob"] <= 0 and mine["rank"] >= 1
-            assert mine["decoded_token"] == served.llm.engine.tokenizer.decode([token_id], skip_special_tokens=False)
+            assert mine["decoded_token"] == served.llm.model.tokenizer.decode([token_id], skip_special_tokens=False)
             assert min(e["rank"] for e in entry.values()) == 1 and len(entry) in (2, 3)
     lines = http.post("/v1/completions", json={**body, "stream": True}).text.split("\n\n")
     chunks = [json.loads(line[len("data: "):]) for line in lines if line.startswith("data: {")]

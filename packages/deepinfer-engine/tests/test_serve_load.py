@@ -17,8 +17,8 @@ import pytest
 import uvicorn
 from serve_helpers import start_uvicorn
 
-from deepinfer.engine import EngineArgs, LLMEngine
-from deepinfer.engine.async_llm import AsyncLLM
+from deepinfer.engine import EngineArgs
+from deepinfer.engine.async_process import AsyncLLMProcess
 from deepinfer.engine.serve import build_app
 
 NUM_STREAMS = 200
@@ -28,16 +28,16 @@ NUM_DROPPED = 50
 @dataclass
 class Served:
     base_url: str
-    engine: LLMEngine
+    llm: AsyncLLMProcess
     server: uvicorn.Server
     thread: threading.Thread
 
 
 @pytest.fixture(scope="module")
 def served() -> Iterator[Served]:
-    engine = LLMEngine(EngineArgs(seed=0, stop_preempted_request=False))
-    url, server, thread = start_uvicorn(build_app(AsyncLLM(engine), served_model_name="tiny"))
-    yield Served(url, engine, server, thread)
+    llm = AsyncLLMProcess(EngineArgs(seed=0, stop_preempted_request=False))      # serve's default front
+    url, server, thread = start_uvicorn(build_app(llm, served_model_name="tiny"))
+    yield Served(url, llm, server, thread)
     server.should_exit = True
     thread.join(timeout=30)
 
@@ -72,7 +72,7 @@ def _check_stream(body: str, max_tokens: int) -> tuple[str, dict[str, int]]:
 
 
 def test_200_concurrent_streams_complete_well_formed_none_lost(served: Served) -> None:
-    tokenizer = served.engine.tokenizer
+    tokenizer = served.llm.model.tokenizer
     prompts = [f"def f{i}(" + "x, " * (i % 11) for i in range(NUM_STREAMS)]
     max_tokens = [1 + i % 5 for i in range(NUM_STREAMS)]
 

@@ -14,8 +14,8 @@ import openai
 import pytest
 from serve_helpers import start_uvicorn
 
-from deepinfer.engine import EngineArgs, LLMEngine
-from deepinfer.engine.async_llm import AsyncLLM
+from deepinfer.engine import EngineArgs
+from deepinfer.engine.async_process import AsyncLLMProcess
 from deepinfer.engine.serve import ServeOptions, build_app
 
 pytest.importorskip("xgrammar")
@@ -34,7 +34,7 @@ ASK = [{"role": "user", "content": "What is 1 + 2?"}]
 @pytest.fixture(scope="module")
 def base_url() -> Iterator[str]:
     """The server on 127.0.0.1 (a free port), run in a thread (as test_serve_api.start_server)."""
-    app = build_app(AsyncLLM(LLMEngine(EngineArgs(seed=0, stop_preempted_request=False))), served_model_name=MODEL,
+    app = build_app(AsyncLLMProcess(EngineArgs(seed=0, stop_preempted_request=False)), served_model_name=MODEL,
                     chat_template="deepseek_v4", tool_call_parser="deepseek_v4", enable_auto_tool_choice=True,
                     reasoning_parser="deepseek_v4")
     url, server, thread = start_uvicorn(app)

@@ -101,6 +101,7 @@ class AsyncLLMProcess(StreamingFront):
         engine_out.close()
         self._from_engine, self._to_engine = from_engine, to_engine
         self.ready = self._wait_ready()
+        self._load = self.ready.load
         self.model = ServedModel(self.ready.model_dir, load_tokenizer(self.ready.model_dir), self.ready.max_model_len,
                                  args.model is None)
         self._reader = threading.Thread(target=self._read, name="deepinfer-engine-reader", daemon=True)
@@ -208,7 +209,8 @@ class AsyncLLMProcess(StreamingFront):
             self._proc.kill()
         self._proc.join()
         self._from_engine.close()
-        self._to_engine.close()
+        with self._send_lock:
+            self._to_engine.close()
 
     # ------------------------------------------------------------------ reader thread
 

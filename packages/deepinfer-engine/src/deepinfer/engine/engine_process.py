@@ -62,6 +62,15 @@ class StopEngine:
 
 
 @dataclass(frozen=True, slots=True)
+class EngineLoad:
+    """The scheduler and KV cache after the latest step."""
+
+    num_running: int
+    num_free_kv_blocks: int
+    num_kv_blocks: int            # usable blocks (block 0 excluded)
+
+
+@dataclass(frozen=True, slots=True)
 class EngineReady:
     """The engine is built; what the front and the command line show of it."""
 
@@ -70,6 +79,7 @@ class EngineReady:
     load_seconds: float
     weight_bytes: int
     pid: int
+    load: EngineLoad
 
 
 @dataclass(frozen=True, slots=True)
@@ -78,15 +88,6 @@ class Refused:
 
     request_id: str
     error: BaseException
-
-
-@dataclass(frozen=True, slots=True)
-class EngineLoad:
-    """The scheduler and KV cache after the latest step."""
-
-    num_running: int
-    num_free_kv_blocks: int
-    num_kv_blocks: int            # usable blocks (block 0 excluded)
 
 
 @dataclass(frozen=True, slots=True)
@@ -150,7 +151,7 @@ def engine_process_main(args: EngineArgs, inbox: Connection, outbox: Connection)
 
         engine = LLMEngine(args)
         send(outbox, EngineReady(Path(engine.model_dir), engine.max_model_len, engine.load_seconds,
-                                 engine.weight_bytes, os.getpid()))
+                                 engine.weight_bytes, os.getpid(), engine_load(engine)))
         EngineLoop(engine, inbox, outbox).run()
     except EOFError:                 # the front is gone: nobody to report to
         raise SystemExit(0) from None
@@ -179,6 +180,7 @@ class EngineLoop:
         self._stopping = False
         self._refusals: list[Refused] = []
         self._reported: set[str] = set()          # requests whose first output was sent (whole)
+        self._load = engine_load(engine)          # as last reported
 
     def run(self) -> None:
         """Serve until `StopEngine` and no work is left (returns). Raises EOFError when the front's
@@ -194,6 +196,8 @@ class EngineLoop:
             elif self._stopping:
                 return
             else:
+                if engine_load(engine) != self._load:
+                    self._report([])              # the state the metrics show while idle
                 self._take(receive(inbox))        # idle: sleep until the front says something
 
     def _take(self, message: object) -> None:
@@ -231,9 +235,13 @@ class EngineLoop:
             else:
                 reported.add(request_id)
                 whole.append(out)
-        engine = self._engine
-        kv = engine.kv_blocks
-        load = EngineLoad(engine.scheduler.num_running, kv.num_free, kv.num_blocks - 1)
+        self._load = engine_load(self._engine)
         refusals, self._refusals = tuple(self._refusals), []
         send(self._outbox, StepReport(tuple(request_ids), tuple(texts), tuple(token_ids), tuple(whole), refusals,
-                                      load))
+                                      self._load))
+
+
+def engine_load(engine: Any) -> EngineLoad:
+    """The engine's scheduler and KV cache now."""
+    kv = engine.kv_blocks
+    return EngineLoad(engine.scheduler.num_running, kv.num_free, kv.num_blocks - 1)
