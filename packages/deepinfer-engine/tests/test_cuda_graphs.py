@@ -53,3 +53,43 @@ def test_graph_replay_equals_eager_decode() -> None:
         # bf16; the graph gathers compressed entries up to its captured context bound, eager up to
         # the batch's, so reductions differ in length (not in content)
         assert (replay - eager).abs().max() <= 2e-2 * eager.abs().max()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_staged_decode_steps_hold_the_tables_from_scratch(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Through the engine (ZOS, requests arriving and ending at different steps): every staged decode
+    step's graph inputs hold its block tables as built from scratch, padded with zeros, though only
+    new rows and appended blocks were copied (`RowBlockTables`)."""
+    import numpy as np
+
+    from deepinfer.engine import EngineArgs, LLMEngine, SamplingParams
+
+    monkeypatch.setenv("DEEPINFER_DISABLE_SYNC_GUARD", "1")     # the check below reads the device
+    engine = LLMEngine(EngineArgs(device="cuda", dtype="bfloat16", max_num_seqs=8, block_size=16))
+    runner = engine.runner
+    assert runner.graphs is not None
+    staged = runner._staged_decode_step
+    checked = []
+
+    def checking(d, in_flight):
+        step = staged(d, in_flight)
+        want = np.zeros((d.num_seqs, runner.graphs.block_tables.shape[1]), dtype=np.int32)
+        want[:, : d.block_tables.shape[1]] = d.block_tables
+        size = runner.graphs.bucket(d.num_seqs)
+        tables = runner.graphs.block_tables[:size].cpu().numpy()      # waits for the step's copies
+        assert (tables[: d.num_seqs] == want).all() and not tables[d.num_seqs:].any()
+        assert runner.graphs.seq_rows[: d.num_seqs].cpu().tolist() == d.rows.tolist()
+        checked.append(d.num_seqs)
+        return step
+
+    runner._staged_decode_step = checking
+    prompts = ["def fibonacci(", "import os\n" * 5, "class Parser:" * 9, "x = ["]
+    for step in range(60):
+        if step % 7 == 0:
+            engine.add_request(None, prompts[step % 4], SamplingParams(temperature=0.0, ignore_eos=True,
+                                                                      max_tokens=10 + 9 * (step % 5)))
+        engine.step()
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert len(checked) > 30 and max(checked) > 2

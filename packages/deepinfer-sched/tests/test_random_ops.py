@@ -32,6 +32,21 @@ class EngineModel:
         self.max_model_len = max_model_len
         self.in_flight: deque[list[str]] = deque()   # decode steps whose tokens are not appended
         self.next_id = 0
+        self.tables: dict[int, tuple[int, list[int]]] = {}   # row -> (table version, blocks) last decoded
+
+    def check_table_versions(self, batch) -> None:
+        """A row's block table with the version of the last batch that had the row only gained
+        blocks at its end since (`DecodeBatch.table_versions`); versions are never reused."""
+        for row, version, table in zip(batch.rows.tolist(), batch.table_versions.tolist(),
+                                       batch.block_tables.tolist()):
+            blocks = [block for block in table if block]
+            assert version > 0 and blocks == table[: len(blocks)]
+            old_version, old_blocks = self.tables.get(row, (0, []))
+            if version == old_version:
+                assert blocks[: len(old_blocks)] == old_blocks, (row, old_blocks, blocks)
+            else:
+                assert version > old_version
+            self.tables[row] = (version, blocks)
 
     def live_ids(self) -> list[str]:
         return sorted(self.sched._st.seqs)   # test-only peek, to pick targets
@@ -77,6 +92,7 @@ class EngineModel:
                 self.sched.append_tokens(seq_id, [self.rng.randrange(1000)])
         elif out.kind is StepKind.DECODE:
             assert out.decode.num_seqs > 0
+            self.check_table_versions(out.decode)
             self.in_flight.append(list(out.decode.seq_ids))
 
     def apply(self, op: str, arg: int) -> None:

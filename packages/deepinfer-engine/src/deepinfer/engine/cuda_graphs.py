@@ -13,6 +13,8 @@ from torch import Tensor
 from deepinfer.kernels import KernelSet
 from deepinfer.model import DeepseekV4ForCausalLM, ForwardBatch, ModelCache
 
+from .block_tables import RowBlockTables
+
 STAGED_ROWS = 4     # rows of `DecodeGraphs.inputs`: token ids, positions, state slots, scheduler rows
 
 
@@ -109,26 +111,30 @@ class DecodeGraphs:
         self.graphs[size].replay()
         return self.outputs[size][:n].clone()
 
-    def stage(self, inputs: Tensor, block_tables: Tensor) -> int:
+    def stage(self, inputs: Tensor, tables: RowBlockTables) -> int:
         """Copy one step's inputs into the static buffers (asynchronously, from pinned host memory)
-        for `replay`; returns the graph size the step replays.
+        and gather its block tables on the device, for `replay`; returns the graph size the step replays.
 
         Args:
             inputs: [STAGED_ROWS, n] int64 on the host (pinned): token ids (-1 where the caller fills
                 the token on the device afterwards), positions, state slots, scheduler rows.
-            block_tables: [n, width] int32 on the host (pinned), width <= the captured width.
+            tables: the block tables by scheduler row, already brought up to date for these rows
+                (`RowBlockTables.update`), as wide as the captured tables.
         Raises:
-            ValueError: no graph holds n sequences, or the block tables are too wide.
+            ValueError: no graph holds n sequences, or the tables' width differs from the captured one.
         """
         n = inputs.shape[1]
         size = self.bucket(n)
         if size is None or inputs.shape[0] != STAGED_ROWS:
             raise ValueError(f"no graph for a batch of {n} sequences (inputs {list(inputs.shape)})")
-        if block_tables.shape[1] > self.block_tables.shape[1]:
-            raise ValueError(f"block tables of width {block_tables.shape[1]} exceed the captured "
+        if tables.max_blocks != self.block_tables.shape[1]:
+            raise ValueError(f"block tables of width {tables.max_blocks}; the graphs captured "
                              f"{self.block_tables.shape[1]}")
         self.inputs[:, :n].copy_(inputs, non_blocking=True)
-        self._pad_and_copy_tables(n, size, block_tables)
+        tables.gather(self.seq_rows[:n], self.block_tables[:n])     # after the copy: same stream
+        if size > n:
+            self.block_tables[n:size].zero_()
+            self.inputs[:, n:size].zero_()
         return size
 
     def replay(self, n: int) -> Tensor:

@@ -213,6 +213,8 @@ class LLMEngine(RequestIntake):
     def _new_scheduler(self) -> Scheduler:
         """A scheduler over empty block managers: every KV block and state slot free."""
         slots = BlockManager.for_state_slots(self.args.max_num_seqs, self.env.num_state_slots_ratio)
+        self.runner.forget_rows()         # the per-row buffers are keyed by the old scheduler's rows
+        self._steady = None
         # The paged KV pool of the current scheduler; read (num_free, usage) by AsyncLLM's stats.
         self.kv_blocks = BlockManager(self.runner.plan.num_kv_blocks)
         return Scheduler(self._sched_cfg, self.kv_blocks, slots, vote_group=self._vote_group,

@@ -23,6 +23,7 @@ from deepinfer.kernels import kernels_for
 from deepinfer.model import DeepseekV4ForCausalLM, ForwardBatch, ModelCache
 from deepinfer.sched import DecodeBatch, SchedulerOutput, StepKind
 
+from .block_tables import RowBlockTables
 from .cuda_graphs import STAGED_ROWS, DecodeGraphs
 from .staging import to_device
 
@@ -120,10 +121,17 @@ class ModelRunner:
                               state.state_size_to_disk)
         self.row_tokens = torch.zeros(0, dtype=torch.int64, device=self.device)   # [rows] last sampled token
         self.graphs = None
+        self.block_tables: RowBlockTables | None = None   # by scheduler row, for the graphs' decode steps
         # CUDA graphs need the graph-safe kernels, which run in bfloat16 (grouped-GEMM MoE).
         if graph_max_seqs and self.device.type == "cuda" and model.embed.weight.dtype == torch.bfloat16:
             self.graphs = DecodeGraphs(model, self.cache, max_seqs=graph_max_seqs, max_blocks=max_blocks_per_seq,
                                        max_context_len=max_model_len, interval=graph_interval, ops=self.ops)
+            self.block_tables = RowBlockTables(self.graphs.block_tables.shape[1], self.device)
+
+    def forget_rows(self) -> None:
+        """A new scheduler: its rows and table versions say nothing about what the per-row buffers hold."""
+        if self.block_tables is not None:
+            self.block_tables = RowBlockTables(self.block_tables.max_blocks, self.device)
 
     def apply_cache_ops(self, out: SchedulerOutput) -> None:
         """Copy-on-write clones and zeroing the scheduler asked for (before the forward)."""
@@ -188,7 +196,9 @@ class ModelRunner:
 
     def _staged_decode_step(self, d: DecodeBatch, in_flight: bool) -> StepBatch:
         """A decode step that replays a CUDA graph: its inputs go straight into the graph's static
-        buffers, in two host-to-device copies from pinned memory (no `ForwardBatch`)."""
+        buffers in one host-to-device copy from pinned memory, and its block tables are gathered on
+        the device from `block_tables`, which copies only new rows and appended blocks (no
+        `ForwardBatch`)."""
         n = d.num_seqs
         if d.seq_lens.min() < 1:
             raise ValueError(f"seq_lens must be >= 1, got {int(d.seq_lens.min())}")
@@ -198,10 +208,9 @@ class ModelRunner:
         np.subtract(d.seq_lens, 1, out=host[1])
         host[2] = d.state_slots
         host[3] = d.rows
-        tables = torch.empty(d.block_tables.shape, dtype=torch.int32, pin_memory=True)
-        tables.numpy()[...] = d.block_tables
+        self.block_tables.update(d.rows, d.table_versions, d.block_tables)    # new rows, appended blocks
         graphs = self.graphs
-        graphs.stage(inputs, tables)
+        graphs.stage(inputs, self.block_tables)
         rows = graphs.seq_rows[:n]
         if in_flight:
             tokens = graphs.token_ids[:n]

@@ -139,6 +139,7 @@ def schedule_decode(
         block_tables=block_tables,
         state_slots=state_slots,
         last_token_ids=last_token_ids,
+        table_versions=table.table_version[rows],
     )
 
 

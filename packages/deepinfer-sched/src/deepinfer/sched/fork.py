@@ -81,6 +81,7 @@ def copy_on_write(st: SchedState, branch: Sequence) -> bool:
         st.clone_blocks.append((old_block, new_block))
         st.kv.free(np.array([old_block], dtype=np.int32))
         table.block_table[row, last] = new_block
+        table.new_table_version(row)
     parent = branch.parent
     if parent is not None and parent.row >= 0:
         table.num_branches[parent.row] -= 1

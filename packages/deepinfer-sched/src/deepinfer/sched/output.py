@@ -82,6 +82,10 @@ class DecodeBatch:
         state_slots: [num_seqs] int32 state slot of each sequence (>= 1).
         last_token_ids: [num_seqs] int32 last known token of each sequence; -1 where a step of it
             is still in flight (ZOS), so the input token comes from that step's sampled tokens.
+        table_versions: [num_seqs] int64 version of each row's block table: equal in two decode
+            batches only if the row's table changed in between by appended blocks alone (no new
+            sequence in the row, copy-on-write or trim), so a per-row copy kept elsewhere can be
+            brought up to date by copying the appended entries (never reused; 0 = none).
     """
 
     seq_ids: tuple[str, ...]
@@ -91,6 +95,7 @@ class DecodeBatch:
     block_tables: np.ndarray
     state_slots: np.ndarray
     last_token_ids: np.ndarray
+    table_versions: np.ndarray
 
     @property
     def num_seqs(self) -> int:

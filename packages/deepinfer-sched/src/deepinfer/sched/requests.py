@@ -161,6 +161,7 @@ def _trim_blocks(st: SchedState, row: int) -> None:
         st.kv.free(table.block_table[row, keep:held].copy())
         table.block_table[row, keep:held] = 0
         table.num_blocks[row] = keep
+        table.new_table_version(row)
 
 
 def view(st: SchedState, seq: Sequence) -> SeqView:

@@ -34,6 +34,10 @@ class SeqTable:
         self.seqs: list[Sequence | None] = []
         self.ids = np.empty(0, dtype=object)   # row -> current seq id (for fast id gathers)
         self.ids_version = 0                   # bumped whenever a row's id changes
+        # row -> version of its block-table row: a new one whenever the row's blocks change other than
+        # by appending (a new sequence in the row, a copy-on-write, a trim); never reused
+        self.table_version = np.zeros(0, dtype=np.int64)
+        self._num_table_versions = 0
         self._free_rows: list[int] = []
         self._grow(max(capacity, 1))
 
@@ -57,12 +61,18 @@ class SeqTable:
         row = self._free_rows.pop()
         self.seqs[row] = seq
         self.rename(row, seq.seq_id)
+        self.new_table_version(row)
         seq.row = row
         return row
 
     def rename(self, row: int, seq_id: str | None) -> None:
         self.ids[row] = seq_id
         self.ids_version += 1
+
+    def new_table_version(self, row: int) -> None:
+        """Marks the row's block table as changed other than by appended blocks."""
+        self._num_table_versions += 1
+        self.table_version[row] = self._num_table_versions
 
     def release(self, seq: Sequence) -> None:
         """Zeroes `seq`'s row (block ids must already be freed) and returns it to the pool."""
@@ -99,6 +109,9 @@ class SeqTable:
             array = np.zeros(capacity, dtype=np.int32)
             array[:old] = getattr(self, name)
             setattr(self, name, array)
+        versions = np.zeros(capacity, dtype=np.int64)
+        versions[:old] = self.table_version
+        self.table_version = versions
         ids = np.empty(capacity, dtype=object)
         ids[:old] = self.ids
         self.ids = ids
