@@ -168,6 +168,24 @@ def test_incremental_equals_full_decode_for_encoded_text(text: str) -> None:
     assert "".join(stream(tokenizer, ids, [1])) == text
 
 
+@FAST
+@given(ids=st.lists(st.integers(2, 599), min_size=1, max_size=40), chunk=st.integers(1, 5))
+def test_detokenizer_reading_its_owners_list_equals_one_fed_by_add(ids: list[int], chunk: int) -> None:
+    # A request's detokenizer reads the request's own output list (the token history kept once):
+    # the owner appends, then update(); the deltas are those of a detokenizer fed the same chunks.
+    tokenizer = make_tokenizer()
+    owned: list[int] = []
+    reading = IncrementalDetokenizer(tokenizer, token_ids=owned)
+    deltas = []
+    for start in range(0, len(ids), chunk):
+        owned.extend(ids[start:start + chunk])
+        deltas.append(reading.update())
+    deltas.append(reading.finish())
+    assert deltas == stream(tokenizer, ids, [chunk]) and reading.token_ids == ids
+    with pytest.raises(ValueError, match="owner's token list"):
+        reading.add([5])
+
+
 def test_detokenizer_rejects_add_after_finish() -> None:
     detok = IncrementalDetokenizer(make_tokenizer())
     detok.finish()

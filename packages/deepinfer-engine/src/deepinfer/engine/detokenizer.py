@@ -28,12 +28,19 @@ class IncrementalDetokenizer:
     later completes. Each call decodes a window of the last few tokens (fewer than
     REANCHOR_TOKENS since a clean character boundary, plus the chunk being added): one decode per
     call, and a second one each time the window moves up.
+
+    Args:
+        token_ids: the list of token ids to read, which its owner appends to and then calls `update`
+            (a request's output tokens: the history is kept once); None = a list of its own, fed by
+            `add`.
     """
 
-    def __init__(self, tokenizer: Tokenizer, *, skip_special_tokens: bool = True) -> None:
+    def __init__(self, tokenizer: Tokenizer, *, skip_special_tokens: bool = True,
+                 token_ids: list[int] | None = None) -> None:
         self._tokenizer = tokenizer
         self._skip_special_tokens = skip_special_tokens
-        self._ids: list[int] = []
+        self._owns_ids = token_ids is None
+        self._ids: list[int] = [] if token_ids is None else token_ids
         self._prefix = 0          # window start: a clean character boundary
         self._read = 0            # tokens whose text is fully emitted
         self._base = ""           # decode(ids[prefix:read])
@@ -47,9 +54,17 @@ class IncrementalDetokenizer:
 
     def add(self, token_ids: Sequence[int]) -> str:
         """Append token ids (any number); return the text that became final (maybe '')."""
+        if not self._owns_ids:
+            raise ValueError("this IncrementalDetokenizer reads its owner's token list: append there, then update()")
         if self._finished:
             raise ValueError("IncrementalDetokenizer.add called after finish()")
         self._ids.extend(token_ids)
+        return self.update()
+
+    def update(self) -> str:
+        """Return the text that became final with the token ids appended since the last call (maybe '')."""
+        if self._finished:
+            raise ValueError("IncrementalDetokenizer.update called after finish()")
         window = self._window_text()
         new = window[len(self._base):]
         stable = new.rstrip(REPLACEMENT_CHAR)

@@ -73,8 +73,9 @@ class Request:
         self.controlled = self.needs_history or bool(bad_word_ids) or bool(params.logit_bias) or \
             params.allowed_token_ids is not None
         self.history_slot: int | None = None
-        self.detok = IncrementalDetokenizer(tokenizer, skip_special_tokens=params.skip_special_tokens) \
-            if tokenizer is not None else None
+        self.output_token_ids: list[int] = []       # read in place by the detokenizer (kept once)
+        self.detok = IncrementalDetokenizer(tokenizer, skip_special_tokens=params.skip_special_tokens,
+                                            token_ids=self.output_token_ids) if tokenizer is not None else None
         self.stops = StopStringChecker(params.stop, include_stop_str_in_output=params.include_stop_str_in_output)
         self.eos_token_ids = () if params.ignore_eos else eos_token_ids
         # The ids that end the request once min_tokens outputs exist: EOS first (its stop_reason is None)
@@ -87,10 +88,8 @@ class Request:
         # Text is needed every step for stop strings and for per-step outputs; otherwise the tokens
         # are detokenized in one call when the request finishes.
         self._text_each_step = bool(params.stop) or output_kind is not OutputKind.FINAL_ONLY
-        self._num_decoded = 0            # output tokens given to the detokenizer (FINAL_ONLY, no stop strings)
         self.min_tokens = params.min_tokens
         self._num_reported = (0, 0)      # (tokens, characters) already in DELTA outputs
-        self.output_token_ids: list[int] = []
         # The released text, = self.stops.text, kept from the deltas (no join per step); without stop
         # strings the checker would release every delta as is, so it is skipped.
         self._text = ""
@@ -146,7 +145,7 @@ class Request:
         num_out = len(self.output_token_ids)
         may_stop = num_out >= self.min_tokens
         if self._text_each_step and self.detok is not None:
-            delta = self.detok.add([token_id])
+            delta = self.detok.update()
             if not self.params.stop:
                 self._text += delta
             else:
@@ -189,8 +188,7 @@ class Request:
             sample.ignored_reason, sample.error_reason = self.ignored_reason, self.error_reason
             sample._finish(reason, None)
         if self.detok is not None and not self._text_each_step:   # decoded once, now (no stop strings)
-            self._text += self.detok.add(self.output_token_ids[self._num_decoded:])
-            self._num_decoded = len(self.output_token_ids)
+            self._text += self.detok.update()
         if self.detok is not None and self.stops.stop_str is None:
             tail = self.detok.finish()
             if not self.params.stop:
