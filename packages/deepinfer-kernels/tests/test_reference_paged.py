@@ -87,3 +87,25 @@ def test_compress_decode_token_by_token_pools_each_closed_window() -> None:
             torch.testing.assert_close(paged[table[0, e * RATIO // BLOCK], e % ROWS], want[0])
         written = ~torch.isnan(paged).all(-1)
         assert int(written[1:].sum()) == tokens // RATIO       # one row per closed window, none elsewhere
+
+
+def test_prefill_attention_reads_the_window_run_and_entries_through_the_table(monkeypatch) -> None:
+    """Query i at position start + i: window rows i + 1 … i + window of the run (positions ≥ 0 only),
+    then its picks looked up through the sequence's table (−1 and entries past the table skipped);
+    several of the twin's row blocks."""
+    gen, window, heads, start, num_queries = _gen(3), 5, 3, 2, 9
+    table = [3, 1, 4]
+    q = torch.randn(num_queries, heads, DIM, generator=gen)
+    run = torch.randn(window + num_queries, DIM, generator=gen)
+    paged = torch.randn(6, ROWS, DIM, generator=gen)
+    ids = torch.randint(-1, 14, (num_queries, 4), generator=gen)                 # 12, 13: past the table
+    sink = torch.randn(heads, generator=gen)
+    monkeypatch.setattr(ref.paged, "PREFILL_ROWS_BLOCK", 4)
+    got = ref.prefill_attention(q, run, start, window, sink, 0.3, paged, torch.tensor(table), ids, RATIO)
+    for i in range(num_queries):
+        pos = start + i
+        rows = [run[p - start + window] for p in range(pos - window + 1, pos + 1) if p >= 0]
+        rows += [r for e in ids[i].tolist() if e >= 0 and (r := _entry_row(paged, table, e)) is not None]
+        kv = torch.stack(rows)[None]
+        want = ref.sparse_attention(q[i:i + 1], kv, torch.ones(1, len(rows), dtype=torch.bool), sink, 0.3)
+        torch.testing.assert_close(got[i:i + 1], want)
