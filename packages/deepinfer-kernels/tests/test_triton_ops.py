@@ -475,6 +475,28 @@ INDEXER_CASES = [(5, 4, 32, 37), (20, 3, 64, 9), (1, 2, 16, 70)] + (
     [(4096, 64, 128, 1024), (300, 64, 128, 2047)] if BIG else [])
 
 
+@pytest.mark.skipif(not INTERPRET, reason="the interpreter's bounds check")
+def test_indexer_scores_with_two_byte_tiles_stays_in_bounds(kernel_bounds) -> None:
+    """The GPU's bfloat16 tiles (64 queries x 128 keys, more than this case has), on float32 under the
+    interpreter: every access inside its tensor, the scores right."""
+    import triton
+
+    from deepinfer.kernels.triton_ops import indexer
+
+    gen = torch.Generator().manual_seed(11)
+    num_queries, heads, dim, num_keys = 70, 3, 32, 130
+    q = randn(gen, num_queries, heads, dim)
+    keys = randn(gen, num_keys, dim)
+    weights = randn(gen, num_queries, heads)
+    out = torch.empty(num_queries, num_keys)
+    tiles = indexer.index_tiles(2, dim)
+    indexer._index_scores_kernel[(triton.cdiv(num_keys, tiles["BLOCK_N"]), triton.cdiv(num_queries, tiles["BLOCK_M"]))](
+        q, keys, weights, out, q.stride(0), q.stride(1), keys.stride(0), weights.stride(0), out.stride(0),
+        num_queries, heads, dim, num_keys, dim**-0.5, PRECISION="ieee", **tiles)
+    kernel_bounds.assert_clean("_index_scores_kernel")
+    close(out, reference.indexer_scores(q, keys, weights, dim**-0.5), torch.float32)
+
+
 @pytest.mark.parametrize(("num_queries", "heads", "dim", "num_keys"), INDEXER_CASES)
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_fused_indexer_scores_match_reference(num_queries, heads, dim, num_keys, dtype, request) -> None:
