@@ -132,20 +132,18 @@ def stage_times(name: str, w: tuple, x, ids, routing) -> dict:
     from deepinfer.kernels.triton_ops import moe_grouped as mg
 
     w13, w2, fmt, block = weights_of(name, w)
-    tiles = mg.expert_tiles(fmt, ids.numel() / EXPERTS, HIDDEN, INTER, 128)
+    tiles = mg.expert_tiles(fmt, HIDDEN, INTER, 128)
     up_plan, down_plan = mg.plans(ids, EXPERTS, tiles)
     xq, xs = mg.quant_groups(x, block) if name == "fp8" else (x, x)
-    act, acts = mg.run_up(xq, xs, up_plan, w13, TOP_K, LIMIT, INTER, tiles.up, tiles.up_tail)
+    act, acts = mg.run_up(xq, xs, up_plan, w13, TOP_K, LIMIT, INTER, tiles.up)
     flat = routing.reshape(-1).float().contiguous()
-    y = mg.run_down(act, acts, down_plan, flat, w2, HIDDEN, x.dtype, tiles.down, tiles.down_tail)
+    y = mg.run_down(act, acts, down_plan, flat, w2, HIDDEN, x.dtype, tiles.down)
     out = {"plan_ms": bench(lambda: mg.plans(ids, EXPERTS, tiles), rep=30),
-           "up_ms": bench(lambda: mg.run_up(xq, xs, up_plan, w13, TOP_K, LIMIT, INTER, tiles.up, tiles.up_tail)),
-           "down_ms": bench(lambda: mg.run_down(act, acts, down_plan, flat, w2, HIDDEN, x.dtype, tiles.down,
-                                                tiles.down_tail)),
+           "up_ms": bench(lambda: mg.run_up(xq, xs, up_plan, w13, TOP_K, LIMIT, INTER, tiles.up)),
+           "down_ms": bench(lambda: mg.run_down(act, acts, down_plan, flat, w2, HIDDEN, x.dtype, tiles.down)),
            "sum_ms": bench(lambda: mg.sum_slots(y, x.shape[0], TOP_K, x.dtype), rep=30),
-           "tiles": {k: getattr(tiles, k) and vars_of(getattr(tiles, k)) for k in ("up", "down", "up_tail",
-                                                                                     "down_tail")},
-           "useful_rows": {"up": useful(up_plan), "down": useful(down_plan)}}
+           "tiles": {"up": vars_of(tiles.up), "down": vars_of(tiles.down)},
+           "useful_rows": {"up": useful(up_plan, tiles.up), "down": useful(down_plan, tiles.down)}}
     if name == "fp8":
         out["quant_ms"] = bench(lambda: mg.quant_groups(x, block), rep=30)
     pairs = ids.numel()
@@ -155,13 +153,14 @@ def stage_times(name: str, w: tuple, x, ids, routing) -> dict:
 
 
 def vars_of(t) -> dict:
-    return {k: getattr(t, k) for k in ("block_m", "block_n", "block_k", "num_warps", "num_stages")}
+    return {k: getattr(t, k) for k in ("block_m", "block_n", "block_k", "num_warps", "num_stages", "half")}
 
 
-def useful(plan) -> float:
-    """Rows with a pair over rows the tiles compute."""
-    computed = sum(((t[2] - t[1]) > 0).sum().item() * m for t, m in ((plan.tiles, plan.block_m),
-                                                                     (plan.tail, plan.tail_m)) if t is not None)
+def useful(plan, t) -> float:
+    """Rows with a pair over rows the tiles' products compute (a half-height product: block_m / 2)."""
+    rows = (plan.tiles[2] - plan.tiles[1]).long()
+    half = t.half & (rows <= t.block_m // 2)
+    computed = torch.where(rows > 0, torch.where(half, t.block_m // 2, t.block_m), 0).sum().item()
     return plan.order.numel() / max(computed, 1)
 
 
@@ -199,23 +198,20 @@ def torch_gemms_ms(num_tokens: int, w13: torch.Tensor, w2: torch.Tensor) -> floa
     return bench(lambda: (F.grouped_mm(rows, w13t, offs=offs), F.grouped_mm(act, w2t, offs=offs)))
 
 
-# (main tiles, tail tiles or None) per GEMM and format: block_m, block_n (up: gate columns), block_k, warps, stages
+# Tiles per GEMM and format: block_m, block_n (up: gate columns), block_k, warps, stages, half-height last tiles
 SWEEP = {
-    ("bf16", "up"): [((128, 128, 64, 8, 3), (64, 128, 64, 4, 4)), ((128, 128, 64, 8, 4), (64, 128, 64, 4, 4)),
-                     ((128, 128, 64, 8, 3), None), ((128, 64, 64, 4, 4), (64, 64, 64, 4, 4)),
-                     ((64, 128, 64, 4, 4), None), ((64, 256, 64, 8, 3), None),
-                     ((128, 128, 32, 8, 4), (64, 128, 32, 4, 4))],
-    ("bf16", "down"): [((128, 256, 64, 8, 3), (64, 256, 64, 4, 3)), ((128, 256, 64, 8, 4), (64, 256, 64, 4, 3)),
-                       ((128, 256, 64, 8, 3), None), ((128, 128, 64, 8, 4), (64, 128, 64, 4, 4)),
-                       ((64, 256, 64, 4, 3), None), ((128, 128, 64, 4, 4), (64, 128, 64, 4, 4))],
-    ("fp8", "up"): [((64, 128, 128, 8, 4), None), ((64, 128, 128, 8, 3), None), ((64, 128, 128, 4, 4), None),
-                    ((128, 128, 128, 8, 3), (64, 128, 128, 8, 4))],
-    ("fp8", "down"): [((128, 128, 128, 8, 4), (64, 128, 128, 4, 4)), ((128, 128, 128, 8, 3), (64, 128, 128, 4, 4)),
-                      ((128, 256, 128, 8, 3), (64, 256, 128, 8, 3)), ((64, 256, 128, 8, 3), None),
-                      ((128, 128, 128, 8, 4), None), ((64, 128, 128, 4, 4), None)],
-    ("mxfp4", "up"): [((128, 64, 64, 8, 3), (64, 64, 64, 4, 3)), ((128, 128, 64, 8, 3), (64, 128, 64, 4, 4)),
-                      ((64, 128, 64, 4, 3), None)],
-    ("mxfp4", "down"): [((128, 128, 64, 8, 3), (64, 128, 64, 4, 3)), ((128, 256, 64, 8, 3), (64, 256, 64, 4, 3))],
+    ("bf16", "up"): [(128, 128, 64, 8, 3, True), (128, 128, 64, 8, 4, True), (128, 128, 64, 8, 3, False),
+                     (128, 64, 64, 4, 4, True), (64, 128, 64, 4, 4, False), (64, 256, 64, 8, 3, False),
+                     (128, 128, 32, 8, 4, True)],
+    ("bf16", "down"): [(128, 256, 64, 8, 3, True), (128, 256, 64, 8, 4, True), (128, 256, 64, 8, 3, False),
+                       (128, 128, 64, 8, 4, True), (64, 256, 64, 4, 3, False), (64, 512, 64, 8, 3, False),
+                       (128, 128, 64, 4, 4, True)],
+    ("fp8", "up"): [(64, 128, 128, 8, 4, False), (64, 128, 128, 8, 3, False), (64, 128, 128, 4, 4, False),
+                    (128, 128, 128, 8, 3, True)],
+    ("fp8", "down"): [(128, 128, 128, 8, 4, True), (128, 128, 128, 8, 3, True), (128, 128, 128, 8, 4, False),
+                      (64, 256, 128, 8, 3, False), (64, 128, 128, 4, 4, False), (128, 256, 128, 8, 3, True)],
+    ("mxfp4", "up"): [(128, 64, 64, 8, 3, True), (128, 128, 64, 8, 3, True), (64, 128, 64, 4, 3, False)],
+    ("mxfp4", "down"): [(128, 128, 64, 8, 3, True), (128, 256, 64, 8, 3, True)],
 }
 
 
@@ -229,31 +225,31 @@ def sweep_case(num_tokens: int, name: str, w: tuple, deadline: float) -> list[di
     pairs = ids.numel()
     base = mg.plan_tiles(ids, EXPERTS, 64)
     act, acts = mg.run_up(xq, xs, base, w13, TOP_K, LIMIT, INTER, mg.GemmTiles(64, 128, 128 if name == "fp8" else 64,
-                                                                                   4, 3))
+                                                                                   4, 3))      # the down GEMM's input
     rows = []
     for gemm in ("up", "down"):
-        for main, tail in SWEEP[(name, gemm)]:
+        for shape in SWEEP[(name, gemm)]:
             if time.time() > deadline:
                 log("  sweep: out of time budget, stopping")
                 return rows
-            t, tt = mg.GemmTiles(*main), tail and mg.GemmTiles(*tail)
-            plan = mg.plan_tiles(ids, EXPERTS, t.block_m, tt.block_m if tt else 0)
+            t = mg.GemmTiles(*shape)
+            plan = mg.plan_tiles(ids, EXPERTS, t.block_m)
             if gemm == "up":
-                def fn(plan=plan, t=t, tt=tt):
-                    return mg.run_up(xq, xs, plan, w13, TOP_K, LIMIT, INTER, t, tt)
+                def fn(plan=plan, t=t):
+                    return mg.run_up(xq, xs, plan, w13, TOP_K, LIMIT, INTER, t)
                 flops = 2 * pairs * HIDDEN * 2 * INTER
             else:
-                def fn(plan=plan, t=t, tt=tt):
-                    return mg.run_down(act, acts, plan, flat, w2, HIDDEN, x.dtype, t, tt)
+                def fn(plan=plan, t=t):
+                    return mg.run_down(act, acts, plan, flat, w2, HIDDEN, x.dtype, t)
                 flops = 2 * pairs * INTER * HIDDEN
-            row = {"tokens": num_tokens, "format": name, "gemm": gemm, "tiles": main, "tail": tail}
+            row = {"tokens": num_tokens, "format": name, "gemm": gemm, "tiles": shape}
             try:
                 fn()
                 ms = bench(fn, rep=50)
                 row.update(ms=ms, tflops=flops / ms / 1e9, peak_frac=flops / ms / 1e-3 / PEAK[name])
             except Exception as exc:                       # out of shared memory, compile failure
                 row["error"] = f"{type(exc).__name__}: {str(exc)[:200]}"
-            log(f"  sweep {name:5s} {gemm:4s} {main} tail {tail}: " + (
+            log(f"  sweep {name:5s} {gemm:4s} {shape}: " + (
                 f"{row['ms']:.3f} ms {row['tflops']:.0f} TFLOP/s ({row['peak_frac']:.2f})" if "ms" in row
                 else row["error"]))
             rows.append(row)
@@ -333,7 +329,7 @@ def main() -> int:
             ok = [r for r in result["sweep"] if (r["tokens"], r["format"], r["gemm"]) == key and "ms" in r]
             if ok:
                 b = min(ok, key=lambda r: r["ms"])
-                log(f"  {key}: {b['tiles']} tail {b['tail']}  {b['ms']:.3f} ms  {b['peak_frac']:.2f} of peak")
+                log(f"  {key}: {b['tiles']}  {b['ms']:.3f} ms  {b['peak_frac']:.2f} of peak")
     log(f"wrote {args.out} ({result['wall_s']:.0f} s)" + (f"; {len(result['errors'])} errors" if result["errors"]
                                                            else ""))
     return 1 if result["errors"] else 0

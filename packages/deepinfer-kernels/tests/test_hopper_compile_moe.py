@@ -41,17 +41,17 @@ def signature(kernel: str, weight: str, scale: str, fp8: bool) -> dict[str, str]
 
 def cases():
     from deepinfer.kernels.triton_ops import moe
-    from deepinfer.kernels.triton_ops.moe_grouped import expert_tiles
+    from deepinfer.kernels.triton_ops.moe_grouped import GemmTiles, expert_tiles
 
     formats = (("bf16", moe.PLAIN, "*bf16", "*bf16"), ("fp8", moe.FP8_BLOCK, "*fp8e4nv", "*fp32"),
                ("mxfp4", moe.MXFP4, "*u8", "*u8"))
     for name, fmt, weight, scale in formats:
-        for rows_per_expert in (1.0, 200.0):
-            tiles = expert_tiles(fmt, rows_per_expert, 4096, 2048, 128)
-            for kernel, t in (("up", tiles.up), ("down", tiles.down)):
-                yield pytest.param(kernel, fmt, signature(kernel, weight, scale, fmt == moe.FP8_BLOCK), t,
-                                   "QGMMA" if fmt == moe.FP8_BLOCK else "HGMMA",
-                                   id=f"{name}-{kernel}-{t.block_m}x{t.block_n}x{t.block_k}-w{t.num_warps}")
+        tiles = expert_tiles(fmt, 4096, 2048, 128)
+        plain = GemmTiles(64, 128, 128 if fmt == moe.FP8_BLOCK else 64, 4, 3)       # one warpgroup, no halves
+        for kernel, t in (("up", tiles.up), ("down", tiles.down), ("down", plain)):
+            yield pytest.param(kernel, fmt, signature(kernel, weight, scale, fmt == moe.FP8_BLOCK), t,
+                               "QGMMA" if fmt == moe.FP8_BLOCK else "HGMMA",
+                               id=f"{name}-{kernel}-{t.block_m}x{t.block_n}x{t.block_k}-w{t.num_warps}-h{int(t.half)}")
 
 
 @pytest.mark.parametrize(("kernel", "fmt", "sig", "tiles", "mma"), list(cases()))
@@ -59,11 +59,12 @@ def test_grouped_expert_kernels_compile_to_warpgroup_mma(kernel, fmt, sig, tiles
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    from deepinfer.kernels.triton_ops import moe, moe_grouped
+    from deepinfer.kernels.triton_ops import moe, moe_grouped_kernels
 
-    fn = moe_grouped._up_kernel if kernel == "up" else moe_grouped._down_kernel
+    fn = moe_grouped_kernels._up_kernel if kernel == "up" else moe_grouped_kernels._down_kernel
     constants = dict(FORMAT=fmt, BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k,
-                     GROUP=128 if fmt == moe.FP8_BLOCK else 1, PRECISION="tf32", F8_DOT=fmt == moe.FP8_BLOCK)
+                     GROUP=128 if fmt == moe.FP8_BLOCK else 1, PRECISION="tf32", F8_DOT=fmt == moe.FP8_BLOCK,
+                     HALF=tiles.half)
     attrs = {(fn.arg_names.index(n),): [["tt.divisibility", 16]] for n, t in sig.items()
              if t.startswith("*") or n in ALIGNED}
     source = ASTSource(fn=fn, signature={**sig, **dict.fromkeys(constants, "constexpr")}, constexprs=constants,

@@ -77,19 +77,7 @@ def test_plan_tiles_cover_each_experts_rows_once() -> None:
     assert plan.tiles.tolist() == [[0, 1, 2, 3, 3, 3, -1, -1, -1, -1],            # ceil(10 / 2) + min(5, 10)
                                    [0, 2, 4, 5, 7, 9, 0, 0, 0, 0],
                                    [2, 4, 5, 7, 9, 10, 0, 0, 0, 0]]
-    assert plan.tail is None
-
-
-def test_plan_tiles_put_short_remainders_in_tail_tiles() -> None:
-    from deepinfer.kernels.triton_ops.moe_grouped import plan_tiles
-
-    ids = torch.tensor([0] * 9 + [1] * 4 + [2] * 7 + [4] * 2, device=DEVICE)[:, None]
-    plan = plan_tiles(ids, num_experts=5, block_m=4, tail_m=2)
-    # expert 0: 9 rows = 4 + 4 + a tail of 1; 1: one full tile; 2: 7 = 4 + 3 (3 > 2: a second full tile);
-    # 4: a tail of 2. Full tiles, then the tails (one slot per expert, at most the number of pairs).
-    assert plan.tiles.tolist()[0][:5] == [0, 0, 1, 2, 2] and plan.tiles.tolist()[1][:5] == [0, 4, 9, 13, 17]
-    assert plan.tiles.tolist()[2][:5] == [4, 8, 13, 17, 20] and (plan.tiles[0, 5:] == -1).all()
-    assert plan.tail.tolist() == [[0, 4, -1, -1, -1], [8, 20, 0, 0, 0], [9, 22, 0, 0, 0]]
+    assert plan.max_tiles == 10
 
 
 def test_quant_groups_matches_its_twin() -> None:
@@ -132,22 +120,22 @@ def run_format(fmt: str, x, ids, weights, w13, w2, *, block: int, tiles=None):
 
 @pytest.mark.parametrize("fmt", FORMATS)
 @pytest.mark.parametrize(("num_tokens", "num_experts", "top_k", "hidden", "inter", "skew"), SMALL)
-@pytest.mark.parametrize("shape", ["small", "large", "16-row tails"])
+@pytest.mark.parametrize("shape", ["shipped", "32 / 16 rows", "16 rows"])
 def test_grouped_experts_match_their_twins(fmt, num_tokens, num_experts, top_k, hidden, inter, skew, shape,
                                            _checked) -> None:
-    """The shipped tiles of small and large batches (here: all rows in the 64-row tail tiles), and
-    16-row tiles with 16-row tails, so that both launches have rows."""
+    """The shipped tiles (here every tile takes the half-height path), 32-row tiles with 16-row
+    halves (both paths take rows), 16-row tiles without halves."""
     from dataclasses import replace
 
     from deepinfer.kernels.triton_ops import moe
-    from deepinfer.kernels.triton_ops.moe_grouped import expert_tiles, grouped_supported
+    from deepinfer.kernels.triton_ops.moe_grouped import ExpertTiles, expert_tiles, grouped_supported
 
     block = 32
     code = {"bf16": moe.PLAIN, "fp8": moe.FP8_BLOCK, "mxfp4": moe.MXFP4}[fmt]
-    tiles = expert_tiles(code, 1.0 if shape == "small" else 200.0, hidden, inter, block)
-    if shape == "16-row tails":
-        tiles = type(tiles)(*(replace(t or main, block_m=16) for t, main in (
-            (tiles.up, None), (tiles.down, None), (tiles.up_tail, tiles.up), (tiles.down_tail, tiles.down))))
+    tiles = expert_tiles(code, hidden, inter, block)
+    if shape != "shipped":
+        rows, half = (32, True) if shape == "32 / 16 rows" else (16, False)
+        tiles = ExpertTiles(replace(tiles.up, block_m=rows, half=half), replace(tiles.down, block_m=rows, half=half))
     assert grouped_supported(code, hidden, inter, block, tiles)
     x, ids, weights, w13, w2 = case(num_tokens + hidden, num_tokens, num_experts, top_k, hidden, inter, skew=skew)
     poison_allocator()
@@ -193,8 +181,8 @@ def test_large_batches_take_the_grouped_kernels(fmt, monkeypatch) -> None:
 @pytest.mark.parametrize("fmt", FORMATS)
 @pytest.mark.parametrize("num_tokens", [512, 4096])
 def test_grouped_experts_at_v4_flash_shapes(fmt, num_tokens) -> None:
-    """256 experts × 2048, hidden 4096, top-6 through the registered op (4096 tokens: the 128-row
-    tiles; 512: the 64-row ones), against the twin."""
+    """256 experts × 2048, hidden 4096, top-6 through the registered op (4096 tokens: ~96 rows an
+    expert, full and half-height tiles; 512: ~12, half-height ones), against the twin."""
     from deepinfer.kernels.triton_ops import moe
 
     x, ids, weights, w13, w2 = case(num_tokens, num_tokens, 256, 6, 4096, 2048)
