@@ -347,3 +347,17 @@ def test_prompt_logprobs_whole_and_streamed(served: Served, http: httpx.Client) 
     assert sorted(firsts) == [0, 1]
     assert all(first["prompt_logprobs"] == whole["choices"][0]["prompt_logprobs"] for first in firsts.values())
     assert sum("prompt_logprobs" in c["choices"][0] for c in chunks) == 2
+
+
+def test_the_common_chunk_is_written_as_the_general_path_writes_it() -> None:
+    from deepinfer.engine.outputs import running_output
+    from deepinfer.engine.serve.protocol import parse_chat, parse_completion
+    from deepinfer.engine.serve.responses import ResponseWriter, sse
+
+    for chat, req in ((False, parse_completion({"prompt": [1], "stream": True})),
+                      (True, parse_chat({"messages": [{"role": "user", "content": "x"}], "stream": True}))):
+        writer = ResponseWriter("cmpl-1", MODEL, chat, req, None)
+        for text in (" foo", 'a"b\\c\n\u00e9\u4e2d \U0001F600', "</s>"):
+            choice: dict[str, object] = {"index": 0, "delta": {"content": text}} if chat else {"index": 0, "text": text}
+            choice.update(logprobs=None, finish_reason=None)
+            assert list(writer.delta(running_output("r", None, [1], text, [5], None))) == [sse(writer._chunk(choice))]

@@ -28,11 +28,12 @@ from .chat_output import ChoiceStream, OutputParsers
 from .protocol import GenerateRequest
 
 DONE = "data: [DONE]\n\n"
+_json = json.JSONEncoder(ensure_ascii=False, separators=(",", ":")).encode
 
 
 def sse(payload: dict[str, Any]) -> str:
     """One server-sent event carrying `payload` as compact JSON."""
-    return f"data: {json.dumps(payload, ensure_ascii=False, separators=(',', ':'))}\n\n"
+    return f"data: {_json(payload)}\n\n"
 
 
 def finish_reason(completion: CompletionOutput, *, tool_calls: bool = False) -> str | None:
@@ -61,6 +62,11 @@ class ResponseWriter:
         self._parsers = parsers
         self._streams: dict[int, ChoiceStream] = {}   # per choice index, with parsers
         self._created = int(time.time())
+        # The common chunk (text of one choice, nothing else) is written as `sse(self._chunk(choice))`
+        # would write it, from a prefix made once: the per-token JSON is the text alone.
+        self._plain_prefix = sse(self._chunk({}))[:-len("{}]}\n\n")] + (
+            '{"index":0,"delta":{"content":' if chat else '{"index":0,"text":')
+        self._plain_suffix = ('}' if chat else '') + ',"logprobs":null,"finish_reason":null}]}\n\n'
         self._text_offsets: dict[int, int] = {}      # per choice index: completions logprobs' text_offset
         self._finished: set[int] = set()             # choice indices whose finish chunk is sent
         self._prompt_logprobs_sent: set[int] = set()  # choice indices whose chunk carried prompt_logprobs
@@ -79,7 +85,13 @@ class ResponseWriter:
 
     def delta(self, out: RequestOutput) -> Iterator[str]:
         """The chunks of one delta output, one per sample with new text or tokens or a new finish."""
-        for completion in out.outputs:
+        outputs = out.outputs
+        if len(outputs) == 1 and self._parsers is None and not out.prompt_logprobs:
+            completion = outputs[0]
+            if completion.text and completion.finish_reason is None and completion.logprobs is None:
+                yield f"{self._plain_prefix}{_json(completion.text)}{self._plain_suffix}"
+                return
+        for completion in outputs:
             index = completion.index
             finished = completion.finished and index not in self._finished
             if not completion.text and not completion.token_ids and not finished:
