@@ -21,7 +21,10 @@ Server overhead = 1 - server output tok/s / offline output tok/s of a pair (medi
 the CPU overhead = the server's CPU time per output token (all threads of the server process and of
 the processes below it: the engine process, by default; `api_cpu_ms_per_token` and
 `engine_cpu_ms_per_token` split it) / the offline run's CPU time per output token - 1, which other
-load on a shared machine disturbs far less than wall-clock throughput. The
+load on a shared machine disturbs far less than wall-clock throughput; the engine CPU overhead
+compares the engine process alone with the offline run (where the engine's host time bounds a
+step, as on a GPU, this is what the server adds to it; with --engine-in-thread the server process
+is the engine's and the two overheads are one). The
 client runs in this process, on the same machine as the server: on a small CPU it competes with the
 server for cores (--threads sets the torch threads of both engines, OMP_NUM_THREADS of the child).
 """
@@ -171,8 +174,9 @@ is known."""
     if cpu_before is not None:
         api_s, engine_s = (after - before for after, before in zip(server_cpu_s(server_pid, engine_pids), cpu_before))
         result["cpu_ms_per_token"] = round(1000 * (api_s + engine_s) / num_tokens, 4)
-        result["api_cpu_ms_per_token"] = round(1000 * api_s / num_tokens, 4)
-        result["engine_cpu_ms_per_token"] = round(1000 * engine_s / num_tokens, 4)
+        if engine_pids:               # else the engine steps in the server process: no split
+            result["api_cpu_ms_per_token"] = round(1000 * api_s / num_tokens, 4)
+        result["engine_cpu_ms_per_token"] = round(1000 * (engine_s if engine_pids else api_s) / num_tokens, 4)
     return result
 
 
@@ -264,10 +268,14 @@ def main() -> None:
                 served = point(num_overhead, math.inf, args.overhead_concurrency)
                 pairs.append({"offline": offline, "server": served,
                               "overhead": round(1 - served["output_tokens_per_s"] / offline["output_tokens_per_s"], 4),
-                              "cpu_overhead": round(served["cpu_ms_per_token"] / offline["cpu_ms_per_token"] - 1, 4)})
+                              "cpu_overhead": round(served["cpu_ms_per_token"] / offline["cpu_ms_per_token"] - 1, 4),
+                              "engine_cpu_overhead": round(served["engine_cpu_ms_per_token"]
+                                                           / offline["cpu_ms_per_token"] - 1, 4)})
             result["overhead"] = {"concurrency": args.overhead_concurrency,
                                   "median": statistics.median(p["overhead"] for p in pairs),
-                                  "median_cpu": statistics.median(p["cpu_overhead"] for p in pairs), "pairs": pairs}
+                                  "median_cpu": statistics.median(p["cpu_overhead"] for p in pairs),
+                                  "median_engine_cpu": statistics.median(p["engine_cpu_overhead"] for p in pairs),
+                                  "pairs": pairs}
         del engine
         result["server"] = [point(max(8, args.prompts_per_slot * c), math.inf, c) for c in args.concurrency]
         result["server"] += [point(num_overhead, rate, None) for rate in args.request_rates]
