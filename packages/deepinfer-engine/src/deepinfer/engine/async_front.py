@@ -1,11 +1,12 @@
-"""What the asyncio fronts share: `AsyncLLM` (one engine in a thread) and `parallel.DPAsyncLLM` (DP
-rank processes) both hand each request's outputs to an `OutputStream` from a thread of their own and
+"""What the asyncio fronts share: `AsyncLLM` (one engine in a thread), `async_process.AsyncLLMProcess`
+(one engine in a process of its own, `deepinfer serve`'s default) and `parallel.DPAsyncLLM` (DP rank
+processes) all hand each request's outputs to an `OutputStream` from a thread of their own and
 implement `EngineClient`, the interface the HTTP server drives.
 
-A stream keeps only the latest cumulative output of its request, so a slow consumer sees fewer,
+An `OutputStream` fed cumulative outputs keeps only the latest, so a slow consumer sees fewer,
 larger updates rather than a growing backlog; `StreamingFront.generate` cuts them into deltas when
-asked.
-"""
+asked. A `DeltaStream` (the engine process reports DELTA outputs) queues them until taken and joins
+what queued into one delta, or into the cumulative output for a cumulative consumer."""
 
 from __future__ import annotations
 
@@ -82,7 +83,7 @@ class ServedModel:
 
 
 class EngineClient(Protocol):
-    """The interface `serve.build_app` drives: `AsyncLLM` or `parallel.DPAsyncLLM`."""
+    """The interface `serve.build_app` drives: `AsyncLLM`, `async_process.AsyncLLMProcess` or `parallel.DPAsyncLLM`."""
 
     @property
     def model(self) -> ServedModel: ...

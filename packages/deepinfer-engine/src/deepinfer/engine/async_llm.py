@@ -10,7 +10,12 @@ before each step, so the event loop never waits on the engine's lock (a step can
 With nothing to run the thread sleeps on an event; a submission wakes it. Outputs travel back in one
 `call_soon_threadsafe` per step and event loop; each request keeps only its latest (cumulative)
 output, so a slow consumer sees fewer, larger updates rather than a growing backlog (the
-streaming machinery it shares with the DP front is in `async_front`).
+streaming machinery it shares with the other fronts is in `async_front`).
+
+The engine's steps and the event loop's per-token work (a server's SSE chunks, stream wake-ups,
+metrics) take turns on one interpreter lock here; `deepinfer serve` therefore runs the engine in a
+process of its own by default (`async_process.AsyncLLMProcess`) and uses this class with
+--engine-in-thread. It stays for library use: no child process, and the engine object at hand.
 """
 
 from __future__ import annotations

@@ -1,11 +1,13 @@
 """deepinfer.engine.serve — the OpenAI-compatible HTTP server (`deepinfer serve`).
 
     from deepinfer.engine.serve import ServeOptions, run_server, serve_client
-    run_server(LLMEngine(EngineArgs()), ServeOptions(port=8000))      # blocks; SIGTERM drains, then returns
+    serve_client(AsyncLLMProcess(EngineArgs()), ServeOptions(port=8000))   # blocks; SIGTERM drains, then returns
     serve_client(DPAsyncLLM(EngineArgs(data_parallel_size=2)), ServeOptions(port=8000))   # DP ranks
+    run_server(LLMEngine(EngineArgs()), ServeOptions(port=8000))      # the engine in a thread of this process
 
-`build_app(AsyncLLM(engine), served_model_name=...)` (or any `async_front.EngineClient`) gives the
-FastAPI app alone (to embed or test).
+`deepinfer serve` runs the first (the engine in a process of its own, `async_process`), the second
+with --data-parallel-size N, the third with --engine-in-thread. `build_app(llm, served_model_name=...)`
+over any `async_front.EngineClient` gives the FastAPI app alone (to embed or test).
 FastAPI, uvicorn and prometheus_client are imported here only, so `import deepinfer.engine` stays light.
 """
 

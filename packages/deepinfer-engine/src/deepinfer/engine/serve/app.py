@@ -1,12 +1,12 @@
-"""The OpenAI-compatible HTTP app (FastAPI) over an `EngineClient`: `AsyncLLM` (one engine) or
-`parallel.DPAsyncLLM` (data-parallel ranks).
+"""The OpenAI-compatible HTTP app (FastAPI) over an `EngineClient`: `AsyncLLMProcess` (one engine
+process), `AsyncLLM` (one engine in a thread) or `parallel.DPAsyncLLM` (data-parallel ranks).
 
 Routes: POST /v1/completions, POST /v1/chat/completions (server-sent events when "stream": true,
 ending with `data: [DONE]`), GET /v1/models, /health, /version, /metrics. Errors are OpenAI-shaped
 (`errors.APIError`): 400 naming the bad field, 401 without the API key, 404 for an unknown model,
 503 when the waiting queue is full or the server is draining, 500 naming the cause when the engine
-failed (a DP rank died; a stream in progress then ends with an error event and /health answers
-503). A client that disconnects aborts its request: from a stream, Starlette cancels the response,
+failed (the engine process or a DP rank died; a stream in progress then ends with an error event and
+/health answers 503). A client that disconnects aborts its request: from a stream, Starlette cancels the response,
 closing `generate`; from a whole response, a watcher of the connection cancels the collecting task.
 
 Chat output goes through `chat_output.OutputParsers` when the server has a reasoning parser or the

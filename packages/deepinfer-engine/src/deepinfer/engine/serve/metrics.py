@@ -5,9 +5,11 @@ Names (all prefixed `deepinfer_`): `request_success_total{finished_reason}`, `nu
 `prompt_tokens_total`, `generation_tokens_total`, and the histograms
 `time_to_first_token_seconds`, `inter_token_latency_seconds`, `e2e_request_latency_seconds`.
 
-With DP ranks (`parallel.DPAsyncLLM`) the gauges above are sums over the ranks, and each rank has
-`dp_rank_num_requests_running{rank}`, `dp_rank_num_requests_waiting{rank}`,
-`dp_rank_kv_cache_usage_perc{rank}` and `dp_rank_requests_total{rank}` (requests sent to it). With
+The gauges read the front's `stats`: with an engine process, the scheduler and KV cache as of the
+engine's latest reported step (each step report carries them). With DP ranks (`parallel.DPAsyncLLM`)
+the gauges above are sums over the ranks, and each rank has `dp_rank_num_requests_running{rank}`,
+`dp_rank_num_requests_waiting{rank}`, `dp_rank_kv_cache_usage_perc{rank}` and
+`dp_rank_requests_total{rank}` (requests sent to it). With
 EPLB on: `eplb_rebalances_total`, and per MoE layer (forward order) the max / mean expert load of the
 latest re-placement's window under the old and the new placement,
 `eplb_layer_max_mean_load{layer, placement="before"|"after"}` (absent before the first re-placement,

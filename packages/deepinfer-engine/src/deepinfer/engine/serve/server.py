@@ -1,9 +1,11 @@
-"""Run the app under uvicorn: `run_server(engine, ServeOptions(...))` (one engine) or
-`serve_client(DPAsyncLLM(args), ServeOptions(...))` (DP ranks) blocks until SIGINT / SIGTERM.
+"""Run the app under uvicorn: `serve_client(AsyncLLMProcess(args), ServeOptions(...))` (one engine
+process, `deepinfer serve`'s default), `serve_client(DPAsyncLLM(args), ...)` (DP ranks) or
+`run_server(engine, ServeOptions(...))` (the engine in a thread of this process) blocks until SIGINT
+/ SIGTERM.
 
 On SIGTERM (or SIGINT) uvicorn stops accepting connections and waits for the responses in flight
 (streams included); the app's shutdown then waits until every accepted request has finished and
-stops the engine thread or the DP ranks (`shutdown(drain=True)`), and `run_server` returns, so that
+stops the engine process, the engine thread or the DP ranks (`shutdown(drain=True)`), and `run_server` returns, so that
 `deepinfer serve` exits 0 after a drain (uvicorn would re-raise the signal and die by it).
 """
 
@@ -65,7 +67,8 @@ class ServeOptions:
 
 
 def run_server(engine: LLMEngine, options: ServeOptions) -> None:
-    """Serve `engine` over HTTP until SIGINT / SIGTERM; returns once in-flight requests are done."""
+    """Serve `engine`, stepped in a thread of this process (`AsyncLLM`), over HTTP until SIGINT /
+    SIGTERM; returns once in-flight requests are done."""
     serve_client(AsyncLLM(engine, max_num_waiting=options.max_num_waiting), options)
 
 
