@@ -135,6 +135,29 @@ def test_a_killed_engine_process_fails_requests_and_health() -> None:
     assert _gone(llm.pid)
 
 
+def test_sigterm_to_the_engine_process_finishes_its_requests_first() -> None:
+    """As when a service manager signals every process of the server: the request in flight still
+    runs to its end, then the engine exits and the front says so."""
+    llm = AsyncLLMProcess(EngineArgs(seed=0))
+
+    async def run() -> list:
+        outs = []
+        async for out in llm.generate("def f(", SamplingParams(max_tokens=30, ignore_eos=True), delta=True):
+            if not outs:
+                os.kill(llm.pid, signal.SIGTERM)
+            outs.append(out)
+        return outs
+
+    outs = asyncio.run(run())
+    assert outs[-1].outputs[0].finish_reason == "length" and sum(len(o.outputs[0].token_ids) for o in outs) == 30
+    deadline = time.monotonic() + 30
+    while llm.failure is None:
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    assert "exited with code 0 (SIGTERM" in llm.failure and not llm.is_running and _gone(llm.pid)
+    asyncio.run(llm.shutdown())
+
+
 def test_sigterm_leaves_no_engine_process() -> None:
     """`deepinfer serve` (the engine process by default) exits 0 on SIGTERM and takes its engine along."""
     import subprocess

@@ -223,7 +223,8 @@ class AsyncLLMProcess(StreamingFront):
                 self._proc.join(timeout=10)
                 code = self._proc.exitcode
                 if not (self._stopping and code == 0):
-                    self._fail(f"the engine process exited with code {code}")
+                    how = " (SIGTERM: it finished its requests first)" if code == 0 else ""
+                    self._fail(f"the engine process exited with code {code}{how}")
                 self._from_engine.close()
                 return
             if isinstance(message, StepReport):

@@ -14,7 +14,9 @@ applied); step while the engine has work and report the step; with no work, bloc
 report carries the common output, a running request of one sample without logprobs whose prompt
 the front has already seen, as three flat columns (id, new text, new token ids) and every other
 output whole. The process ignores SIGINT (a Ctrl-C reaches the whole process group: the front
-drains); when the front's end of the pipe closes (the front died) it exits.
+drains); SIGTERM (a service manager may send it to every process of the server) makes it finish the
+requests it holds, as `StopEngine` does, then exit; when the front's end of the pipe closes (the
+front died) it exits.
 """
 
 from __future__ import annotations
@@ -152,8 +154,10 @@ def engine_process_main(args: EngineArgs, inbox: Connection, outbox: Connection)
         engine = LLMEngine(args)
         send(outbox, EngineReady(Path(engine.model_dir), engine.max_model_len, engine.load_seconds,
                                  engine.weight_bytes, os.getpid(), engine_load(engine)))
-        EngineLoop(engine, inbox, outbox).run()
-    except EOFError:                 # the front is gone: nobody to report to
+        loop = EngineLoop(engine, inbox, outbox)
+        signal.signal(signal.SIGTERM, loop.on_sigterm)
+        loop.run()
+    except (EOFError, SystemExit):   # the front is gone (nobody to report to), or SIGTERM while idle
         raise SystemExit(0) from None
     except BaseException as err:     # reported to the front, then the process exits
         detail = " ".join("".join(traceback.format_exception_only(type(err), err)).split())
@@ -181,6 +185,7 @@ class EngineLoop:
         self._refusals: list[Refused] = []
         self._reported: set[str] = set()          # requests whose first output was sent (whole)
         self._load = engine_load(engine)          # as last reported
+        self._idle = False                        # blocked on the inbox with no work
 
     def run(self) -> None:
         """Serve until `StopEngine` and no work is left (returns). Raises EOFError when the front's
@@ -198,7 +203,16 @@ class EngineLoop:
             else:
                 if engine_load(engine) != self._load:
                     self._report([])              # the state the metrics show while idle
-                self._take(receive(inbox))        # idle: sleep until the front says something
+                self._idle = True
+                message = receive(inbox)          # idle: sleep until the front says something
+                self._idle = False
+                self._take(message)
+
+    def on_sigterm(self, signum: int, frame: object) -> None:
+        """SIGTERM: no work -> exit now (SystemExit); else exit once the requests taken have finished."""
+        self._stopping = True
+        if self._idle:
+            raise SystemExit(0)
 
     def _take(self, message: object) -> None:
         engine = self._engine
