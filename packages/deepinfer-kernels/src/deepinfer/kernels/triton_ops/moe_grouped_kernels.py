@@ -48,8 +48,9 @@ def _group_quant_store(val, q_ptrs, s_ptrs, q_mask, s_mask, BLOCK_M: tl.constexp
     at `s_ptrs` [BLOCK_M, BLOCK_N // GROUP]."""
     groups = tl.reshape(val, (BLOCK_M, BLOCK_N // GROUP, GROUP))
     amax = tl.max(tl.abs(groups), axis=2)
-    scale = tl.where(amax > 0.0, amax / 448.0, 1.0)
-    q = tl.reshape(tl.clamp(groups / scale[:, :, None], -448.0, 448.0), (BLOCK_M, BLOCK_N))
+    scale = tl.where(amax > 0.0, tl.div_rn(amax, tl.full(amax.shape, 448.0, tl.float32)), 1.0)
+    divided = tl.div_rn(groups, tl.broadcast_to(scale[:, :, None], (BLOCK_M, BLOCK_N // GROUP, GROUP)))
+    q = tl.reshape(tl.clamp(divided, -448.0, 448.0), (BLOCK_M, BLOCK_N))    # IEEE divisions: codes as the twin's
     if not F8_CVT:
         q = _round_e4m3(q)
     tl.store(q_ptrs, q.to(tl.float8e4nv), mask=q_mask)
