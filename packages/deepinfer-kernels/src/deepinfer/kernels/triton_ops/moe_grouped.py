@@ -55,22 +55,34 @@ def plan_tiles(expert_ids: Tensor, num_experts: int, block_m: int) -> TilePlan:
     """Sort the (token, expert) pairs of `expert_ids` [num_tokens, top_k] by expert and cut each
     expert's rows into tiles of `block_m`; the table has room for the most tiles any routing of this
     many pairs can need (static shape, no host synchronisation)."""
+    order, counts = _sort_pairs(expert_ids, num_experts)
+    return TilePlan(order, _tile_table(counts, order.numel(), block_m), block_m)
+
+
+def _sort_pairs(expert_ids: Tensor, num_experts: int) -> tuple[Tensor, Tensor]:
+    """(pair ids sorted by expert, stably; pairs per expert), int64."""
     flat = expert_ids.reshape(-1).long()
-    pairs, device = flat.numel(), flat.device
-    order = torch.argsort(flat, stable=True)
-    counts = torch.zeros(num_experts, dtype=torch.int64, device=device)
+    counts = torch.zeros(num_experts, dtype=torch.int64, device=flat.device)
     counts.scatter_add_(0, flat, torch.ones_like(flat))
+    return torch.argsort(flat, stable=True), counts
+
+
+def _tile_table(counts: Tensor, pairs: int, block_m: int) -> Tensor:
+    """[3, max_tiles] int32 (expert, first row, end row) of each expert's rows (`counts` of `pairs`)
+    cut into `block_m`-row tiles, experts in order; (-1, 0, 0) after the last. max_tiles: the most
+    any routing of `pairs` pairs can need."""
+    num_experts = counts.numel()
     ends = torch.cumsum(counts, 0)
     tiles_per_expert = (counts + block_m - 1) // block_m
     tile_ends = torch.cumsum(tiles_per_expert, 0)
-    t = torch.arange(-(-pairs // block_m) + min(num_experts, pairs), device=device)
+    t = torch.arange(-(-pairs // block_m) + min(num_experts, pairs), device=counts.device)
     expert = torch.searchsorted(tile_ends, t, right=True)
     used = expert < num_experts
     e = expert.clamp(max=num_experts - 1)
     first = ends[e] - counts[e] + (t - (tile_ends[e] - tiles_per_expert[e])) * block_m
     end = torch.minimum(first + block_m, ends[e])
-    tiles = torch.stack((torch.where(used, e, -1), torch.where(used, first, 0), torch.where(used, end, 0)))
-    return TilePlan(order, tiles.to(torch.int32), block_m)
+    return torch.stack((torch.where(used, e, -1), torch.where(used, first, 0), torch.where(used, end, 0))).to(
+        torch.int32)
 
 
 @dataclass(frozen=True, slots=True)
@@ -210,11 +222,12 @@ def sum_slots(y: Tensor, num_tokens: int, top_k: int, dtype: torch.dtype) -> Ten
 
 
 def plans(expert_ids: Tensor, num_experts: int, tiles: ExpertTiles) -> tuple[TilePlan, TilePlan]:
-    """(the up kernel's plan, the down kernel's): one plan when their row tiles agree."""
-    up = plan_tiles(expert_ids, num_experts, tiles.up.block_m)
+    """(the up kernel's plan, the down kernel's): the pairs sorted once, one tile table per row tile."""
+    order, counts = _sort_pairs(expert_ids, num_experts)
+    up = TilePlan(order, _tile_table(counts, order.numel(), tiles.up.block_m), tiles.up.block_m)
     if tiles.down.block_m == tiles.up.block_m:
         return up, up
-    return up, plan_tiles(expert_ids, num_experts, tiles.down.block_m)
+    return up, TilePlan(order, _tile_table(counts, order.numel(), tiles.down.block_m), tiles.down.block_m)
 
 
 def grouped_experts(x: Tensor, expert_ids: Tensor, weights: Tensor, w13: Tensor, w2: Tensor, limit: float, fmt: int,
