@@ -17,6 +17,10 @@ class ForwardBatch:
 
     A sequence's rows are a prefill chunk (possibly cut inside a compression window) or one or more
     decode query tokens (several when verifying drafts). Sequences may be at any positions.
+
+    A multi-token decode (`multi_decode`: verify rows of 1 … max_query_len query tokens each) is a
+    uniform decode over *virtual sequences*, one per token, each carrying its row's state slot and
+    block table and its own position; several virtual sequences then share a state slot.
     """
 
     token_ids: Tensor         # [num_tokens] int64
@@ -28,6 +32,7 @@ class ForwardBatch:
     logits_indices: Tensor    # [num_logits] int64 rows whose logits the forward returns
     max_context_len: int = 0  # ≥ every sequence's start + query length (a CUDA graph pads it to its capacity)
     uniform_decode: bool = False   # every sequence has exactly one query row (the batched decode path)
+    max_query_len: int = 1    # uniform decode: most tokens one scheduler row feeds (> 1: virtual sequences share slots)
 
     @property
     def num_seqs(self) -> int:
@@ -133,4 +138,92 @@ class ForwardBatch:
             logits_indices=torch.arange(n, dtype=torch.int64, device=device),
             max_context_len=int(positions.max()) + 1,
             uniform_decode=True,
+        )
+
+    @classmethod
+    def multi_decode(
+        cls,
+        token_ids: np.ndarray | Tensor,
+        positions: np.ndarray | Tensor,
+        token_rows: np.ndarray | Tensor,
+        block_tables: np.ndarray | Tensor,
+        state_slots: np.ndarray | Tensor,
+        *,
+        max_query_len: int,
+        max_context_len: int | None = None,
+        device: torch.device | str = "cpu",
+        to_device: Callable[[np.ndarray], Tensor] | None = None,
+    ) -> ForwardBatch:
+        """A multi-token decode step (the verify forward of speculative decoding): R scheduler rows,
+        row i feeding q_i consecutive query tokens (1 <= q_i <= max_query_len), flattened to
+        total_q = sum(q_i) tokens. Every token becomes a virtual sequence of one query row carrying
+        its row's state slot and block table (gathered on the device: no host read) and its own
+        position, so the model runs its static-shape batched decode path (`layers.batched_decode`)
+        with shapes set by total_q alone: a CUDA graph keyed by total_q serves any split into rows.
+        Logits are returned for every token, in the given order.
+
+        Padding tokens (a graph larger than the step) point at a row whose block table is all zeros
+        and whose state slot is 0 (the reserved block and the dummy slot), at position 0.
+        DeepSeek-V4 only: DeepSeek-V4.1 refuses max_query_len > 1.
+
+        Args:
+            token_ids: [total_q] integer input tokens (anchor, then drafts, per row), or an int64 tensor
+                on `device`.
+            positions: [total_q] integer position of each token; a row's tokens are consecutive
+                positions (in any order in the batch).
+            token_rows: [total_q] integer index into block_tables / state_slots of each token's row.
+            block_tables: [R, max_blocks] integer block ids (0-padded); state_slots: [R] integer.
+            max_query_len: the largest q_i (or a bound on it: a graph captures the bound). The model
+                checks that the window and compressor rings hold max_query_len − 1 spare rows
+                (`cache_spec(max_backtracking >= max_query_len − 1)`).
+            max_context_len: >= every position + 1; required when positions is a tensor (a graph
+                passes its capacity). From host positions it defaults to their max + 1.
+            to_device: how a host array reaches `device` (default: `torch.from_numpy(a).to(device)`).
+        Returns:
+            A uniform-decode batch of total_q virtual sequences. `start_positions` are the positions
+            when they come from the host, zeros when only the device has them (the batched path never
+            reads them); `cu_seqlens` = 0 … total_q.
+        Raises:
+            ValueError: mismatched shapes, no token, max_query_len < 1, or no max_context_len for
+                device positions.
+        """
+        n = len(token_ids)
+        if n == 0:
+            raise ValueError("a multi-token decode batch needs at least one token")
+        if max_query_len < 1:
+            raise ValueError(f"max_query_len={max_query_len} must be >= 1")
+        if len(positions) != n or len(token_rows) != n:
+            raise ValueError(f"token_ids [{n}], positions [{len(positions)}] and token_rows [{len(token_rows)}] "
+                             "must have one entry per token")
+        if block_tables.ndim != 2 or len(block_tables) != len(state_slots):
+            raise ValueError(f"block_tables {list(block_tables.shape)} and state_slots {list(state_slots.shape)} "
+                             "must have one row per scheduler row")
+        move = to_device or (lambda array: torch.from_numpy(array).to(device))
+
+        def tensor(array: np.ndarray | Tensor, dtype: torch.dtype) -> Tensor:
+            if isinstance(array, Tensor):
+                return array.to(device=device, dtype=dtype)
+            return move(np.ascontiguousarray(array, dtype=np.int64 if dtype == torch.int64 else np.int32))
+
+        host_positions = None if isinstance(positions, Tensor) else np.asarray(positions, dtype=np.int64)
+        if host_positions is not None:
+            if host_positions.min() < 0:
+                raise ValueError(f"positions must be >= 0, got {int(host_positions.min())}")
+            max_context_len = max(max_context_len or 0, int(host_positions.max()) + 1)
+        elif max_context_len is None:
+            raise ValueError("positions on the device need a host max_context_len")
+        if block_tables.shape[1] == 0:
+            block_tables = np.zeros((len(state_slots), 1), dtype=np.int32)
+        rows = tensor(token_rows, torch.int64)
+        return cls(
+            token_ids=tensor(token_ids, torch.int64),
+            positions=tensor(positions, torch.int64),
+            cu_seqlens=tuple(range(n + 1)),
+            start_positions=tuple(host_positions.tolist()) if host_positions is not None else (0,) * n,
+            block_tables=tensor(block_tables, torch.int32).index_select(0, rows),
+            state_slots=tensor(state_slots, torch.int64).index_select(0, rows),
+            logits_indices=torch.arange(n, dtype=torch.int64, device=device),
+            max_context_len=max_context_len,
+            uniform_decode=True,
+            max_query_len=max_query_len,
         )
