@@ -263,8 +263,13 @@ class DeepseekV41ForCausalLM(nn.Module):
             ValueError: the model has Engram layers but no token map (`bind_token_map`), or prefill
                 truncation is on and logits of a row outside a sequence's tail are asked for.
             RuntimeError: a step that is not a uniform decode called while a CUDA graph is captured.
+            NotImplementedError: a multi-token decode batch (`ForwardBatch.multi_decode` with
+                max_query_len > 1; DeepSeek-V4 only).
         """
         cfg = self.cfg
+        if batch.max_query_len > 1:
+            raise NotImplementedError("multi-token decode batches (ForwardBatch.multi_decode) run on DeepSeek-V4 "
+                                      "only; feed DeepSeek-V4.1's verify rows through ForwardBatch.build")
         if not batch.uniform_decode and batch.token_ids.is_cuda and torch.cuda.is_current_stream_capturing():
             raise RuntimeError("only a uniform decode step of DeepSeek-V4.1 can be captured in a CUDA graph (the "
                                "per-sequence path reads positions on the host)")
