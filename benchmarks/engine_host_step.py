@@ -22,6 +22,10 @@ Phases, timed with time.perf_counter around the engine's calls (the methods are 
   outputs    the rest of `step()`: building the RequestOutputs of the changed requests
 The sampler math is in the total; "host" = total − sampler math − forward stand-in.
 
+--clock thread times the CPU time of the stepping thread instead of wall time: on a shared machine it
+leaves out the time other processes hold the core (the sampler math then counts only this thread's
+share of torch's work; the host phases are this thread's own Python and numpy work).
+
 Each repeat times --steps consecutive steps of one engine (after --warmup untimed ones) and keeps
 the per-step median and p90; the table shows the median over repeats of those numbers, because the
 machine may be shared and noisy. Python's garbage collector stays on, as in a real engine.
@@ -57,18 +61,21 @@ class StandInModel:
 
 
 class PhaseClock:
-    """Accumulates perf_counter time per phase within one step."""
+    """Accumulates time per phase within one step (`now`: time.perf_counter or time.thread_time)."""
 
-    def __init__(self) -> None:
+    def __init__(self, now: Callable[[], float] = time.perf_counter) -> None:
+        self.now = now
         self.current: dict[str, float] = defaultdict(float)
 
     def wrap(self, phase: str, fn: Callable) -> Callable:
+        now = self.now
+
         def timed(*args, **kwargs):
-            start = time.perf_counter()
+            start = now()
             try:
                 return fn(*args, **kwargs)
             finally:
-                self.current[phase] += time.perf_counter() - start
+                self.current[phase] += now() - start
         return timed
 
     def take(self) -> dict[str, float]:
@@ -90,7 +97,7 @@ def build_engine(num_seqs: int, prompt_len: int, block_size: int, max_decode_tok
 
 
 def run_repeat(num_seqs: int, steps: int, warmup: int, prompt_len: int, block_size: int,
-               output_kind: OutputKind) -> dict[str, list[float]]:
+               output_kind: OutputKind, now: Callable[[], float] = time.perf_counter) -> dict[str, list[float]]:
     # Requests admitted early decode while later ones prefill: room for those steps too.
     engine = build_engine(num_seqs, prompt_len, block_size, steps + warmup + 1024)
     rng = np.random.default_rng(num_seqs)
@@ -104,7 +111,7 @@ def run_repeat(num_seqs: int, steps: int, warmup: int, prompt_len: int, block_si
         out = engine.scheduler.num_waiting
         if out == 0 and engine.scheduler.num_running == num_seqs:
             break
-    clock = PhaseClock()
+    clock = PhaseClock(now)
     scheduler, runner, sampling = engine.scheduler, engine.runner, engine.sampling
     schedule = scheduler.schedule
     kinds: list[StepKind] = []
@@ -125,9 +132,9 @@ def run_repeat(num_seqs: int, steps: int, warmup: int, prompt_len: int, block_si
     times: dict[str, list[float]] = defaultdict(list)
     for step in range(warmup + steps):
         kinds.clear()
-        start = time.perf_counter()
+        start = now()
         outputs = engine.step()
-        total = time.perf_counter() - start
+        total = now() - start
         phases = clock.take()
         # Under ZOS the first decode step reports nothing (its tokens are read by the next step).
         expected = 0 if output_kind is OutputKind.FINAL_ONLY or step == 0 else num_seqs
@@ -155,20 +162,24 @@ def main() -> None:
     parser.add_argument("--output-kind", choices=[k.value for k in OutputKind], default="cumulative",
                         help="the requests' OutputKind (LLM.generate uses final_only, a server delta)")
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
+    parser.add_argument("--clock", choices=["wall", "thread"], default="wall",
+                        help="wall: time.perf_counter; thread: CPU time of the stepping thread (time.thread_time), "
+                             "which leaves out the time other processes of a shared machine hold the core")
     args = parser.parse_args()
     if args.threads is not None:
         torch.set_num_threads(args.threads)
     print(f"{platform.processor() or platform.machine()}, torch {torch.__version__}, {torch.get_num_threads()} "
           f"threads; steps={args.steps} warmup={args.warmup} repeats={args.repeats} prompt_len={args.prompt_len} "
-          f"block_size={args.block_size} output_kind={args.output_kind}")
+          f"block_size={args.block_size} output_kind={args.output_kind} clock={args.clock}")
     columns = ("total", "host", *PHASES)
     print("| N | " + " | ".join(f"{c} ms" for c in columns) + " | total p90 ms |")
     print("|---:|" + "---:|" * (len(columns) + 1))
     for num_seqs in args.num_seqs:
         medians: dict[str, list[float]] = defaultdict(list)
+        now = time.thread_time if args.clock == "thread" else time.perf_counter
         for _ in range(args.repeats):
             times = run_repeat(num_seqs, args.steps, args.warmup, args.prompt_len, args.block_size,
-                               OutputKind(args.output_kind))
+                               OutputKind(args.output_kind), now)
             for name, values in times.items():
                 medians[name].append(statistics.median(values))
             medians["p90"].append(float(np.percentile(times["total"], 90)))

@@ -47,6 +47,8 @@ class SteadyRows:
         self._max_tokens = np.fromiter(map(attrgetter("max_tokens"), reqs), np.int64, num_rows)
         self._min_tokens = np.fromiter(map(attrgetter("min_tokens"), reqs), np.int64, num_rows)
         self._per_row = ~np.fromiter(map(attrgetter("plain_decode"), reqs), np.bool_, num_rows)
+        self._all_per_row = bool(self._per_row.all())
+        self._all_rows = np.arange(num_rows)
         stop_ids = frozenset().union(*map(attrgetter("stop_token_ids"), reqs))
         self._stop_ids = np.array(sorted(stop_ids), dtype=np.int64)
         self._token_lists = [r.output_token_ids for r in reqs]
@@ -68,6 +70,8 @@ class SteadyRows:
         """
         num_out = self.num_out
         num_out += 1
+        if self._all_per_row:                      # every row reports per step: nothing to do in bulk
+            return self._all_rows
         per_row = num_out >= self._max_tokens
         per_row |= self._per_row
         if len(self._stop_ids):
@@ -90,5 +94,8 @@ class SteadyRows:
 
     def resync(self, rows: np.ndarray) -> None:
         """Reread the output counts of rows post-processed one by one."""
+        if len(rows) > len(self.reqs) // 8:         # many: reread every row in one pass
+            self.num_out[:] = np.fromiter(map(len, self._token_lists), np.int64, len(self.reqs))
+            return
         for row in rows.tolist():
-            self.num_out[row] = len(self.reqs[row].output_token_ids)
+            self.num_out[row] = len(self._token_lists[row])

@@ -443,6 +443,9 @@ class LLMEngine(RequestIntake):
         continuing_tokens: list[int] = []
         self._post_process_rows(step, sampled, per_row.tolist(), changed, continuing_ids, continuing_tokens)
         steady.resync(per_row)
+        if len(per_row) == len(seq_ids):        # every row went one by one (per-step output kinds)
+            self._record_tokens(StepKind.DECODE, continuing_ids, continuing_tokens)
+            return
         keep = np.ones(len(seq_ids), dtype=np.bool_)
         keep[per_row] = False
         kept_ids = [*compress(seq_ids, keep.tolist()), *continuing_ids]
