@@ -25,8 +25,11 @@ load on a shared machine disturbs far less than wall-clock throughput; the engin
 compares the engine process alone with the offline run (where the engine's host time bounds a
 step, as on a GPU, this is what the server adds to it; with --engine-in-thread the server process
 is the engine's and the two overheads are one). The
-client runs in this process, on the same machine as the server: on a small CPU it competes with the
-server for cores (--threads sets the torch threads of both engines, OMP_NUM_THREADS of the child).
+client runs on the same machine as the server, in this process or, with --client-processes P > 1 (the
+default from 16 CPUs on), in P processes that share each point's requests round-robin: one asyncio
+client needs ~0.25 ms of CPU per streamed token, so alone it caps what it can measure near 4,000
+tokens/s. On a small CPU the client competes with the server for cores (--threads sets the torch
+threads of both engines, OMP_NUM_THREADS of the child).
 """
 
 from __future__ import annotations
@@ -35,6 +38,7 @@ import argparse
 import asyncio
 import json
 import math
+import multiprocessing
 import os
 import platform
 import random
@@ -44,6 +48,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -141,36 +146,65 @@ def server_cpu_s(pid: int, engine_pids: list[int]) -> tuple[float, float]:
     return process_cpu_s(pid), sum(process_cpu_s(p) for p in engine_pids)
 
 
+async def _drive(base_url: str, prompts: list[list[int]], starts: list[float], output_len: int,
+                 max_concurrency: int) -> list[Trace]:
+    """Stream `prompts`, each sent at its absolute `starts` time (time.perf_counter(): CLOCK_MONOTONIC,
+    one clock for every process of the machine), at most `max_concurrency` at once."""
+    slots = asyncio.Semaphore(max_concurrency)
+    limits = httpx.Limits(max_connections=max_concurrency)
+    async with httpx.AsyncClient(base_url=base_url, limits=limits, timeout=600) as http:
+
+        async def arrive(prompt: list[int], start: float) -> Trace:
+            await asyncio.sleep(max(0.0, start - time.perf_counter()))
+            arrival = time.perf_counter()
+            async with slots:
+                return await _one(http, prompt, output_len, max(arrival, time.perf_counter()))
+
+        return list(await asyncio.gather(*(arrive(p, t) for p, t in zip(prompts, starts))))
+
+
+def _client_process(job: tuple[str, list[list[int]], list[float], int, int]) -> tuple[list[Trace], float]:
+    """One client process's share of a point: its traces and the CPU seconds it used."""
+    cpu_before = time.process_time()
+    traces = asyncio.run(_drive(*job))
+    return traces, time.process_time() - cpu_before
+
+
 async def run_point(base_url: str, prompts: list[list[int]], output_len: int, *, request_rate: float,
-                    max_concurrency: int | None, seed: int, server_pid: int | None = None) -> dict[str, Any]:
+                    max_concurrency: int | None, seed: int, server_pid: int | None = None,
+                    clients: ProcessPoolExecutor | None = None, num_clients: int = 1) -> dict[str, Any]:
     """Send every prompt (Poisson arrivals at request_rate, at most max_concurrency at once); the metrics,
-    with the client's (this process's) CPU milliseconds per output token, and the server's when its pid
-is known."""
+    with the client's CPU milliseconds per output token, and the server's when its pid is known.
+    With `clients` (a pool of `num_clients` processes) the prompts are dealt round-robin to that many
+    client processes, each with its share of max_concurrency, so that the client's own per-chunk work
+    (SSE parsing, JSON) does not cap a fast server's throughput."""
     rng = random.Random(seed)
     offsets, at = [], 0.0
     for _ in prompts:
         offsets.append(at)
         at += 0.0 if math.isinf(request_rate) else rng.expovariate(request_rate)
-    slots = asyncio.Semaphore(max_concurrency or len(prompts))
-    limits = httpx.Limits(max_connections=max_concurrency or len(prompts))
+    concurrency = max_concurrency or len(prompts)
+    procs = max(1, min(num_clients if clients is not None else 1, concurrency, len(prompts)))
     engine_pids = descendants(server_pid) if server_pid is not None else []
     cpu_before = server_cpu_s(server_pid, engine_pids) if server_pid is not None else None
-    client_cpu_before = time.process_time()
-    async with httpx.AsyncClient(base_url=base_url, limits=limits, timeout=600) as http:
-        t0 = time.perf_counter()
-
-        async def arrive(prompt: list[int], offset: float) -> Trace:
-            await asyncio.sleep(max(0.0, t0 + offset - time.perf_counter()))
-            arrival = time.perf_counter()
-            async with slots:
-                return await _one(http, prompt, output_len, max(arrival, time.perf_counter()))
-
-        traces = await asyncio.gather(*(arrive(p, o) for p, o in zip(prompts, offsets)))
-        elapsed = max(t.chunk_times[-1] for t in traces) - t0
+    t0 = time.perf_counter() + (0.2 if procs > 1 else 0.0)      # time for the client processes to get going
+    starts = [t0 + o for o in offsets]
+    if procs == 1:
+        client_cpu_before = time.process_time()
+        traces = await _drive(base_url, prompts, starts, output_len, concurrency)
+        client_cpu_s = time.process_time() - client_cpu_before
+    else:
+        jobs = [(base_url, prompts[i::procs], starts[i::procs], output_len,
+                 concurrency // procs + (i < concurrency % procs)) for i in range(procs)]
+        loop = asyncio.get_running_loop()
+        parts = await asyncio.gather(*(loop.run_in_executor(clients, _client_process, job) for job in jobs))
+        traces = [t for part, _ in parts for t in part]
+        client_cpu_s = sum(cpu for _, cpu in parts)
+    elapsed = max(t.chunk_times[-1] for t in traces) - t0
     result = {"request_rate": "inf" if math.isinf(request_rate) else request_rate,
-              "max_concurrency": max_concurrency, **metrics(list(traces), elapsed)}
+              "max_concurrency": max_concurrency, "client_processes": procs, **metrics(traces, elapsed)}
     num_tokens = sum(t.num_tokens for t in traces)
-    result["client_cpu_ms_per_token"] = round(1000 * (time.process_time() - client_cpu_before) / num_tokens, 4)
+    result["client_cpu_ms_per_token"] = round(1000 * client_cpu_s / num_tokens, 4)
     if cpu_before is not None:
         api_s, engine_s = (after - before for after, before in zip(server_cpu_s(server_pid, engine_pids), cpu_before))
         result["cpu_ms_per_token"] = round(1000 * (api_s + engine_s) / num_tokens, 4)
@@ -233,8 +267,14 @@ def main() -> None:
     parser.add_argument("--engine-in-thread", action="store_true",
                         help="serve with the engine in a thread of the server's process (the old way) rather than "
                              "in an engine process of its own")
+    parser.add_argument("--client-processes", type=int, default=max(1, min(4, (os.cpu_count() or 1) // 4)),
+                        help="client processes sharing each point's requests [default: a quarter of the CPUs, "
+                             "1 to 4]: one asyncio client spends ~0.25 ms of CPU per streamed token, which caps "
+                             "what it can measure near 4,000 tokens/s")
     parser.add_argument("--output-json", default=None)
     args = parser.parse_args()
+    if args.client_processes < 1:
+        parser.error(f"--client-processes={args.client_processes} must be >= 1")
     torch.set_num_threads(args.threads)
     result: dict[str, Any] = {"machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPUs",
                               "torch": torch.__version__, "args": vars(args)}
@@ -249,10 +289,15 @@ def main() -> None:
     def point(count: int, request_rate: float, max_concurrency: int | None) -> dict[str, Any]:
         out = asyncio.run(run_point(url, prompts(count), args.output_len, request_rate=request_rate,
                                     max_concurrency=max_concurrency, seed=args.seed,
-                                    server_pid=None if child is None else child.pid))
+                                    server_pid=None if child is None else child.pid,
+                                    clients=clients, num_clients=args.client_processes))
         print(json.dumps(out), flush=True)
         return out
 
+    clients = None
+    if args.client_processes > 1:     # started before the server and warmed, so no point pays for it
+        clients = ProcessPoolExecutor(args.client_processes, mp_context=multiprocessing.get_context("spawn"))
+        list(clients.map(abs, range(args.client_processes)))
     child, url = start_server(args) if args.base_url is None else (None, args.base_url)
     try:
         point(4, math.inf, 4)                                   # warm-up
@@ -280,6 +325,8 @@ def main() -> None:
         result["server"] = [point(max(8, args.prompts_per_slot * c), math.inf, c) for c in args.concurrency]
         result["server"] += [point(num_overhead, rate, None) for rate in args.request_rates]
     finally:
+        if clients is not None:
+            clients.shutdown()
         if child is not None:
             child.terminate()
             child.wait(timeout=120)
