@@ -5,8 +5,9 @@
     outs = llm.generate(["def fibonacci("], SamplingParams(temperature=0, max_tokens=32))
 
 `AsyncLLM` drives an LLMEngine from its own thread for asyncio callers (`async for out in
-llm.generate(...)`); `deepinfer serve` (`deepinfer.engine.serve`) puts an OpenAI-compatible HTTP
-server in front of it, and `LLM.chat` renders conversations with the model's chat template.
+llm.generate(...)`), `AsyncLLMProcess` one in a child process of its own (the same interface);
+`deepinfer serve` (`deepinfer.engine.serve`) puts an OpenAI-compatible HTTP server in front of the
+latter (of the former with `--engine-in-thread`), and `LLM.chat` renders conversations with the model's chat template.
 `LLMEngine` exposes the step loop (add_request / abort_request / step / has_unfinished_requests);
 `EngineArgs` holds every engine knob, validated; `deepinfer generate`, `bench` and `serve` are the CLI.
 Names are imported on first use, so a submodule (e.g. `deepinfer.engine.cuda_graphs`) can be used
@@ -26,6 +27,7 @@ __version__ = _version("deepinfer-engine")
 _EXPORTS = {
     "LLM": ".llm",
     "AsyncLLM": ".async_llm",
+    "AsyncLLMProcess": ".async_process",
     "CompletionOutput": ".outputs",
     "EngineArgs": ".engine_args",
     "EngineType": "deepinfer.sched",
@@ -42,6 +44,7 @@ _EXPORTS = {
 __all__ = [
     "LLM",
     "AsyncLLM",
+    "AsyncLLMProcess",
     "CompletionOutput",
     "EngineArgs",
     "EngineType",
@@ -60,6 +63,7 @@ if TYPE_CHECKING:
     from deepinfer.sched import EngineType
 
     from .async_llm import AsyncLLM
+    from .async_process import AsyncLLMProcess
     from .engine_args import EngineArgs, InvalidEngineArgs
     from .grammar_backend import StructuredOutputUnavailable
     from .llm import LLM
