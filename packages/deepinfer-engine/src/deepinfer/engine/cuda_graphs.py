@@ -12,6 +12,7 @@ from torch import Tensor
 
 from deepinfer.kernels import KernelSet
 from deepinfer.model import DeepseekV4ForCausalLM, ForwardBatch, ModelCache
+from deepinfer.spec import cuda_graph_key, cuda_graph_sizes
 
 from .block_tables import RowBlockTables
 
@@ -44,15 +45,22 @@ class DecodeGraphs:
         interval: `DEEPINFER_CUDAGRAPH_BATCH_SIZE_INTERVAL`.
         ops: the kernels the graphs capture (None: the model's default for its device); the runner
             passes the batch-invariant set under DEEPINFER_BATCH_INVARIANT=1.
+        max_query_len: 1 = one query token per sequence; k + 1 under speculative decoding: the
+            graphs then run multi-token decode batches (`ForwardBatch.multi_decode`: max_seqs counts
+            query tokens, one virtual sequence each) and are keyed by total query tokens through
+            `deepinfer.spec.cuda_graph_key`, the function the varlen policy sizes its steps with.
     """
 
     def __init__(self, model: DeepseekV4ForCausalLM, cache: ModelCache, *, max_seqs: int, max_blocks: int,
-                 max_context_len: int, interval: int = 8, ops: KernelSet | None = None) -> None:
+                 max_context_len: int, interval: int = 8, ops: KernelSet | None = None,
+                 max_query_len: int = 1) -> None:
         device = model.embed.weight.device
         if device.type != "cuda":
             raise ValueError(f"CUDA graphs need a CUDA model, got device {device}")
         self.model, self.cache, self.ops = model, cache, ops
-        self.sizes = graph_sizes(max_seqs, interval)
+        self.interval, self.max_query_len = interval, max_query_len
+        self.sizes = graph_sizes(max_seqs, interval) if max_query_len == 1 else cuda_graph_sizes(max_seqs, interval)
+        max_seqs = self.sizes[-1]
         self.max_context_len = max_context_len
         # The static inputs: one int64 [STAGED_ROWS, max_seqs] tensor (token ids, positions, state
         # slots, and the scheduler rows the engine keys per-row state by, which the graphs do not
@@ -73,6 +81,7 @@ class DecodeGraphs:
             cu_seqlens=tuple(range(size + 1)), start_positions=(0,) * size,
             block_tables=self.block_tables[:size], state_slots=self.state_slots[:size],
             logits_indices=self.rows[:size], max_context_len=self.max_context_len, uniform_decode=True,
+            max_query_len=self.max_query_len,
         )
 
     @torch.no_grad()
@@ -91,7 +100,11 @@ class DecodeGraphs:
         self.graphs[size] = graph
 
     def bucket(self, num_seqs: int) -> int | None:
-        """The graph size a step of num_seqs sequences replays (None: larger than every graph)."""
+        """The graph size a step of num_seqs sequences (query tokens, under multi-token decode) replays
+        (None: larger than every graph)."""
+        if self.max_query_len > 1:
+            key = cuda_graph_key(num_seqs, self.interval)
+            return key if key <= self.sizes[-1] else None
         return next((s for s in self.sizes if s >= num_seqs), None)
 
     @torch.no_grad()
@@ -99,8 +112,9 @@ class DecodeGraphs:
         """Replay for a uniform decode batch; returns logits [num_seqs, vocab] (a fresh tensor)."""
         n = batch.num_seqs
         size = self.bucket(n)
-        if size is None or not batch.uniform_decode:
-            raise ValueError(f"no graph for a batch of {n} sequences (uniform_decode={batch.uniform_decode})")
+        if size is None or not batch.uniform_decode or batch.max_query_len > self.max_query_len:
+            raise ValueError(f"no graph for a batch of {n} sequences (uniform_decode={batch.uniform_decode}, "
+                             f"max_query_len={batch.max_query_len}; captured {self.max_query_len})")
         width = batch.block_tables.shape[1]
         if width > self.block_tables.shape[1]:
             raise ValueError(f"block tables of width {width} exceed the captured {self.block_tables.shape[1]}")

@@ -10,7 +10,6 @@ the host already knows (new, or after a prefill) read it from the step's pinned 
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 from math import lcm
 
@@ -74,6 +73,8 @@ class ModelRunner:
         graph_max_seqs: capture decode CUDA graphs up to this many sequences (CUDA only; None = eager).
         max_blocks_per_seq / max_model_len: the block-table width and context bound the graphs capture.
         graph_interval: spacing of graph sizes past the first powers of two.
+        graph_max_query_len: k + 1 under speculative decoding: the graphs run verify steps
+            (`verify_forward`), keyed by total query tokens, and graph_max_seqs counts query tokens.
         batch_invariant: run the batch-invariant kernels (`DEEPINFER_BATCH_INVARIANT`): each sequence's
             logits are then bitwise the same whatever else is in its step (docs/batch_invariance.md).
     """
@@ -91,6 +92,7 @@ class ModelRunner:
         max_blocks_per_seq: int = 0,
         max_model_len: int = 0,
         graph_interval: int = 8,
+        graph_max_query_len: int = 1,
         batch_invariant: bool = False,
     ) -> None:
         self.model = model
@@ -125,7 +127,8 @@ class ModelRunner:
         # CUDA graphs need the graph-safe kernels, which run in bfloat16 (grouped-GEMM MoE).
         if graph_max_seqs and self.device.type == "cuda" and model.embed.weight.dtype == torch.bfloat16:
             self.graphs = DecodeGraphs(model, self.cache, max_seqs=graph_max_seqs, max_blocks=max_blocks_per_seq,
-                                       max_context_len=max_model_len, interval=graph_interval, ops=self.ops)
+                                       max_context_len=max_model_len, interval=graph_interval, ops=self.ops,
+                                       max_query_len=graph_max_query_len)
             self.block_tables = RowBlockTables(self.graphs.block_tables.shape[1], self.device)
 
     def forget_rows(self) -> None:
@@ -219,7 +222,9 @@ class ModelRunner:
 
     @torch.no_grad()
     def verify_forward(self, d: DecodeBatch, tokens: Tensor) -> Tensor:
-        """The verify forward of a speculative decode step (eager, one varlen batch).
+        """The verify forward of a speculative decode step: the model's multi-token decode
+        (`ForwardBatch.multi_decode`, static shapes), replayed from the CUDA graph keyed by the
+        step's total query tokens when there is one, else eager.
 
         Args:
             d: the decode step; sequence i reserved positions [seq_lens[i] − m, seq_lens[i]) with m =
@@ -230,14 +235,28 @@ class ModelRunner:
         """
         query_lens = d.query_lens.astype(np.int64)
         width = tokens.shape[1]
-        starts = d.seq_lens.astype(np.int64) - width
-        # flat index into tokens of each fed row: row i's first query_lens[i] columns
+        token_rows = np.repeat(np.arange(d.num_seqs), query_lens)          # the row of each fed token
         ends = np.cumsum(query_lens)
         columns = np.arange(int(ends[-1])) - np.repeat(ends - query_lens, query_lens)
-        flat = np.repeat(np.arange(d.num_seqs) * width, query_lens) + columns
-        batch = ForwardBatch.build([[0] * q for q in query_lens.tolist()], starts.tolist(), list(d.block_tables),
-                                   d.state_slots.tolist(), logits="all", device=self.device)
-        batch = dataclasses.replace(batch, token_ids=tokens.flatten().index_select(0, self._to_device(flat)))
+        positions = d.seq_lens.astype(np.int64)[token_rows] - width + columns
+        flat = token_rows * width + columns                                   # into tokens.flatten()
+        fed = tokens.flatten().index_select(0, self._to_device(flat))
+        total_q = len(flat)
+        if self.graphs is not None and self.graphs.bucket(total_q) is not None:
+            # a replay of the graph keyed by total_q: per token (-1: filled below on the device), its
+            # position, its row's state slot and scheduler row (the graphs gather the block tables by it)
+            inputs = torch.empty((STAGED_ROWS, total_q), dtype=torch.int64, pin_memory=True)
+            host = inputs.numpy()
+            host[0] = -1
+            host[1] = positions
+            host[2] = d.state_slots[token_rows]
+            host[3] = d.rows[token_rows]
+            self.block_tables.update(d.rows, d.table_versions, d.block_tables)
+            self.graphs.stage(inputs, self.block_tables)
+            self.graphs.token_ids[:total_q].copy_(fed)
+            return self.graphs.replay(total_q)      # float32 [total_q, vocab], valid until the next replay
+        batch = ForwardBatch.multi_decode(fed, positions, token_rows, d.block_tables, d.state_slots,
+                                          max_query_len=width, device=self.device, to_device=self._to_device)
         return self.model(batch, self.cache, self.ops).float()
 
     def record_sampled(self, step: StepBatch, token_ids: Tensor) -> None:

@@ -181,11 +181,23 @@ class SpeculativeDecoder:
 
     @torch.no_grad()
     def _time_dummy_step(self, total_q: int) -> float:
-        """ms of one eager verify forward of total_q tokens (rows of up to k + 1 in the dummy slot 0)."""
+        """ms of one verify forward of total_q tokens (rows of up to k + 1 in the dummy slot 0): the graph
+        replay `verify_forward` runs for that many tokens, else an eager multi-token decode."""
+        graphs = self.runner.graphs
+        if graphs is not None and graphs.bucket(total_q) is not None:      # what verify_forward replays
+            graphs.inputs.zero_()                   # every token: position 0 of the dummy slot 0, block 0
+            graphs.block_tables.zero_()
+            torch.cuda.synchronize(self.runner.device)
+            started = time.perf_counter()
+            graphs.replay(total_q)
+            torch.cuda.synchronize(self.runner.device)
+            return (time.perf_counter() - started) * 1e3
         width = self.k + 1
-        rows = [[0] * min(width, total_q - start) for start in range(0, total_q, width)]
-        batch = ForwardBatch.build(rows, [0] * len(rows), [[0]] * len(rows), [0] * len(rows), logits="all",
-                                   device=self.runner.device)
+        num_rows = -(-total_q // width)
+        batch = ForwardBatch.multi_decode(np.zeros(total_q, dtype=np.int64), np.arange(total_q) % width,
+                                          np.arange(total_q) // width, np.zeros((num_rows, 1), dtype=np.int32),
+                                          np.zeros(num_rows, dtype=np.int64), max_query_len=width,
+                                          device=self.runner.device)
         cuda = self.runner.device.type == "cuda"
         if cuda:
             torch.cuda.synchronize(self.runner.device)
