@@ -65,6 +65,9 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--peak-fp8", type=float, default=1580e12, help="FLOP/s, dense FP8")
     ap.add_argument("--peak-bw", type=float, default=4.3e12, help="bytes/s, device memory")
     ap.add_argument("--budget-s", type=float, default=180.0, help="skip sections that would start later")
+    ap.add_argument("--grouped-fp8", action="store_true",
+                    help="FP8 experts through the grouped GEMMs (triton_ops.moe.GROUPED_FP8, off in the engine "
+                         "until their GPU test passes)")
     ap.add_argument("--dry-run", action="store_true", help="print the FLOP and byte model only (no GPU)")
     ap.add_argument("--out", help="JSON report")
     return ap.parse_args()
@@ -248,8 +251,11 @@ def main() -> None:
     if not torch.cuda.is_available():
         raise SystemExit("this benchmark needs a CUDA device (--dry-run prints the FLOP model without one)")
     started = time.perf_counter()
+    from deepinfer.kernels.triton_ops import moe
+    moe.GROUPED_FP8 = args.grouped_fp8
     base_ops = KernelSet("cuda")
     report: dict = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "schedule": args.schedule,
+                    "grouped_fp8": args.grouped_fp8,
                     "compress_ratios": list(cfg.compress_ratios), "peaks": {"bf16": args.peak_bf16,
                     "fp8": args.peak_fp8, "bw": args.peak_bw},
                     "reference_ops": sorted(n for n, s in base_ops.sources.items() if s == "reference")}

@@ -156,6 +156,7 @@ def test_large_batches_take_the_grouped_kernels(fmt, monkeypatch) -> None:
     block = 32
     for grouped in (False, True):
         monkeypatch.setattr(moe, "GROUPED_MIN_PAIRS", 1 if grouped else ids.numel() + 1)
+        monkeypatch.setattr(moe, "GROUPED_FP8", True)
         poison_allocator()
         if fmt == "bf16":
             w13c, w2c = w13.to(x.dtype), w2.to(x.dtype)
@@ -180,13 +181,14 @@ def test_large_batches_take_the_grouped_kernels(fmt, monkeypatch) -> None:
 @pytest.mark.skipif(not CUDA, reason="the V4-Flash shapes need the GPU")
 @pytest.mark.parametrize("fmt", FORMATS)
 @pytest.mark.parametrize("num_tokens", [512, 4096])
-def test_grouped_experts_at_v4_flash_shapes(fmt, num_tokens) -> None:
+def test_grouped_experts_at_v4_flash_shapes(fmt, num_tokens, monkeypatch) -> None:
     """256 experts × 2048, hidden 4096, top-6 through the registered op (4096 tokens: ~96 rows an
     expert, full and half-height tiles; 512: ~12, half-height ones), against the twin."""
     from deepinfer.kernels.triton_ops import moe
 
     x, ids, weights, w13, w2 = case(num_tokens, num_tokens, 256, 6, 4096, 2048)
     assert ids.numel() >= moe.GROUPED_MIN_PAIRS
+    monkeypatch.setattr(moe, "GROUPED_FP8", True)
     poison_allocator()
     if fmt == "bf16":
         w13, w2 = w13.bfloat16(), w2.bfloat16()

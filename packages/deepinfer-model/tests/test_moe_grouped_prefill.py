@@ -64,6 +64,7 @@ def test_prefill_logits_through_the_grouped_expert_kernels(expert_dtype, monkeyp
     grouped = moe_grouped.grouped_experts
     monkeypatch.setattr(moe_grouped, "grouped_experts", lambda *a: launches.append(a[6]) or grouped(*a))
     monkeypatch.setattr(moe, "GROUPED_MIN_PAIRS", 1)
+    monkeypatch.setattr(moe, "GROUPED_FP8", True)
     model = quantised_model(expert_dtype)
     reference_set = kernels_for("cpu")
     fast = copy.copy(reference_set)

@@ -37,6 +37,11 @@ from .gemv import linear_fused
 
 FUSED_MAX_PAIRS = 2048
 GROUPED_MIN_PAIRS = FUSED_MAX_PAIRS + 1     # from here on the grouped GEMMs of `moe_grouped` (prefill)
+# The FP8 grouped GEMMs are off until they pass on a GPU: their test at V4-Flash shapes
+# (`test_grouped_experts_at_v4_flash_shapes[512-fp8]`) failed on the H200 on 2026-12-02, cause not
+# known yet (e4m3 rounding flips of the SwiGLU output against the tolerance, or a defect). Tests and
+# benchmarks that exercise them set this to True.
+GROUPED_FP8 = False
 _SCORING = {"sqrtsoftplus": 0, "sigmoid": 1, "softmax": 2}
 
 
@@ -315,9 +320,10 @@ def moe_experts_fp8_fused(
     activations, as the reference); from there on, the grouped GEMMs of `moe_grouped` on Hopper's FP8 tensor
     cores, the activations quantised per 1 × block group as DeepSeek's FP8 GEMMs do (twin:
     `reference.moe.moe_experts_fp8_w8a8`). Needs block ≥ 16, a power of two, dividing the
-    intermediate size; else the reference."""
-    if expert_ids.numel() >= GROUPED_MIN_PAIRS and on_triton(x) and _grouped(x, FP8_BLOCK, w2.shape[-1], block) and all(
-            t.is_contiguous() for t in (x, w13, w13_scale, w2, w2_scale)):
+    intermediate size; else the reference. The grouped GEMMs only with `GROUPED_FP8` (off for now)."""
+    contiguous = all(t.is_contiguous() for t in (x, w13, w13_scale, w2, w2_scale))
+    if (GROUPED_FP8 and expert_ids.numel() >= GROUPED_MIN_PAIRS and on_triton(x)
+            and _grouped(x, FP8_BLOCK, w2.shape[-1], block) and contiguous):
         return _grouped_experts(x, expert_ids, weights, w13, w2, limit, FP8_BLOCK, w13_scale, w2_scale, block,
                                 w2.shape[-1])
     return moe_experts_fp8_invariant(x, expert_ids, weights, w13, w13_scale, w2, w2_scale, limit, block)
