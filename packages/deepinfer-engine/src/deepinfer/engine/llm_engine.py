@@ -133,6 +133,9 @@ class LLMEngine(RequestIntake):
         args: validated EngineArgs.
         env: engine environment (defaults: read once from os.environ).
         vote_group: the DP group the scheduler's step-kind vote runs over; None = a single rank.
+        local_experts: an expert-parallel rank's routed experts (per MoE layer, the logical expert of
+            each of its slots): a DeepSeek-V4 safetensors checkpoint then loads those alone
+            (`experts_sharded`), other models whole; `parallel.DPRank` attaches the exchange.
 
     Raises:
         InvalidEngineArgs: unknown model folder or inconsistent arguments.
@@ -140,7 +143,8 @@ class LLMEngine(RequestIntake):
     """
 
     def __init__(self, args: EngineArgs, *, env: EngineEnv | None = None,
-                 vote_group: StepVoteGroup | None = None) -> None:
+                 vote_group: StepVoteGroup | None = None,
+                 local_experts: Sequence[Sequence[int]] | None = None) -> None:
         self.args = args = args.resolved()       # "auto" device / dtype, cache budget, HF repo id
         if args.data_parallel_size > 1:
             raise InvalidEngineArgs("LLMEngine runs one rank; data_parallel_size > 1 runs through LLM(...) "
@@ -150,9 +154,13 @@ class LLMEngine(RequestIntake):
         cfg = DeepseekV4Config.from_model_dir(self.model_dir)
         _check_v41_options(cfg, args, self.env)
         started = time.perf_counter()
+        # an expert-parallel rank's experts alone, where the loader can (a V4 safetensors checkpoint)
+        self.experts_sharded = (local_experts is not None and args.load_format == "safetensors"
+                                and type(cfg) is DeepseekV4Config)
         self.model = load_model(self.model_dir, dtype=args.torch_dtype, device=args.device,
                                 kv_quant=args.kv_quant, expert_dtype=args.expert_dtype, cfg=cfg, progress=True,
-                                load_format=args.load_format, seed=args.seed, engram_on_host=args.engram_on_host)
+                                load_format=args.load_format, seed=args.seed, engram_on_host=args.engram_on_host,
+                                local_experts=local_experts if self.experts_sharded else None)
         if self.env.yoco_prefill_truncation_mode != "off":
             self.model.set_prefill_truncation(self.env.yoco_prefill_truncation_mode, self.env.yoco_prefill_keep_tokens)
         draft = attach_draft_head(self.model, args, self.env) if args.speculative_decoding else None

@@ -18,13 +18,13 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from deepinfer.model import apply_expert_parallel, moe_layers, run_ep_dummy_forward
+from deepinfer.model import DeepseekV4Config, apply_expert_parallel, moe_layers, run_ep_dummy_forward
 from deepinfer.sched import StepKind
 
 from ..dp_group import GlooStepVoteGroup
 from ..engine_args import EngineArgs
 from ..intake import PromptInput
-from ..llm_engine import LLMEngine
+from ..llm_engine import LLMEngine, resolve_model_dir
 from ..outputs import OutputKind, RequestOutput
 from ..sampling_params import SamplingParams
 from .eplb_live import LiveBalancer, RebalanceStats, eplb_config, initial_slots
@@ -97,20 +97,24 @@ class DPRank:
         except RuntimeError as err:
             raise RankFailure(f"DP rank {spec.rank}: could not join the group of {spec.world_size}: {err}") from err
         self.vote_group = GlooStepVoteGroup.new_group(timeout_s=args.distributed_timeout_s)
-        self.engine = LLMEngine(engine_args, vote_group=self.vote_group)
         self.balancer: LiveBalancer | None = None
         self.expert_parallel = args.expert_parallel
-        if args.expert_parallel:
-            self._shard_experts(args, on_cuda, timeout)
-
-    def _shard_experts(self, args: EngineArgs, on_cuda: bool, timeout: timedelta) -> None:
-        model = self.engine.model
-        layers = moe_layers(model)
-        ep_size = self.spec.world_size
+        if not args.expert_parallel:
+            self.engine = LLMEngine(engine_args, vote_group=self.vote_group)
+            return
+        # The placement comes first, so that the rank loads its own experts only (every V4 layer is MoE).
+        cfg = DeepseekV4Config.from_model_dir(resolve_model_dir(engine_args.model))
+        ep_size = spec.world_size
         config = eplb_config(args, ep_size) if args.eplb is not None else None
-        slots = initial_slots(len(layers), layers[0].cfg.n_routed_experts, ep_size, config)
+        slots = initial_slots(cfg.num_hidden_layers, cfg.n_routed_experts, ep_size, config)
+        self.engine = LLMEngine(engine_args, vote_group=self.vote_group,
+                                local_experts=[s.local_logical_ids(spec.rank).tolist() for s in slots])
+        model = self.engine.model
+        if len(moe_layers(model)) != len(slots):
+            raise ValueError(f"expert parallelism needs {len(slots)} MoE layers; the model has "
+                             f"{len(moe_layers(model))}")
         ep_group = dist.new_group(backend="nccl" if on_cuda else "gloo", timeout=timeout)
-        apply_expert_parallel(model, ep_group, slots)
+        apply_expert_parallel(model, ep_group, slots, loaded_sharded=self.engine.experts_sharded)
         if config is not None:
             self.balancer = LiveBalancer(model, config, ep_size, self.vote_group.process_group)
 
