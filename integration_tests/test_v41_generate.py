@@ -73,3 +73,30 @@ def test_engine_options_of_v41_reach_the_model(tmp_path, monkeypatch) -> None:
     monkeypatch.delenv("DEEPINFER_YOCO_PREFILL_TRUNCATION_MODE")
     with pytest.raises(InvalidEngineArgs, match="engram_on_host=True needs a model with Engram layers"):
         LLM(seed=0, engram_on_host=True)
+
+
+def test_speculative_decoding_on_a_v41_folder_keeps_greedy_output(tmp_path) -> None:
+    """A V4.1 checkpoint with a (random) DSpark head: speculative steps verify eagerly through V4.1's
+    per-sequence path (it has no multi-token decode), and greedy output stays the plain greedy one."""
+    from v41_checkpoint import token_map_of, tokenizer
+    from v41_configs import tiny_text
+    from v41_helpers import tiny_model
+
+    from deepinfer.model import DSparkDraft
+
+    dspark = {"dspark_block_size": 2, "dspark_noise_token_id": 95, "dspark_markov_rank": 8,
+              "dspark_n_routed_experts": 3, "dspark_num_experts_per_tok": 2}
+    token_map = token_map_of(tokenizer(), 96)
+    raw = tiny_text(engram_compressed_vocab_size=int(token_map.max()) + 1, **dspark)
+    model = tiny_model(4, engram_compressed_vocab_size=raw["engram_compressed_vocab_size"], **dspark)
+    model.bind_token_map(token_map)
+    draft = DSparkDraft(model, 2)
+    draft.init_weights(5, std=0.1)
+    tensors = {**official_tensors(model, quantised=False), **{k: v.contiguous() for k, v in draft.state_dict().items()}}
+    folder = write_folder(tmp_path / "dspark", model, raw, tensors, composite=False)
+    llm = LLM(model=str(folder), seed=0, speculative_decoding=True, num_speculative_tokens=2, device="cpu")
+    outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], SamplingParams(max_tokens=6, temperature=0.0),
+                        use_tqdm=False)
+    for prompt, out in zip(PROMPTS, outs):
+        assert list(out.outputs[0].token_ids) == _greedy(model, prompt, 6)
+    assert llm.engine.stats().spec_verify_steps > 0

@@ -185,13 +185,15 @@ class LLMEngine(RequestIntake):
             prefill_attempt_interval=self.env.prefill_attempt_interval,
             prefill_any_attempt_interval=self.env.prefill_any_attempt_interval, engine_type=args.engine_type,
         )
-        query_len = 1 if draft is None else draft.block_size + 1
+        # speculative: verify steps replay graphs keyed by total query tokens; V4.1 verifies eagerly
+        eager_verify = draft is not None and isinstance(cfg, DeepseekV41Config)
+        query_len = 1 if draft is None or eager_verify else draft.block_size + 1
         self.runner = ModelRunner(
             self.model, block_size=block_size, num_kv_blocks=args.num_kv_blocks,
             budget_bytes=self._kv_budget_bytes(), num_state_slots=num_state_slots,
             max_backtracking=self.env.max_backtracking_tokens,
-            graph_max_seqs=None if args.enforce_eager else args.max_num_seqs * query_len,
-            graph_max_query_len=query_len,       # speculative: verify steps replay graphs keyed by total_q
+            graph_max_seqs=None if args.enforce_eager or eager_verify else args.max_num_seqs * query_len,
+            graph_max_query_len=query_len,
             max_blocks_per_seq=sched_cfg.max_blocks_per_seq, max_model_len=sched_cfg.max_blocks_per_seq * block_size,
             graph_interval=self.env.cudagraph_batch_size_interval, batch_invariant=self.env.batch_invariant,
         )

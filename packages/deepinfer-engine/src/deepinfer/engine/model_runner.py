@@ -10,6 +10,7 @@ the host already knows (new, or after a prefill) read it from the step's pinned 
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from math import lcm
 
@@ -19,7 +20,7 @@ from torch import Tensor
 
 from deepinfer.cache import PagedStream, StateRegion, plan_paged_layout, plan_state_layout
 from deepinfer.kernels import kernels_for
-from deepinfer.model import DeepseekV4ForCausalLM, ForwardBatch, ModelCache
+from deepinfer.model import DeepseekV4ForCausalLM, DeepseekV41ForCausalLM, ForwardBatch, ModelCache
 from deepinfer.sched import DecodeBatch, SchedulerOutput, StepKind
 
 from .block_tables import RowBlockTables
@@ -224,7 +225,8 @@ class ModelRunner:
     def verify_forward(self, d: DecodeBatch, tokens: Tensor) -> Tensor:
         """The verify forward of a speculative decode step: the model's multi-token decode
         (`ForwardBatch.multi_decode`, static shapes), replayed from the CUDA graph keyed by the
-        step's total query tokens when there is one, else eager.
+        step's total query tokens when there is one, else eager; DeepSeek-V4.1 (no multi-token
+        decode) runs the rows as one varlen batch of its per-sequence path, eagerly.
 
         Args:
             d: the decode step; sequence i reserved positions [seq_lens[i] − m, seq_lens[i]) with m =
@@ -242,6 +244,12 @@ class ModelRunner:
         flat = token_rows * width + columns                                   # into tokens.flatten()
         fed = tokens.flatten().index_select(0, self._to_device(flat))
         total_q = len(flat)
+        if isinstance(self.model, DeepseekV41ForCausalLM):
+            # no multi-token decode in V4.1: the rows as one varlen batch of the per-sequence path
+            batch = ForwardBatch.build([[0] * q for q in query_lens.tolist()], (d.seq_lens.astype(np.int64)
+                                       - width).tolist(), list(d.block_tables), d.state_slots.tolist(), logits="all",
+                                       device=self.device)
+            return self.model(dataclasses.replace(batch, token_ids=fed), self.cache, self.ops).float()
         if self.graphs is not None and self.graphs.bucket(total_q) is not None:
             # a replay of the graph keyed by total_q: per token (-1: filled below on the device), its
             # position, its row's state slot and scheduler row (the graphs gather the block tables by it)
