@@ -14,6 +14,8 @@ import abc
 import asyncio
 import contextlib
 import dataclasses
+import threading
+import uuid
 from collections.abc import AsyncGenerator, Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -271,6 +273,51 @@ class StreamingFront(abc.ABC):
         not hold this up)."""
         while any(not stream.ended for stream in self._streams.values()):
             await asyncio.sleep(poll_s)
+
+
+class ProcessFront(StreamingFront):
+    """What the fronts over engine processes share (`async_process.AsyncLLMProcess`,
+    `parallel.DPAsyncLLM`): the shut-down / failed state, the checks a request passes before it is
+    queued, and failing every stream when an engine process fails. A subclass sets `_stopping`,
+    `_failure`, `_reader` (its thread reading the processes' reports) and `max_num_waiting`."""
+
+    _stopping: bool
+    _failure: str | None
+    _reader: threading.Thread
+    max_num_waiting: int
+
+    @property
+    def is_running(self) -> bool:
+        """The engine processes are alive and the front takes requests (not shut down, not failed)."""
+        return not self._stopping and self._failure is None and self._reader.is_alive()
+
+    @property
+    def failure(self) -> str | None:
+        """Why the engine processes stopped when one failed ("... exited with code -9"), else None."""
+        return self._failure
+
+    def _accept(self, request_id: str | None, num_running: int, in_use: Callable[[str], bool]) -> str:
+        """The id of a request that may be queued now (a fresh "req-<uuid>" for None).
+
+        Raises:
+            EngineDead: an engine process failed. EngineStopped: shutting down.
+            EngineQueueFull: max_num_waiting requests already wait. ValueError: the id is in use.
+        """
+        if self._failure is not None:
+            raise EngineDead(self._failure)
+        if self._stopping:
+            raise EngineStopped("the server is shutting down")
+        if len(self._streams) - num_running >= self.max_num_waiting:
+            raise EngineQueueFull(f"{self.max_num_waiting} requests are already waiting (max_num_waiting); retry later")
+        request_id = f"req-{uuid.uuid4().hex}" if request_id is None else request_id
+        if request_id in self._streams or in_use(request_id):
+            raise ValueError(f"request_id={request_id!r} is already in use")
+        return request_id
+
+    def _fail_streams(self, reason: str) -> None:
+        """Every open stream fails with EngineDead naming `reason`."""
+        for stream in list(self._streams.values()):
+            stream.fail(EngineDead(f"the server's engine failed: {reason}"))
 
 
 def _delta(out: RequestOutput, reported: list[tuple[int, int]]) -> RequestOutput:

@@ -24,19 +24,15 @@ import asyncio
 import logging
 import multiprocessing as mp
 import threading
-import uuid
 from collections.abc import Sequence
 
 from .async_front import (
     DEFAULT_MAX_NUM_WAITING,
     DeltaStream,
-    EngineDead,
-    EngineQueueFull,
     EngineStats,
-    EngineStopped,
     OutputStream,
+    ProcessFront,
     ServedModel,
-    StreamingFront,
     deliver,
 )
 from .engine_args import EngineArgs
@@ -64,7 +60,7 @@ class EngineStartFailed(RuntimeError):
     """The engine process could not build its engine (the message says why) or died while starting."""
 
 
-class AsyncLLMProcess(StreamingFront):
+class AsyncLLMProcess(ProcessFront):
     """Async generation over one `LLMEngine` in a child process (an `async_front.EngineClient`).
 
     Args:
@@ -116,16 +112,6 @@ class AsyncLLMProcess(StreamingFront):
         return self._proc.pid
 
     @property
-    def is_running(self) -> bool:
-        """The engine process is alive and the front takes requests (not shut down, not failed)."""
-        return not self._stopping and self._failure is None and self._reader.is_alive()
-
-    @property
-    def failure(self) -> str | None:
-        """Why the engine process stopped when it failed ("the engine process exited with code -9"), else None."""
-        return self._failure
-
-    @property
     def stats(self) -> EngineStats:
         """The engine after its latest reported step; waiting = submitted, unfinished and not running."""
         load = self._load
@@ -140,15 +126,7 @@ class AsyncLLMProcess(StreamingFront):
 
     def _submit(self, prompt: PromptInput | Sequence[int], params: SamplingParams,
                 request_id: str | None) -> tuple[str, OutputStream]:
-        if self._failure is not None:
-            raise EngineDead(self._failure)
-        if self._stopping:
-            raise EngineStopped("the engine is shutting down")
-        if len(self._streams) - self._load.num_running >= self.max_num_waiting:
-            raise EngineQueueFull(f"{self.max_num_waiting} requests are already waiting (max_num_waiting); retry later")
-        request_id = f"req-{uuid.uuid4().hex}" if request_id is None else request_id
-        if request_id in self._streams:
-            raise ValueError(f"request_id={request_id!r} is already in use")
+        request_id = self._accept(request_id, self._load.num_running, lambda _: False)
         stream = DeltaStream(asyncio.get_running_loop())
         self._streams[request_id] = stream
         self._num_unfinished += 1
@@ -265,8 +243,7 @@ class AsyncLLMProcess(StreamingFront):
         requests, make sure the process is gone."""
         logger.error("the engine process stopped: %s; every request in flight fails", reason)
         self._failure = reason
-        for stream in list(self._streams.values()):
-            stream.fail(EngineDead(f"the server's engine failed: {reason}"))
+        self._fail_streams(reason)
         self._kill()
 
 

@@ -22,7 +22,6 @@ import logging
 import queue
 import threading
 import time
-import uuid
 from collections.abc import Sequence
 from typing import Any
 
@@ -30,13 +29,10 @@ import torch.multiprocessing as mp
 
 from ..async_front import (
     DEFAULT_MAX_NUM_WAITING,
-    EngineDead,
-    EngineQueueFull,
     EngineStats,
-    EngineStopped,
     OutputStream,
+    ProcessFront,
     ServedModel,
-    StreamingFront,
     accumulate,
     deliver,
 )
@@ -67,7 +63,7 @@ logger = logging.getLogger(__name__)
 _POLL_S = 0.05
 
 
-class DPAsyncLLM(StreamingFront):
+class DPAsyncLLM(ProcessFront):
     """Async generation over `args.data_parallel_size` rank processes (an `async_front.EngineClient`).
 
     Args:
@@ -126,16 +122,6 @@ class DPAsyncLLM(StreamingFront):
         return tuple(proc.pid for proc in self._procs)
 
     @property
-    def is_running(self) -> bool:
-        """Every rank is alive and the front takes requests (not shut down, not failed)."""
-        return not self._stopping and self._failure is None and self._reader.is_alive()
-
-    @property
-    def failure(self) -> str | None:
-        """Why the ranks stopped when one failed ("DP rank 1 exited with code -9", ...), else None."""
-        return self._failure
-
-    @property
     def stats(self) -> EngineStats:
         """The sum of `parallel_stats().rank_stats`."""
         ranks = self._rank_stats()
@@ -157,15 +143,7 @@ class DPAsyncLLM(StreamingFront):
 
     def _submit(self, prompt: PromptInput | Sequence[int], params: SamplingParams,
                 request_id: str | None) -> tuple[str, OutputStream]:
-        if self._failure is not None:
-            raise EngineDead(self._failure)
-        if self._stopping:
-            raise EngineStopped("the server is shutting down")
-        if len(self._streams) - self.stats.num_running >= self.max_num_waiting:
-            raise EngineQueueFull(f"{self.max_num_waiting} requests are already waiting (max_num_waiting); retry later")
-        request_id = f"req-{uuid.uuid4().hex}" if request_id is None else request_id
-        if request_id in self._streams or request_id in self._owner:
-            raise ValueError(f"request_id={request_id!r} is already in use")
+        request_id = self._accept(request_id, self.stats.num_running, self._owner.__contains__)
         prompt, num_prompt_tokens = self._tokenized(prompt)
         stream = OutputStream(asyncio.get_running_loop())
         self._streams[request_id] = stream
@@ -323,8 +301,7 @@ class DPAsyncLLM(StreamingFront):
         logger.error("the DP ranks stopped: %s; every request in flight fails", reason)
         with self._lock:
             self._failure = reason
-        for stream in list(self._streams.values()):
-            stream.fail(EngineDead(f"the server's engine failed: {reason}"))
+        self._fail_streams(reason)
         self._terminate()
 
 
