@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import pickle
 import queue
 import signal
 import traceback
@@ -28,6 +27,7 @@ from typing import Any
 import torch
 
 from ..engine_args import EngineArgs
+from ..engine_process import picklable_error
 from ..outputs import OutputKind, RequestOutput
 from .messages import (
     Abort,
@@ -138,7 +138,7 @@ class RankServer:
                 self._engine.add_request(message.request_id, message.prompt, message.params,
                                          output_kind=OutputKind.DELTA)
             except Exception as err:     # refused: nothing was queued; the caller gets the error
-                self._refusals.append(Refusal(message.request_id, _picklable(err)))
+                self._refusals.append(Refusal(message.request_id, picklable_error(err)))
 
     def _report_refusals(self) -> None:
         if self._refusals:
@@ -171,13 +171,3 @@ class RankServer:
             self._prompt_sent.discard(request_id)
             self._prompt_logprobs_sent.discard(request_id)
         return out
-
-
-def _picklable(err: Exception) -> Exception:
-    """`err` itself when it survives pickling (to be raised in the front as the same type), else a
-    RuntimeError with its type and text."""
-    try:
-        pickle.loads(pickle.dumps(err))
-    except Exception:
-        return RuntimeError(f"{type(err).__name__}: {err}")
-    return err
