@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import math
 import multiprocessing
@@ -129,10 +130,8 @@ def descendants(pid: int) -> list[int]:
     children: dict[int, list[int]] = {}
     for entry in os.listdir("/proc"):
         if entry.isdigit():
-            try:
+            with contextlib.suppress(OSError, IndexError, ValueError):     # the process exited meanwhile
                 children.setdefault(int(_stat(int(entry))[1]), []).append(int(entry))
-            except (OSError, IndexError, ValueError):
-                pass                     # exited meanwhile
     found, todo = [], [pid]
     while todo:
         for child in children.get(todo.pop(), ()):
