@@ -1,12 +1,15 @@
-"""Serving an app on 127.0.0.1 for the server tests."""
+"""What the server tests share: serving an app on 127.0.0.1, and checks that hold for every front."""
 
 from __future__ import annotations
 
+import asyncio
 import socket
 import threading
 import time
 
 import uvicorn
+
+from deepinfer.engine import SamplingParams
 
 
 def start_uvicorn(app: object, timeout_s: float = 30.0) -> tuple[str, uvicorn.Server, threading.Thread]:
@@ -22,3 +25,24 @@ def start_uvicorn(app: object, timeout_s: float = 30.0) -> tuple[str, uvicorn.Se
         assert time.monotonic() < deadline and thread.is_alive(), "the server did not start"
         time.sleep(0.01)
     return f"http://127.0.0.1:{sock.getsockname()[1]}", server, thread
+
+
+def assert_closing_a_stream_frees_its_blocks(llm, free_at_start: int) -> None:
+    """Close a long stream of `llm` (an AsyncLLM or AsyncLLMProcess) after two tokens: the request
+    leaves the front, and its stats come back to nothing running or waiting and `free_at_start` free
+    cache blocks."""
+
+    async def run() -> int:
+        stream = llm.generate("class A:", SamplingParams(max_tokens=5000, ignore_eos=True))
+        async for out in stream:
+            if len(out.outputs[0].token_ids) >= 2:
+                break
+        await stream.aclose()
+        for _ in range(500):
+            if llm.stats.num_running == 0 and llm.stats.num_free_kv_blocks == free_at_start:
+                break
+            await asyncio.sleep(0.01)
+        return llm.num_unfinished
+
+    assert asyncio.run(run()) == 0
+    assert (llm.stats.num_running, llm.stats.num_waiting, llm.stats.num_free_kv_blocks) == (0, 0, free_at_start)

@@ -15,6 +15,7 @@ import time
 
 import httpx
 import pytest
+from serve_helpers import assert_closing_a_stream_frees_its_blocks
 
 from deepinfer.engine import EngineArgs, LLMEngine, SamplingParams
 from deepinfer.engine.async_llm import AsyncLLM, EngineQueueFull, EngineStopped
@@ -44,23 +45,7 @@ def test_delta_outputs_add_up_to_the_cumulative_ones(llm: AsyncLLM) -> None:
 
 
 def test_closing_a_stream_aborts_it_and_frees_its_blocks(llm: AsyncLLM) -> None:
-    engine = llm.engine
-    free_at_start = engine.kv_blocks.num_free
-
-    async def run() -> int:
-        stream = llm.generate("class A:", SamplingParams(max_tokens=5000, ignore_eos=True))
-        async for out in stream:
-            if len(out.outputs[0].token_ids) >= 2:
-                break
-        await stream.aclose()
-        for _ in range(500):
-            if llm.stats.num_running == 0 and llm.stats.num_free_kv_blocks == free_at_start:
-                break
-            await asyncio.sleep(0.01)
-        return llm.num_unfinished
-
-    assert asyncio.run(run()) == 0
-    assert (llm.stats.num_running, llm.stats.num_waiting, llm.stats.num_free_kv_blocks) == (0, 0, free_at_start)
+    assert_closing_a_stream_frees_its_blocks(llm, llm.engine.kv_blocks.num_free)
 
 
 def test_refused_requests_raise_from_the_first_iteration(llm: AsyncLLM) -> None:

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from serve_helpers import start_uvicorn
+from serve_helpers import assert_closing_a_stream_frees_its_blocks, start_uvicorn
 
 from deepinfer.engine import EngineArgs, SamplingParams
 from deepinfer.engine.async_front import EngineDead
@@ -65,22 +65,7 @@ def test_outputs_match_the_engine_in_a_thread(llm: AsyncLLMProcess) -> None:
 
 
 def test_closing_a_stream_aborts_it_and_frees_its_blocks(llm: AsyncLLMProcess) -> None:
-    free_at_start = llm.ready.load.num_free_kv_blocks
-
-    async def run() -> int:
-        stream = llm.generate("class A:", SamplingParams(max_tokens=5000, ignore_eos=True))
-        async for out in stream:
-            if len(out.outputs[0].token_ids) >= 2:
-                break
-        await stream.aclose()
-        for _ in range(500):
-            if llm.stats.num_running == 0 and llm.stats.num_free_kv_blocks == free_at_start:
-                break
-            await asyncio.sleep(0.01)
-        return llm.num_unfinished
-
-    assert asyncio.run(run()) == 0
-    assert (llm.stats.num_running, llm.stats.num_waiting, llm.stats.num_free_kv_blocks) == (0, 0, free_at_start)
+    assert_closing_a_stream_frees_its_blocks(llm, llm.ready.load.num_free_kv_blocks)
 
 
 def test_refused_requests_raise_from_the_first_iteration(llm: AsyncLLMProcess) -> None:

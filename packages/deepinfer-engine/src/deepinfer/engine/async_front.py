@@ -314,6 +314,17 @@ class ProcessFront(StreamingFront):
             raise ValueError(f"request_id={request_id!r} is already in use")
         return request_id
 
+    def _begin_shutdown(self, drain: bool) -> bool:
+        """Stop taking requests; without `drain`, abort every accepted one. False when a shutdown had
+        already begun (nothing done)."""
+        if self._stopping:
+            return False
+        self._stopping = True
+        if not drain:
+            for request_id in list(self._streams):
+                self.abort(request_id)
+        return True
+
     def _fail_streams(self, reason: str) -> None:
         """Every open stream fails with EngineDead naming `reason`."""
         for stream in list(self._streams.values()):

@@ -156,12 +156,8 @@ class AsyncLLMProcess(ProcessFront):
     async def shutdown(self, *, drain: bool = True, poll_s: float = 0.05) -> None:
         """Stop taking requests; with drain, let every accepted request finish (else abort them); the
         engine process then exits and is waited for."""
-        if self._stopping:
+        if not self._begin_shutdown(drain):
             return
-        self._stopping = True
-        if not drain:
-            for request_id in list(self._streams):
-                self.abort(request_id)
         self._send(StopEngine())
         await asyncio.to_thread(self._proc.join)
         await asyncio.to_thread(self._reader.join)

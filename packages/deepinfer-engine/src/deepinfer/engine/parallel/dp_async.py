@@ -186,12 +186,8 @@ class DPAsyncLLM(ProcessFront):
     async def shutdown(self, *, drain: bool = True, poll_s: float = 0.05) -> None:
         """Stop taking requests; with drain, let every accepted request finish (else abort them), then
         stop the ranks (they exit once none has work) and wait for them."""
-        if self._stopping:
+        if not self._begin_shutdown(drain):
             return
-        self._stopping = True
-        if not drain:
-            for request_id in list(self._streams):
-                self.abort(request_id)
         with self._lock:
             if self._failure is None:
                 self._send_counted(lambda seq, _: Stop(seq))
