@@ -61,6 +61,7 @@ from .serve_rank import serve_rank_main
 logger = logging.getLogger(__name__)
 
 _POLL_S = 0.05
+_PEER_DEATH_GRACE_S = 2.0    # a rank reporting a lost peer waits this long for the dead peer to be seen exited
 
 
 class DPAsyncLLM(ProcessFront):
@@ -251,6 +252,8 @@ class DPAsyncLLM(ProcessFront):
             except queue.Empty:
                 message = None
             dead = self._dead_ranks()
+            if isinstance(message, RankError) and not dead:
+                dead = self._wait_for_dead_peer()
             if isinstance(message, RankError) or dead:
                 error = f"DP rank {message.rank}: {message.detail}" if isinstance(message, RankError) else ""
                 self._fail("; ".join(part for part in (dead, error) if part))
@@ -259,6 +262,15 @@ class DPAsyncLLM(ProcessFront):
                 self._take_report(message)
             elif message is None and not any(proc.is_alive() for proc in self._procs):
                 return        # stopped: every rank exited cleanly and its reports are read
+
+    def _wait_for_dead_peer(self) -> str:
+        """A rank's error is often the echo of a peer that died (its collective lost the connection) and may
+        arrive before that peer is seen exited: wait up to _PEER_DEATH_GRACE_S so the failure names the root
+        cause ('DP rank 1 exited with code -9') first. '' when every other rank stays alive."""
+        deadline = time.monotonic() + _PEER_DEATH_GRACE_S
+        while not (dead := self._dead_ranks()) and time.monotonic() < deadline:
+            time.sleep(_POLL_S)
+        return dead
 
     def _take_report(self, report: RankReport) -> None:
         posts: list[tuple[OutputStream, RequestOutput]] = []
