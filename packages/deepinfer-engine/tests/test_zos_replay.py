@@ -198,3 +198,84 @@ def test_zos_is_on_by_default_except_for_prompt_engines() -> None:
     assert EngineArgs().zos and EngineArgs(engine_type=EngineType.COMPLETION).zos
     assert not EngineArgs(engine_type=EngineType.PROMPT).zos
     assert not EngineArgs(zero_overhead_scheduling=False).zos
+
+
+# ---------------------------------------------------------------- speculative decode steps under ZOS
+# The embedded model ships a trained DSpark head (about 2 tokens per verify step), so accepted runs,
+# and ends inside them, come naturally. Greedy rows and seeded temperature-only rows draft; top-p rows,
+# grammars and penalties feed one token. (A seeded row with min_tokens still pending does not draft,
+# judged from the tokens on the host, which lag under ZOS: its draws could then differ, so the trace
+# gives min_tokens to a greedy row.)
+
+SPEC = {"speculative_decoding": True, "max_num_seqs": 8}
+
+
+def test_speculative_trace_is_identical_with_zos_on_and_off() -> None:
+    greedy = SamplingParams(temperature=0.0, max_tokens=30)
+    seeded = SamplingParams(temperature=0.8, seed=11, max_tokens=24, logprobs=2)
+    arrivals = (
+        Arrival(0, "greedy", PROMPTS[0], greedy),
+        Arrival(0, "seeded", PROMPTS[1], seeded),
+        Arrival(0, "one", PROMPTS[2], SamplingParams(temperature=0.0, max_tokens=1)),
+        Arrival(0, "newline", PROMPTS[3], SamplingParams(temperature=0.0, max_tokens=40, stop=["\n"])),
+        Arrival(0, "eos", PROMPTS[4], SamplingParams(temperature=1.0, seed=3, max_tokens=60)),
+        Arrival(1, "aborted", PROMPTS[5], SamplingParams(temperature=0.0, max_tokens=30), abort_after=7),
+        Arrival(3, "top-p", PROMPTS[0], SamplingParams(temperature=0.7, top_p=0.9, seed=5, max_tokens=12)),
+        Arrival(4, "min-tokens", PROMPTS[2], SamplingParams(temperature=0.0, max_tokens=14, min_tokens=9)),
+        Arrival(5, "penalised", PROMPTS[5], SamplingParams(temperature=0.0, max_tokens=16, presence_penalty=0.8)),
+        Arrival(7, "seeded-twin", PROMPTS[1], seeded),
+        Arrival(9, "choice", PROMPTS[3], SamplingParams(
+            temperature=0.0, max_tokens=10, structured=StructuredOutput(choice=("alpha", "beta", "gamma")))),
+        Arrival(12, "aborted-late", PROMPTS[4], SamplingParams(temperature=0.0, max_tokens=30), abort_after=3),
+    )
+    off, on = assert_same_with_zos_on_and_off(arrivals, **SPEC)
+    results = off.results
+    assert results["seeded"] == results["seeded-twin"]
+    assert results["one"].finish_reason == "length" and len(results["one"].token_ids) == 1
+    assert results["newline"].finish_reason == "stop" and "\n" not in results["newline"].text
+    assert results["aborted"].finish_reason == "abort" and len(results["aborted"].token_ids) >= 7
+    assert results["choice"].text in ("alpha", "beta", "gamma")
+    assert len(results["min-tokens"].token_ids) >= 9
+    for run in (off, on):        # drafts were accepted: runs of several tokens per verify step
+        stats = run.engine.stats()
+        assert stats.spec_accepted_tokens > 0 and stats.mean_accepted_length > 1.3
+    plain = replay(False, arrivals, max_num_seqs=8)
+    greedy_ids = [a.request_id for a in arrivals if a.params.temperature == 0.0 and a.abort_after is None]
+    assert {i: plain.results[i] for i in greedy_ids} == {i: results[i] for i in greedy_ids}
+
+
+def test_speculative_preemption_and_recompute_under_zos() -> None:
+    """A cache too small for 4 growing sequences: ZOS reserves the in-flight step's k + 1 positions on
+    top, so preemption comes at other steps than with ZOS off; recomputed, the greedy rows' tokens are
+    the same. (A seeded row's token right after its recompute comes from the plain sampler, not from
+    the verification's draws, so its tokens depend on when it was preempted, with ZOS on or off.)"""
+    arrivals = tuple(
+        Arrival(0, f"r{i}", PROMPTS[i] * 6, SamplingParams(temperature=0.0 if i % 2 else 0.8, seed=i, max_tokens=70,
+                                                            ignore_eos=True))
+        for i in range(4)
+    )
+    engine_args = {**SPEC, "num_kv_blocks": 4, "block_size": 64, "max_num_seqs": 4, "stop_preempted_request": False}
+    off = replay(False, arrivals, **engine_args)
+    on = replay(True, arrivals, **engine_args)
+    assert on.preempted > 0 and on.steps_left_in_flight > 10
+    assert on.results["r1"] == off.results["r1"] and on.results["r3"] == off.results["r3"]      # the greedy rows
+    assert all(r.finish_reason == "length" and len(r.token_ids) == 70 for run in (on, off)
+               for r in run.results.values())
+    assert_nothing_left(off.engine)
+    assert_nothing_left(on.engine)
+
+
+def test_the_sync_guard_covers_the_speculative_launch(monkeypatch: pytest.MonkeyPatch) -> None:
+    engine = LLMEngine(EngineArgs(zero_overhead_scheduling=True, speculative_decoding=True, max_num_seqs=2))
+    assert engine.zos and engine.spec is not None
+    ensure_rows = engine.runner.ensure_rows
+
+    def ensure_rows_and_read_back(num_rows: int) -> None:
+        ensure_rows(num_rows)
+        engine.runner.row_tokens.tolist()           # a device read: waits for the GPU on CUDA
+
+    monkeypatch.setattr(engine.runner, "ensure_rows", ensure_rows_and_read_back)
+    engine.add_request("r", "def f(", SamplingParams(temperature=0.0, max_tokens=6))
+    final = [out for _ in range(8) for out in engine.step() if out.finished]
+    assert final and final[0].outputs[0].finish_reason == "error"
+    assert CudaSyncError.__name__ in final[0].outputs[0].error_reason

@@ -64,7 +64,7 @@ from .outputs import (
 from .request import ParallelRequest, Request
 from .sampler import Sampler, logprobs_of
 from .sampling_stage import InFlightSampling, SampledStep, SamplingStage, StepRows
-from .spec_step import SpeculativeDecoder, SpeculativeStats, attach_draft_head
+from .spec_step import SpecFlight, SpeculativeDecoder, SpeculativeStats, attach_draft_head
 from .staging import to_device
 from .sync_guard import forbid_cuda_sync
 from .tokenizer import Tokenizer, load_tokenizer
@@ -84,19 +84,29 @@ class _InFlightStep:
         out: the scheduler's output for the step.
         reqs: the request of each sampled row, in row order (objects, not ids: an id may be reused by a
             new request before this step is post-processed).
-        sampling: the launched sampling.
+        sampling: the launched sampling (None for a speculative step).
         recomputed: ids of rows preempted for recompute since the step was scheduled: their token is
             dropped (the recompute samples it again).
         preempted: ids of rows preempted for good since the step was scheduled (the scheduler has
             freed them): their token still counts, then the request finishes as "preempted", as it
             would have with the step post-processed before the preemption.
+        spec: a speculative decode step's launched verification (spec_step.py); None for plain steps.
     """
 
     out: SchedulerOutput
     reqs: list[Request]
-    sampling: InFlightSampling
+    sampling: InFlightSampling | None
     recomputed: set[str] = field(default_factory=set)
     preempted: set[str] = field(default_factory=set)
+    spec: SpecFlight | None = None
+
+
+def _zos_with_drafts(args: EngineArgs, eager_verify: bool) -> bool:
+    """Whether speculative decode steps run under ZOS: not for DeepSeek-V4.1 (its verify steps take host
+    positions); on CUDA only when zero_overhead_scheduling=True asks for it (not yet run on a GPU)."""
+    if eager_verify:
+        return False
+    return torch.device(args.device).type != "cuda" or args.zero_overhead_scheduling is True
 
 
 def resolve_model_dir(model: str | None) -> Path:
@@ -198,12 +208,11 @@ class LLMEngine(RequestIntake):
             graph_interval=self.env.cudagraph_batch_size_interval, batch_invariant=self.env.batch_invariant,
         )
         self._sched_cfg, self._vote_group = sched_cfg, vote_group
-        # Speculative decode steps (spec_step.py) run synchronously: ZOS stays off with a draft head.
         self.spec = None if draft is None else SpeculativeDecoder(draft, self.runner, args, self.env, self._seq)
         self.scheduler = self._new_scheduler()
         # One caller at a time: add_request / abort_request / step / has_unfinished_requests take it.
         self._lock = threading.RLock()
-        self.zos = args.zos and self.spec is None
+        self.zos = args.zos and (draft is None or _zos_with_drafts(args, eager_verify))
         self.sampling = SamplingStage(Sampler(seed=args.seed, force_top_k=self.env.sampler_force_topk,
                                               batch_invariant=self.env.batch_invariant),
                                       self.eos_token_ids, cfg.vocab_size, sync_guard=not self.env.disable_sync_guard,
@@ -320,9 +329,7 @@ class LLMEngine(RequestIntake):
         try:
             self.runner.apply_cache_ops(out)
             if self.spec is not None and out.kind is StepKind.DECODE and out.decode is not None:
-                reqs = [self._seq(seq_id) for seq_id in out.decode.seq_ids]
-                self.spec.step(out.decode, reqs, self.sampling, self._step_rows, self.scheduler, changed)
-                self._pump_grammars()
+                self._run_spec_step(out, previous, keep_in_flight, changed)
                 return
             wanting = self._wanting_prompt_logprobs(out)
             with forbid_cuda_sync(device, enabled=guarded):
@@ -341,7 +348,7 @@ class LLMEngine(RequestIntake):
                 # requests ended (every end drops its sequence from the scheduler).
                 unchanged = out.decode is not None and done.out.decode is not None and \
                     out.decode.seq_ids is done.out.decode.seq_ids
-                self._post_process(done, self.sampling.collect(done.sampling), changed, rows_unchanged=unchanged)
+                self._post_process_in_flight(done, changed, rows_unchanged=unchanged)
             current = None
             if step is not None and logits is not None and step.sample_seq_ids:    # (3) sample N
                 seq_ids = step.sample_seq_ids
@@ -374,6 +381,38 @@ class LLMEngine(RequestIntake):
             for req in previous.reqs if previous is not None else ():
                 if not req.finished:
                     self._fail(req.seq_id, err, changed)
+
+    def _run_spec_step(self, out: SchedulerOutput, previous: _InFlightStep | None, keep_in_flight: bool,
+                       changed: dict[str, Request]) -> None:
+        """A speculative decode step (spec_step.py), in the same phases as a plain one: (1) draft and
+        launch the verify forward of N, (2) post-process N − 1, (3) launch the verification and the
+        plain rows' sampling of N, (4) the grammar pump; then commit N, or keep it in flight (ZOS).
+        On a failure the caller fails the step's rows and N − 1's."""
+        spec, d = self.spec, out.decode
+        if not d.num_seqs:
+            return
+        reqs = [self._seq(seq_id) for seq_id in d.seq_ids]
+        guarded = keep_in_flight and self.sampling.sync_guard
+        launched = spec.launch_forward(d, reqs, guarded=guarded)                   # (1)
+        if previous is not None:                                                   # (2)
+            self._post_process_in_flight(previous, changed)
+        flight = spec.launch_accept(launched, self.sampling, self._step_rows, guarded=guarded)       # (3)
+        self._pump_grammars()                                                      # (4)
+        current = _InFlightStep(out, reqs, None, spec=flight)
+        if keep_in_flight:
+            self._in_flight = current
+        else:
+            self._post_process_in_flight(current, changed)
+
+    def _post_process_in_flight(self, step: _InFlightStep, changed: dict[str, Request], *,
+                                rows_unchanged: bool = False) -> None:
+        """Read and take a launched step's tokens: a speculative step through `SpeculativeDecoder.commit`,
+        a plain one through `_post_process`."""
+        if step.spec is not None:
+            self.spec.commit(step.spec, self.sampling, self.scheduler, changed, preempted=step.preempted,
+                             recomputed=step.recomputed)
+        else:
+            self._post_process(step, self.sampling.collect(step.sampling), changed, rows_unchanged=rows_unchanged)
 
     def _wanting_prompt_logprobs(self, out: SchedulerOutput) -> frozenset[str]:
         """Sequences of a prefill step whose prompt logprobs are not all in yet."""

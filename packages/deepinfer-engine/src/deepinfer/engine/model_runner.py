@@ -5,7 +5,10 @@ Per-row state (ZOS, DESIGN.md §7): `row_tokens[row]` holds, on the device, the 
 the sequence at scheduler row `row` (`DecodeBatch.rows`, stable while the sequence lives). A decode step
 whose sequences have a step in flight (`last_token_ids` = −1) takes their input tokens from there, so
 the host never waits for a sampled token before launching the next forward; only rows whose last token
-the host already knows (new, or after a prefill) read it from the step's pinned host copy.
+the host already knows (new, or after a prefill) read it from the step's pinned host copy. Under
+speculative decoding a verify step emits 1 … k + 1 tokens per row: `row_tokens` then holds the last of
+them and `row_emitted[row]` how many (`record_emitted`), from which the next step, launched before the
+host has read them, places its tokens (`verify_forward`'s `shift`).
 """
 
 from __future__ import annotations
@@ -123,6 +126,7 @@ class ModelRunner:
         self.plan = CachePlan(block_size, num_blocks, num_state_slots, paged_bytes, state.total_bytes,
                               state.state_size_to_disk)
         self.row_tokens = torch.zeros(0, dtype=torch.int64, device=self.device)   # [rows] last sampled token
+        self.row_emitted = torch.zeros(0, dtype=torch.int64, device=self.device)  # [rows] tokens of its last step
         self.graphs = None
         self.block_tables: RowBlockTables | None = None   # by scheduler row, for the graphs' decode steps
         # CUDA graphs need the graph-safe kernels, which run in bfloat16 (grouped-GEMM MoE).
@@ -183,7 +187,7 @@ class ModelRunner:
             raise ValueError(f"decode query lengths {d.query_lens.tolist()} must all be 1 here; a step with "
                              "drafts runs through verify_forward")
         n = d.num_seqs
-        self._ensure_rows(int(d.rows.max()) + 1)
+        self.ensure_rows(int(d.rows.max()) + 1)
         in_flight = d.last_token_ids.min() < 0          # ZOS: some rows' tokens are still on the device
         if self.graphs is not None and self.graphs.bucket(n) is not None:
             return self._staged_decode_step(d, in_flight)
@@ -222,7 +226,7 @@ class ModelRunner:
         return StepBatch(None, tuple(d.seq_ids), None, rows, graph_seqs=n)
 
     @torch.no_grad()
-    def verify_forward(self, d: DecodeBatch, tokens: Tensor) -> Tensor:
+    def verify_forward(self, d: DecodeBatch, tokens: Tensor, shift: Tensor | None = None) -> Tensor:
         """The verify forward of a speculative decode step: the model's multi-token decode
         (`ForwardBatch.multi_decode`, static shapes), replayed from the CUDA graph keyed by the
         step's total query tokens when there is one, else eager; DeepSeek-V4.1 (no multi-token
@@ -232,6 +236,9 @@ class ModelRunner:
             d: the decode step; sequence i reserved positions [seq_lens[i] − m, seq_lens[i]) with m =
                 tokens.shape[1] (nextn + 1) and feeds its first query_lens[i] of them.
             tokens: [num_seqs, nextn + 1] int64 on the device: the anchor (last token), then the drafts.
+            shift: ZOS: [num_seqs] int64 on the device, how many positions before the reserved ones each
+                row's anchor really is (the reservation of its step in flight that the step did not use:
+                nextn + 1 − `row_emitted`; 0 for rows without one); None = 0 for every row. Not for V4.1.
         Returns:
             float32 logits [sum(query_lens), vocab] of every fed row, sequence by sequence.
         """
@@ -244,13 +251,17 @@ class ModelRunner:
         flat = token_rows * width + columns                                   # into tokens.flatten()
         fed = tokens.flatten().index_select(0, self._to_device(flat))
         total_q = len(flat)
+        token_shift = None if shift is None else shift.index_select(0, self._to_device(token_rows))
         if isinstance(self.model, DeepseekV41ForCausalLM):
+            if shift is not None:
+                raise ValueError("DeepSeek-V4.1 verifies through its per-sequence path, from host positions: "
+                                 "no shift (ZOS stays off)")
             # no multi-token decode in V4.1: the rows as one varlen batch of the per-sequence path
             batch = ForwardBatch.build([[0] * q for q in query_lens.tolist()], (d.seq_lens.astype(np.int64)
                                        - width).tolist(), list(d.block_tables), d.state_slots.tolist(), logits="all",
                                        device=self.device)
             return self.model(dataclasses.replace(batch, token_ids=fed), self.cache, self.ops).float()
-        if self.graphs is not None and self.graphs.bucket(total_q) is not None:
+        if self.verify_replays_graph(total_q):
             # a replay of the graph keyed by total_q: per token (-1: filled below on the device), its
             # position, its row's state slot and scheduler row (the graphs gather the block tables by it)
             inputs = torch.empty((STAGED_ROWS, total_q), dtype=torch.int64, pin_memory=True)
@@ -262,10 +273,19 @@ class ModelRunner:
             self.block_tables.update(d.rows, d.table_versions, d.block_tables)
             self.graphs.stage(inputs, self.block_tables)
             self.graphs.token_ids[:total_q].copy_(fed)
+            if token_shift is not None:
+                self.graphs.positions[:total_q].sub_(token_shift)
             return self.graphs.replay(total_q)      # float32 [total_q, vocab], valid until the next replay
-        batch = ForwardBatch.multi_decode(fed, positions, token_rows, d.block_tables, d.state_slots,
-                                          max_query_len=width, device=self.device, to_device=self._to_device)
+        placed = positions if token_shift is None else self._to_device(positions) - token_shift
+        batch = ForwardBatch.multi_decode(fed, placed, token_rows, d.block_tables, d.state_slots,
+                                          max_query_len=width, max_context_len=int(positions.max()) + 1,
+                                          device=self.device, to_device=self._to_device)
         return self.model(batch, self.cache, self.ops).float()
+
+    def verify_replays_graph(self, total_q: int) -> bool:
+        """Whether `verify_forward` of total_q query tokens replays a CUDA graph."""
+        return (self.graphs is not None and self.graphs.bucket(total_q) is not None
+                and not isinstance(self.model, DeepseekV41ForCausalLM))
 
     def record_sampled(self, step: StepBatch, token_ids: Tensor) -> None:
         """Keep a decode step's sampled tokens ([num_seqs] int64, on the device) by row, for the next
@@ -273,13 +293,21 @@ class ModelRunner:
         if step.rows is not None:
             self.row_tokens.index_copy_(0, step.rows, token_ids)
 
-    def _ensure_rows(self, num_rows: int) -> None:
-        """Grow `row_tokens` to at least num_rows rows (doubling; device-side copy, no wait)."""
+    def record_emitted(self, rows: Tensor, last_tokens: Tensor, num_emitted: Tensor) -> None:
+        """Keep, by scheduler row, the last token a speculative decode step emitted for each of its rows
+        and how many it emitted (all [m] int64 on the device; no host copy, no wait)."""
+        self.row_tokens.index_copy_(0, rows, last_tokens)
+        self.row_emitted.index_copy_(0, rows, num_emitted)
+
+    def ensure_rows(self, num_rows: int) -> None:
+        """Grow the per-row buffers to at least num_rows rows (doubling; device-side copy, no wait)."""
         if num_rows > self.row_tokens.shape[0]:
-            grown = torch.zeros(max(num_rows, 2 * self.row_tokens.shape[0], 64), dtype=torch.int64,
-                                device=self.device)
-            grown[: self.row_tokens.shape[0]] = self.row_tokens
-            self.row_tokens = grown
+            size = max(num_rows, 2 * self.row_tokens.shape[0], 64)
+            for name in ("row_tokens", "row_emitted"):
+                grown = torch.zeros(size, dtype=torch.int64, device=self.device)
+                old = getattr(self, name)
+                grown[: old.shape[0]] = old
+                setattr(self, name, grown)
 
     def _to_device(self, array: np.ndarray) -> Tensor:
         return to_device(array, self.device)

@@ -1,12 +1,18 @@
 """Speculative decode steps with the DSpark draft head (DESIGN.md §6, docs/spec.md).
 
 With `EngineArgs.speculative_decoding` the scheduler reserves k + 1 positions per decode row
-(nextn = k) and asks `DraftGate` how many of them each row feeds. A speculative decode step runs
-synchronously (ZOS off: every row's last token is on the host):
+(nextn = k) and asks `DraftGate` how many of them each row feeds. A speculative decode step has the
+engine's three phases (`LLMEngine`: launch the forward, post-process the step before, launch the
+sampling): `launch_forward` (1–2 below), `launch_accept` (3, on the device) and `commit` (4, on the
+host). With ZOS off the engine runs them back to back (`step`); with ZOS on it commits step N while
+step N + 1 runs: N + 1 was launched before N's tokens reached the host, so a row with a step in
+flight takes its anchor and its place on the device (`ModelRunner.row_tokens` / `row_emitted`: the
+in-flight step emitted 1 … k + 1 tokens of the k + 1 positions reserved for it; the scheduler had
+placed N + 1 after all of them, so its positions move back by the difference).
 
 1. draft: `DSparkDraft.propose` from each drafting row's anchor (its last token, at position
-   seq_len − k − 1); the rings hold the target's features of every committed position, written by
-   earlier forwards.
+   seq_len − k − 1 minus that difference); the rings hold the target's features of every committed
+   position, written by earlier forwards.
 2. verify forward (`ModelRunner.verify_forward`): rows [anchor, drafts[:q − 1]] in one varlen batch,
    logits of every row; it also writes the target features of those positions into the rings. Ring
    rows past the accepted run are overwritten by the next step before any draft reads them, and the
@@ -18,13 +24,18 @@ synchronously (ZOS off: every row's last token is on the host):
    plain step.
 4. commit: per row, `Request.add_token` token by token, so stop strings, EOS, stop ids and max_tokens
    end the run exactly at the token that ends the request; then one `Scheduler.append_decode_tokens`
-   with the number of tokens kept.
+   with the number of tokens kept. Under ZOS a request's end is seen one step late: the step in flight
+   ran its row too, and those tokens are dropped (as a plain ZOS step's one token is).
+
+Under ZOS the varlen policy splits step N + 1's verify lengths on the host from the confidences of
+step N − 1 (the last one read); the seed recomputes the split on the device from step N's. The online
+forward-time correction is fed by ZOS-off steps only (a ZOS step's host time is not its forward's).
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -52,8 +63,9 @@ from .env import EngineEnv, env_var_name
 from .model_runner import ModelRunner
 from .request import Request
 from .sampler import MAX_LOGIT_MAGNITUDE
-from .sampling_stage import NON_FINITE_LOGITS, SamplingStage, StepRows
-from .staging import to_device
+from .sampling_stage import NON_FINITE_LOGITS, InFlightSampling, SamplingStage, StepRows
+from .staging import to_device, to_host
+from .sync_guard import forbid_cuda_sync
 
 
 @dataclass(frozen=True, slots=True)
@@ -210,96 +222,183 @@ class SpeculativeDecoder:
     def step(self, d: DecodeBatch, reqs: list[Request], sampling: SamplingStage,
              step_rows: Callable[[list[Request]], StepRows], scheduler: Scheduler,
              changed: dict[str, Request]) -> None:
-        """Run one speculative decode step of `d` (its rows' requests `reqs`) and commit its tokens."""
+        """Run one speculative decode step of `d` (its rows' requests `reqs`) and commit its tokens (ZOS
+        off: `launch_forward`, `launch_accept` and `commit` at once)."""
         if not d.num_seqs:
             return
-        if d.last_token_ids.min() < 0:
-            raise RuntimeError("a speculative decode step needs every row's last token on the host (ZOS off)")
         started = time.perf_counter()
-        device, k = self.runner.device, self.k
+        launched = self.launch_forward(d, reqs)
+        flight = self.launch_accept(launched, sampling, step_rows)
+        self.commit(flight, sampling, scheduler, changed)
+        if self.varlen is not None:
+            self.varlen.forward.observe(int(d.query_lens.sum()), (time.perf_counter() - started) * 1e3)
+
+    def launch_forward(self, d: DecodeBatch, reqs: list[Request], *, guarded: bool = False) -> SpecLaunch:
+        """Draft and launch the verify forward of decode step `d`, reading nothing from the device: ZOS
+        launches it before the previous step's tokens are on the host. Rows whose step is in flight
+        (last_token_ids −1) take their anchor from `ModelRunner.row_tokens` and their place from
+        `row_emitted`: that step used row_emitted of the k + 1 positions the scheduler reserved for it.
+        `guarded`: a ZOS launch: the input updates, and the verify forward when it replays a CUDA graph,
+        run under `forbid_cuda_sync` (the draft walk and eager forwards run the model's eager kernels)."""
+        device, k, runner = self.runner.device, self.k, self.runner
+        n = d.num_seqs
         drafting = np.array([i for i, r in enumerate(reqs) if may_draft(r, self._force_top_k)], dtype=np.int64)
-        tokens = torch.zeros((d.num_seqs, k + 1), dtype=torch.int64, device=device)
-        tokens[:, 0] = to_device(d.last_token_ids.astype(np.int64), device)
+        with forbid_cuda_sync(device, enabled=guarded):
+            runner.ensure_rows(int(d.rows.max()) + 1)
+            host = np.empty((5, n), dtype=np.int64)
+            host[0] = d.last_token_ids
+            host[1] = d.rows
+            np.subtract(d.seq_lens, k + 1, out=host[2])      # the anchor's place if nothing is in flight
+            host[3] = [len(r.output_token_ids) for r in reqs]
+            host[4] = d.state_slots
+            staged = to_device(host, device)
+            anchors, rows, positions, outputs = staged[0], staged[1], staged[2], staged[3]
+            shift = None
+            if d.last_token_ids.min() < 0:                    # ZOS: a step of some rows is in flight
+                known = anchors >= 0
+                emitted = torch.where(known, 0, runner.row_emitted.index_select(0, rows))
+                anchors = torch.where(known, anchors, runner.row_tokens.index_select(0, rows))
+                shift = torch.where(known, 0, k + 1 - emitted)
+                positions, outputs = positions - shift, outputs + emitted
+            tokens = torch.empty((n, k + 1), dtype=torch.int64, device=device)
+            tokens[:, 0] = anchors
         verifying = None
         if len(drafting):
-            verifying = self._draft(d, [reqs[i] for i in drafting], drafting, tokens)
-        logits = self.runner.verify_forward(d, tokens)
-        rows: list[_RowTokens | None] = [None] * d.num_seqs
-        if verifying is not None:
-            for i, row in zip(drafting.tolist(), self._verify(d, logits, drafting, tokens, verifying)):
-                rows[i] = row
-        plain = [i for i, row in enumerate(rows) if row is None]
+            verifying = self._draft([reqs[i] for i in drafting], to_device(drafting, device), tokens, positions,
+                                    outputs, staged[4])
+        with forbid_cuda_sync(device, enabled=guarded and runner.verify_replays_graph(int(d.query_lens.sum()))):
+            logits = runner.verify_forward(d, tokens, shift)
+        return SpecLaunch(d, reqs, drafting, rows, logits, tokens, verifying)
+
+    def _draft(self, sub: list[Request], sub_rows: Tensor, tokens: Tensor, positions: Tensor, outputs: Tensor,
+               state_slots: Tensor) -> _Verifying:
+        """Propose k drafts for the drafting rows (`sub_rows` of the step) into tokens[sub_rows, 1:]."""
+        device = self.runner.device
+        seeds = np.array([seed_to_int64(r.rng.seed) if r.rng is not None else int(self._noise.integers(0, 2**63))
+                          for r in sub], dtype=np.int64)
+        temperature = np.array([0.0 if r.params.is_greedy else r.params.temperature for r in sub], dtype=np.float32)
+        sampler = DraftSampler(to_device(temperature, device), to_device(seeds, device),
+                               outputs.index_select(0, sub_rows))
+        prop = self.draft.propose(tokens[:, 0].index_select(0, sub_rows), positions.index_select(0, sub_rows),
+                                  state_slots.index_select(0, sub_rows), self.runner.cache, sample=sampler,
+                                  ops=self.runner.ops)
+        tokens[:, 1:].index_copy_(0, sub_rows, prop.token_ids)
+        sampled = any(not r.params.is_greedy for r in sub)
+        return _Verifying(sub, sub_rows, sampler, sampler.draft_probs(prop.logits) if sampled else None,
+                          prop.confidence)
+
+    def launch_accept(self, launched: SpecLaunch, sampling: SamplingStage,
+                      step_rows: Callable[[list[Request]], StepRows], *, guarded: bool = False) -> SpecFlight:
+        """Verify the drafting rows and sample the others on the device, keep each row's last token and
+        count in the runner (for the next step, launched before this one is read), and start copying the
+        results back. `guarded`: a ZOS launch (the plain rows' sampling runs under the sync guard)."""
+        d, reqs, device = launched.d, launched.reqs, self.runner.device
+        results: tuple[Tensor, ...] = ()
+        logprob_parts: tuple[Tensor, ...] = ()
+        confidence: tuple[Tensor, ...] = ()
+        wanted: list[int | None] = []
+        v = launched.verifying
+        if v is not None:
+            results, logprob_parts, confidence = self._launch_verify(launched, v, guarded)
+            wanted = [r.params.logprobs for r in v.reqs]
+        drafted = set(launched.drafting.tolist())
+        plain = [i for i in range(d.num_seqs) if i not in drafted]
+        flight = None
         if plain:
             first_rows = np.cumsum(d.query_lens.astype(np.int64)) - d.query_lens
             sub = [reqs[i] for i in plain]
             flight = sampling.launch(tuple(r.seq_id for r in sub),
-                                     logits.index_select(0, to_device(first_rows[plain], device)), step_rows(sub))
-            sampled = sampling.collect(flight)
-            for j, i in enumerate(plain):
+                                     launched.logits.index_select(0, to_device(first_rows[plain], device)),
+                                     step_rows(sub), guarded=guarded)
+            plain_rows = launched.rows.index_select(0, to_device(np.array(plain, dtype=np.int64), device))
+            self.runner.record_emitted(plain_rows, flight.token_ids, torch.ones_like(flight.token_ids))
+        host, done = to_host(results + logprob_parts + confidence)
+        num_parts = len(logprob_parts)
+        return SpecFlight(reqs, launched.drafting, plain, host[0] if host else None, host[1:1 + num_parts],
+                          host[-1] if confidence else None, done, flight, wanted)
+
+    def _launch_verify(self, launched: SpecLaunch, v: _Verifying,
+                       guarded: bool) -> tuple[tuple[Tensor, ...], tuple[Tensor, ...], tuple[Tensor, ...]]:
+        """Verify the drafting rows on the device and keep their last token and count in the runner;
+        returns the tensors to copy back: ([m, k + 4] results,), `_logprob_tensors`' parts, (confidences,)
+        under the varlen policy (else ())."""
+        d, device, k = launched.d, self.runner.device, self.k
+        with forbid_cuda_sync(device, enabled=guarded):
+            query_lens = to_device(d.query_lens.astype(np.int64), device)
+            target = gather_verify_logits(launched.logits, query_lens, k + 1).index_select(0, v.rows)  # [m, k + 1, V]
+            num_drafts = query_lens.index_select(0, v.rows) - 1
+            result = verify(VerifyInput(target, launched.tokens.index_select(0, v.rows)[:, 1:], num_drafts,
+                                        v.sampler.temperature, v.draft_probs, v.sampler.seeds,
+                                        v.sampler.output_positions))
+            finite = (target.logsumexp(dim=-1).abs() <= MAX_LOGIT_MAGNITUDE).all(dim=-1)
+            self.runner.record_emitted(launched.rows.index_select(0, v.rows),
+                                       result.output_ids.gather(1, result.num_accepted[:, None])[:, 0],
+                                       result.num_accepted + 1)
+            results = torch.cat((result.output_ids, result.num_accepted[:, None], finite[:, None].long(),
+                                 num_drafts[:, None]), dim=1)
+            logprob_parts = _logprob_tensors(target, result.output_ids, result.logprobs,
+                                             [r.params.logprobs for r in v.reqs])
+        return (results,), logprob_parts, (v.confidence,) if self.varlen is not None else ()
+
+    def commit(self, flight: SpecFlight, sampling: SamplingStage, scheduler: Scheduler, changed: dict[str, Request],
+               *, preempted: Collection[str] = (), recomputed: Collection[str] = ()) -> None:
+        """Read a launched step's results (waiting only for their copy) and commit its tokens.
+
+        Args:
+            preempted / recomputed: ZOS: ids of rows preempted for good / for recompute since the step
+                was scheduled (`LLMEngine`'s in-flight step): the first still take their tokens and then
+                finish as "preempted"; the second drop theirs.
+        """
+        rows: list[_RowTokens | None] = [None] * len(flight.reqs)
+        if len(flight.drafting):
+            if flight.done is not None:
+                flight.done.synchronize()
+            for i, row in zip(flight.drafting.tolist(), self._verified_rows(flight)):
+                rows[i] = row
+        if flight.sampling is not None:
+            sampled = sampling.collect(flight.sampling)
+            for j, i in enumerate(flight.plain):
                 rank = None if sampled.ranks is None else sampled.ranks[j]
                 rows[i] = _RowTokens([sampled.token_ids[j]], [sampled.logprobs[j]], [rank], sampled.errors.get(j))
-        if self.varlen is not None:
-            self.varlen.forward.observe(int(d.query_lens.sum()), (time.perf_counter() - started) * 1e3)
-        self._commit(reqs, rows, scheduler, changed)
+        self._commit(flight.reqs, rows, sampling, scheduler, changed, preempted, recomputed)
 
-    def _draft(self, d: DecodeBatch, sub: list[Request], drafting: np.ndarray, tokens: Tensor) -> _Verifying:
-        """Propose k drafts for the drafting rows into tokens[drafting, 1:]."""
-        device = self.runner.device
-        seeds = [seed_to_int64(r.rng.seed) if r.rng is not None else int(self._noise.integers(0, 2**63))
-                 for r in sub]
-        host = np.stack((np.array(seeds, dtype=np.int64), np.array([len(r.output_token_ids) for r in sub]),
-                         d.seq_lens[drafting].astype(np.int64) - (self.k + 1), d.state_slots[drafting],
-                         drafting))
-        staged = to_device(host, device)
-        temperature = torch.tensor([0.0 if r.params.is_greedy else r.params.temperature for r in sub],
-                                   dtype=torch.float32, device=device)
-        sampler = DraftSampler(temperature, staged[0], staged[1])
-        prop = self.draft.propose(tokens[staged[4], 0], staged[2], staged[3], self.runner.cache, sample=sampler,
-                                  ops=self.runner.ops)
-        tokens[staged[4], 1:] = prop.token_ids
-        sampled = any(not r.params.is_greedy for r in sub)
-        return _Verifying(sub, staged[4], sampler, sampler.draft_probs(prop.logits) if sampled else None,
-                          prop.confidence)
-
-    def _verify(self, d: DecodeBatch, logits: Tensor, drafting: np.ndarray, tokens: Tensor,
-                v: _Verifying) -> list[_RowTokens]:
-        """Verify the drafting rows; their tokens, logprobs and errors on the host."""
-        device, k = self.runner.device, self.k
-        query_lens = to_device(d.query_lens.astype(np.int64), device)
-        target = gather_verify_logits(logits, query_lens, k + 1).index_select(0, v.rows)     # [m, k + 1, V]
-        num_drafts = query_lens.index_select(0, v.rows) - 1
-        result = verify(VerifyInput(target, tokens.index_select(0, v.rows)[:, 1:], num_drafts, v.sampler.temperature,
-                                    v.draft_probs, v.sampler.seeds, v.sampler.output_positions))
-        finite = (target.logsumexp(dim=-1).abs() <= MAX_LOGIT_MAGNITUDE).all(dim=-1)
-        host = torch.cat((result.output_ids, result.num_accepted[:, None], finite[:, None].long(),
-                          num_drafts[:, None]), dim=1).cpu().numpy()
-        wanted = [r.params.logprobs for r in v.reqs]
-        entries = _logprob_entries(target, result.output_ids, result.logprobs, wanted)
-        confidence = v.confidence.cpu().numpy() if self.varlen is not None else None
+    def _verified_rows(self, flight: SpecFlight) -> list[_RowTokens]:
+        """The drafting rows' tokens, logprobs and errors from the host copies."""
+        k = self.k
+        host = flight.results.numpy()
+        entries = _logprob_entries(host[:, :k + 1], flight.logprob_parts, flight.wanted)
+        confidence = None if flight.confidence is None else flight.confidence.numpy()
+        reqs = [flight.reqs[i] for i in flight.drafting.tolist()]
         out = []
-        for j, req in enumerate(v.reqs):
+        for j, req in enumerate(reqs):
             num_out = int(host[j, k + 1]) + 1
-            row_ids = host[j, :num_out].tolist()
             logprobs, ranks = entries[j] if entries is not None else ([None] * num_out, [None] * num_out)
             error = None if host[j, k + 2] else NON_FINITE_LOGITS
-            out.append(_RowTokens(row_ids, logprobs[:num_out], ranks[:num_out], error))
+            out.append(_RowTokens(host[j, :num_out].tolist(), logprobs[:num_out], ranks[:num_out], error))
             if confidence is not None:
                 self.varlen.observe(req.seq_id, confidence[j])
         if confidence is not None:
-            live = {r.seq_id for r in v.reqs}
+            live = {r.seq_id for r in reqs}
             for seq_id in self._observed - live:
                 self.varlen.forget(seq_id)
             self._observed = live
-        self._counts += (1, len(v.reqs), int(host[:, k + 3].sum()), int(host[:, k + 1].sum()))
+        self._counts += (1, len(reqs), int(host[:, k + 3].sum()), int(host[:, k + 1].sum()))
         return out
 
-    def _commit(self, reqs: list[Request], rows: Sequence[_RowTokens | None], scheduler: Scheduler,
-                changed: dict[str, Request]) -> None:
-        """Feed each row's tokens to its request until it ends, then tell the scheduler what was kept."""
+    def _commit(self, reqs: list[Request], rows: Sequence[_RowTokens | None], sampling: SamplingStage,
+                scheduler: Scheduler, changed: dict[str, Request], preempted: Collection[str],
+                recomputed: Collection[str]) -> None:
+        """Feed each row's tokens to its request until it ends, then tell the scheduler what was kept.
+        A row whose request ended (or went to be recomputed) since the step was launched drops its
+        tokens; a row preempted for good takes them and finishes as "preempted"."""
         seq_ids: list[str] = []
         kept_tokens: list[list[int]] = []
         for req, row in zip(reqs, rows):
-            if req.finished or row is None:
+            if row is None:
+                continue
+            if req.finished or req.seq_id in recomputed:
+                if req.history_slot is not None and not req.finished:     # its token was counted: take it out
+                    sampling.history.reset(req.history_slot, req.prompt_token_ids, req.output_token_ids)
                 continue
             kept: list[int] = []
             if row.error is not None:
@@ -310,6 +409,10 @@ class SpeculativeDecoder:
                     kept.append(token_id)
                     if req.finished:
                         break
+            if req.seq_id in preempted:
+                req.preempt()               # the scheduler has already freed it
+                changed[req.request_id] = req.owner
+                continue
             if req.finished:
                 changed[req.request_id] = req.owner
                 scheduler.finish_seq(req.seq_id, req.finish_reason)
@@ -327,6 +430,46 @@ class SpeculativeDecoder:
 
 
 @dataclass(frozen=True, slots=True)
+class SpecLaunch:
+    """A speculative decode step between its verify forward and its verification."""
+
+    d: DecodeBatch
+    reqs: list[Request]
+    drafting: np.ndarray           # [m] int64 rows that drafted, ascending
+    rows: Tensor                   # [num_seqs] int64 scheduler row of each row (device)
+    logits: Tensor                 # [sum(query_lens), vocab] float32 of the verify forward
+    tokens: Tensor                 # [num_seqs, k + 1] int64 anchor and drafts (device)
+    verifying: _Verifying | None   # the drafting rows' sampler, q and confidences; None when m = 0
+
+
+@dataclass(frozen=True, slots=True)
+class SpecFlight:
+    """A launched speculative decode step whose results are on their way to the host (`commit`).
+
+    Attributes:
+        reqs: the request of each row, in row order.
+        drafting: [m] int64 rows verified by `deepinfer.spec.verify`, ascending; plain: the other rows,
+            sampled by the engine's `SamplingStage` (`sampling`, None when there are none).
+        results / logprob_parts / confidence: host copies (pinned on CUDA) of the drafting rows' [m, k + 4]
+            int64 (output ids, accepted count, 1 = finite logits, drafts fed), of `_logprob_tensors`' parts
+            (empty when no row asked for logprobs) and of their confidences [m, k] float32 (varlen policy
+            only, else None); results is None when m = 0.
+        done: the CUDA event after the copies (None on the CPU).
+        wanted: SamplingParams.logprobs of each drafting row.
+    """
+
+    reqs: list[Request]
+    drafting: np.ndarray
+    plain: list[int]
+    results: Tensor | None
+    logprob_parts: tuple[Tensor, ...]
+    confidence: Tensor | None
+    done: torch.cuda.Event | None
+    sampling: InFlightSampling | None
+    wanted: list[int | None]
+
+
+@dataclass(frozen=True, slots=True)
 class _Verifying:
     """The drafting rows of a step, between the draft and the verification."""
 
@@ -337,23 +480,32 @@ class _Verifying:
     confidence: Tensor             # [m, k] float32 the draft head's acceptance estimates
 
 
-def _logprob_entries(target: Tensor, output_ids: Tensor, logprobs: Tensor,
+def _logprob_tensors(target: Tensor, output_ids: Tensor, logprobs: Tensor,
+                     wanted: list[int | None]) -> tuple[Tensor, ...]:
+    """What the verified rows' logprob entries need, on the device (empty when no row asked): the emitted
+    tokens' ranks [m, k + 1] int64 and logprobs [m, k + 1] float32, then, when a row asked for
+    alternatives, the top ids [m, k + 1, t] and their logprobs (t = the largest count asked)."""
+    if all(w is None for w in wanted):
+        return ()
+    chosen = target.gather(-1, output_ids.clamp(min=0)[..., None])
+    parts: tuple[Tensor, ...] = ((target > chosen).sum(dim=-1) + 1, logprobs.float())
+    num_top = min(max(w or 0 for w in wanted), target.shape[-1])
+    if num_top:
+        top_logits, top = target.topk(num_top, dim=-1)
+        parts += (top, top_logits - target.logsumexp(dim=-1, keepdim=True))
+    return parts
+
+
+def _logprob_entries(output_ids: np.ndarray, parts: tuple[Tensor, ...],
                      wanted: list[int | None]) -> list[tuple[list[dict[int, float] | None], list[int | None]]] | None:
     """Per verified row, the {token: logprob} of each emitted token plus its top alternatives (as many
     as the row's SamplingParams.logprobs; None where none were asked) and the token's rank; None when
-    no row asked. Reads the device (after the step's tokens, already read)."""
+    no row asked. `output_ids` [m, k + 1] and `_logprob_tensors`' parts, on the host."""
     if all(w is None for w in wanted):
         return None
-    num_top = min(max(w or 0 for w in wanted), target.shape[-1])
-    chosen = target.gather(-1, output_ids.clamp(min=0)[..., None])
-    ranks = ((target > chosen).sum(dim=-1) + 1).tolist()
-    values = logprobs.tolist()
+    ranks, values = parts[0].tolist(), parts[1].tolist()
+    top_ids, top_values = (parts[2].tolist(), parts[3].tolist()) if len(parts) >= 4 else (None, None)
     ids = output_ids.tolist()
-    top_ids = top_values = None
-    if num_top:
-        top_logits, top = target.topk(num_top, dim=-1)
-        top_values = (top_logits - target.logsumexp(dim=-1, keepdim=True)).tolist()
-        top_ids = top.tolist()
     out: list[tuple[list[dict[int, float] | None], list[int | None]]] = []
     for j, w in enumerate(wanted):
         if w is None:
