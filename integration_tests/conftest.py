@@ -12,6 +12,16 @@ sys.path.insert(0, str(Path(__file__).parent))
 from engine_twin import byte_bpe_tokenizer_json, hf_model, write_model_dir
 
 
+@pytest.fixture(scope="session", autouse=True)
+def varlen_profile_cache(tmp_path_factory):
+    """Engines started here keep varlen step-time curves in a temporary file, never in the user's
+    cache folder (DEEPINFER_VARLEN_PROFILE_CACHE)."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("DEEPINFER_VARLEN_PROFILE_CACHE",
+                     str(tmp_path_factory.mktemp("varlen_profile") / "varlen_profile.json"))
+        yield
+
+
 @pytest.fixture(scope="session")
 def tiny(tmp_path_factory):
     """(transformers model, model folder) of a tiny random V4 with every layer type."""

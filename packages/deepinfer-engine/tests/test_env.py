@@ -2,6 +2,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 
 import pytest
 
@@ -13,6 +14,7 @@ from deepinfer.engine.env import (
     env_var_name,
     read_env,
     unknown_env_vars,
+    varlen_profile_cache_path,
 )
 
 
@@ -133,3 +135,27 @@ def test_known_variables_give_no_warning(caplog: pytest.LogCaptureFixture) -> No
 def test_reads_os_environ_by_default(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("DEEPINFER_SAMPLER_FORCE_TOPK", "3")
     assert read_env().sampler_force_topk == 3
+
+
+def test_varlen_profile_cache_is_a_path_or_off() -> None:
+    assert read_env({}).varlen_profile_cache is None and EngineEnv().varlen_profile_cache is None
+    assert read_env({"DEEPINFER_VARLEN_PROFILE_CACHE": " "}).varlen_profile_cache is None     # empty: the default
+    assert read_env({"DEEPINFER_VARLEN_PROFILE_CACHE": "/tmp/p.json"}).varlen_profile_cache == "/tmp/p.json"
+    assert read_env({"DEEPINFER_VARLEN_PROFILE_CACHE": "~/p.json"}).varlen_profile_cache == \
+        os.path.expanduser("~/p.json")
+    assert read_env({"DEEPINFER_VARLEN_PROFILE_CACHE": "OFF"}).varlen_profile_cache == "off"
+    assert EngineEnv(varlen_profile_cache="Off").varlen_profile_cache == "off"
+    with pytest.raises(InvalidEnvVar, match="DEEPINFER_VARLEN_PROFILE_CACHE='' must be a file path, or off"):
+        EngineEnv(varlen_profile_cache="")
+
+
+def test_varlen_profile_cache_default_is_in_the_user_cache_folder() -> None:
+    default = EngineEnv()
+    assert varlen_profile_cache_path(default, {"XDG_CACHE_HOME": "/xdg", "HOME": "/home/u"}) == \
+        "/xdg/deepinfer/varlen_profile.json"
+    for xdg in ("", "relative/cache"):                 # XDG: a relative XDG_CACHE_HOME is ignored
+        assert varlen_profile_cache_path(default, {"XDG_CACHE_HOME": xdg, "HOME": "/home/u"}) == \
+            "/home/u/.cache/deepinfer/varlen_profile.json"
+    assert varlen_profile_cache_path(EngineEnv(varlen_profile_cache="/p.json"), {"XDG_CACHE_HOME": "/xdg"}) == \
+        "/p.json"
+    assert varlen_profile_cache_path(EngineEnv(varlen_profile_cache="off"), {}) is None

@@ -1,4 +1,7 @@
 import itertools
+import json
+import os
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
@@ -44,3 +47,53 @@ def test_profile_cache_round_trips_and_is_keyed_by_config(tmp_path) -> None:
         raise AssertionError("a cached curve must not be measured again")
 
     assert cache.load_or_profile(key, fail, [1, 2, 4]) == curve
+
+
+def test_a_corrupt_file_or_entry_raises_naming_the_file_and_store_replaces_it(tmp_path) -> None:
+    cache = ProfileCache(tmp_path / "profiles.json")
+    for text in ("{not json", "[1, 2]", ""):
+        cache.path.write_text(text)
+        with pytest.raises(ValueError, match=f"^{cache.path}: "):
+            cache.load("a")
+        cache.store("a", StepTimeCurve((1, 2), (1.0, 2.0)))        # the unreadable file is replaced whole
+        assert json.loads(cache.path.read_text()) == {"a": {"sizes": [1, 2], "ms": [1.0, 2.0]}}
+    for entry in ({"sizes": [2, 1], "ms": [1.0, 2.0]}, {"ms": [1.0]}, {"sizes": 3, "ms": [1.0]}, [1]):
+        cache.path.write_text(json.dumps({"b": entry, "c": {"sizes": [1], "ms": [0.5]}}))
+        with pytest.raises(ValueError, match=r"the entry b\.\.\. is not a step-time curve"):
+            cache.load("b")
+        assert cache.load("c") == StepTimeCurve((1,), (0.5,))
+        cache.store("b", StepTimeCurve((4,), (3.0,)))              # a bad entry is replaced, the others kept
+        assert cache.load("b") == StepTimeCurve((4,), (3.0,)) and cache.load("c") == StepTimeCurve((1,), (0.5,))
+    with pytest.raises(OSError):
+        ProfileCache(tmp_path).load("a")                           # a folder: unreadable
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["profiles.json"]
+
+
+def test_a_failed_write_keeps_the_old_file_and_leaves_no_temporary_file(tmp_path, monkeypatch) -> None:
+    cache = ProfileCache(tmp_path / "profiles.json")
+    cache.store("a", StepTimeCurve((1,), (1.0,)))
+    before = cache.path.read_text()
+
+    def fail(src, dst):
+        raise OSError("disk full")
+
+    monkeypatch.setattr(os, "replace", fail)
+    with pytest.raises(OSError, match="disk full"):
+        cache.store("b", StepTimeCurve((1,), (2.0,)))
+    assert cache.path.read_text() == before and [p.name for p in tmp_path.iterdir()] == ["profiles.json"]
+
+
+def test_concurrent_writers_leave_a_valid_file(tmp_path) -> None:
+    path = tmp_path / "profiles.json"
+
+    def write(worker: int) -> None:
+        cache = ProfileCache(path)
+        for i in range(25):
+            cache.store(f"{worker}-{i}", StepTimeCurve((1, 2), (float(worker), float(i))))
+            assert isinstance(json.loads(path.read_text()), dict)    # readers never see a partial file
+
+    with ThreadPoolExecutor(4) as pool:
+        list(pool.map(write, range(4)))
+    data = json.loads(path.read_text())
+    assert data and all(ProfileCache(path).load(key) is not None for key in data)   # the last writer wins
+    assert [p.name for p in tmp_path.iterdir()] == ["profiles.json"]

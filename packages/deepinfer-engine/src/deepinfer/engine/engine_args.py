@@ -140,8 +140,9 @@ class EngineArgs:
             DEEPINFER_USE_NEXTN_DECODE when set, else the model's dspark_block_size.
         verify_policy: how many of the k drafts each request verifies (needs speculative_decoding):
             "fixed" = all k; "varlen" = DESIGN.md §6's choice by expected throughput, from a step-time
-            curve measured at start-up and the draft head's confidences (a request's tokens then depend
-            on its batch, even seeded ones).
+            curve measured at start-up (kept in DEEPINFER_VARLEN_PROFILE_CACHE for the next start of the
+            same config) and the draft head's confidences (a request's tokens then depend on its batch,
+            even seeded ones).
     """
 
     model: str | None = None

@@ -2,7 +2,8 @@
 
 `read_env()` reads them once into a frozen `EngineEnv`, which is passed down like any config. An
 unset or empty variable takes its default. Booleans accept 0/1/true/false (any case), nothing else; a
-"choice" variable one of its listed words (any case).
+"choice" variable one of its listed words (any case); a "path" variable a file path (~ expanded) or
+"off" (any case).
 
 `VARIABLES` describes each variable (allowed values and meaning); the table in docs/environment.md
 is generated from it by `python -m deepinfer.engine.gen_docs`. A DEEPINFER_* variable that nothing
@@ -20,6 +21,7 @@ from dataclasses import dataclass, fields
 from typing import Any
 
 PREFIX = "DEEPINFER_"
+OFF = "off"           # a "path" variable's value that turns its file off
 logger = logging.getLogger(__name__)
 
 
@@ -43,10 +45,13 @@ class EngineEnv:
     cudagraph_batch_size_interval: int = 8
     yoco_prefill_truncation_mode: str = "off"
     yoco_prefill_keep_tokens: int = 140
+    varlen_profile_cache: str | None = None     # None: the user cache folder's file (`varlen_profile_cache_path`)
 
     def __post_init__(self) -> None:
         if self.sampler_force_topk == 0 and not isinstance(self.sampler_force_topk, bool):
             object.__setattr__(self, "sampler_force_topk", None)
+        if isinstance(self.varlen_profile_cache, str) and self.varlen_profile_cache.lower() == OFF:
+            object.__setattr__(self, "varlen_profile_cache", OFF)
         for field in fields(self):
             _check(_BY_FIELD[field.name], getattr(self, field.name))
 
@@ -57,12 +62,14 @@ class EnvVar:
 
     Attributes:
         field: the `EngineEnv` field it sets; the variable is DEEPINFER_<FIELD>.
-        kind: how its text is parsed: "int", "float", "bool" or "choice" (a lower-cased word; `check`
-            says which).
+        kind: how its text is parsed: "int", "float", "bool", "choice" (a lower-cased word; `check`
+            says which) or "path" (a file path, ~ expanded, or "off").
         allowed: the allowed values, in the words of errors and docs.
         description: what it does (docs/environment.md).
         check: True for an allowed (parsed) value.
-        optional: None is a value too (the field is `int | None`).
+        optional: None is a value too (the field is `int | None` or `str | None`).
+        shown_default: the default as the docs state it, where the field's default stands for another
+            value (None for a file under the user cache folder).
     """
 
     field: str
@@ -71,6 +78,7 @@ class EnvVar:
     description: str
     check: Callable[[Any], bool]
     optional: bool = False
+    shown_default: str | None = None
 
     @property
     def name(self) -> str:
@@ -113,6 +121,13 @@ VARIABLES: tuple[EnvVar, ...] = (
            lambda v: v in ("off", "compact", "mask")),
     EnvVar("yoco_prefill_keep_tokens", "int", "an int >= 1",
            "queries per request kept by compact CED / YOCO prefill truncation", lambda v: v >= 1),
+    EnvVar("varlen_profile_cache", "path", "a file path, or off",
+           "the JSON file where verify_policy='varlen' keeps the step-time curve it measures at engine start, "
+           "one entry per hash of the model and parallel config (docs/spec.md): a start that finds its entry "
+           "skips the measurement. Writes are atomic, the last writer wins; an unreadable or corrupt file is "
+           "warned about and measured again. off = measure at every start, write nothing",
+           lambda v: v != "", optional=True,
+           shown_default="$XDG_CACHE_HOME/deepinfer/varlen_profile.json (XDG_CACHE_HOME unset: ~/.cache)"),
 )
 _BY_FIELD = {var.field: var for var in VARIABLES}
 
@@ -150,6 +165,23 @@ def read_env(environ: Mapping[str, str] = os.environ) -> EngineEnv:
     return EngineEnv(**values)
 
 
+def varlen_profile_cache_path(env: EngineEnv, environ: Mapping[str, str] = os.environ) -> str | None:
+    """The file of DEEPINFER_VARLEN_PROFILE_CACHE, or None when it is off.
+
+    Its default (`env.varlen_profile_cache` None) is <user cache folder>/deepinfer/varlen_profile.json,
+    the user cache folder being XDG_CACHE_HOME when that is an absolute path, else ~/.cache (the XDG
+    base directory rule), both read from `environ` now.
+    """
+    if env.varlen_profile_cache == OFF:
+        return None
+    if env.varlen_profile_cache is not None:
+        return env.varlen_profile_cache
+    base = environ.get("XDG_CACHE_HOME", "")
+    if not os.path.isabs(base):
+        base = os.path.join(environ.get("HOME") or os.path.expanduser("~"), ".cache")
+    return os.path.join(base, "deepinfer", "varlen_profile.json")
+
+
 def unknown_env_vars(environ: Mapping[str, str] = os.environ) -> tuple[str, ...]:
     """DEEPINFER_* variables set in `environ` that nothing reads (likely typos), sorted."""
     known = _known_names()
@@ -185,6 +217,10 @@ def _parse_float(var: EnvVar, raw: str) -> float:
     return value
 
 
+def _parse_path(var: EnvVar, raw: str) -> str:
+    return OFF if raw.lower() == OFF else os.path.expanduser(raw)
+
+
 def _parse_bool(var: EnvVar, raw: str) -> bool:
     lowered = raw.lower()
     if lowered in ("1", "true"):
@@ -199,8 +235,9 @@ def _parse_choice(var: EnvVar, raw: str) -> str:
 
 
 _PARSERS: dict[str, Callable[[EnvVar, str], Any]] = {"int": _parse_int, "float": _parse_float, "bool": _parse_bool,
-                                                   "choice": _parse_choice}
-_TYPES: dict[str, tuple[type, ...]] = {"int": (int,), "float": (int, float), "bool": (bool,), "choice": (str,)}
+                                                   "choice": _parse_choice, "path": _parse_path}
+_TYPES: dict[str, tuple[type, ...]] = {"int": (int,), "float": (int, float), "bool": (bool,), "choice": (str,),
+                                       "path": (str,)}
 
 
 def _check(var: EnvVar, value: object) -> None:

@@ -55,8 +55,8 @@ def environment_markdown() -> str:
     defaults = {field.name: field.default for field in dataclasses.fields(EngineEnv)}
     rows = []
     for var in VARIABLES:
-        rows.append((f"`{var.name}`", f"`{var.field}`", var.allowed, _env_value(defaults[var.field]),
-                     var.description))
+        default = var.shown_default if var.shown_default is not None else _env_value(defaults[var.field])
+        rows.append((f"`{var.name}`", f"`{var.field}`", var.allowed, default, var.description))
     others = [(f"`{name}`", meaning) for name, meaning in sorted(OTHER_VARIABLES.items())]
     return "\n".join([
         "# Environment variables",

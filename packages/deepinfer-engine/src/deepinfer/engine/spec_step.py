@@ -51,9 +51,7 @@ from deepinfer.spec import (
     SamplerRuntimeEstimator,
     VarlenVerifyPolicy,
     VerifyInput,
-    cuda_graph_sizes,
     gather_verify_logits,
-    profile_step_times,
     seed_to_int64,
     verify,
 )
@@ -66,6 +64,7 @@ from .sampler import MAX_LOGIT_MAGNITUDE
 from .sampling_stage import NON_FINITE_LOGITS, InFlightSampling, SamplingStage, StepRows
 from .staging import to_device, to_host
 from .sync_guard import forbid_cuda_sync
+from .varlen_profile import varlen_step_time_curve
 
 
 @dataclass(frozen=True, slots=True)
@@ -168,7 +167,8 @@ class SpeculativeDecoder:
     Args:
         draft: the attached draft head (`attach_draft_head`).
         runner: the model runner (its cache holds the draft rings).
-        args / env: the engine's; verify_policy "varlen" measures the step-time curve here, at start-up.
+        args / env: the engine's; verify_policy "varlen" measures the step-time curve here, at start-up
+            (or loads it from DEEPINFER_VARLEN_PROFILE_CACHE: varlen_profile.py).
         lookup: the engine's request of a scheduler sequence id.
     """
 
@@ -179,8 +179,7 @@ class SpeculativeDecoder:
         self._noise = np.random.default_rng(args.seed)      # seeds of unseeded sampled rows, drawn per step
         self.varlen: VarlenVerifyPolicy | None = None
         if args.verify_policy == "varlen":
-            sizes = cuda_graph_sizes(args.max_num_seqs * (self.k + 1), env.cudagraph_batch_size_interval)
-            curve = profile_step_times(self._time_dummy_step, sizes)
+            curve = varlen_step_time_curve(self._time_dummy_step, draft, runner, args, env)   # cached in a file
             self.varlen = VarlenVerifyPolicy(ForwardRuntimeEstimator(curve, interval=env.cudagraph_batch_size_interval),
                                              SamplerRuntimeEstimator())
         self.gate = DraftGate(self.varlen or FixedVerifyPolicy(), lookup, self._force_top_k)

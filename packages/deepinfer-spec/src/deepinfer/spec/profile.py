@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import bisect
+import contextlib
 import hashlib
 import json
 import os
 import statistics
+import tempfile
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -72,38 +74,76 @@ def profile_key(model: Mapping[str, Any], parallel: Mapping[str, Any]) -> str:
 
 
 class ProfileCache:
-    """Step-time curves in one JSON file, `{key: {"sizes": [...], "ms": [...]}}`."""
+    """Step-time curves in one JSON file, `{key: {"sizes": [...], "ms": [...]}}`.
+
+    Writes are atomic (a temporary file in the same folder, renamed over the cache), so a reader sees
+    the old or the new file, never a partial one. Concurrent writers cannot corrupt it, but the last
+    rename wins: an entry another process stored in between is lost (and measured again next time).
+    """
 
     def __init__(self, path: str | Path) -> None:
         self.path = Path(path)
 
     def _read(self) -> dict[str, Any]:
         try:
-            data = json.loads(self.path.read_text())
+            text = self.path.read_text()
         except FileNotFoundError:
             return {}
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as err:
+            raise ValueError(f"{self.path}: not JSON ({err})") from None
         if not isinstance(data, dict):
             raise ValueError(f"{self.path}: expected a JSON object of profiles")
         return data
 
     def load(self, key: str) -> StepTimeCurve | None:
-        """The curve stored under `key`, or None."""
+        """The curve stored under `key`, or None (no file, or no such entry).
+
+        Raises:
+            OSError: the file exists but cannot be read.
+            ValueError: the file is not a JSON object, or the entry of `key` is not a valid curve; the
+                message names the file.
+        """
         entry = self._read().get(key)
         if entry is None:
             return None
-        return StepTimeCurve(tuple(int(s) for s in entry["sizes"]), tuple(float(m) for m in entry["ms"]))
+        try:
+            return StepTimeCurve(tuple(int(s) for s in entry["sizes"]), tuple(float(m) for m in entry["ms"]))
+        except (KeyError, TypeError, ValueError) as err:
+            raise ValueError(f"{self.path}: the entry {key[:12]}... is not a step-time curve ({err!r})") from None
 
     def store(self, key: str, curve: StepTimeCurve) -> None:
-        """Add or replace `key` (written to a temporary file, then renamed over the cache)."""
-        data = self._read()
+        """Add or replace `key`, keeping the file's other entries (a file that is not a JSON object of
+        profiles is replaced whole).
+
+        Raises:
+            OSError: the folder or the file cannot be read or written.
+        """
+        try:
+            data = self._read()
+        except ValueError:
+            data = {}
         data[key] = {"sizes": list(curve.sizes), "ms": list(curve.ms)}
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = self.path.with_name(f".{self.path.name}.{os.getpid()}.tmp")
-        tmp.write_text(json.dumps(data, indent=1, sort_keys=True))
-        os.replace(tmp, self.path)
+        fd, tmp = tempfile.mkstemp(prefix=f".{self.path.name}.", suffix=".tmp", dir=self.path.parent)
+        try:
+            with os.fdopen(fd, "w") as out:
+                json.dump(data, out, indent=1, sort_keys=True)
+            os.chmod(tmp, 0o644)        # mkstemp's 0600 would hide a shared cache from other users
+            os.replace(tmp, self.path)
+        except BaseException:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
+            raise
 
     def load_or_profile(self, key: str, run_step: Callable[[int], float], sizes: Iterable[int]) -> StepTimeCurve:
-        """The cached curve for `key`, else profile it now and cache it."""
+        """The cached curve for `key`, else profile it now and cache it.
+
+        Raises:
+            OSError / ValueError: as `load` (an unreadable or corrupt file) and `store`; the engine
+                (deepinfer.engine.varlen_profile) measures again and warns instead.
+        """
         curve = self.load(key)
         if curve is None:
             curve = profile_step_times(run_step, sizes)
