@@ -17,6 +17,7 @@ import dataclasses
 import functools
 
 import pytest
+import torch
 
 from deepinfer.engine import LLMEngine, SamplingParams, StructuredOutput
 from deepinfer.engine.engine_args import EngineArgs
@@ -279,3 +280,27 @@ def test_the_sync_guard_covers_the_speculative_launch(monkeypatch: pytest.Monkey
     final = [out for _ in range(8) for out in engine.step() if out.finished]
     assert final and final[0].outputs[0].finish_reason == "error"
     assert CudaSyncError.__name__ in final[0].outputs[0].error_reason
+
+
+def test_varlen_verify_under_zos_splits_on_the_device_and_keeps_greedy_tokens(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Under ZOS the varlen policy's total stays the host's choice and is split again on the device by
+    the confidences of the step in flight (`query_lens_by_confidence`); greedy tokens do not depend on
+    the split."""
+    from deepinfer.engine import spec_step
+
+    splits: list[tuple[int, torch.Tensor]] = []
+    split = spec_step.query_lens_by_confidence
+
+    def recording_split(confidence, total_q):
+        lens = split(confidence, total_q)
+        splits.append((total_q, lens))         # read after the launch (the sync guard forbids it inside)
+        return lens
+
+    monkeypatch.setattr(spec_step, "query_lens_by_confidence", recording_split)
+    greedy = SamplingParams(temperature=0.0, max_tokens=24)
+    arrivals = tuple(Arrival(i // 2, f"r{i}", PROMPTS[i], greedy) for i in range(len(PROMPTS)))
+    args = {**SPEC, "verify_policy": "varlen"}
+    off, on = assert_same_with_zos_on_and_off(arrivals, **args)
+    assert splits and all(total == int(lens.sum()) for total, lens in splits)
+    assert on.results == replay(False, arrivals, max_num_seqs=8).results

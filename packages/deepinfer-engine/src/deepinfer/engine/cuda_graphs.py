@@ -130,8 +130,8 @@ class DecodeGraphs:
         and gather its block tables on the device, for `replay`; returns the graph size the step replays.
 
         Args:
-            inputs: [STAGED_ROWS, n] int64 on the host (pinned): token ids (-1 where the caller fills
-                the token on the device afterwards), positions, state slots, scheduler rows.
+            inputs: [STAGED_ROWS, n] int64 on the host (pinned) or the device: token ids (-1 where the
+                caller fills the token on the device afterwards), positions, state slots, scheduler rows.
             tables: the block tables by scheduler row, already brought up to date for these rows
                 (`RowBlockTables.update`), as wide as the captured tables.
         Raises:

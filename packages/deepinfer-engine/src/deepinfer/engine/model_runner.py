@@ -226,7 +226,8 @@ class ModelRunner:
         return StepBatch(None, tuple(d.seq_ids), None, rows, graph_seqs=n)
 
     @torch.no_grad()
-    def verify_forward(self, d: DecodeBatch, tokens: Tensor, shift: Tensor | None = None) -> Tensor:
+    def verify_forward(self, d: DecodeBatch, tokens: Tensor, shift: Tensor | None = None,
+                       query_lens: Tensor | None = None) -> Tensor:
         """The verify forward of a speculative decode step: the model's multi-token decode
         (`ForwardBatch.multi_decode`, static shapes), replayed from the CUDA graph keyed by the
         step's total query tokens when there is one, else eager; DeepSeek-V4.1 (no multi-token
@@ -239,9 +240,14 @@ class ModelRunner:
             shift: ZOS: [num_seqs] int64 on the device, how many positions before the reserved ones each
                 row's anchor really is (the reservation of its step in flight that the step did not use:
                 nextn + 1 − `row_emitted`; 0 for rows without one); None = 0 for every row. Not for V4.1.
+            query_lens: ZOS: [num_seqs] int64 on the device, the query lengths split on the device (same
+                sum as d.query_lens, which they replace); the step's tokens are then laid out on the
+                device. None = d.query_lens. Not for V4.1.
         Returns:
             float32 logits [sum(query_lens), vocab] of every fed row, sequence by sequence.
         """
+        if query_lens is not None:
+            return self._verify_forward_device_split(d, tokens, shift, query_lens)
         query_lens = d.query_lens.astype(np.int64)
         width = tokens.shape[1]
         token_rows = np.repeat(np.arange(d.num_seqs), query_lens)          # the row of each fed token
@@ -279,6 +285,37 @@ class ModelRunner:
         placed = positions if token_shift is None else self._to_device(positions) - token_shift
         batch = ForwardBatch.multi_decode(fed, placed, token_rows, d.block_tables, d.state_slots,
                                           max_query_len=width, max_context_len=int(positions.max()) + 1,
+                                          device=self.device, to_device=self._to_device)
+        return self.model(batch, self.cache, self.ops).float()
+
+    def _verify_forward_device_split(self, d: DecodeBatch, tokens: Tensor, shift: Tensor | None,
+                                     query_lens: Tensor) -> Tensor:
+        """`verify_forward` with query lengths known only on the device: the token layout (each token's
+        row, column and position) is computed there, without a host read."""
+        if isinstance(self.model, DeepseekV41ForCausalLM):
+            raise ValueError("DeepSeek-V4.1 verifies through its per-sequence path: no device split")
+        n, width = d.num_seqs, tokens.shape[1]
+        total_q = int(d.query_lens.sum())
+        host = np.empty((3, n), dtype=np.int64)
+        np.subtract(d.seq_lens, width, out=host[0])
+        host[1] = d.state_slots
+        host[2] = d.rows
+        first_positions, state_slots, rows = self._to_device(host)
+        if shift is not None:
+            first_positions = first_positions - shift
+        token_rows = torch.repeat_interleave(torch.arange(n, device=self.device), query_lens, output_size=total_q)
+        starts = torch.cumsum(query_lens, 0) - query_lens
+        columns = torch.arange(total_q, device=self.device) - starts.index_select(0, token_rows)
+        fed = tokens.flatten().index_select(0, token_rows * width + columns)
+        positions = first_positions.index_select(0, token_rows) + columns
+        if self.verify_replays_graph(total_q):
+            inputs = torch.stack((fed, positions, state_slots.index_select(0, token_rows),
+                                  rows.index_select(0, token_rows)))
+            self.block_tables.update(d.rows, d.table_versions, d.block_tables)
+            self.graphs.stage(inputs, self.block_tables)
+            return self.graphs.replay(total_q)
+        batch = ForwardBatch.multi_decode(fed, positions, token_rows, d.block_tables, d.state_slots,
+                                          max_query_len=width, max_context_len=int(d.seq_lens.max()),
                                           device=self.device, to_device=self._to_device)
         return self.model(batch, self.cache, self.ops).float()
 

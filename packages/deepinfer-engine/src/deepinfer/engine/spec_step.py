@@ -52,6 +52,7 @@ from deepinfer.spec import (
     VarlenVerifyPolicy,
     VerifyInput,
     gather_verify_logits,
+    query_lens_by_confidence,
     seed_to_int64,
     verify,
 )
@@ -184,6 +185,7 @@ class SpeculativeDecoder:
                                              SamplerRuntimeEstimator())
         self.gate = DraftGate(self.varlen or FixedVerifyPolicy(), lookup, self._force_top_k)
         self._observed: set[str] = set()
+        self._row_confidence = torch.full((0, self.k), -1.0, dtype=torch.float32, device=runner.device)
         self._counts = np.zeros(4, dtype=np.int64)           # SpeculativeStats' fields, in order
 
     @property
@@ -252,7 +254,7 @@ class SpeculativeDecoder:
             host[4] = d.state_slots
             staged = to_device(host, device)
             anchors, rows, positions, outputs = staged[0], staged[1], staged[2], staged[3]
-            shift = None
+            shift = known = None
             if d.last_token_ids.min() < 0:                    # ZOS: a step of some rows is in flight
                 known = anchors >= 0
                 emitted = torch.where(known, 0, runner.row_emitted.index_select(0, rows))
@@ -261,16 +263,46 @@ class SpeculativeDecoder:
                 positions, outputs = positions - shift, outputs + emitted
             tokens = torch.empty((n, k + 1), dtype=torch.int64, device=device)
             tokens[:, 0] = anchors
-        verifying = None
+        verifying = query_lens = None
         if len(drafting):
-            verifying = self._draft([reqs[i] for i in drafting], to_device(drafting, device), tokens, positions,
-                                    outputs, staged[4])
+            sub_rows = to_device(drafting, device)
+            verifying = self._draft([reqs[i] for i in drafting], drafting, sub_rows, tokens, positions, outputs,
+                                    staged[4])
+            if known is not None and self.varlen is not None:
+                with forbid_cuda_sync(device, enabled=guarded):
+                    query_lens = self._split_on_device(d, verifying, rows, known)
         with forbid_cuda_sync(device, enabled=guarded and runner.verify_replays_graph(int(d.query_lens.sum()))):
-            logits = runner.verify_forward(d, tokens, shift)
-        return SpecLaunch(d, reqs, drafting, rows, logits, tokens, verifying)
+            logits = runner.verify_forward(d, tokens, shift, query_lens)
+        if query_lens is None:
+            query_lens = to_device(d.query_lens.astype(np.int64), device)
+        return SpecLaunch(d, reqs, drafting, rows, logits, tokens, verifying, query_lens)
 
-    def _draft(self, sub: list[Request], sub_rows: Tensor, tokens: Tensor, positions: Tensor, outputs: Tensor,
-               state_slots: Tensor) -> _Verifying:
+    def _split_on_device(self, d: DecodeBatch, v: _Verifying, rows: Tensor, known: Tensor) -> Tensor:
+        """DESIGN.md §6 under ZOS: the drafting rows' total query tokens stay the host's choice (it
+        picked the graph, from the confidences of the last step read), split again on the device by
+        the confidences of the step in flight (`query_lens_by_confidence`); a row whose last step did
+        not draft, or is not in flight, keeps its host estimate. Returns [num_seqs] int64 query lengths
+        (1 for rows that do not draft)."""
+        k, device = self.k, self.runner.device
+        estimates = np.array([self.varlen.rates(r.seq_id, k) for r in v.reqs], dtype=np.float32).reshape(-1, k)
+        sub_rows = v.rows
+        self._ensure_confidence_rows(self.runner.row_tokens.shape[0])
+        latest = self._row_confidence.index_select(0, rows.index_select(0, sub_rows))
+        fresh = ~known.index_select(0, sub_rows)[:, None] & (latest[:, :1] >= 0)
+        confidence = torch.where(fresh, latest, to_device(estimates, device))
+        split = query_lens_by_confidence(confidence, int(d.query_lens[v.rows_host].sum()))
+        return torch.ones(d.num_seqs, dtype=torch.int64, device=device).index_copy_(0, sub_rows, split)
+
+    def _ensure_confidence_rows(self, num_rows: int) -> None:
+        """Grow `_row_confidence` ([rows, k] float32: the drafts' confidences of each scheduler row's
+        last step, −1 where it did not draft) to num_rows rows (device-side copy, no wait)."""
+        if num_rows > self._row_confidence.shape[0]:
+            grown = torch.full((num_rows, self.k), -1.0, dtype=torch.float32, device=self.runner.device)
+            grown[: self._row_confidence.shape[0]] = self._row_confidence
+            self._row_confidence = grown
+
+    def _draft(self, sub: list[Request], drafting: np.ndarray, sub_rows: Tensor, tokens: Tensor, positions: Tensor,
+               outputs: Tensor, state_slots: Tensor) -> _Verifying:
         """Propose k drafts for the drafting rows (`sub_rows` of the step) into tokens[sub_rows, 1:]."""
         device = self.runner.device
         seeds = np.array([seed_to_int64(r.rng.seed) if r.rng is not None else int(self._noise.integers(0, 2**63))
@@ -283,7 +315,7 @@ class SpeculativeDecoder:
                                   ops=self.runner.ops)
         tokens[:, 1:].index_copy_(0, sub_rows, prop.token_ids)
         sampled = any(not r.params.is_greedy for r in sub)
-        return _Verifying(sub, sub_rows, sampler, sampler.draft_probs(prop.logits) if sampled else None,
+        return _Verifying(sub, sub_rows, drafting, sampler, sampler.draft_probs(prop.logits) if sampled else None,
                           prop.confidence)
 
     def launch_accept(self, launched: SpecLaunch, sampling: SamplingStage,
@@ -304,13 +336,17 @@ class SpeculativeDecoder:
         plain = [i for i in range(d.num_seqs) if i not in drafted]
         flight = None
         if plain:
-            first_rows = np.cumsum(d.query_lens.astype(np.int64)) - d.query_lens
             sub = [reqs[i] for i in plain]
-            flight = sampling.launch(tuple(r.seq_id for r in sub),
-                                     launched.logits.index_select(0, to_device(first_rows[plain], device)),
-                                     step_rows(sub), guarded=guarded)
-            plain_rows = launched.rows.index_select(0, to_device(np.array(plain, dtype=np.int64), device))
+            plain_index = to_device(np.array(plain, dtype=np.int64), device)
+            with forbid_cuda_sync(device, enabled=guarded):
+                first_rows = torch.cumsum(launched.query_lens, 0) - launched.query_lens
+                logits = launched.logits.index_select(0, first_rows.index_select(0, plain_index))
+            flight = sampling.launch(tuple(r.seq_id for r in sub), logits, step_rows(sub), guarded=guarded)
+            plain_rows = launched.rows.index_select(0, plain_index)
             self.runner.record_emitted(plain_rows, flight.token_ids, torch.ones_like(flight.token_ids))
+            if self.varlen is not None:
+                self._ensure_confidence_rows(self.runner.row_tokens.shape[0])
+                self._row_confidence.index_fill_(0, plain_rows, -1.0)
         host, done = to_host(results + logprob_parts + confidence)
         num_parts = len(logprob_parts)
         return SpecFlight(reqs, launched.drafting, plain, host[0] if host else None, host[1:1 + num_parts],
@@ -321,18 +357,21 @@ class SpeculativeDecoder:
         """Verify the drafting rows on the device and keep their last token and count in the runner;
         returns the tensors to copy back: ([m, k + 4] results,), `_logprob_tensors`' parts, (confidences,)
         under the varlen policy (else ())."""
-        d, device, k = launched.d, self.runner.device, self.k
+        device, k = self.runner.device, self.k
         with forbid_cuda_sync(device, enabled=guarded):
-            query_lens = to_device(d.query_lens.astype(np.int64), device)
+            query_lens = launched.query_lens
             target = gather_verify_logits(launched.logits, query_lens, k + 1).index_select(0, v.rows)  # [m, k + 1, V]
             num_drafts = query_lens.index_select(0, v.rows) - 1
             result = verify(VerifyInput(target, launched.tokens.index_select(0, v.rows)[:, 1:], num_drafts,
                                         v.sampler.temperature, v.draft_probs, v.sampler.seeds,
                                         v.sampler.output_positions))
             finite = (target.logsumexp(dim=-1).abs() <= MAX_LOGIT_MAGNITUDE).all(dim=-1)
-            self.runner.record_emitted(launched.rows.index_select(0, v.rows),
-                                       result.output_ids.gather(1, result.num_accepted[:, None])[:, 0],
+            step_rows = launched.rows.index_select(0, v.rows)
+            self.runner.record_emitted(step_rows, result.output_ids.gather(1, result.num_accepted[:, None])[:, 0],
                                        result.num_accepted + 1)
+            if self.varlen is not None:
+                self._ensure_confidence_rows(self.runner.row_tokens.shape[0])
+                self._row_confidence.index_copy_(0, step_rows, v.confidence.float())
             results = torch.cat((result.output_ids, result.num_accepted[:, None], finite[:, None].long(),
                                  num_drafts[:, None]), dim=1)
             logprob_parts = _logprob_tensors(target, result.output_ids, result.logprobs,
@@ -439,6 +478,8 @@ class SpecLaunch:
     logits: Tensor                 # [sum(query_lens), vocab] float32 of the verify forward
     tokens: Tensor                 # [num_seqs, k + 1] int64 anchor and drafts (device)
     verifying: _Verifying | None   # the drafting rows' sampler, q and confidences; None when m = 0
+    query_lens: Tensor             # [num_seqs] int64 query length of each row (device): d.query_lens, or
+                                   # their split on the device under ZOS + varlen
 
 
 @dataclass(frozen=True, slots=True)
@@ -474,6 +515,7 @@ class _Verifying:
 
     reqs: list[Request]
     rows: Tensor                   # [m] int64 their rows in the step (device)
+    rows_host: np.ndarray          # the same rows, on the host
     sampler: DraftSampler          # temperature, seeds and first output positions of those rows
     draft_probs: Tensor | None     # [m, k, vocab] float32 q of the drafts; None when every row is greedy
     confidence: Tensor             # [m, k] float32 the draft head's acceptance estimates

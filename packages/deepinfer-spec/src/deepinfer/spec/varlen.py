@@ -91,15 +91,17 @@ class VarlenVerifyPolicy:
     def forget(self, seq_id: str) -> None:
         self._rates.pop(seq_id, None)
 
-    def _rates_of(self, seq_id: str, num_drafts: int) -> tuple[float, ...]:
+    def rates(self, seq_id: str, num_drafts: int) -> tuple[float, ...]:
+        """`seq_id`'s estimated acceptance of each of its next num_drafts drafts: the latest observed
+        (0 past their end), else `default_acceptance` (its last value repeated past its end)."""
         rates = self._rates.get(seq_id)
         if rates is None:
-            rates = self._default + (self._default[-1],) * max(num_drafts - len(self._default), 0)
-        return rates
+            return (self._default + (self._default[-1],) * max(num_drafts - len(self._default), 0))[:num_drafts]
+        return (rates + (0.0,) * max(num_drafts - len(rates), 0))[:num_drafts]
 
     def query_lens(self, seq_ids: tuple[str, ...], seq_lens: np.ndarray, max_query_len: int) -> np.ndarray:
         """Query lengths of one decode batch (the scheduler's VerifyLengthPolicy)."""
-        plan = choose_query_lens([self._rates_of(s, max_query_len - 1) for s in seq_ids], max_query_len,
+        plan = choose_query_lens([self.rates(s, max_query_len - 1) for s in seq_ids], max_query_len,
                                  self.forward, self.sampler)
         self.last_plan = plan
         return plan.query_lens
