@@ -1,7 +1,10 @@
 """DP + EP on CPU over gloo, 2 ranks, the embedded model: greedy outputs equal the single-process
-engine's (EP with redundant experts and EPLB re-placing them mid-generation; plain DP under torchrun's
-variables), an idle rank keeps stepping, a killed rank makes its peer exit with a clear error, and
-the live balancer agrees with deepinfer.eplb's offline functions. Every wait has a timeout."""
+engine's (EP with redundant experts and EPLB re-placing them mid-generation, ZOS on; plain DP under
+torchrun's variables), an idle rank keeps stepping, a killed rank makes its peer exit with a clear
+error, and the live balancer agrees with deepinfer.eplb's offline functions. Under EP, decode steps
+take the fixed-capacity exchange and prefill steps the variable-split one, and the fixed-capacity
+exchange of an MoE layer (idle rank included) runs under the sync guard's CPU emulation with no host
+read, where the variable-split one is caught. Every wait has a timeout."""
 
 from __future__ import annotations
 
@@ -82,6 +85,72 @@ llm.close()
 """
 
 
+EP_ZOS_SCRIPT = r"""
+import copy, json, sys
+
+import torch
+import torch.distributed as dist
+
+from deepinfer.engine import LLM, SamplingParams
+from deepinfer.engine.sync_guard import CudaSyncError, forbid_cuda_sync
+from deepinfer.kernels import kernels_for, torch_ops
+from deepinfer.model import DeepseekV4Config, ExpertSlots, apply_expert_parallel, embedded_model_dir
+from deepinfer.model import run_ep_dummy_forward
+from deepinfer.model.layers import moe_ep
+from deepinfer.model.layers.moe import MoE
+
+torch.set_num_threads(1)
+calls = {"fixed": 0, "variable": 0}
+fixed, variable = moe_ep.fixed_capacity_exchange, moe_ep.ExpertParallel._exchange
+def count_fixed(*args, **kwargs):
+    calls["fixed"] += 1
+    return fixed(*args, **kwargs)
+def count_variable(*args, **kwargs):
+    calls["variable"] += 1
+    return variable(*args, **kwargs)
+moe_ep.fixed_capacity_exchange, moe_ep.ExpertParallel._exchange = count_fixed, count_variable
+llm = LLM(device="cpu", num_kv_blocks=32, max_num_seqs=4, data_parallel_size=2, expert_parallel=True,
+          zero_overhead_scheduling=True, distributed_timeout_s=20)
+outs = llm.generate(json.loads(sys.argv[1]), SamplingParams(max_tokens=6, temperature=0))
+result = {"tokens": [o.outputs[0].token_ids for o in outs], "zos": llm.engine.zos, "calls": dict(calls)}
+
+# One MoE layer under the sync guard's CPU emulation. The CPU reference experts loop over the
+# active experts on the host, so the layer runs the static-shape grouped twin (CUDA runs Triton's).
+rank = dist.get_rank()
+cfg = DeepseekV4Config.from_model_dir(embedded_model_dir())
+torch.manual_seed(0)
+moe = MoE(cfg, layer=1)
+for p in moe.parameters():
+    torch.nn.init.normal_(p, std=0.2)
+ops = copy.copy(kernels_for(torch.device("cpu")))
+ops.moe_experts = torch_ops.moe_experts_grouped
+x = torch.randn(3, cfg.hidden_size, generator=torch.Generator().manual_seed(rank))
+tokens, cpu = torch.arange(3), torch.device("cpu")
+with torch.no_grad():
+    expected = moe(x, tokens, ops)
+    layers = torch.nn.ModuleList([moe])
+    slots = ExpertSlots(torch.tensor([0, 1, 2, 3, 4, 5, 6, 7, 0, 5]), 8, 2)      # experts 0 and 5 twice
+    apply_expert_parallel(layers, dist.new_group(backend="gloo"), [slots], max_decode_tokens=4)
+    with forbid_cuda_sync(cpu):
+        got = moe(x, tokens, ops, decode_step=True)
+    result["guarded_err"] = (got - expected).abs().max().item()
+    with forbid_cuda_sync(cpu):          # rank 1 idle: its dummy decode exchange reads nothing either
+        if rank == 0:
+            got = moe(x, tokens, ops, decode_step=True)
+        else:
+            run_ep_dummy_forward(layers, ops, decode_step=True)
+    result["guarded_idle_err"] = (got - expected).abs().max().item()
+    try:
+        with forbid_cuda_sync(cpu):
+            moe(x, tokens, ops)
+        result["variable_caught"] = None
+    except CudaSyncError as err:
+        result["variable_caught"] = str(err).split(" ")[0]
+print(json.dumps(result))
+llm.close()
+"""
+
+
 def _tokens(outputs) -> list[list[int]]:
     return [out.outputs[0].token_ids for out in outputs]
 
@@ -94,7 +163,8 @@ def expected() -> list[list[int]]:
 @pytest.fixture(scope="module")
 def ep_llm():
     llm = LLM(**SMALL, data_parallel_size=2, expert_parallel=True, eplb="decode", eplb_redundant_experts_per_rank=1,
-              eplb_window_steps=3, eplb_interval_steps=3, distributed_timeout_s=TIMEOUT_S)
+              eplb_window_steps=3, eplb_interval_steps=3, zero_overhead_scheduling=True,
+              distributed_timeout_s=TIMEOUT_S)
     yield llm
     llm.close()
 
@@ -135,9 +205,10 @@ def test_killed_rank_makes_its_peer_exit_with_a_clear_error(ep_llm: LLM) -> None
     assert all(not proc.is_alive() for proc in ep_llm.parallel._procs)
 
 
-def test_torchrun_dp_and_live_balancer_against_offline_eplb(expected: list[list[int]]) -> None:
+def _torchrun(script: str) -> list[dict]:
+    """Run `script` as the 2 ranks of a torchrun launch; every rank's last stdout line, as JSON."""
     port = free_port()
-    procs = [subprocess.Popen([sys.executable, "-c", TORCHRUN_SCRIPT, json.dumps(PROMPTS)], stdout=subprocess.PIPE,
+    procs = [subprocess.Popen([sys.executable, "-c", script, json.dumps(PROMPTS)], stdout=subprocess.PIPE,
                               stderr=subprocess.PIPE, text=True,
                               env={**os.environ, "RANK": str(rank), "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1",
                                    "MASTER_PORT": str(port), "OMP_NUM_THREADS": "1"})
@@ -153,11 +224,25 @@ def test_torchrun_dp_and_live_balancer_against_offline_eplb(expected: list[list[
             if proc.poll() is None:
                 proc.kill()
                 proc.wait()
-    for result in results:
+    return results
+
+
+def test_torchrun_dp_and_live_balancer_against_offline_eplb(expected: list[list[int]]) -> None:
+    for result in _torchrun(TORCHRUN_SCRIPT):
         assert result["tokens"] == expected                       # every rank returns every output
         assert result["live"] == [result["offline"]]
         assert result["offline"][1] > 0
         assert result["slots_match"]
+
+
+def test_ep_decode_takes_the_fixed_capacity_exchange_with_zos_and_no_host_read(expected: list[list[int]]) -> None:
+    for result in _torchrun(EP_ZOS_SCRIPT):
+        assert result["tokens"] == expected and result["zos"]
+        # 6 MoE layers: 3 variable exchanges per layer and prefill step, one fixed per layer and decode step
+        assert result["calls"]["fixed"] > 0 and result["calls"]["fixed"] % 6 == 0
+        assert result["calls"]["variable"] > 0 and result["calls"]["variable"] % 18 == 0
+        assert result["guarded_err"] < 1e-4 and result["guarded_idle_err"] < 1e-4      # float32 sums in other orders
+        assert result["variable_caught"] == "TensorBase.tolist"    # the split sizes, read on the host
 
 
 def test_parallel_arguments_are_checked_by_name() -> None:

@@ -1,6 +1,9 @@
 """Expert-parallel MoE over two gloo processes: the sharded layer gives the whole layer's output
 (float, FP8 and MXFP4 experts, redundant copies), a rank with no tokens takes part, the router's
-device counts, and moved experts land where the new placement says. Every wait has a timeout."""
+device counts, and moved experts land where the new placement says. The fixed-capacity decode
+exchange gives the variable-split exchange's output (each expert dtype, redundant copies, after a
+move, an idle rank, a hash layer filling a buffer by routing every token to one expert twice) and
+refuses a batch over its capacity. Every wait has a timeout."""
 
 from __future__ import annotations
 
@@ -53,7 +56,8 @@ for expert_dtype in (None, "fp8", "fp4"):
         sharded = MoE(cfg, layer=1, expert_dtype=expert_dtype)
         sharded.load_state_dict(whole.state_dict())
         container = torch.nn.ModuleList([sharded])
-        apply_expert_parallel(container, dist.group.WORLD, [ExpertSlots(torch.tensor(phy2log), 8, 2)])
+        apply_expert_parallel(container, dist.group.WORLD, [ExpertSlots(torch.tensor(phy2log), 8, 2)],
+                              max_decode_tokens=5)
         got = sharded(x, tokens, ops)
         result[f"max_err_{expert_dtype}"] = (got - expected).abs().max().item()
         result[f"local_rows_{expert_dtype}"] = sharded.experts.w13.shape[0]
@@ -73,6 +77,39 @@ for expert_dtype in (None, "fp8", "fp4"):
             moved = sharded(x, tokens, ops)
             result["after_move_err"] = (moved - expected).abs().max().item()
             result["slots_after_move"] = sharded.ep.slots.physical_to_logical.tolist()
+        # the decode exchange (after the move, for float experts): the same output as variable splits
+        variable = sharded(x, tokens, ops)
+        fixed = sharded(x, tokens, ops, decode_step=True)
+        result[f"fixed_vs_variable_{expert_dtype}"] = (fixed - variable).abs().max().item()
+        result[f"fixed_vs_whole_{expert_dtype}"] = (fixed - expected).abs().max().item()
+        if expert_dtype is None:
+            # rank 1 idle in a decode step: its dummy forward sends its buffers of zeros
+            if rank == 0:
+                result["fixed_idle_err"] = (sharded(x, tokens, ops, decode_step=True) - expected).abs().max().item()
+            else:
+                run_ep_dummy_forward(container, ops, decode_step=True)
+            # over the capacity: refused on every rank before any exchange
+            try:
+                sharded(torch.zeros(6, cfg.hidden_size), torch.arange(6), ops, decode_step=True)
+            except ValueError as err:
+                result["over_capacity"] = str(err)
+
+# A hash layer whose table sends every token twice to expert 3 (one copy, on rank 0): rank 0 then
+# receives num_tokens x top_k pairs from each rank, the whole capacity of each buffer.
+torch.manual_seed(0)
+hashed = MoE(cfg, layer=0)
+for p in hashed.parameters():
+    torch.nn.init.normal_(p, std=0.2)
+hashed.gate.tid2eid.fill_(3)
+x = torch.randn(5, cfg.hidden_size, generator=torch.Generator().manual_seed(3 + rank))
+tokens = torch.arange(5)
+with torch.no_grad():
+    expected = hashed(x, tokens, ops)
+    container = torch.nn.ModuleList([hashed])
+    apply_expert_parallel(container, dist.group.WORLD, [ExpertSlots(torch.tensor(phy2log), 8, 2)],
+                          max_decode_tokens=5)
+    result["hash_fixed_err"] = (hashed(x, tokens, ops, decode_step=True) - expected).abs().max().item()
+    result["hash_variable_err"] = (hashed(x, tokens, ops) - expected).abs().max().item()
 print(json.dumps(result))
 dist.destroy_process_group()
 """
@@ -124,6 +161,20 @@ def test_idle_rank_takes_part_and_moves_keep_outputs(results: list[dict]) -> Non
     for rank in results:
         assert rank["after_move_err"] < 1e-5
         assert rank["slots_after_move"] == [0, 6, 2, 3, 4, 5, 1, 7, 0, 5]
+
+
+@pytest.mark.parametrize("expert_dtype", [None, "fp8", "fp4"])
+def test_fixed_capacity_decode_exchange_matches_variable_splits(results: list[dict], expert_dtype: str | None) -> None:
+    for rank in results:
+        assert rank[f"fixed_vs_variable_{expert_dtype}"] < 1e-5
+        assert rank[f"fixed_vs_whole_{expert_dtype}"] < 1e-5
+
+
+def test_fixed_capacity_exchange_with_an_idle_rank_duplicates_and_too_many_tokens(results: list[dict]) -> None:
+    assert results[0]["fixed_idle_err"] < 1e-5
+    for rank in results:
+        assert rank["hash_fixed_err"] < 1e-5 and rank["hash_variable_err"] < 1e-5
+        assert rank["over_capacity"] == "a decode step of 6 tokens; the fixed-capacity exchange holds 5 per rank"
 
 
 def test_slots_inverse_maps_and_bad_input() -> None:

@@ -3,6 +3,12 @@
 Sizes 1, 2, 4, … up to `interval`, then every `interval` up to the maximum. A step of n sequences
 replays the smallest graph ≥ n; padding rows feed token 0 at position 0 with an all-zero block table
 and state slot 0, so whatever they write lands in the reserved block 0 / dummy slot 0.
+
+Under expert parallelism the graphs capture each MoE layer's fixed-capacity exchange
+(`ForwardBatch.decode_step`: equal-split all-to-alls, no host read; padding rows are routed and
+exchanged like real ones, their results dropped); every rank captures the same sizes in the same
+order, so the collectives of warm-up and capture match. Not yet run on GPUs: NCCL all-to-alls inside
+these graphs are untested.
 """
 
 from __future__ import annotations
@@ -81,7 +87,7 @@ class DecodeGraphs:
             cu_seqlens=tuple(range(size + 1)), start_positions=(0,) * size,
             block_tables=self.block_tables[:size], state_slots=self.state_slots[:size],
             logits_indices=self.rows[:size], max_context_len=self.max_context_len, uniform_decode=True,
-            max_query_len=self.max_query_len,
+            max_query_len=self.max_query_len, decode_step=True,
         )
 
     @torch.no_grad()

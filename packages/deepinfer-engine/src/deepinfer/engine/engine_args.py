@@ -121,8 +121,10 @@ class EngineArgs:
             requests go to the least-loaded rank and every rank runs the same kind of step. 1 = one
             process. Only `LLM` runs more than one rank so far: the `deepinfer` commands refuse it.
         expert_parallel: shard the routed experts over the data-parallel ranks (EP size = DP size), tokens
-            dispatched and combined by all-to-all; needs data_parallel_size >= 2. On CUDA the EP step
-            runs eagerly without ZOS (the all-to-all is not in the decode CUDA graphs yet).
+            dispatched and combined by all-to-all; needs data_parallel_size >= 2. Decode steps exchange
+            fixed-capacity buffers (max_num_seqs × top-k rows per peer, no host read), so ZOS stays on
+            and the decode CUDA graphs capture the exchange; prefill steps send variable splits. Tested
+            on CPU (gloo) only: the CUDA capture with NCCL has not run on GPUs yet.
         eplb: re-place experts live from the routed-token counts (needs expert_parallel): "prefill" (4
             redundant experts per rank, 100-step window, every 1,000 steps) or "decode" (1 per rank,
             1,000, every 10,000), DESIGN.md §8; None = the initial round-robin placement, no redundancy.

@@ -37,9 +37,18 @@ from pathlib import Path
 
 import numpy as np
 import torch
+import torch.distributed as dist
 
 from deepinfer.cache import BlockManager
-from deepinfer.model import ConfigError, DeepseekV4Config, DeepseekV41Config, WeightError, load_model
+from deepinfer.model import (
+    ConfigError,
+    DeepseekV4Config,
+    DeepseekV41Config,
+    ExpertSlots,
+    WeightError,
+    apply_expert_parallel,
+    load_model,
+)
 from deepinfer.sched import (
     EngineType,
     Scheduler,
@@ -109,6 +118,21 @@ def _zos_with_drafts(args: EngineArgs, eager_verify: bool) -> bool:
     return torch.device(args.device).type != "cuda" or args.zero_overhead_scheduling is True
 
 
+@dataclass(frozen=True, slots=True)
+class ExpertParallelSetup:
+    """An expert-parallel rank's share of the routed experts, for `LLMEngine(expert_parallel=...)`.
+
+    Attributes:
+        group: the EP process group (every rank of it builds its engine with the same slots).
+        rank: this rank's index in `group`.
+        slots: one placement per MoE layer, in `deepinfer.model.moe_layers` order.
+    """
+
+    group: dist.ProcessGroup
+    rank: int
+    slots: tuple[ExpertSlots, ...]
+
+
 def resolve_model_dir(model: str | None) -> Path:
     """The model folder: `model`, or the embedded default shipped with deepinfer-model."""
     if model is None:
@@ -143,9 +167,11 @@ class LLMEngine(RequestIntake):
         args: validated EngineArgs.
         env: engine environment (defaults: read once from os.environ).
         vote_group: the DP group the scheduler's step-kind vote runs over; None = a single rank.
-        local_experts: an expert-parallel rank's routed experts (per MoE layer, the logical expert of
-            each of its slots): a DeepSeek-V4 safetensors checkpoint then loads those alone
-            (`experts_sharded`), other models whole; `parallel.DPRank` attaches the exchange.
+        expert_parallel: this rank's share of the routed experts (`parallel.DPRank` builds it): a
+            DeepSeek-V4 safetensors checkpoint loads its slots' experts alone (`experts_sharded`),
+            other models whole; the exchange is attached (`apply_expert_parallel`, decode steps
+            sized for max_num_seqs tokens per rank) before the decode CUDA graphs are captured, so
+            they capture the fixed-capacity EP decode step.
 
     Raises:
         InvalidEngineArgs: unknown model folder or inconsistent arguments.
@@ -154,7 +180,7 @@ class LLMEngine(RequestIntake):
 
     def __init__(self, args: EngineArgs, *, env: EngineEnv | None = None,
                  vote_group: StepVoteGroup | None = None,
-                 local_experts: Sequence[Sequence[int]] | None = None) -> None:
+                 expert_parallel: ExpertParallelSetup | None = None) -> None:
         self.args = args = args.resolved()       # "auto" device / dtype, cache budget, HF repo id
         if args.data_parallel_size > 1:
             raise InvalidEngineArgs("LLMEngine runs one rank; data_parallel_size > 1 runs through LLM(...) "
@@ -165,12 +191,17 @@ class LLMEngine(RequestIntake):
         _check_v41_options(cfg, args, self.env)
         started = time.perf_counter()
         # an expert-parallel rank's experts alone, where the loader can (a V4 safetensors checkpoint)
-        self.experts_sharded = (local_experts is not None and args.load_format == "safetensors"
+        ep = expert_parallel
+        local_experts = None if ep is None else [s.local_logical_ids(ep.rank).tolist() for s in ep.slots]
+        self.experts_sharded = (ep is not None and args.load_format == "safetensors"
                                 and type(cfg) is DeepseekV4Config)
         self.model = load_model(self.model_dir, dtype=args.torch_dtype, device=args.device,
                                 kv_quant=args.kv_quant, expert_dtype=args.expert_dtype, cfg=cfg, progress=True,
                                 load_format=args.load_format, seed=args.seed, engram_on_host=args.engram_on_host,
                                 local_experts=local_experts if self.experts_sharded else None)
+        if ep is not None:      # before the graphs are captured: they hold the EP decode exchange
+            apply_expert_parallel(self.model, ep.group, ep.slots, loaded_sharded=self.experts_sharded,
+                                  max_decode_tokens=args.max_num_seqs)
         if self.env.yoco_prefill_truncation_mode != "off":
             self.model.set_prefill_truncation(self.env.yoco_prefill_truncation_mode, self.env.yoco_prefill_keep_tokens)
         draft = attach_draft_head(self.model, args, self.env) if args.speculative_decoding else None

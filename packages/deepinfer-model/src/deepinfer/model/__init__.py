@@ -15,7 +15,10 @@ from the folder's tokenizer.json (`compressed_token_map`).
 
 Expert parallelism (`apply_expert_parallel`, `ExpertSlots`, `run_ep_dummy_forward`,
 `take_expert_counts`, `move_experts`): the routed experts of every MoE layer sharded over a
-torch.distributed group, tokens dispatched and combined by all-to-all (layers/moe_ep.py).
+torch.distributed group, tokens dispatched and combined by all-to-all (layers/moe_ep.py): variable
+splits in prefill; in decode steps (`ForwardBatch.decode_step`), fixed-capacity buffers with equal
+splits and no host read (layers/moe_ep_fixed.py), so a decode step can be captured in a CUDA graph
+(not yet run on GPUs).
 """
 
 from importlib.metadata import version as _version

@@ -21,6 +21,11 @@ class ForwardBatch:
     A multi-token decode (`multi_decode`: verify rows of 1 … max_query_len query tokens each) is a
     uniform decode over *virtual sequences*, one per token, each carrying its row's state slot and
     block table and its own position; several virtual sequences then share a state slot.
+
+    `decode_step` says which exchange expert-parallel MoE layers use, and every rank of an EP group
+    must agree on it: it is a property of the engine's step kind, not of the rows (a prefill step of
+    one-token chunks is a uniform decode for attention, but `build` leaves `decode_step` False, since
+    its peers may prefill longer chunks in the same step).
     """
 
     token_ids: Tensor         # [num_tokens] int64
@@ -33,6 +38,8 @@ class ForwardBatch:
     max_context_len: int = 0  # ≥ every sequence's start + query length (a CUDA graph pads it to its capacity)
     uniform_decode: bool = False   # every sequence has exactly one query row (the batched decode path)
     max_query_len: int = 1    # uniform decode: most tokens one scheduler row feeds (> 1: virtual sequences share slots)
+    decode_step: bool = False  # a decode step (`decode`, `multi_decode`): every EP peer runs one too, so MoE
+                               # layers under expert parallelism take the fixed-capacity exchange
 
     @property
     def num_seqs(self) -> int:
@@ -138,6 +145,7 @@ class ForwardBatch:
             logits_indices=torch.arange(n, dtype=torch.int64, device=device),
             max_context_len=int(positions.max()) + 1,
             uniform_decode=True,
+            decode_step=True,
         )
 
     @classmethod
@@ -226,4 +234,5 @@ class ForwardBatch:
             max_context_len=max_context_len,
             uniform_decode=True,
             max_query_len=max_query_len,
+            decode_step=True,
         )

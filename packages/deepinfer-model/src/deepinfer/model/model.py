@@ -49,7 +49,8 @@ class Block(nn.Module):
         x = self.attn(ops.rms_norm(x, self.attn_norm.weight, eps), batch, cache, ops, inv_freq, kv_quant)
         h = ops.hc_post(x, h, post, comb)
         x, post, comb = self._site(h, "ffn", ops)
-        x = self.ffn(ops.rms_norm(x, self.ffn_norm.weight, eps), batch.token_ids, ops)
+        x = self.ffn(ops.rms_norm(x, self.ffn_norm.weight, eps), batch.token_ids, ops,
+                     decode_step=batch.decode_step)
         return ops.hc_post(x, h, post, comb)
 
 

@@ -4,8 +4,13 @@ Every rank of the group calls `DPRank.generate` with the same prompts (SPMD, as 
 `launcher.SpawnedRanks` forwards each `LLM.generate` call to every rank). Each rank takes the prompts
 that `assign_least_loaded` gives it, and all ranks then step together while any rank has work: every
 `LLMEngine.step()` runs the scheduler's step-kind vote over the gloo group, a rank whose vote says
-EMPTY_PROMPT / EMPTY_DECODE runs `run_ep_dummy_forward` so that its peers' all-to-alls find it, and
-the finished outputs are gathered so that every rank returns all of them in prompt order.
+EMPTY_PROMPT / EMPTY_DECODE runs `run_ep_dummy_forward` of that kind so that its peers' all-to-alls
+find it, and the finished outputs are gathered so that every rank returns all of them in prompt order.
+
+Under expert parallelism decode steps exchange fixed-capacity buffers (`deepinfer.model`'s
+`moe_ep_fixed`: static shapes, no host read), so ZOS stays on and, on CUDA, the decode CUDA graphs
+capture the EP step (the exchange is attached before the engine captures them). The CUDA capture
+has not run on GPUs yet: only the CPU path (gloo) is tested.
 """
 
 from __future__ import annotations
@@ -18,13 +23,13 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from deepinfer.model import DeepseekV4Config, apply_expert_parallel, moe_layers, run_ep_dummy_forward
+from deepinfer.model import DeepseekV4Config, run_ep_dummy_forward
 from deepinfer.sched import StepKind
 
 from ..dp_group import GlooStepVoteGroup
 from ..engine_args import EngineArgs
 from ..intake import PromptInput
-from ..llm_engine import LLMEngine, resolve_model_dir
+from ..llm_engine import ExpertParallelSetup, LLMEngine, resolve_model_dir
 from ..outputs import OutputKind, RequestOutput
 from ..sampling_params import SamplingParams
 from .eplb_live import LiveBalancer, RebalanceStats, eplb_config, initial_slots
@@ -58,7 +63,7 @@ def assign_least_loaded(costs: Sequence[int], world_size: int) -> list[int]:
 
 
 def _rank_args(args: EngineArgs, rank: int) -> EngineArgs:
-    """The engine arguments of one rank: single-rank fields, its own GPU, eager steps under EP on CUDA."""
+    """The engine arguments of one rank: single-rank fields, its own GPU."""
     args = dataclasses.replace(args, data_parallel_size=1, expert_parallel=False, eplb=None,
                                eplb_redundant_experts_per_rank=None, eplb_window_steps=None,
                                eplb_interval_steps=None).resolved()
@@ -88,8 +93,6 @@ class DPRank:
         self._timeout_s = args.distributed_timeout_s
         engine_args = _rank_args(args, spec.rank)
         on_cuda = torch.device(engine_args.device).type == "cuda"
-        if args.expert_parallel and on_cuda:
-            engine_args = dataclasses.replace(engine_args, enforce_eager=True, zero_overhead_scheduling=False)
         timeout = timedelta(seconds=args.distributed_timeout_s)
         try:
             dist.init_process_group("cpu:gloo,cuda:nccl" if on_cuda else "gloo", init_method=spec.init_method,
@@ -102,21 +105,17 @@ class DPRank:
         if not args.expert_parallel:
             self.engine = LLMEngine(engine_args, vote_group=self.vote_group)
             return
-        # The placement comes first, so that the rank loads its own experts only (every V4 layer is MoE).
+        # The placement comes first, so that the rank loads its own experts only (every V4 layer is
+        # MoE), and the engine attaches the exchange before it captures its decode graphs.
         cfg = DeepseekV4Config.from_model_dir(resolve_model_dir(engine_args.model))
         ep_size = spec.world_size
         config = eplb_config(args, ep_size) if args.eplb is not None else None
         slots = initial_slots(cfg.num_hidden_layers, cfg.n_routed_experts, ep_size, config)
-        self.engine = LLMEngine(engine_args, vote_group=self.vote_group,
-                                local_experts=[s.local_logical_ids(spec.rank).tolist() for s in slots])
-        model = self.engine.model
-        if len(moe_layers(model)) != len(slots):
-            raise ValueError(f"expert parallelism needs {len(slots)} MoE layers; the model has "
-                             f"{len(moe_layers(model))}")
         ep_group = dist.new_group(backend="nccl" if on_cuda else "gloo", timeout=timeout)
-        apply_expert_parallel(model, ep_group, slots, loaded_sharded=self.engine.experts_sharded)
+        self.engine = LLMEngine(engine_args, vote_group=self.vote_group,
+                                expert_parallel=ExpertParallelSetup(ep_group, spec.rank, tuple(slots)))
         if config is not None:
-            self.balancer = LiveBalancer(model, config, ep_size, self.vote_group.process_group)
+            self.balancer = LiveBalancer(self.engine.model, config, ep_size, self.vote_group.process_group)
 
     @property
     def rebalances(self) -> tuple[RebalanceStats, ...]:
@@ -161,7 +160,7 @@ class DPRank:
         outputs = self.engine.step()
         kind = self.engine.last_step_kind
         if self.expert_parallel and kind in _EMPTY_STEPS:
-            run_ep_dummy_forward(self.engine.model, self.engine.runner.ops)
+            run_ep_dummy_forward(self.engine.model, self.engine.runner.ops, decode_step=kind is StepKind.EMPTY_DECODE)
         if self.balancer is not None and kind is not None and kind is not StepKind.IDLE:
             self.balancer.after_forward()
         return outputs

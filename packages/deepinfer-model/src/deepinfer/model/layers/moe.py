@@ -129,7 +129,8 @@ class MoE(nn.Module):
     """`gate`, `experts`, `shared_experts` (official names).
 
     `ep` (set by `moe_ep.apply_expert_parallel`, None otherwise): the routed experts run expert
-    parallel — `experts` holds this rank's slots and tokens travel by all-to-all.
+    parallel — `experts` holds this rank's slots and tokens travel by all-to-all (variable splits in
+    prefill, fixed-capacity buffers in decode steps).
     """
 
     def __init__(self, cfg: DeepseekV4Config, layer: int, expert_dtype: str | None = None) -> None:
@@ -140,8 +141,10 @@ class MoE(nn.Module):
         self.experts = Experts(cfg, expert_dtype)
         self.shared_experts = SharedExpert(cfg) if cfg.n_shared_experts else None
 
-    def forward(self, x: Tensor, token_ids: Tensor, ops: KernelSet) -> Tensor:
-        """x [num_tokens, hidden] (normed), token_ids [num_tokens] int64 → [num_tokens, hidden]."""
+    def forward(self, x: Tensor, token_ids: Tensor, ops: KernelSet, *, decode_step: bool = False) -> Tensor:
+        """x [num_tokens, hidden] (normed), token_ids [num_tokens] int64 → [num_tokens, hidden].
+        `decode_step` (`ForwardBatch.decode_step`): under expert parallelism, exchange through the
+        fixed-capacity buffers (`moe_ep_fixed`); no effect without `ep`."""
         cfg = self.cfg
         logits = ops.linear(x, self.gate.weight)
         if self.gate.hashed:
@@ -155,7 +158,7 @@ class MoE(nn.Module):
         if self.ep is None:
             out = self.experts(x, expert_ids, weights, cfg.swiglu_limit, ops)
         else:
-            out = self.ep.run(x, expert_ids, weights, self.experts, cfg.swiglu_limit, ops)
+            out = self.ep.run(x, expert_ids, weights, self.experts, cfg.swiglu_limit, ops, decode_step=decode_step)
         if self.shared_experts is not None:
             s = self.shared_experts
             stacked_weight(s, "_w13", [s.w1, s.w3])        # w3's rows right after w1's: one GEMV on GPUs

@@ -9,8 +9,13 @@ One layer's forward on every rank:
   3. `all_to_all_single` the split sizes, then the slot ids and hidden rows (variable splits);
   4. run the local experts on the received rows (float, FP8 or MXFP4: the `Experts` module's kernels);
   5. `all_to_all_single` the results back and sum each token's top-k rows with its routing weights.
-Every rank must run every layer's exchange once per forward, with or without tokens: a rank with no
-work calls `run_ep_dummy_forward` so that the collectives of its peers match.
+Step 3 reads the split sizes on the host (a device sync per layer). Decode steps
+(`ForwardBatch.decode_step`) of a layer given `max_decode_tokens` instead exchange fixed-capacity
+buffers with equal splits (`moe_ep_fixed`): static shapes and no host read, so the decode step can be
+captured in a CUDA graph and launched under ZOS; both exchanges give the same output.
+Every rank must run every layer's exchange once per forward, with or without tokens, and all of them
+the same kind (a decode step everywhere, or a prefill step everywhere): a rank with no work calls
+`run_ep_dummy_forward` with the step's kind so that the collectives of its peers match.
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ from torch import Tensor, nn
 from deepinfer.kernels import KernelSet
 
 from .moe import Experts, MoE
+from .moe_ep_fixed import fixed_capacity_exchange
 
 
 @dataclass(frozen=True, slots=True)
@@ -103,17 +109,23 @@ class ExpertParallel:
         slots: the layer's placement, on the layer's device (updated in place on a rebalance).
         expert_counts: [num_logical] int64 on the device: tokens this rank routed to each logical
             expert since the counts were last taken (`take_expert_counts`).
+        max_decode_tokens: the most tokens this rank feeds one decode step (the same on every rank;
+            the engine's `max_num_seqs`, its largest decode CUDA graph): decode steps then take the
+            fixed-capacity exchange sized from it (`moe_ep_fixed`); None = variable splits always.
     """
 
     group: dist.ProcessGroup
     rank: int
     slots: ExpertSlots
     expert_counts: Tensor
+    max_decode_tokens: int | None = None
 
     def run(self, x: Tensor, expert_ids: Tensor, weights: Tensor, experts: Experts, limit: float,
-            ops: KernelSet) -> Tensor:
+            ops: KernelSet, *, decode_step: bool = False) -> Tensor:
         """x [num_tokens, hidden]; expert_ids [num_tokens, top_k] int64 logical ids; weights
-        [num_tokens, top_k] float32 → [num_tokens, hidden] in x's dtype (num_tokens may be 0)."""
+        [num_tokens, top_k] float32 → [num_tokens, hidden] in x's dtype (num_tokens may be 0).
+        `decode_step` with `max_decode_tokens` set: the fixed-capacity exchange (no host read; every
+        rank of the group must pass the same `decode_step`)."""
         num_tokens, top_k = expert_ids.shape
         flat = expert_ids.reshape(-1)
         self.expert_counts.index_add_(0, flat, torch.ones_like(flat))
@@ -121,6 +133,8 @@ class ExpertParallel:
         pair = torch.arange(flat.numel(), device=x.device)
         replica = (pair + self.rank) % slots.logical_replica_counts[flat]
         slot = slots.logical_to_physical[flat, replica]
+        if decode_step and self.max_decode_tokens is not None:
+            return fixed_capacity_exchange(self, x, slot, weights, experts, limit, ops)
         per_rank = slots.slots_per_rank
         order = torch.argsort(slot // per_rank, stable=True)
         send_counts = torch.bincount(slot // per_rank, minlength=slots.ep_size)
@@ -183,7 +197,7 @@ def shard_experts(model: nn.Module, local_experts: Sequence[Sequence[int]]) -> d
 
 
 def apply_expert_parallel(model: nn.Module, group: dist.ProcessGroup, slots: Sequence[ExpertSlots],
-                          loaded_sharded: bool = False) -> None:
+                          loaded_sharded: bool = False, max_decode_tokens: int | None = None) -> None:
     """Shard the routed experts of every MoE layer over the EP group, and attach the exchange.
 
     Each rank keeps the rows of its slots (a logical expert's weights copied into each of its
@@ -196,13 +210,19 @@ def apply_expert_parallel(model: nn.Module, group: dist.ProcessGroup, slots: Seq
         loaded_sharded: the model was loaded with this rank's slots only (`load_model(...,
             local_experts=...)` with `slots[i].local_logical_ids(rank)`): nothing is copied, the
             exchange is attached to the experts as loaded.
+        max_decode_tokens: the most tokens one rank feeds a decode step (the same on every rank):
+            decode steps (`ForwardBatch.decode_step`) then exchange fixed-capacity buffers, with no
+            host read (`moe_ep_fixed`); None = every step uses variable splits.
 
     Raises:
-        ValueError: a placement count, EP size or expert count that does not match the model.
+        ValueError: a placement count, EP size or expert count that does not match the model, or
+            max_decode_tokens < 1.
     """
     layers = moe_layers(model)
     if len(slots) != len(layers):
         raise ValueError(f"slots has {len(slots)} placements for {len(layers)} MoE layers")
+    if max_decode_tokens is not None and max_decode_tokens < 1:
+        raise ValueError(f"max_decode_tokens={max_decode_tokens} must be >= 1 (or None)")
     rank, size = dist.get_rank(group), dist.get_world_size(group)
     for index, (moe, layer_slots) in enumerate(zip(layers, slots)):
         if layer_slots.ep_size != size or layer_slots.num_logical_experts != moe.cfg.n_routed_experts:
@@ -223,7 +243,7 @@ def apply_expert_parallel(model: nn.Module, group: dist.ProcessGroup, slots: Seq
                     getattr(local, name).data = getattr(full, name).index_select(0, local_ids)
             moe.experts = local
         counts = torch.zeros(moe.cfg.n_routed_experts, dtype=torch.int64, device=device)
-        moe.ep = ExpertParallel(group, rank, layer_slots.to(device), counts)
+        moe.ep = ExpertParallel(group, rank, layer_slots.to(device), counts, max_decode_tokens)
 
 
 def take_expert_counts(model: nn.Module) -> Tensor:
@@ -239,13 +259,16 @@ def take_expert_counts(model: nn.Module) -> Tensor:
 
 
 @torch.no_grad()
-def run_ep_dummy_forward(model: nn.Module, ops: KernelSet) -> None:
+def run_ep_dummy_forward(model: nn.Module, ops: KernelSet, *, decode_step: bool = False) -> None:
     """The EP exchanges of one forward with no tokens, for a rank with nothing to run while its peers
-    run a step: each MoE layer sends and receives nothing but still takes part in every collective."""
+    run a step: each MoE layer sends no token but still takes part in every collective. `decode_step`
+    must match the peers' step (True while they decode: the fixed-capacity exchange, which sends its
+    buffers of zeros; False while they prefill: variable splits of nothing)."""
     for moe in moe_layers(model):
         if moe.ep is None:
             continue
         x = torch.empty(0, moe.cfg.hidden_size, dtype=moe.gate.weight.dtype, device=moe.ep.expert_counts.device)
         top_k = moe.cfg.num_experts_per_tok
         ids = torch.empty(0, top_k, dtype=torch.int64, device=x.device)
-        moe.ep.run(x, ids, torch.empty(0, top_k, device=x.device), moe.experts, moe.cfg.swiglu_limit, ops)
+        moe.ep.run(x, ids, torch.empty(0, top_k, device=x.device), moe.experts, moe.cfg.swiglu_limit, ops,
+                   decode_step=decode_step)
