@@ -115,16 +115,17 @@ class EngineArgs:
         zero_overhead_scheduling: ZOS (DESIGN.md §7): the host schedules and launches decode step N + 1
             before it reads step N's sampled tokens, which feed step N + 1 on the device, so host work
             overlaps the GPU; a request's end is then seen one step late (its extra token is dropped).
-            None = on for NORMAL and COMPLETION engines, off for PROMPT engines.
+            None = on for NORMAL and COMPLETION engines, off for PROMPT engines (and, on CUDA, for
+            speculative decode steps: see speculative_decoding).
         data_parallel_size: attention data-parallel ranks, one process each (DESIGN.md §1): `LLM` spawns
             them (or, under torchrun, this process is rank RANK of WORLD_SIZE); each runs its own engine,
             requests go to the least-loaded rank and every rank runs the same kind of step. 1 = one
             process. Only `LLM` runs more than one rank so far: the `deepinfer` commands refuse it.
         expert_parallel: shard the routed experts over the data-parallel ranks (EP size = DP size), tokens
             dispatched and combined by all-to-all; needs data_parallel_size >= 2. Decode steps exchange
-            fixed-capacity buffers (max_num_seqs × top-k rows per peer, no host read), so ZOS stays on
-            and the decode CUDA graphs capture the exchange; prefill steps send variable splits. Tested
-            on CPU (gloo) only: the CUDA capture with NCCL has not run on GPUs yet.
+            fixed-capacity buffers (max_num_seqs × top-k rows per peer, no host read), so ZOS stays on;
+            prefill steps send variable splits. Tested on CPU (gloo) only: on CUDA an EP rank decodes
+            eagerly (NCCL all-to-alls inside the decode CUDA graphs have not run on GPUs yet).
         eplb: re-place experts live from the routed-token counts (needs expert_parallel): "prefill" (4
             redundant experts per rank, 100-step window, every 1,000 steps) or "decode" (1 per rank,
             1,000, every 10,000), DESIGN.md §8; None = the initial round-robin placement, no redundancy.
@@ -137,7 +138,9 @@ class EngineArgs:
         speculative_decoding: decode with the checkpoint's DSpark draft head (its `mtp.*` tensors; refused
             for a checkpoint without them): each decode step verifies k drafted tokens per request in one
             forward and keeps the accepted ones plus one target token (docs/spec.md); greedy output is the
-            same as without it. Speculative decode steps run with ZOS off and, on CUDA, eagerly.
+            same as without it. Its verify forwards replay CUDA graphs keyed by total query tokens (the
+            draft walk runs eagerly). ZOS covers speculative steps on the CPU by default; on CUDA only
+            with zero_overhead_scheduling=True (that path has not run on a GPU yet); never for V4.1.
         num_speculative_tokens: drafts per request and step, k (needs speculative_decoding); None =
             DEEPINFER_USE_NEXTN_DECODE when set, else the model's dspark_block_size.
         verify_policy: how many of the k drafts each request verifies (needs speculative_decoding):

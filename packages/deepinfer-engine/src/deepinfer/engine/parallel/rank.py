@@ -8,9 +8,10 @@ EMPTY_PROMPT / EMPTY_DECODE runs `run_ep_dummy_forward` of that kind so that its
 find it, and the finished outputs are gathered so that every rank returns all of them in prompt order.
 
 Under expert parallelism decode steps exchange fixed-capacity buffers (`deepinfer.model`'s
-`moe_ep_fixed`: static shapes, no host read), so ZOS stays on and, on CUDA, the decode CUDA graphs
-capture the EP step (the exchange is attached before the engine captures them). The CUDA capture
-has not run on GPUs yet: only the CPU path (gloo) is tested.
+`moe_ep_fixed`: static shapes, no host read), so ZOS stays on. The exchange is attached before the
+engine would capture its decode CUDA graphs, so they could hold it, but NCCL all-to-alls inside CUDA
+graphs have not run on GPUs yet: on CUDA an EP rank decodes eagerly (`enforce_eager`) until they
+have. Only the CPU path (gloo) is tested.
 """
 
 from __future__ import annotations
@@ -93,6 +94,10 @@ class DPRank:
         self._timeout_s = args.distributed_timeout_s
         engine_args = _rank_args(args, spec.rank)
         on_cuda = torch.device(engine_args.device).type == "cuda"
+        if args.expert_parallel and on_cuda:
+            # The decode graphs could capture the fixed-capacity exchange, but NCCL all-to-alls inside
+            # them have not run on GPUs yet: EP decode steps run eagerly there (ZOS stays on).
+            engine_args = dataclasses.replace(engine_args, enforce_eager=True)
         timeout = timedelta(seconds=args.distributed_timeout_s)
         try:
             dist.init_process_group("cpu:gloo,cuda:nccl" if on_cuda else "gloo", init_method=spec.init_method,
