@@ -1,0 +1,88 @@
+"""Speculative decoding on a tiny random DeepSeek-V4 with a random two-stage DSpark head.
+
+Random drafts are almost never accepted, so a speculative step mostly emits one token, but the
+engine still drafts, verifies k + 1 positions per row, rolls rejected ones back and reuses the rings:
+greedy tokens must equal plain greedy decoding token for token, with ZOS on and off, while long
+prompts are prefilled in chunks, prompts arrive mid-decode and requests are aborted mid-run; every
+block, slot and row is given back. The checkpoint is the dummy loader's model (a folder with only
+config.json) plus the head's random `mtp.*` weights handed to the engine as the checkpoint's draft
+weights.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+from test_zos_replay import Arrival, assert_nothing_left, replay
+
+from deepinfer.engine import SamplingParams, llm_engine
+from deepinfer.model import DSparkDraft
+
+CONFIG = {
+    "vocab_size": 96, "hidden_size": 64, "num_hidden_layers": 4, "num_attention_heads": 4, "head_dim": 32,
+    "qk_rope_head_dim": 8, "q_lora_rank": 32, "o_groups": 2, "o_lora_rank": 16, "n_routed_experts": 4,
+    "n_shared_experts": 1, "num_experts_per_tok": 2, "moe_intermediate_size": 64, "num_hash_layers": 1,
+    "layer_types": ["sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention",
+                    "sliding_attention"],
+    "compress_rates": {"compressed_sparse_attention": 4, "heavily_compressed_attention": 8},
+    "sliding_window": 8, "hc_mult": 2, "hc_sinkhorn_iters": 3, "index_n_heads": 2, "index_head_dim": 16,
+    "index_topk": 8, "max_position_embeddings": 512, "eos_token_id": 95,
+    "dspark_block_size": 3, "dspark_noise_token_id": 94, "dspark_target_layer_ids": [1, 2], "dspark_markov_rank": 8,
+}
+ARGS = {"device": "cpu", "load_format": "dummy", "max_num_seqs": 6, "max_num_batched_tokens": 32,
+        "kv_cache_memory_mb": 8, "max_model_len": 256}
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("v4-tiny-dspark")
+    (path / "config.json").write_text(json.dumps(CONFIG))
+    return path
+
+
+@pytest.fixture(scope="module")
+def with_random_head():
+    """The engine's loader, giving the dummy model a random two-stage draft head's `mtp.*` weights."""
+    load = llm_engine.load_model
+
+    def load_with_head(*args, **kwargs):
+        model = load(*args, **kwargs)
+        draft = DSparkDraft(model, 2)
+        draft.init_weights(3, std=0.05)
+        model.draft_weights = {key: value.detach().clone() for key, value in draft.state_dict().items()}
+        return model
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(llm_engine, "load_model", load_with_head)
+        yield
+
+
+def _prompt(seed: int, length: int) -> dict[str, list[int]]:
+    return {"prompt_token_ids": np.random.default_rng(seed).integers(0, 94, length).tolist()}
+
+
+@pytest.mark.usefixtures("with_random_head")
+def test_random_draft_heads_keep_greedy_tokens_under_chunked_prefill_aborts_and_zos(folder: Path) -> None:
+    greedy = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    arrivals = (
+        Arrival(0, "long", _prompt(1, 90), greedy),                     # three chunks of 32
+        Arrival(0, "short", _prompt(2, 5), greedy),
+        Arrival(2, "mid", _prompt(3, 50), greedy),                      # arrives while others decode
+        Arrival(3, "aborted", _prompt(4, 12), SamplingParams(temperature=0.0, max_tokens=30), abort_after=4),
+        Arrival(6, "late-long", _prompt(5, 70), SamplingParams(temperature=0.0, max_tokens=9)),
+        Arrival(6, "one", _prompt(6, 7), SamplingParams(temperature=0.0, max_tokens=1)),
+    )
+    args = {**ARGS, "model": str(folder)}
+    want = replay(False, arrivals, **args).results
+    for zos in (False, True):
+        run = replay(zos, arrivals, speculative_decoding=True, **args)
+        assert run.engine.spec is not None and run.engine.spec.k == 3 and run.engine.zos is zos
+        assert run.results == want
+        stats = run.engine.stats()
+        assert stats.spec_verify_steps > 20 and stats.spec_draft_tokens == 3 * stats.spec_verify_rows
+        assert_nothing_left(run.engine)
+    assert want["aborted"].finish_reason == "abort" and want["one"].finish_reason == "length"
+    assert all(len(want[r].token_ids) == 24 for r in ("long", "short", "mid"))
