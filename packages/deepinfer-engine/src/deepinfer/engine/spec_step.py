@@ -18,10 +18,11 @@ placed N + 1 after all of them, so its positions move back by the difference).
    rows past the accepted run are overwritten by the next step before any draft reads them, and the
    scheduler gives the unused reserved positions back: nothing is copied back.
 3. drafting rows: `deepinfer.spec.verify` (greedy: exact match; temperature > 0: rejection sampling
-   with noise keyed by (seed, output position)). Rows that may not draft (`may_draft`: structured
-   output, logit controls, top-k / top-p / min-p, min_tokens still banning EOS,
-   DEEPINFER_SAMPLER_FORCE_TOPK) feed q = 1 and are sampled by the engine's `SamplingStage` as in a
-   plain step.
+   with noise keyed by (seed, output position)); a structured-output row verifies against the target
+   masked at each position by its grammar after the drafts before it (`_grammar_masks`: the matcher
+   accepts them one by one, then rolls back). Rows that may not draft (`may_draft`: logit controls,
+   top-k / top-p / min-p, min_tokens still banning EOS, DEEPINFER_SAMPLER_FORCE_TOPK) feed q = 1 and
+   are sampled by the engine's `SamplingStage` as in a plain step.
 4. commit: per row, `Request.add_token` token by token, so stop strings, EOS, stop ids and max_tokens
    end the run exactly at the token that ends the request; then one `Scheduler.append_decode_tokens`
    with the number of tokens kept. Under ZOS a request's end is seen one step late: the step in flight
@@ -65,6 +66,7 @@ from .sampler import MAX_LOGIT_MAGNITUDE
 from .sampling_stage import NON_FINITE_LOGITS, InFlightSampling, SamplingStage, StepRows
 from .staging import to_device, to_host
 from .sync_guard import forbid_cuda_sync
+from .token_bitmask import allocate_token_bitmask, apply_token_bitmask, unpack_token_bitmask
 from .varlen_profile import varlen_step_time_curve
 
 
@@ -124,10 +126,10 @@ def attach_draft_head(model: torch.nn.Module, args: EngineArgs, env: EngineEnv) 
 
 def may_draft(req: Request, force_top_k: int | None) -> bool:
     """Whether `req`'s next tokens can come from `deepinfer.spec.verify` (which samples from the raw
-    distribution at temperature T): no grammar, no logit controls, no token banned by min_tokens, and
-    greedy or temperature-only sampling."""
+    distribution at temperature T, masked by the request's grammar if it has one): no logit controls,
+    no token banned by min_tokens, and greedy or temperature-only sampling."""
     params = req.params
-    if req.grammar is not None or req.controlled or len(req.output_token_ids) < params.min_tokens:
+    if req.controlled or len(req.output_token_ids) < params.min_tokens:
         return False
     return params.is_greedy or (force_top_k is None and params.top_k <= 0 and params.top_p >= 1.0
                                 and params.min_p == 0)
@@ -315,8 +317,12 @@ class SpeculativeDecoder:
                                   ops=self.runner.ops)
         tokens[:, 1:].index_copy_(0, sub_rows, prop.token_ids)
         sampled = any(not r.params.is_greedy for r in sub)
+        constrained = [j for j, r in enumerate(sub) if r.grammar is not None]
+        drafts_to_host = None
+        if constrained:   # their masks need the drafts on the host: copied now, read after N − 1's commit
+            drafts_to_host = to_host((prop.token_ids.index_select(0, to_device(np.array(constrained), device)),))
         return _Verifying(sub, sub_rows, drafting, sampler, sampler.draft_probs(prop.logits) if sampled else None,
-                          prop.confidence)
+                          prop.confidence, constrained, drafts_to_host)
 
     def launch_accept(self, launched: SpecLaunch, sampling: SamplingStage,
                       step_rows: Callable[[list[Request]], StepRows], *, guarded: bool = False) -> SpecFlight:
@@ -329,8 +335,9 @@ class SpeculativeDecoder:
         confidence: tuple[Tensor, ...] = ()
         wanted: list[int | None] = []
         v = launched.verifying
+        dead: dict[int, str] = {}
         if v is not None:
-            results, logprob_parts, confidence = self._launch_verify(launched, v, guarded)
+            results, logprob_parts, confidence, dead = self._launch_verify(launched, v, guarded)
             wanted = [r.params.logprobs for r in v.reqs]
         drafted = set(launched.drafting.tolist())
         plain = [i for i in range(d.num_seqs) if i not in drafted]
@@ -350,21 +357,30 @@ class SpeculativeDecoder:
         host, done = to_host(results + logprob_parts + confidence)
         num_parts = len(logprob_parts)
         return SpecFlight(reqs, launched.drafting, plain, host[0] if host else None, host[1:1 + num_parts],
-                          host[-1] if confidence else None, done, flight, wanted)
+                          host[-1] if confidence else None, done, flight, wanted, dead)
 
-    def _launch_verify(self, launched: SpecLaunch, v: _Verifying,
-                       guarded: bool) -> tuple[tuple[Tensor, ...], tuple[Tensor, ...], tuple[Tensor, ...]]:
+    def _launch_verify(self, launched: SpecLaunch, v: _Verifying, guarded: bool
+                       ) -> tuple[tuple[Tensor, ...], tuple[Tensor, ...], tuple[Tensor, ...], dict[int, str]]:
         """Verify the drafting rows on the device and keep their last token and count in the runner;
         returns the tensors to copy back: ([m, k + 4] results,), `_logprob_tensors`' parts, (confidences,)
-        under the varlen policy (else ())."""
+        under the varlen policy (else ()), and the rows failed by their grammar (index into v.reqs ->
+        why). Rows with a grammar verify against the target masked by it (`_grammar_masks`)."""
         device, k = self.runner.device, self.k
+        masks, dead = self._grammar_masks(v) if v.constrained else (None, {})
+        mask_words = None if masks is None else masks.numpy()         # host memory: no device read
         with forbid_cuda_sync(device, enabled=guarded):
             query_lens = launched.query_lens
             target = gather_verify_logits(launched.logits, query_lens, k + 1).index_select(0, v.rows)  # [m, k + 1, V]
+            processed = None
+            if masks is not None:
+                positions = np.array(v.constrained, dtype=np.int64)[:, None] * (k + 1) + np.arange(k + 1)
+                flat = target.reshape(-1, target.shape[-1])
+                processed = apply_token_bitmask(flat, to_device(mask_words, device),
+                                                to_device(positions.reshape(-1), device)).view(target.shape)
             num_drafts = query_lens.index_select(0, v.rows) - 1
             result = verify(VerifyInput(target, launched.tokens.index_select(0, v.rows)[:, 1:], num_drafts,
                                         v.sampler.temperature, v.draft_probs, v.sampler.seeds,
-                                        v.sampler.output_positions))
+                                        v.sampler.output_positions, processed))
             finite = (target.logsumexp(dim=-1).abs() <= MAX_LOGIT_MAGNITUDE).all(dim=-1)
             step_rows = launched.rows.index_select(0, v.rows)
             self.runner.record_emitted(step_rows, result.output_ids.gather(1, result.num_accepted[:, None])[:, 0],
@@ -376,7 +392,46 @@ class SpeculativeDecoder:
                                  num_drafts[:, None]), dim=1)
             logprob_parts = _logprob_tensors(target, result.output_ids, result.logprobs,
                                              [r.params.logprobs for r in v.reqs])
-        return (results,), logprob_parts, (v.confidence,) if self.varlen is not None else ()
+        return (results,), logprob_parts, (v.confidence,) if self.varlen is not None else (), dead
+
+    def _grammar_masks(self, v: _Verifying) -> tuple[Tensor, dict[int, str]]:
+        """The token masks of the rows with a grammar at each of their k + 1 positions (host work): the
+        mask at position j is the grammar's after the row's drafts before j, which the matcher accepts
+        one by one and then rolls back (their tokens go in at the commit). Past a draft the grammar
+        rejects, or past its end, positions stay open: the verification stops there anyway (the masked
+        target never equals a rejected draft). Waits for the drafts' copy (queued before the verify
+        forward, so not for the forward).
+
+        Returns:
+            ([len(v.constrained) · (k + 1), ceil(vocab / 32)] int32 bitmask, position by position; the
+            rows whose grammar allows no token at all (index into v.reqs -> why)).
+        """
+        k = self.k
+        (drafts,), done = v.drafts_to_host
+        if done is not None:
+            done.synchronize()
+        vocab = self.runner.model.cfg.vocab_size
+        masks = allocate_token_bitmask(len(v.constrained) * (k + 1), vocab)
+        masks.fill_(-1)                                                  # open: every token allowed
+        dead: dict[int, str] = {}
+        for i, (j, row_drafts) in enumerate(zip(v.constrained, drafts.tolist())):
+            req = v.reqs[j]
+            grammar = None if req.finished else req.grammar
+            if grammar is None:
+                continue                  # ended since it was scheduled: its tokens are dropped
+            num_outputs = len(req.output_token_ids)
+            advanced = 0
+            for position in range(k + 1):
+                if position and grammar.is_terminated:
+                    break                 # nothing follows the grammar's end: the rest stays open
+                grammar.fill_bitmask(masks, i * (k + 1) + position, expected_num_tokens=num_outputs + advanced)
+                if position == k or grammar.accept_tokens(row_drafts[position:position + 1]) == 0:
+                    break
+                advanced += 1
+            grammar.rollback(advanced)
+            if not unpack_token_bitmask(masks[i * (k + 1):i * (k + 1) + 1], vocab).any():
+                dead[j] = f"grammar dead end after {num_outputs} output tokens: no token is allowed"
+        return masks, dead
 
     def commit(self, flight: SpecFlight, sampling: SamplingStage, scheduler: Scheduler, changed: dict[str, Request],
                *, preempted: Collection[str] = (), recomputed: Collection[str] = ()) -> None:
@@ -411,7 +466,7 @@ class SpeculativeDecoder:
         for j, req in enumerate(reqs):
             num_out = int(host[j, k + 1]) + 1
             logprobs, ranks = entries[j] if entries is not None else ([None] * num_out, [None] * num_out)
-            error = None if host[j, k + 2] else NON_FINITE_LOGITS
+            error = flight.dead.get(j) or (None if host[j, k + 2] else NON_FINITE_LOGITS)
             out.append(_RowTokens(host[j, :num_out].tolist(), logprobs[:num_out], ranks[:num_out], error))
             if confidence is not None:
                 self.varlen.observe(req.seq_id, confidence[j])
@@ -496,6 +551,7 @@ class SpecFlight:
             only, else None); results is None when m = 0.
         done: the CUDA event after the copies (None on the CPU).
         wanted: SamplingParams.logprobs of each drafting row.
+        dead: drafting rows (index among them) whose grammar allows no token -> why (they fail).
     """
 
     reqs: list[Request]
@@ -507,6 +563,7 @@ class SpecFlight:
     done: torch.cuda.Event | None
     sampling: InFlightSampling | None
     wanted: list[int | None]
+    dead: dict[int, str]
 
 
 @dataclass(frozen=True, slots=True)
@@ -519,6 +576,9 @@ class _Verifying:
     sampler: DraftSampler          # temperature, seeds and first output positions of those rows
     draft_probs: Tensor | None     # [m, k, vocab] float32 q of the drafts; None when every row is greedy
     confidence: Tensor             # [m, k] float32 the draft head's acceptance estimates
+    constrained: list[int]         # indices into reqs of the rows with a grammar
+    drafts_to_host: tuple[tuple[Tensor, ...], torch.cuda.Event | None] | None   # their drafts [len, k]
+                                   # being copied to the host (`to_host`); None without such rows
 
 
 def _logprob_tensors(target: Tensor, output_ids: Tensor, logprobs: Tensor,
