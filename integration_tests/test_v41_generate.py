@@ -94,7 +94,7 @@ def test_speculative_decoding_on_a_v41_folder_keeps_greedy_output(tmp_path) -> N
     draft.init_weights(5, std=0.1)
     tensors = {**official_tensors(model, quantised=False), **{k: v.contiguous() for k, v in draft.state_dict().items()}}
     folder = write_folder(tmp_path / "dspark", model, raw, tensors, composite=False)
-    llm = LLM(model=str(folder), seed=0, speculative_decoding=True, num_speculative_tokens=2, device="cpu")
+    llm = LLM(model=str(folder), seed=0, num_speculative_tokens=2, device="cpu")
     outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], SamplingParams(max_tokens=6, temperature=0.0),
                         use_tqdm=False)
     for prompt, out in zip(PROMPTS, outs):

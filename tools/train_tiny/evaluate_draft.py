@@ -5,7 +5,7 @@
 
 Prompts: from each of the first `--num-prompts` files of the held-out split, the `--prompt-len`
 tokens starting in the middle of the file, decoded to text. Both `LLM(model)` and
-`LLM(model, speculative_decoding=True)` continue them greedily for `--max-tokens` tokens; the
+`LLM(model, num_speculative_tokens=5, varlen_verify=False)` continue them greedily for `--max-tokens` tokens; the
 script checks that the outputs are the same and prints JSON with `LLMEngine.stats()` of the
 speculative run (`mean_accepted_length`: accepted drafts + the target's own token per verify step)
 and both wall times.
@@ -52,7 +52,8 @@ def main() -> None:
     params = SamplingParams(max_tokens=args.max_tokens, temperature=0)
     results, seconds = [], []
     for speculative in (False, True):
-        llm = LLM(model=str(args.model), speculative_decoding=speculative, **engine_args)
+        llm = LLM(model=str(args.model), num_speculative_tokens=5 if speculative else 0, varlen_verify=False,
+                  **engine_args)
         prompts = heldout_prompts(args.data, llm.engine.tokenizer, args.num_prompts, args.prompt_len)
         begin = time.perf_counter()
         outs = llm.generate(prompts, params, use_tqdm=False)

@@ -32,7 +32,7 @@ def one_thread():
 
 def test_shipped_head_is_accepted_and_keeps_the_greedy_tokens() -> None:
     prompts, params = _heldout_prompts(), SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True)
-    speculative = LLM(speculative_decoding=True, **ENGINE)           # no model: the embedded default
+    speculative = LLM(num_speculative_tokens=5, varlen_verify=False, **ENGINE)    # no model: the embedded default
     assert num_stages_in(speculative.engine.model.draft_weights) == 1
     got = speculative.generate(prompts, params, use_tqdm=False)
     want = LLM(**ENGINE).generate(prompts, params, use_tqdm=False)

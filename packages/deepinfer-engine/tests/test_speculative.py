@@ -1,4 +1,4 @@
-"""Speculative decoding through the engine (`EngineArgs.speculative_decoding`, spec_step.py).
+"""Speculative decoding through the engine (`EngineArgs.num_speculative_tokens`, spec_step.py).
 
 The model is the embedded tiny model plus a randomly initialised one-stage DSpark head (`mtp.0.*`),
 written next to it into a temporary folder: its drafts are almost never right, so the tests that
@@ -55,7 +55,7 @@ def plain(draft_model: Path) -> LLM:
 
 @pytest.fixture(scope="module")
 def speculative(draft_model: Path) -> LLM:
-    return LLM(model=str(draft_model), speculative_decoding=True, **FAST)
+    return LLM(model=str(draft_model), num_speculative_tokens=5, varlen_verify=False, **FAST)
 
 
 @pytest.fixture(scope="module")
@@ -153,7 +153,8 @@ def test_structured_output_rows_draft_and_verify_through_their_grammar(plain: LL
     cases = [(PROMPTS[0], SamplingParams(max_tokens=40, temperature=0, structured=StructuredOutput(json=schema))),
              (PROMPTS[2], SamplingParams(max_tokens=20, temperature=0, structured=StructuredOutput(
                  choice=("the quick brown fox jumps", "over the lazy dog again")))),
-             (PROMPTS[3], SamplingParams(max_tokens=16, temperature=0, structured=StructuredOutput(regex="[0-9]{3,8}")))]
+             (PROMPTS[3], SamplingParams(max_tokens=16, temperature=0,
+                                         structured=StructuredOutput(regex="[0-9]{3,8}")))]
     want = plain.generate([c[0] for c in cases], [c[1] for c in cases], use_tqdm=False)
     _oracle(speculative, {p: list(o.prompt_token_ids) + list(o.outputs[0].token_ids) for p, o in
                           zip([c[0] for c in cases], want)}, monkeypatch)
@@ -170,8 +171,8 @@ def test_preemption_and_recompute_under_a_small_cache_keep_the_greedy_tokens(
         draft_model: Path, reference: dict[str, list[int]]) -> None:
     """5 usable blocks of 16 tokens for 5 sequences that each grow past one: preempted, recomputed
     (LLM's default), and still the plain greedy tokens; every block comes back."""
-    llm = LLM(model=str(draft_model), speculative_decoding=True, **{**FAST, "kv_cache_memory_mb": None},
-              num_kv_blocks=6, block_size=16, num_speculative_tokens=3)
+    llm = LLM(model=str(draft_model), **{**FAST, "kv_cache_memory_mb": None},
+              num_kv_blocks=6, block_size=16, num_speculative_tokens=3, varlen_verify=False)
     engine = llm.engine
     free, schedule, preempted = engine.kv_blocks.num_free, engine.scheduler.schedule, []
 
@@ -204,7 +205,7 @@ def test_seeded_sampling_is_reproducible_and_independent_of_the_batch(speculativ
 
 def test_varlen_verify_and_the_draft_count_flags(draft_model: Path, plain: LLM, monkeypatch) -> None:
     monkeypatch.setenv("DEEPINFER_USE_NEXTN_DECODE", "2")
-    llm = LLM(model=str(draft_model), speculative_decoding=True, verify_policy="varlen", **{**FAST, "max_num_seqs": 2})
+    llm = LLM(model=str(draft_model), num_speculative_tokens=5, **{**FAST, "max_num_seqs": 2})   # varlen: default
     assert llm.engine.spec.k == 2 and llm.engine.spec.varlen is not None and llm.engine.zos
     params = SamplingParams(max_tokens=12, temperature=0)
     assert _results(llm.generate(PROMPTS[:3], params, use_tqdm=False)) == \
@@ -213,24 +214,23 @@ def test_varlen_verify_and_the_draft_count_flags(draft_model: Path, plain: LLM, 
 
 
 def test_bad_flags_are_refused_naming_the_field(draft_model: Path, no_draft_model: Path) -> None:
-    with pytest.raises(InvalidEngineArgs, match="no mtp.* tensors") as err:
-        LLMEngine(EngineArgs(model=str(no_draft_model), speculative_decoding=True, **FAST))
-    assert err.value.field == "speculative_decoding"
-    with pytest.raises(InvalidEngineArgs, match="needs speculative_decoding=True") as err:
-        EngineArgs(num_speculative_tokens=3)
+    with pytest.raises(InvalidEngineArgs, match="num_speculative_tokens=5 needs the checkpoint's DSpark draft head, "
+                                                "but it has no mtp.* tensors") as err:
+        LLMEngine(EngineArgs(model=str(no_draft_model), num_speculative_tokens=5, **FAST))
     assert err.value.field == "num_speculative_tokens"
-    with pytest.raises(InvalidEngineArgs, match="verify_policy='greedy' must be one of 'fixed', 'varlen'") as err:
-        EngineArgs(speculative_decoding=True, verify_policy="greedy")
-    assert err.value.field == "verify_policy"
+    assert EngineArgs().num_speculative_tokens == 0 and EngineArgs().varlen_verify     # off; varlen once on
+    with pytest.raises(InvalidEngineArgs, match="varlen_verify='yes'") as err:
+        EngineArgs(num_speculative_tokens=5, varlen_verify="yes")
+    assert err.value.field == "varlen_verify"
     for bad in ({"data_parallel_size": 2}, {"engine_type": EngineType.PROMPT}):
-        with pytest.raises(InvalidEngineArgs, match="speculative_decoding=True") as err:
-            EngineArgs(speculative_decoding=True, **bad)
-        assert err.value.field == "speculative_decoding"
-    with pytest.raises(InvalidEngineArgs, match="must be an integer in") as err:
-        EngineArgs(speculative_decoding=True, num_speculative_tokens=0)
-    assert err.value.field == "num_speculative_tokens"
+        with pytest.raises(InvalidEngineArgs, match="num_speculative_tokens=5") as err:
+            EngineArgs(num_speculative_tokens=5, **bad)
+        assert err.value.field == "num_speculative_tokens"
+    for value in (-1, 65, 2.0, None):
+        with pytest.raises(InvalidEngineArgs, match="must be an integer in") as err:
+            EngineArgs(num_speculative_tokens=value)
+        assert err.value.field == "num_speculative_tokens"
     with pytest.raises(InvalidEngineArgs, match=r"DEEPINFER_MAX_BACKTRACKING_TOKENS=6 must be >= "
                                                 r"num_speculative_tokens \+ 1 = 7") as err:
-        LLMEngine(EngineArgs(model=str(draft_model), speculative_decoding=True, num_speculative_tokens=6, **FAST),
-                  env=EngineEnv())
+        LLMEngine(EngineArgs(model=str(draft_model), num_speculative_tokens=6, **FAST), env=EngineEnv())
     assert err.value.field == "num_speculative_tokens"

@@ -78,7 +78,7 @@ def test_random_draft_heads_keep_greedy_tokens_under_chunked_prefill_aborts_and_
     args = {**ARGS, "model": str(folder)}
     want = replay(False, arrivals, **args).results
     for zos in (False, True):
-        run = replay(zos, arrivals, speculative_decoding=True, **args)
+        run = replay(zos, arrivals, num_speculative_tokens=3, varlen_verify=False, **args)
         assert run.engine.spec is not None and run.engine.spec.k == 3 and run.engine.zos is zos
         assert run.results == want
         stats = run.engine.stats()

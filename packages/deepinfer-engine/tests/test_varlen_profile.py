@@ -1,4 +1,4 @@
-"""verify_policy="varlen" keeps the step-time curve it measures at start in DEEPINFER_VARLEN_PROFILE_CACHE
+"""varlen_verify keeps the step-time curve it measures at start in DEEPINFER_VARLEN_PROFILE_CACHE
 (varlen_profile.py): a second start with the same config loads it, a changed config measures again, a
 corrupt or unwritable file costs a warning and a measurement, "off" writes nothing.
 
@@ -23,8 +23,8 @@ from deepinfer.engine.spec_step import SpeculativeDecoder
 from deepinfer.engine.varlen_profile import profile_fields
 from deepinfer.spec import ProfileCache, StepTimeCurve, cuda_graph_sizes, profile_key
 
-ARGS = EngineArgs(device="cpu", kv_cache_memory_mb=16, max_num_seqs=2, max_model_len=256, speculative_decoding=True,
-                  num_speculative_tokens=2, verify_policy="varlen")
+ARGS = EngineArgs(device="cpu", kv_cache_memory_mb=16, max_num_seqs=2, max_model_len=256,
+                  num_speculative_tokens=2)
 SIZES = cuda_graph_sizes(2 * 3)                  # max_num_seqs × (k + 1) tokens
 CURVE = StepTimeCurve(SIZES, tuple(float(s) for s in SIZES))
 LOGGER = "deepinfer.engine.varlen_profile"

@@ -208,7 +208,7 @@ def test_zos_is_on_by_default_except_for_prompt_engines() -> None:
 # judged from the tokens on the host, which lag under ZOS: its draws could then differ, so the trace
 # gives min_tokens to a greedy row.)
 
-SPEC = {"speculative_decoding": True, "max_num_seqs": 8}
+SPEC = {"num_speculative_tokens": 5, "varlen_verify": False, "max_num_seqs": 8}
 
 
 def test_speculative_trace_is_identical_with_zos_on_and_off() -> None:
@@ -267,7 +267,7 @@ def test_speculative_preemption_and_recompute_under_zos() -> None:
 
 
 def test_the_sync_guard_covers_the_speculative_launch(monkeypatch: pytest.MonkeyPatch) -> None:
-    engine = LLMEngine(EngineArgs(zero_overhead_scheduling=True, speculative_decoding=True, max_num_seqs=2))
+    engine = LLMEngine(EngineArgs(zero_overhead_scheduling=True, num_speculative_tokens=5, max_num_seqs=2))
     assert engine.zos and engine.spec is not None
     ensure_rows = engine.runner.ensure_rows
 
@@ -300,7 +300,7 @@ def test_varlen_verify_under_zos_splits_on_the_device_and_keeps_greedy_tokens(
     monkeypatch.setattr(spec_step, "query_lens_by_confidence", recording_split)
     greedy = SamplingParams(temperature=0.0, max_tokens=24)
     arrivals = tuple(Arrival(i // 2, f"r{i}", PROMPTS[i], greedy) for i in range(len(PROMPTS)))
-    args = {**SPEC, "verify_policy": "varlen"}
+    args = {**SPEC, "varlen_verify": True}
     off, on = assert_same_with_zos_on_and_off(arrivals, **args)
     assert splits and all(total == int(lens.sum()) for total, lens in splits)
     assert on.results == replay(False, arrivals, max_num_seqs=8).results

@@ -154,7 +154,7 @@ def run_bench(engine: LLMEngine, num_prompts: int, input_len: int, output_len: i
         "seed": seed,
     }
     result.update(bench_metrics(traces, elapsed, input_len, decode_steps))
-    if engine.args.speculative_decoding:     # the timed requests' drafts (the warm-up's left out)
+    if engine.args.num_speculative_tokens:     # the timed requests' drafts (the warm-up's left out)
         rows = spec_after.spec_verify_rows - spec_before.spec_verify_rows
         accepted = spec_after.spec_accepted_tokens - spec_before.spec_accepted_tokens
         result.update(spec_verify_steps=spec_after.spec_verify_steps - spec_before.spec_verify_steps,

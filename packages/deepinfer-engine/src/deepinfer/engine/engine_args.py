@@ -43,18 +43,16 @@ INT_RANGES: dict[str, tuple[int, int]] = {
     "eplb_redundant_experts_per_rank": (0, 1024),
     "eplb_window_steps": (1, MAX_INT32),
     "eplb_interval_steps": (1, MAX_INT32),
-    "num_speculative_tokens": (1, 64),           # deepinfer.sched's nextn range
+    "num_speculative_tokens": (0, 64),           # 0 = off; else deepinfer.sched's nextn range
 }
-VERIFY_POLICIES = ("fixed", "varlen")        # deepinfer.spec's FixedVerifyPolicy / VarlenVerifyPolicy
 EPLB_PRESETS = ("prefill", "decode")          # DESIGN.md §8; deepinfer.eplb's PREFILL / DECODE_EPLB_CONFIG
 MAX_DISTRIBUTED_TIMEOUT_S = 86400.0
 OPTIONAL_FIELDS = frozenset({"model", "max_model_len", "block_size", "num_kv_blocks", "gpu_memory_utilization",
                              "kv_cache_memory_mb",
                              "max_num_prompts", "prefill_max_sum_seqlen_k", "expert_dtype", "eplb",
-                             "eplb_redundant_experts_per_rank", "eplb_window_steps", "eplb_interval_steps",
-                             "num_speculative_tokens"})
+                             "eplb_redundant_experts_per_rank", "eplb_window_steps", "eplb_interval_steps"})
 BOOL_FIELDS = ("stop_preempted_request", "kv_quant", "enforce_eager", "engram_on_host", "expert_parallel",
-               "speculative_decoding")
+               "varlen_verify")
 
 
 class InvalidEngineArgs(ValueError):
@@ -116,7 +114,7 @@ class EngineArgs:
             before it reads step N's sampled tokens, which feed step N + 1 on the device, so host work
             overlaps the GPU; a request's end is then seen one step late (its extra token is dropped).
             None = on for NORMAL and COMPLETION engines, off for PROMPT engines (and, on CUDA, for
-            speculative decode steps: see speculative_decoding).
+            speculative decode steps: see num_speculative_tokens).
         data_parallel_size: attention data-parallel ranks, one process each (DESIGN.md §1): `LLM` spawns
             them (or, under torchrun, this process is rank RANK of WORLD_SIZE); each runs its own engine,
             requests go to the least-loaded rank and every rank runs the same kind of step. 1 = one
@@ -135,19 +133,19 @@ class EngineArgs:
         eplb_interval_steps: steps between placements; None = the preset's.
         distributed_timeout_s: with data_parallel_size >= 2, how long a rank waits for its peers in a
             collective (and `LLM` for a rank) before failing with an error naming the rank.
-        speculative_decoding: decode with the checkpoint's DSpark draft head (its `mtp.*` tensors; refused
-            for a checkpoint without them): each decode step verifies k drafted tokens per request in one
-            forward and keeps the accepted ones plus one target token (docs/spec.md); greedy output is the
-            same as without it. Its verify forwards replay CUDA graphs keyed by total query tokens (the
-            draft walk runs eagerly). ZOS covers speculative steps on the CPU by default; on CUDA only
-            with zero_overhead_scheduling=True (that path has not run on a GPU yet); never for V4.1.
-        num_speculative_tokens: drafts per request and step, k (needs speculative_decoding); None =
-            DEEPINFER_USE_NEXTN_DECODE when set, else the model's dspark_block_size.
-        verify_policy: how many of the k drafts each request verifies (needs speculative_decoding):
-            "fixed" = all k; "varlen" = DESIGN.md §6's choice by expected throughput, from a step-time
-            curve measured at start-up (kept in DEEPINFER_VARLEN_PROFILE_CACHE for the next start of the
-            same config) and the draft head's confidences (a request's tokens then depend on its batch,
-            even seeded ones).
+        num_speculative_tokens: speculative decoding with the checkpoint's DSpark draft head (its
+            `mtp.*` tensors; refused, naming them, for a checkpoint without them), k drafts per request
+            and step (the released checkpoints' dspark_block_size is 5; DEEPINFER_USE_NEXTN_DECODE > 0
+            replaces k); 0 = off. Each decode step verifies the drafts in one forward and keeps the
+            accepted ones plus one target token (docs/spec.md); greedy output is the same as without it.
+            Its verify forwards replay CUDA graphs keyed by total query tokens (the draft walk runs
+            eagerly). ZOS covers speculative steps on the CPU by default; on CUDA only with
+            zero_overhead_scheduling=True (that path has not run on a GPU yet); never for V4.1.
+        varlen_verify: with num_speculative_tokens > 0, how many of the k drafts each request verifies:
+            True = DESIGN.md §6's choice by expected throughput, from a step-time curve measured at
+            start-up (kept in DEEPINFER_VARLEN_PROFILE_CACHE for the next start of the same config) and
+            the draft head's confidences (a request's tokens then depend on its batch, even seeded
+            ones); False = all k.
     """
 
     model: str | None = None
@@ -179,9 +177,8 @@ class EngineArgs:
     eplb_window_steps: int | None = None
     eplb_interval_steps: int | None = None
     distributed_timeout_s: float = 120.0
-    speculative_decoding: bool = False
-    num_speculative_tokens: int | None = None
-    verify_policy: str = "fixed"
+    num_speculative_tokens: int = 0
+    varlen_verify: bool = True
 
     def __post_init__(self) -> None:
         if self.model is not None and not isinstance(self.model, str):
@@ -245,20 +242,14 @@ class EngineArgs:
                 _fail(name, f"{name}={getattr(self, name)!r} needs eplb ('prefill' or 'decode')")
 
     def _check_speculative(self) -> None:
-        if not isinstance(self.verify_policy, str) or self.verify_policy not in VERIFY_POLICIES:
-            _fail("verify_policy", f"verify_policy={self.verify_policy!r} must be one of "
-                  f"{', '.join(map(repr, VERIFY_POLICIES))}")
-        if not self.speculative_decoding:
-            if self.num_speculative_tokens is not None:
-                _fail("num_speculative_tokens", f"num_speculative_tokens={self.num_speculative_tokens} needs "
-                      "speculative_decoding=True")
-            if self.verify_policy != VERIFY_POLICIES[0]:
-                _fail("verify_policy", f"verify_policy={self.verify_policy!r} needs speculative_decoding=True")
-        elif self.data_parallel_size > 1:
-            _fail("speculative_decoding", "speculative_decoding=True runs on one rank only so far "
+        if not self.num_speculative_tokens:
+            return
+        k = self.num_speculative_tokens
+        if self.data_parallel_size > 1:
+            _fail("num_speculative_tokens", f"num_speculative_tokens={k} runs on one rank only so far "
                   f"(data_parallel_size={self.data_parallel_size}): the lockstep EP steps do not take verify rows")
-        elif self.engine_type is EngineType.PROMPT:
-            _fail("speculative_decoding", "speculative_decoding=True needs a NORMAL or COMPLETION engine (a "
+        if self.engine_type is EngineType.PROMPT:
+            _fail("num_speculative_tokens", f"num_speculative_tokens={k} needs a NORMAL or COMPLETION engine (a "
                   "PROMPT engine never decodes)")
 
     @property
@@ -339,8 +330,7 @@ def allowed_values(name: str) -> str:
         "expert_parallel": "bool",
         "eplb": ", ".join(EPLB_PRESETS) + ", or None",
         "distributed_timeout_s": f"float in (0, {MAX_DISTRIBUTED_TIMEOUT_S}]",
-        "speculative_decoding": "bool",
-        "verify_policy": ", ".join(VERIFY_POLICIES),
+        "varlen_verify": "bool",
     }[name]
 
 

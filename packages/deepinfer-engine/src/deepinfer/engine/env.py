@@ -108,9 +108,9 @@ VARIABLES: tuple[EnvVar, ...] = (
            "the sampler considers only this many most likely tokens of each row", lambda v: v is None or v >= 1,
            optional=True),
     EnvVar("use_nextn_decode", "int", "an int >= 0",
-           "draft tokens per speculative decode step (the DSpark block size k) when "
-           "EngineArgs.speculative_decoding is on and num_speculative_tokens is None; 0 = the model's "
-           "dspark_block_size (5 for the released checkpoints). It does not turn speculation on", lambda v: v >= 0),
+           "draft tokens per speculative decode step (the DSpark block size k), in place of "
+           "EngineArgs.num_speculative_tokens when speculation is on (num_speculative_tokens > 0); 0 = "
+           "num_speculative_tokens. It does not turn speculation on", lambda v: v >= 0),
     EnvVar("cudagraph_batch_size_interval", "int", "an int >= 1",
            "CUDA-graph batch sizes: 1, 2, 4, ... below it, then every multiple of it up to max_num_seqs",
            lambda v: v >= 1),
@@ -122,7 +122,7 @@ VARIABLES: tuple[EnvVar, ...] = (
     EnvVar("yoco_prefill_keep_tokens", "int", "an int >= 1",
            "queries per request kept by compact CED / YOCO prefill truncation", lambda v: v >= 1),
     EnvVar("varlen_profile_cache", "path", "a file path, or off",
-           "the JSON file where verify_policy='varlen' keeps the step-time curve it measures at engine start, "
+           "the JSON file where varlen_verify keeps the step-time curve it measures at engine start, "
            "one entry per hash of the model and parallel config (docs/spec.md): a start that finds its entry "
            "skips the measurement. Writes are atomic, the last writer wins; an unreadable or corrupt file is "
            "warned about and measured again. off = measure at every start, write nothing",

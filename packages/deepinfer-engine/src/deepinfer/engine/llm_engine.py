@@ -204,7 +204,7 @@ class LLMEngine(RequestIntake):
                                   max_decode_tokens=args.max_num_seqs)
         if self.env.yoco_prefill_truncation_mode != "off":
             self.model.set_prefill_truncation(self.env.yoco_prefill_truncation_mode, self.env.yoco_prefill_keep_tokens)
-        draft = attach_draft_head(self.model, args, self.env) if args.speculative_decoding else None
+        draft = attach_draft_head(self.model, args, self.env) if args.num_speculative_tokens else None
         self.load_seconds = time.perf_counter() - started            # wall time of load_model
         self.weight_bytes = sum(t.numel() * t.element_size() for t in self.model.state_dict().values())
         logger.info("loaded %s in %.2f s: %.1f MiB of weights on %s", self.model_dir, self.load_seconds,

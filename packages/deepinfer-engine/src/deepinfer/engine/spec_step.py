@@ -43,7 +43,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from deepinfer.model import ConfigError, DSparkDraft, ForwardBatch, WeightError, num_stages_in
+from deepinfer.model import ConfigError, DSparkDraft, WeightError, num_stages_in
 from deepinfer.sched import DecodeBatch, Scheduler
 from deepinfer.spec import (
     DraftSampler,
@@ -96,22 +96,22 @@ class SpeculativeStats:
 
 def attach_draft_head(model: torch.nn.Module, args: EngineArgs, env: EngineEnv) -> DSparkDraft:
     """Build the checkpoint's DSpark draft head and attach it to `model` (its forward then captures
-    the target features and its cache spec gains the draft rings).
+    the target features and its cache spec gains the draft rings), for args.num_speculative_tokens > 0.
 
-    k = args.num_speculative_tokens, else DEEPINFER_USE_NEXTN_DECODE when > 0, else the model's
-    dspark_block_size.
+    k = DEEPINFER_USE_NEXTN_DECODE when > 0, else args.num_speculative_tokens.
 
     Raises:
         InvalidEngineArgs: the checkpoint has no `mtp.*` tensors or no DSpark config, the draft
             weights do not fit, or DEEPINFER_MAX_BACKTRACKING_TOKENS < k + 1 (each names the field).
     """
+    asked = f"num_speculative_tokens={args.num_speculative_tokens}"
     if num_stages_in(model.draft_weights) == 0:
-        raise InvalidEngineArgs("speculative_decoding=True needs the checkpoint's DSpark draft head, but it has "
-                                "no mtp.* tensors (draft weights)", "speculative_decoding")
-    k = args.num_speculative_tokens or env.use_nextn_decode or model.cfg.dspark_block_size
-    if k is None:
-        raise InvalidEngineArgs("speculative_decoding=True needs a config with the DSpark fields "
-                                "(dspark_block_size, dspark_noise_token_id, ...)", "speculative_decoding")
+        raise InvalidEngineArgs(f"{asked} needs the checkpoint's DSpark draft head, but it has no mtp.* tensors "
+                                "(mtp.0.* … in model.safetensors or mtp.safetensors)", "num_speculative_tokens")
+    if model.cfg.dspark_block_size is None:
+        raise InvalidEngineArgs(f"{asked} needs a config with the DSpark fields (dspark_block_size, "
+                                "dspark_noise_token_id, ...)", "num_speculative_tokens")
+    k = env.use_nextn_decode or args.num_speculative_tokens
     if env.max_backtracking_tokens < k + 1:
         raise InvalidEngineArgs(f"{env_var_name('max_backtracking_tokens')}={env.max_backtracking_tokens} must be "
                                 f">= num_speculative_tokens + 1 = {k + 1} (spare draft ring rows)",
@@ -119,7 +119,7 @@ def attach_draft_head(model: torch.nn.Module, args: EngineArgs, env: EngineEnv) 
     try:
         draft = DSparkDraft.from_model(model, expert_dtype=args.expert_dtype, block_size=k)
     except (ConfigError, WeightError) as err:
-        raise InvalidEngineArgs(f"speculative_decoding=True: {err}", "speculative_decoding") from None
+        raise InvalidEngineArgs(f"{asked}: {err}", "num_speculative_tokens") from None
     model.attach_draft(draft)
     return draft
 
@@ -170,7 +170,7 @@ class SpeculativeDecoder:
     Args:
         draft: the attached draft head (`attach_draft_head`).
         runner: the model runner (its cache holds the draft rings).
-        args / env: the engine's; verify_policy "varlen" measures the step-time curve here, at start-up
+        args / env: the engine's; varlen_verify measures the step-time curve here, at start-up
             (or loads it from DEEPINFER_VARLEN_PROFILE_CACHE: varlen_profile.py).
         lookup: the engine's request of a scheduler sequence id.
     """
@@ -181,7 +181,7 @@ class SpeculativeDecoder:
         self._force_top_k = env.sampler_force_topk
         self._noise = np.random.default_rng(args.seed)      # seeds of unseeded sampled rows, drawn per step
         self.varlen: VarlenVerifyPolicy | None = None
-        if args.verify_policy == "varlen":
+        if args.varlen_verify:
             curve = varlen_step_time_curve(self._time_dummy_step, draft, runner, args, env)   # cached in a file
             self.varlen = VarlenVerifyPolicy(ForwardRuntimeEstimator(curve, interval=env.cudagraph_batch_size_interval),
                                              SamplerRuntimeEstimator())
@@ -196,30 +196,34 @@ class SpeculativeDecoder:
 
     @torch.no_grad()
     def _time_dummy_step(self, total_q: int) -> float:
-        """ms of one verify forward of total_q tokens (rows of up to k + 1 in the dummy slot 0): the graph
-        replay `verify_forward` runs for that many tokens, else an eager multi-token decode."""
-        graphs = self.runner.graphs
-        if graphs is not None and graphs.bucket(total_q) is not None:      # what verify_forward replays
+        """ms of one verify forward of total_q tokens in rows of up to k + 1 at the start of the dummy slot
+        0 and block 0: the graph replay `verify_forward` runs for that many tokens, else the eager
+        forward it runs (DeepSeek-V4.1: its per-sequence path)."""
+        graphs, device = self.runner.graphs, self.runner.device
+        cuda = device.type == "cuda"
+        if self.runner.verify_replays_graph(total_q):
             graphs.inputs.zero_()                   # every token: position 0 of the dummy slot 0, block 0
             graphs.block_tables.zero_()
-            torch.cuda.synchronize(self.runner.device)
+            torch.cuda.synchronize(device)
             started = time.perf_counter()
             graphs.replay(total_q)
-            torch.cuda.synchronize(self.runner.device)
+            torch.cuda.synchronize(device)
             return (time.perf_counter() - started) * 1e3
         width = self.k + 1
         num_rows = -(-total_q // width)
-        batch = ForwardBatch.multi_decode(np.zeros(total_q, dtype=np.int64), np.arange(total_q) % width,
-                                          np.arange(total_q) // width, np.zeros((num_rows, 1), dtype=np.int32),
-                                          np.zeros(num_rows, dtype=np.int64), max_query_len=width,
-                                          device=self.runner.device)
-        cuda = self.runner.device.type == "cuda"
+        query_lens = np.full(num_rows, width, dtype=np.int32)
+        query_lens[-1] = total_q - width * (num_rows - 1)
+        zeros = np.zeros(num_rows, dtype=np.int32)
+        d = DecodeBatch(seq_ids=tuple(map(str, range(num_rows))), rows=zeros, query_lens=query_lens,
+                        seq_lens=np.full(num_rows, width, dtype=np.int32), block_tables=zeros[:, None],
+                        state_slots=zeros, last_token_ids=zeros, table_versions=zeros.astype(np.int64))
+        tokens = torch.zeros((num_rows, width), dtype=torch.int64, device=device)
         if cuda:
-            torch.cuda.synchronize(self.runner.device)
+            torch.cuda.synchronize(device)
         started = time.perf_counter()
-        self.runner.model(batch, self.runner.cache, self.runner.ops)
+        self.runner.verify_forward(d, tokens)
         if cuda:
-            torch.cuda.synchronize(self.runner.device)
+            torch.cuda.synchronize(device)
         return (time.perf_counter() - started) * 1e3
 
     def step(self, d: DecodeBatch, reqs: list[Request], sampling: SamplingStage,
