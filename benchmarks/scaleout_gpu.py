@@ -1,8 +1,8 @@
 """Decode over data-parallel ranks with the routed experts split by EP, beside one device holding half
 the layers (issue #21; run on purpose, on a machine with --ranks GPUs).
 
-    python3 benchmarks/scaleout_gpu.py --ranks 2 --layers 16 --batches 1,8,32,128,256 --output scaleout.json
-    python3 benchmarks/scaleout_gpu.py --device cpu --shape tiny --layers 2 --batches 1,2 --steps 3 \\
+    python3 benchmarks/scaleout_gpu.py --ranks 2 --layers 8 --batches 1,8,32,128,256 --output scaleout.json
+    python3 benchmarks/scaleout_gpu.py --device cpu --shape tiny --layers 4 --batches 1,2 --steps 3 \\
         --prompt-len 8 --output smoke.json          # a function check over gloo, not a measurement
 
 EP: --ranks processes (spawned here, rendezvous on a local port), each a `DPRank` of
@@ -20,7 +20,9 @@ timed (`engine_decode_gpu.time_steps`, device synchronised before and after the 
   rank around each call: CUDA events on the current stream on GPUs, the host clock on CPU (gloo is
   blocking). It includes waiting for the slower peer. Reported for rank 0 and by rank.
 
-On CUDA `DPRank` decodes EP ranks eagerly (no CUDA graphs, DESIGN note in parallel/rank.py), ZOS on.
+On CUDA `DPRank` decodes EP ranks eagerly (no CUDA graphs; see deepinfer/engine/parallel/rank.py), ZOS on.
+A dummy-format model loads whole on every rank before keeping its share of the experts: the peak is
+the whole model's weights (benchmarks/v4_flash_dummy.py prints them per expert_dtype).
 The fixed-capacity exchange moves max_num_seqs × top-k rows per peer whatever B holds: by default
 max_num_seqs = B (the capacity a deployment sized for B would have); --max-num-seqs fixes it instead.
 
@@ -80,9 +82,10 @@ class AllToAllTimer:
             self._cpu_s += time.perf_counter() - start
             return result
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
+        stream = torch.cuda.current_stream(self.device)
+        start.record(stream)
         result = dist.all_to_all_single(*args, **kwargs)
-        end.record()
+        end.record(stream)
         self._events.append((start, end))
         return result
 
@@ -159,9 +162,13 @@ def release_memory(device: str) -> None:
 def ep_worker(rank: int, args: argparse.Namespace, model: str, ports: list[int], out_path: str) -> None:
     """One EP rank over every batch (each with its own rendezvous port); rank 0 writes the rows to
     `out_path`."""
-    if args.device == "cpu":
+    if args.device == "cuda":
+        device = torch.device("cuda", rank % torch.cuda.device_count())     # the GPU DPRank gives this rank
+        torch.cuda.set_device(device)      # DPRank does not: the current device would stay GPU 0
+    else:
+        device = torch.device("cpu")
         torch.set_num_threads(1)
-    timer = AllToAllTimer(torch.device(args.device))
+    timer = AllToAllTimer(device)
     timer.install()
     rows = []
     for batch, port in zip(args.batches, ports):
@@ -200,7 +207,7 @@ def run_baseline(args: argparse.Namespace, model: str) -> list[dict]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--ranks", type=int, default=2, help="EP = DP ranks, one device each [default: 2]")
-    parser.add_argument("--layers", type=int, default=16, help="layers of the EP model [default: 16]")
+    parser.add_argument("--layers", type=int, default=8, help="layers of the EP model [default: 8]")
     parser.add_argument("--baseline-layers", type=int, help="layers of the one-device model [default: --layers / 2]")
     parser.add_argument("--batches", default="1,8,32,128,256", help="requests per rank, comma-separated")
     parser.add_argument("--steps", type=int, default=20, help="timed decode steps per batch [default: 20]")
