@@ -37,6 +37,7 @@ import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -59,26 +60,38 @@ def model_args(name: str, layers: int, folder: Path) -> dict:
     return {"model": str(folder), "load_format": "dummy"}
 
 
-def steady(engine: LLMEngine, num_seqs: int) -> None:
-    """Step until every request decodes, and a few decode steps more."""
+def steady(engine: LLMEngine, num_seqs: int, step: Callable[[], object] | None = None,
+           agree: Callable[[bool], bool] = bool) -> None:
+    """Step until every request decodes, and a few decode steps more. `step` stands in for
+    `engine.step` (a DP rank's step); `agree` turns this engine's "steady" into its group's, so that
+    every rank stops at the same step."""
+    step = step or engine.step
     decoding = 0
     for _ in range(100_000):
-        engine.step()
+        step()
         all_in = engine.scheduler.num_waiting == 0 and engine.scheduler.num_running == num_seqs
         decoding = decoding + 1 if all_in and engine.last_step_kind is StepKind.DECODE else 0
-        if decoding >= 5:
+        if agree(decoding >= 5):
             return
     raise RuntimeError("never reached steady decode")
 
 
-def time_steps(engine: LLMEngine, steps: int) -> float:
-    torch.cuda.synchronize()
+def synchronize(engine: LLMEngine) -> None:
+    """Wait for the engine's device (nothing to wait for on CPU)."""
+    if engine.runner.device.type == "cuda":
+        torch.cuda.synchronize(engine.runner.device)
+
+
+def time_steps(engine: LLMEngine, steps: int, step: Callable[[], object] | None = None) -> float:
+    """Mean seconds of `steps` decode steps (`step` stands in for `engine.step`, as in `steady`)."""
+    step = step or engine.step
+    synchronize(engine)
     start = time.perf_counter()
     for _ in range(steps):
-        engine.step()
+        step()
         if engine.last_step_kind is not StepKind.DECODE:
             raise RuntimeError(f"a {engine.last_step_kind} step inside the timed window")
-    torch.cuda.synchronize()
+    synchronize(engine)
     return (time.perf_counter() - start) / steps
 
 

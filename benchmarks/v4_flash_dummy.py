@@ -59,6 +59,22 @@ def flash_config(num_layers: int) -> dict:
             "num_hash_layers": min(3, num_layers)}
 
 
+# Tiny widths over the same schedule (sliding, then CSA 4 / HCA 128), for CPU function checks of the
+# benchmarks that build V4-Flash-shaped models (benchmarks/scaleout_gpu.py --shape tiny): 8 experts top-2.
+TINY_WIDTHS = {
+    "vocab_size": 512, "hidden_size": 64, "num_attention_heads": 4, "head_dim": 32, "qk_rope_head_dim": 8,
+    "q_lora_rank": 32, "o_groups": 2, "o_lora_rank": 16, "sliding_window": 8, "index_n_heads": 2,
+    "index_head_dim": 16, "index_topk": 4, "n_routed_experts": 8, "num_experts_per_tok": 2,
+    "moe_intermediate_size": 32, "hc_mult": 2, "hc_sinkhorn_iters": 3, "quantization_config": None,
+}
+
+
+def tiny_flash_config(num_layers: int) -> dict:
+    """`flash_config(num_layers)` with tiny widths (TINY_WIDTHS): a model for CPU runs of the
+    benchmarks' code paths, not of V4-Flash's cost."""
+    return {key: value for key, value in {**flash_config(num_layers), **TINY_WIDTHS}.items() if value is not None}
+
+
 def weight_gib(cfg: DeepseekV4Config, dtype: torch.dtype, expert_dtype: str | None) -> float:
     """GiB of parameters and buffers of the model `load_model` would build (on the meta device)."""
     model = build_model(cfg, device="meta", dtype=dtype, expert_dtype=expert_dtype)

@@ -1,10 +1,11 @@
-"""DP + EP on CPU over gloo, 2 ranks, the embedded model: greedy outputs equal the single-process
-engine's (EP with redundant experts and EPLB re-placing them mid-generation, ZOS on; plain DP under
-torchrun's variables), an idle rank keeps stepping, a killed rank makes its peer exit with a clear
-error, and the live balancer agrees with deepinfer.eplb's offline functions. Under EP, decode steps
-take the fixed-capacity exchange and prefill steps the variable-split one, and the fixed-capacity
-exchange of an MoE layer (idle rank included) runs under the sync guard's CPU emulation with no host
-read, where the variable-split one is caught. Every wait has a timeout."""
+"""DP + EP on CPU over gloo, the embedded model: greedy outputs equal the single-process engine's
+(EP with redundant experts and EPLB re-placing them mid-generation, ZOS on, over 2 ranks and over 4
+with one idle; plain DP under torchrun's variables), an idle rank keeps stepping, a killed rank makes
+its peer exit with a clear error, and the live balancer agrees with deepinfer.eplb's offline
+functions. Under EP, decode steps take the fixed-capacity exchange and prefill steps the
+variable-split one, and the fixed-capacity exchange of an MoE layer (idle rank included) runs under
+the sync guard's CPU emulation with no host read, where the variable-split one is caught. Every wait
+has a timeout."""
 
 from __future__ import annotations
 
@@ -25,6 +26,9 @@ PROMPTS = ["def add(a, b):", "import os", "class Stack:", "for i in range(10):"]
 GREEDY = SamplingParams(max_tokens=6, temperature=0)
 SMALL = {"device": "cpu", "num_kv_blocks": 32, "max_num_seqs": 4}
 TIMEOUT_S = 20
+# EP with one redundant expert per rank and EPLB re-placing them from step 3 on, ZOS on.
+EP_EPLB = {"expert_parallel": True, "eplb": "decode", "eplb_redundant_experts_per_rank": 1, "eplb_window_steps": 3,
+           "eplb_interval_steps": 3, "zero_overhead_scheduling": True, "distributed_timeout_s": TIMEOUT_S}
 
 TORCHRUN_SCRIPT = r"""
 import json, sys
@@ -162,9 +166,7 @@ def expected() -> list[list[int]]:
 
 @pytest.fixture(scope="module")
 def ep_llm():
-    llm = LLM(**SMALL, data_parallel_size=2, expert_parallel=True, eplb="decode", eplb_redundant_experts_per_rank=1,
-              eplb_window_steps=3, eplb_interval_steps=3, zero_overhead_scheduling=True,
-              distributed_timeout_s=TIMEOUT_S)
+    llm = LLM(**SMALL, **EP_EPLB, data_parallel_size=2)
     yield llm
     llm.close()
 
@@ -174,14 +176,28 @@ def test_least_loaded_assignment() -> None:
     assert assign_least_loaded([4, 4, 4], 3) == [0, 1, 2]
 
 
-def test_dp_ep_greedy_matches_one_process_across_rebalances(ep_llm: LLM, expected: list[list[int]]) -> None:
-    assert _tokens(ep_llm.generate(PROMPTS, GREEDY)) == expected
-    rebalances = ep_llm.rebalances
+def _check_rebalances(rebalances) -> None:
     assert rebalances and rebalances[0].step == 3                     # forced mid-generation
     assert any(r.num_remote_moves > 0 for r in rebalances)            # weights travelled between ranks
     for r in rebalances:
         assert len(r.max_mean_before) == len(r.max_mean_after) == 6   # per MoE layer
         assert sum(r.max_mean_after) < sum(r.max_mean_before)
+
+
+def test_dp_ep_greedy_matches_one_process_across_rebalances(ep_llm: LLM, expected: list[list[int]]) -> None:
+    assert _tokens(ep_llm.generate(PROMPTS, GREEDY)) == expected
+    _check_rebalances(ep_llm.rebalances)
+
+
+def test_four_ranks_with_one_idle_match_one_process_across_rebalances(expected: list[list[int]]) -> None:
+    # EP size 4: 8 experts + 4 redundant = 3 slots per rank. Three prompts: rank 3 has none and runs
+    # dummy forwards through every step, its slots still serving its peers' tokens and re-placed.
+    llm = LLM(**SMALL, **EP_EPLB, data_parallel_size=4)
+    try:
+        assert _tokens(llm.generate(PROMPTS[:3], GREEDY)) == expected[:3]
+        _check_rebalances(llm.rebalances)
+    finally:
+        llm.close()
 
 
 def test_idle_rank_keeps_stepping_while_its_peer_finishes(ep_llm: LLM, expected: list[list[int]]) -> None:
