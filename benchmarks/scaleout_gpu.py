@@ -164,7 +164,7 @@ def ep_worker(rank: int, args: argparse.Namespace, model: str, ports: list[int],
     `out_path`."""
     if args.device == "cuda":
         device = torch.device("cuda", rank % torch.cuda.device_count())     # the GPU DPRank gives this rank
-        torch.cuda.set_device(device)      # DPRank does not: the current device would stay GPU 0
+        torch.cuda.set_device(device)      # as DPRank does, before anything touches the GPU
     else:
         device = torch.device("cpu")
         torch.set_num_threads(1)

@@ -94,6 +94,8 @@ class DPRank:
         self._timeout_s = args.distributed_timeout_s
         engine_args = _rank_args(args, spec.rank)
         on_cuda = torch.device(engine_args.device).type == "cuda"
+        if on_cuda:      # kernels launch, events record and NCCL binds on the current device: this rank's GPU
+            torch.cuda.set_device(torch.device(engine_args.device))
         if args.expert_parallel and on_cuda:
             # The decode graphs could capture the fixed-capacity exchange, but NCCL all-to-alls inside
             # them have not run on GPUs yet: EP decode steps run eagerly there (ZOS stays on).
