@@ -115,7 +115,7 @@ def may_draft(req: Request, force_top_k: int | None) -> bool:
     distribution at temperature T): no grammar, no logit controls, no token banned by min_tokens, and
     greedy or temperature-only sampling."""
     params = req.params
-    if req.grammar is not None or req.controlled or len(req.output_token_ids) < params.min_tokens:
+    if req.grammar is not None or req.controlled or req.num_output_tokens < params.min_tokens:
         return False
     return params.is_greedy or (force_top_k is None and params.top_k <= 0 and params.top_p >= 1.0
                                 and params.min_p == 0)
@@ -247,7 +247,7 @@ class SpeculativeDecoder:
         device = self.runner.device
         seeds = [seed_to_int64(r.rng.seed) if r.rng is not None else int(self._noise.integers(0, 2**63))
                  for r in sub]
-        host = np.stack((np.array(seeds, dtype=np.int64), np.array([len(r.output_token_ids) for r in sub]),
+        host = np.stack((np.array(seeds, dtype=np.int64), np.array([r.num_output_tokens for r in sub]),
                          d.seq_lens[drafting].astype(np.int64) - (self.k + 1), d.state_slots[drafting],
                          drafting))
         staged = to_device(host, device)
