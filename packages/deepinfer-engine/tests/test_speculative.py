@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from kept_once import KeptOnce
 from safetensors.torch import load_file, save_file
 
 from deepinfer.engine import LLM, EngineArgs, InvalidEngineArgs, LLMEngine, SamplingParams, StructuredOutput
@@ -165,6 +166,25 @@ def test_structured_output_rows_draft_and_verify_through_their_grammar(plain: LL
     stats = speculative.engine.stats()
     assert stats.spec_verify_rows > before.spec_verify_rows
     assert stats.spec_accepted_tokens - before.spec_accepted_tokens > 10
+
+
+def test_accepted_runs_reach_the_request_list_once(speculative: LLM, reference: dict[str, list[int]],
+                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """`_commit` appends each kept token of a run to the request's list (the scheduler's history, the
+    same list: `KeptOnce`) once, then hands the scheduler the counts; forked samples too."""
+    _oracle(speculative, reference, monkeypatch)
+    params = [SamplingParams(max_tokens=24, temperature=0), SamplingParams(max_tokens=24, temperature=0, n=2),
+              SamplingParams(max_tokens=7, temperature=0)]
+    watch = KeptOnce(speculative.engine)
+    try:
+        outs = speculative.generate(PROMPTS[:3], params, use_tqdm=False)
+    finally:
+        watch.close()
+    assert watch.max_kept > 1 and watch.calls["fork_seq"] == 1
+    for prompt, out in zip(PROMPTS, outs):
+        for sample in out.outputs:
+            tokens = list(out.prompt_token_ids) + list(sample.token_ids)
+            assert tokens == reference[prompt][:len(tokens)]
 
 
 def test_preemption_and_recompute_under_a_small_cache_keep_the_greedy_tokens(

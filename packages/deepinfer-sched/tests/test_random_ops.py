@@ -33,6 +33,22 @@ class EngineModel:
         self.in_flight: deque[list[str]] = deque()   # decode steps whose tokens are not appended
         self.next_id = 0
         self.tables: dict[int, tuple[int, list[int]]] = {}   # row -> (table version, blocks) last decoded
+        self.steps: list[tuple] = []       # what each schedule() asked for
+
+    # The calls that hand tokens over (`SharedListEngine` appends to its lists first).
+    def add(self, seq_id: str, prompt: list[int], max_tokens: int) -> None:
+        self.sched.add_seq(seq_id, prompt, max_tokens)
+
+    def append(self, seq_id: str, tokens: list[int]) -> None:
+        self.sched.append_tokens(seq_id, tokens)
+
+    def append_decode(self, seq_ids: tuple[str, ...], tokens: list[list[int]], accepted: list[int]) -> None:
+        query_len = self.sched.config.max_query_len
+        self.sched.append_decode_tokens(seq_ids, np.array(tokens, dtype=np.int64).reshape(-1, query_len),
+                                        np.array(accepted, dtype=np.int32))
+
+    def fork(self, seq_id: str, num_branches: int) -> None:
+        self.sched.fork_seq(seq_id, num_branches)
 
     def check_table_versions(self, batch) -> None:
         """A row's block table with the version of the last batch that had the row only gained
@@ -60,11 +76,10 @@ class EngineModel:
         accepted = [self.rng.randint(1, query_len) for _ in seq_ids]
         tokens = [[self.rng.randrange(1000) for _ in range(query_len)] for _ in seq_ids]
         if self.rng.random() < 0.5:
-            self.sched.append_decode_tokens(tuple(seq_ids), np.array(tokens, dtype=np.int64).reshape(-1, query_len),
-                                            np.array(accepted, dtype=np.int32))
+            self.append_decode(tuple(seq_ids), tokens, accepted)
         else:
             for seq_id, row, count in zip(seq_ids, tokens, accepted):
-                self.sched.append_tokens(seq_id, row[:count])
+                self.append(seq_id, row[:count])
         for seq_id in seq_ids:
             view = self.sched.get_seq(seq_id)
             num_tokens = len(view.prompt_token_ids) + len(view.output_token_ids)
@@ -77,6 +92,8 @@ class EngineModel:
         while len(self.in_flight) > (1 if zos else 0):
             self.post_process(self.in_flight.popleft(), query_len)
         out = self.sched.schedule()
+        self.steps.append((out.kind, [(c.seq_id, c.start, c.end, c.token_ids.tolist()) for c in out.prefill],
+                           out.decode.seq_ids if out.decode else None, out.preempted_seq_ids))
         event(f"kind {out.kind.name}")
         if out.preempted_seq_ids:
             event("preempted")
@@ -89,7 +106,7 @@ class EngineModel:
                 self.post_process(self.in_flight.popleft(), query_len)
             done = [c.seq_id for c in out.prefill if c.completes_prefill]
             for seq_id in done:
-                self.sched.append_tokens(seq_id, [self.rng.randrange(1000)])
+                self.append(seq_id, [self.rng.randrange(1000)])
         elif out.kind is StepKind.DECODE:
             assert out.decode.num_seqs > 0
             self.check_table_versions(out.decode)
@@ -100,7 +117,7 @@ class EngineModel:
         if op == "add":
             self.next_id += 1
             prompt = [self.rng.randrange(1000) for _ in range(arg)]
-            self.sched.add_seq(f"s{self.next_id}", prompt, 1 + arg % 7)
+            self.add(f"s{self.next_id}", prompt, 1 + arg % 7)
         elif op == "step":
             self.step(zos=arg % 2 == 1)
         elif op in ("finish", "abort") and live:
@@ -114,7 +131,46 @@ class EngineModel:
             view = self.sched.get_seq(live[arg % len(live)])
             if (view.status in (SeqStatus.PROMPTED, SeqStatus.RUNNING) and not view.seq_id.startswith("_")
                     and view.num_inflight_tokens == 0):
-                self.sched.fork_seq(view.seq_id, 1 + arg % 2)
+                self.fork(view.seq_id, 1 + arg % 2)
+
+
+class SharedListEngine(EngineModel):
+    """An engine that keeps each sequence's tokens in its own list and shares it with the scheduler
+    (`share_list`, `branch_lists`) for two sequences in three; it appends every token it hands over."""
+
+    def __init__(self, sched: Scheduler, rng: random.Random, max_model_len: int) -> None:
+        super().__init__(sched, rng, max_model_len)
+        self.lists: dict[str, list[int]] = {}
+
+    def add(self, seq_id: str, prompt: list[int], max_tokens: int) -> None:
+        if self.next_id % 3 == 0:
+            super().add(seq_id, prompt, max_tokens)
+            return
+        self.lists[seq_id] = list(prompt)
+        self.sched.add_seq(seq_id, self.lists[seq_id], max_tokens, share_list=True)
+
+    def append(self, seq_id: str, tokens: list[int]) -> None:
+        self.lists.get(seq_id.lstrip("_"), []).extend(tokens)
+        super().append(seq_id, tokens)
+
+    def append_decode(self, seq_ids: tuple[str, ...], tokens: list[list[int]], accepted: list[int]) -> None:
+        for seq_id, row, count in zip(seq_ids, tokens, accepted):
+            self.lists.get(seq_id.lstrip("_"), []).extend(row[:count])
+        super().append_decode(seq_ids, tokens, accepted)
+
+    def fork(self, seq_id: str, num_branches: int) -> None:
+        parent = self.lists.get(seq_id)
+        if parent is None:
+            super().fork(seq_id, num_branches)
+            return
+        lists = [list(parent) for _ in range(num_branches)]
+        for branch_id, tokens in zip(self.sched.fork_seq(seq_id, num_branches, branch_lists=lists), lists):
+            self.lists[branch_id.lstrip("_")] = tokens
+
+    def check_shared(self) -> None:
+        for key, seq in self.sched._st.seqs.items():     # test-only peek at the list each one reads
+            assert seq.shared_list == (key in self.lists)
+            assert seq.token_ids is self.lists[key] if seq.shared_list else seq.token_ids is not self.lists.get(key)
 
 
 def check_blocks_match_needs(sched: Scheduler, kv: BlockManager) -> None:
@@ -171,3 +227,39 @@ def test_random_operations_keep_invariants(
     assert not sched.has_unfinished()
     assert kv.num_free == num_blocks - 1 and slots.num_free == num_slots
     sched.check_integrity()
+
+
+@settings(max_examples=150, deadline=None, derandomize=True,
+          suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(
+    ops=OPS,
+    seed=st.integers(0, 2**16),
+    block_size=st.integers(1, 6),
+    num_blocks=st.integers(2, 24),
+    max_num_seqs=st.integers(1, 6),
+    nextn=st.integers(0, 2),
+    stop_preempted_request=st.booleans(),
+    max_num_batched_tokens=st.integers(1, 24),
+)
+def test_shared_lists_schedule_as_own_copies_do(
+    native, ops, seed, block_size, num_blocks, max_num_seqs, nextn, stop_preempted_request, max_num_batched_tokens,
+) -> None:
+    """The same operations on a scheduler keeping its own copies and on one reading an engine's lists
+    (for most sequences) give the same steps and the same sequences; a shared list is the one read."""
+    config = SchedulerConfig(
+        block_size=block_size, max_model_len=24, max_num_seqs=max_num_seqs, nextn=nextn,
+        max_num_batched_tokens=max_num_batched_tokens, stop_preempted_request=stop_preempted_request,
+    )
+    engines = []
+    for engine_type in (EngineModel, SharedListEngine):
+        sched = Scheduler(config, BlockManager(num_blocks), BlockManager(max_num_seqs + 1), native=native)
+        engines.append(engine_type(sched, random.Random(seed), config.max_model_len))
+    own, shared = engines
+    for op, arg in ops:
+        for engine in engines:
+            engine.apply(op, arg)
+            engine.sched.check_integrity()
+        shared.check_shared()
+        assert own.live_ids() == shared.live_ids()
+        assert [own.sched.get_seq(i) for i in own.live_ids()] == [shared.sched.get_seq(i) for i in own.live_ids()]
+    assert own.steps == shared.steps

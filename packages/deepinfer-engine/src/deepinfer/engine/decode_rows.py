@@ -42,8 +42,12 @@ class SteadyRows:
         self.reqs = reqs
         self._params, self._rngs = rows.params, rows.rngs
         num_rows = len(reqs)
+        # Each request's one token list (`Request.token_ids`: prompt + outputs, which the scheduler
+        # reads in place); the scheduler is handed the tokens appended here afterwards.
+        self._token_lists = [r.token_ids for r in reqs]
+        self._num_prompt = np.fromiter(map(attrgetter("num_prompt_tokens"), reqs), np.int64, num_rows)
         # output tokens per row; exact for every row whose request has not ended
-        self.num_out = np.fromiter(map(len, map(attrgetter("output_token_ids"), reqs)), np.int64, num_rows)
+        self.num_out = np.fromiter(map(len, self._token_lists), np.int64, num_rows) - self._num_prompt
         self._max_tokens = np.fromiter(map(attrgetter("max_tokens"), reqs), np.int64, num_rows)
         self._min_tokens = np.fromiter(map(attrgetter("min_tokens"), reqs), np.int64, num_rows)
         self._per_row = ~np.fromiter(map(attrgetter("plain_decode"), reqs), np.bool_, num_rows)
@@ -51,7 +55,6 @@ class SteadyRows:
         self._all_rows = np.arange(num_rows)
         stop_ids = frozenset().union(*map(attrgetter("stop_token_ids"), reqs))
         self._stop_ids = np.array(sorted(stop_ids), dtype=np.int64)
-        self._token_lists = [r.output_token_ids for r in reqs]
         self.ones = np.ones(num_rows, dtype=np.int64)      # one accepted token per row (`append_decode_tokens`)
 
     def step_rows(self) -> StepRows:
@@ -96,6 +99,7 @@ class SteadyRows:
         """Reread the output counts of rows post-processed one by one."""
         if len(rows) > len(self.reqs) // 8:         # many: reread every row in one pass
             self.num_out[:] = np.fromiter(map(len, self._token_lists), np.int64, len(self.reqs))
+            self.num_out -= self._num_prompt
             return
         for row in rows.tolist():
-            self.num_out[row] = len(self._token_lists[row])
+            self.num_out[row] = len(self._token_lists[row]) - self._num_prompt[row]

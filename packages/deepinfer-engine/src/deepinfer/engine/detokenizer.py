@@ -31,18 +31,23 @@ class IncrementalDetokenizer:
 
     Args:
         token_ids: the list of token ids to read, which its owner appends to and then calls `update`
-            (a request's output tokens: the history is kept once); None = a list of its own, fed by
+            (a request's `token_ids`: the history is kept once); None = a list of its own, fed by
             `add`.
+        start: where the text starts in token_ids (a request's prompt length: only the outputs
+            are detokenized); 0 with a list of its own.
     """
 
     def __init__(self, tokenizer: Tokenizer, *, skip_special_tokens: bool = True,
-                 token_ids: list[int] | None = None) -> None:
+                 token_ids: list[int] | None = None, start: int = 0) -> None:
+        if not 0 <= start <= (0 if token_ids is None else len(token_ids)):
+            raise ValueError(f"start={start} must be in [0, len(token_ids)]")
         self._tokenizer = tokenizer
         self._skip_special_tokens = skip_special_tokens
         self._owns_ids = token_ids is None
         self._ids: list[int] = [] if token_ids is None else token_ids
-        self._prefix = 0          # window start: a clean character boundary
-        self._read = 0            # tokens whose text is fully emitted
+        self._start = start
+        self._prefix = start      # window start: a clean character boundary
+        self._read = start        # tokens whose text is fully emitted
         self._base = ""           # decode(ids[prefix:read])
         self._num_emitted_new = 0  # chars of the text after `read` already emitted
         self._num_committed_chars = 0
@@ -50,7 +55,7 @@ class IncrementalDetokenizer:
 
     @property
     def token_ids(self) -> list[int]:
-        return list(self._ids)
+        return self._ids[self._start:]
 
     def add(self, token_ids: Sequence[int]) -> str:
         """Append token ids (any number); return the text that became final (maybe '')."""
@@ -100,8 +105,8 @@ class IncrementalDetokenizer:
         if not text.startswith(self._base):
             # The decoder rewrote text before the window's end (not seen with byte-level BPE):
             # decode from the first token; the text emitted so far is taken as given.
-            self._prefix = 0
-            text = self._decode(self._ids)
+            self._prefix = self._start
+            text = self._decode(self._ids[self._start:])
             self._base = text[:self._num_committed_chars]
         return text
 

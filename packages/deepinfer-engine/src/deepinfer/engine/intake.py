@@ -157,7 +157,9 @@ class RequestIntake:
                     self._awaiting_grammar[req.request_id] = req
                     self._grammar_pool().submit(req.request_id, req.params.structured)
                 else:
-                    self.scheduler.add_seq(req.request_id, req.prompt_token_ids, req.max_tokens)
+                    # sample 0's token list is the sequence's history (kept once: `Request`)
+                    self.scheduler.add_seq(req.request_id, req.samples[0].token_ids, req.max_tokens,
+                                           share_list=True)
             except BaseException:
                 self._forget_request(req)
                 self._awaiting_grammar.pop(req.request_id, None)
@@ -200,7 +202,8 @@ class RequestIntake:
                 for sample in req.samples:
                     sample.grammar = self.grammars.backend.new_state(done.compiled)
                 # Never recomputed (DESIGN.md §4): a preemption finishes it.
-                self.scheduler.add_seq(req.request_id, req.prompt_token_ids, req.max_tokens, recomputable=False)
+                self.scheduler.add_seq(req.request_id, req.samples[0].token_ids, req.max_tokens, recomputable=False,
+                                       share_list=True)
 
     def tokenize_prompt(self, prompt: PromptInput | Sequence[int]) -> tuple[str | None, list[int]]:
         """(prompt text or None, prompt token ids) of a prompt in any accepted form.

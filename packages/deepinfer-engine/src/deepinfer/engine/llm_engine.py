@@ -451,7 +451,7 @@ class LLMEngine(RequestIntake):
             return frozenset()
         return frozenset(chunk.seq_id for chunk in out.prefill
                          if (req := self._seq(chunk.seq_id)) is not None and req.prompt_logprobs is not None
-                         and req.num_prompt_logprobs < len(req.prompt_token_ids))
+                         and req.num_prompt_logprobs < req.num_prompt_tokens)
 
     def _add_prompt_logprobs(self, spans: tuple[tuple[str, int, int, int], ...], logits: torch.Tensor) -> None:
         """Prompt logprobs from a prefill step's every-row logits: the row at position p gives the
@@ -460,12 +460,11 @@ class LLMEngine(RequestIntake):
             req = self._seq(seq_id)
             if req is None or req.finished or req.prompt_logprobs is None:
                 continue
-            prompt = req.prompt_token_ids
-            low, high = max(req.num_prompt_logprobs, start + 1), min(len(prompt), start + num_rows + 1)
+            low, high = max(req.num_prompt_logprobs, start + 1), min(req.num_prompt_tokens, start + num_rows + 1)
             if low >= high or low != req.num_prompt_logprobs:
                 continue
             rows = logits[first_row + low - 1 - start:first_row + high - 1 - start]
-            req.add_prompt_logprobs(*logprobs_of(rows, prompt[low:high], req.params.prompt_logprobs or 0))
+            req.add_prompt_logprobs(*logprobs_of(rows, req.token_ids[low:high], req.params.prompt_logprobs or 0))
 
     def _rows_per_sample(self, logits: torch.Tensor, reqs: list[Request]) -> tuple[torch.Tensor, list[Request]]:
         """A prefill step's logits with the row of each group's sample 0 repeated for its other samples
@@ -479,9 +478,10 @@ class LLMEngine(RequestIntake):
         return logits.index_select(0, to_device(np.array(rows, dtype=np.int64), logits.device)), expanded
 
     def _fork(self, req: Request) -> None:
-        """Fork sample 0's just-prefilled sequence for the group's other samples."""
+        """Fork sample 0's just-prefilled sequence for the group's other samples (each branch reads its
+        sample's token list, equal to sample 0's prompt: no token is sampled yet)."""
         samples, req.unforked = req.unforked, []
-        branch_ids = self.scheduler.fork_seq(req.seq_id, len(samples))
+        branch_ids = self.scheduler.fork_seq(req.seq_id, len(samples), branch_lists=[s.token_ids for s in samples])
         expected = tuple("_" + s.seq_id for s in samples)
         if branch_ids != expected:     # the ids _check_ids_free reserved
             raise RuntimeError(f"fork of {req.seq_id!r} gave {branch_ids}, expected {expected}")
@@ -620,7 +620,8 @@ class LLMEngine(RequestIntake):
             for r in reqs:
                 if r.needs_history and r.history_slot is None and not r.finished:
                     r.history_slot = history.acquire(r.prompt_token_ids, r.output_token_ids)
-        rows = StepRows([r.params for r in reqs], [r.rng for r in reqs], [len(r.output_token_ids) for r in reqs],
+        rows = StepRows([r.params for r in reqs], [r.rng for r in reqs],
+                        [len(r.token_ids) - r.num_prompt_tokens for r in reqs],
                         grammars if grammars is not None and any(g is not None for g in grammars) else None,
                         history_slots=[r.history_slot for r in reqs] if controlled else None,
                         bad_word_ids=[r.bad_word_ids for r in reqs] if controlled else None, controlled=controlled)

@@ -40,6 +40,12 @@ class Request:
     scheduler sequence `seq_id` (the request id for sample 0, which is prefilled; f"{request_id}.{index}"
     for the others, forked from it once its prompt is in), seeded with seed + index. Until the fork,
     sample 0 holds the others in `unforked`, and they end with it if it ends first.
+
+    The token history is kept once: `token_ids` (the prompt, then each kept output token) is the
+    list the scheduler reads in place (`Scheduler.add_seq(..., share_list=True)`, `fork_seq`'s
+    branch_lists), and the detokenizer reads its outputs in place. Only the engine appends to it
+    (`add_token`, `SteadyRows.take_tokens`), and only tokens the request keeps, before handing them
+    to the scheduler; a ZOS step's token dropped for an ended or recomputed request never reaches it.
     """
 
     def __init__(
@@ -63,7 +69,8 @@ class Request:
         self.owner: Request | ParallelRequest = self          # what the engine reports: self or the group
         self.unforked: list[Request] = []                     # sample 0 of a group, until the fork
         self.prompt = prompt
-        self.prompt_token_ids = prompt_token_ids
+        self.token_ids: list[int] = list(prompt_token_ids)    # prompt + outputs: the one copy (class doc)
+        self.num_prompt_tokens = len(self.token_ids)
         self.params = params
         self.rng = None if params.seed is None else RequestRng((params.seed + index) & MAX_SEED, device)
         # Logit controls (`logit_controls`): the tokenized bad words, and the TokenHistory row the
@@ -73,9 +80,9 @@ class Request:
         self.controlled = self.needs_history or bool(bad_word_ids) or bool(params.logit_bias) or \
             params.allowed_token_ids is not None
         self.history_slot: int | None = None
-        self.output_token_ids: list[int] = []       # read in place by the detokenizer (kept once)
         self.detok = IncrementalDetokenizer(tokenizer, skip_special_tokens=params.skip_special_tokens,
-                                            token_ids=self.output_token_ids) if tokenizer is not None else None
+                                            token_ids=self.token_ids, start=self.num_prompt_tokens) \
+            if tokenizer is not None else None
         self.stops = StopStringChecker(params.stop, include_stop_str_in_output=params.include_stop_str_in_output)
         self.eos_token_ids = () if params.ignore_eos else eos_token_ids
         # The ids that end the request once min_tokens outputs exist: EOS first (its stop_reason is None)
@@ -110,6 +117,20 @@ class Request:
         self.grammar: GrammarState | None = None
 
     @property
+    def prompt_token_ids(self) -> list[int]:
+        """A copy of the prompt's token ids (`token_ids[:num_prompt_tokens]`)."""
+        return self.token_ids[:self.num_prompt_tokens]
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        """A copy of the output token ids so far (`token_ids[num_prompt_tokens:]`)."""
+        return self.token_ids[self.num_prompt_tokens:]
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
     def max_tokens(self) -> int:
         """Output tokens allowed: SamplingParams.max_tokens, capped by max_model_len − prompt."""
         return self._max_tokens
@@ -128,21 +149,21 @@ class Request:
         assert self.prompt_logprobs is not None
         start = len(self.prompt_logprobs)
         for position, (entry, rank) in enumerate(zip(entries, ranks), start):
-            self.prompt_logprobs.append(logprob_entries(entry, self.prompt_token_ids[position], rank,
+            self.prompt_logprobs.append(logprob_entries(entry, self.token_ids[position], rank,
                                                         self._decode_token))
 
     def add_token(self, token_id: int, logprobs: dict[int, float] | None, rank: int | None = None) -> None:
         """Record one sampled token (with its logprobs and their rank, when asked for) and decide whether
         the request is done."""
         if self.grammar is not None and self.grammar.accept_tokens([token_id]) != 1:
-            self.fail(f"grammar rejected token {token_id} after {len(self.output_token_ids)} output tokens")
+            self.fail(f"grammar rejected token {token_id} after {self.num_output_tokens} output tokens")
             return
-        self.output_token_ids.append(token_id)
+        self.token_ids.append(token_id)
         if self.logprobs is not None and logprobs is not None:
             self.logprobs.append(logprobs)
             if self.logprob_entries is not None:
                 self.logprob_entries.append(logprob_entries(logprobs, token_id, rank, self._decode_token))
-        num_out = len(self.output_token_ids)
+        num_out = len(self.token_ids) - self.num_prompt_tokens
         may_stop = num_out >= self.min_tokens
         if self._text_each_step and self.detok is not None:
             delta = self.detok.update()
@@ -207,8 +228,8 @@ class Request:
         previous call."""
         first_token, first_char = self._num_reported if self.output_kind is OutputKind.DELTA else (0, 0)
         if self.output_kind is OutputKind.DELTA:
-            self._num_reported = (len(self.output_token_ids), len(self._text))
-        token_ids = self.output_token_ids[first_token:]
+            self._num_reported = (self.num_output_tokens, len(self._text))
+        token_ids = self.token_ids[self.num_prompt_tokens + first_token:]
         logprobs = None if self.logprobs is None else self.logprobs[first_token:]
         entries = None if self.logprob_entries is None else self.logprob_entries[first_token:]
         return (self._text[first_char:] if first_char else self._text), token_ids, logprobs, entries
@@ -225,7 +246,7 @@ class Request:
         which no longer changes)."""
         if self.prompt_logprobs is None:
             return None
-        return self.prompt_logprobs if len(self.prompt_logprobs) == len(self.prompt_token_ids) else []
+        return self.prompt_logprobs if len(self.prompt_logprobs) == self.num_prompt_tokens else []
 
     def to_output(self) -> RequestOutput:
         """This request's output now, cumulative or (DELTA) what is new since the previous call. The
@@ -233,7 +254,7 @@ class Request:
         out); prompt_token_ids is one list shared by all outputs of the request, copied once, so a step
         costs nothing per prompt token."""
         if self._prompt_out is None:
-            self._prompt_out = list(self.prompt_token_ids)
+            self._prompt_out = self.prompt_token_ids
         if self.finished:
             return RequestOutput(self.request_id, self.prompt, self._prompt_out, [self.completion()], True,
                                  self.prompt_logprobs_out())
@@ -255,7 +276,7 @@ class ParallelRequest:
         self.samples = tuple(samples)
         self.request_id = first.request_id
         self.prompt = first.prompt
-        self.prompt_token_ids = first.prompt_token_ids
+        self.num_prompt_tokens = first.num_prompt_tokens
         self.params = first.params
         self.output_kind = first.output_kind
         self.max_tokens = first.max_tokens
@@ -263,6 +284,11 @@ class ParallelRequest:
         for sample in samples:
             sample.owner = self
         first.unforked = list(samples[1:])
+
+    @property
+    def prompt_token_ids(self) -> list[int]:
+        """A copy of the prompt's token ids (each sample's `token_ids` starts with them)."""
+        return self.samples[0].prompt_token_ids
 
     @property
     def finished(self) -> bool:
@@ -284,7 +310,7 @@ class ParallelRequest:
     def to_output(self) -> RequestOutput:
         """One `CompletionOutput` per sample, in index order (each cumulative or DELTA as asked)."""
         if self._prompt_out is None:
-            self._prompt_out = list(self.prompt_token_ids)
+            self._prompt_out = self.prompt_token_ids
         return RequestOutput(self.request_id, self.prompt, self._prompt_out,
                              [sample.completion() for sample in self.samples], self.finished,
                              self.samples[0].prompt_logprobs_out())

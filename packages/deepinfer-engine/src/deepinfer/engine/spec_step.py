@@ -129,7 +129,7 @@ def may_draft(req: Request, force_top_k: int | None) -> bool:
     distribution at temperature T, masked by the request's grammar if it has one): no logit controls,
     no token banned by min_tokens, and greedy or temperature-only sampling."""
     params = req.params
-    if req.controlled or len(req.output_token_ids) < params.min_tokens:
+    if req.controlled or req.num_output_tokens < params.min_tokens:
         return False
     return params.is_greedy or (force_top_k is None and params.top_k <= 0 and params.top_p >= 1.0
                                 and params.min_p == 0)
@@ -256,7 +256,7 @@ class SpeculativeDecoder:
             host[0] = d.last_token_ids
             host[1] = d.rows
             np.subtract(d.seq_lens, k + 1, out=host[2])      # the anchor's place if nothing is in flight
-            host[3] = [len(r.output_token_ids) for r in reqs]
+            host[3] = [r.num_output_tokens for r in reqs]
             host[4] = d.state_slots
             staged = to_device(host, device)
             anchors, rows, positions, outputs = staged[0], staged[1], staged[2], staged[3]
@@ -423,7 +423,7 @@ class SpeculativeDecoder:
             grammar = None if req.finished else req.grammar
             if grammar is None:
                 continue                  # ended since it was scheduled: its tokens are dropped
-            num_outputs = len(req.output_token_ids)
+            num_outputs = req.num_output_tokens
             advanced = 0
             for position in range(k + 1):
                 if position and grammar.is_terminated:

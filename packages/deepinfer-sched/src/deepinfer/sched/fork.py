@@ -10,10 +10,16 @@ from .sequence import SeqStatus, Sequence
 from .state import SchedState
 
 
-def fork_seq(st: SchedState, parent: Sequence, num_branches: int) -> tuple[str, ...]:
-    """Makes `num_branches` PROMPTED copies of `parent` sharing its KV; returns their "_" ids."""
+def fork_seq(
+    st: SchedState, parent: Sequence, num_branches: int, branch_lists: list[list[int]] | None = None
+) -> tuple[str, ...]:
+    """Makes `num_branches` PROMPTED copies of `parent` sharing its KV; returns their "_" ids.
+    `branch_lists`: the branches' shared token lists (each equal to the parent's tokens), or None
+    for copies of their own."""
     if isinstance(num_branches, bool) or not isinstance(num_branches, int) or num_branches < 1:
         raise ValueError(f"num_branches={num_branches!r} must be an int >= 1")
+    if branch_lists is not None:
+        _check_branch_lists(parent, num_branches, branch_lists)
     if parent.status not in (SeqStatus.PROMPTED, SeqStatus.RUNNING) or parent.uncopied:
         raise ValueError(
             f"cannot fork {parent.seq_id!r} in status {parent.status.name}"
@@ -34,8 +40,11 @@ def fork_seq(st: SchedState, parent: Sequence, num_branches: int) -> tuple[str, 
     num_computed = int(table.seq_len[row])
     shared = table.block_ids(row)[: st.blocks_for(num_computed)].copy()
     slot = np.array([table.state_slot[row]], dtype=np.int32)
-    for key in keys:
-        branch = Sequence(key, list(parent.token_ids), parent.max_tokens, st.next_arrival())
+    for index, key in enumerate(keys):
+        if branch_lists is None:
+            branch = Sequence(key, list(parent.token_ids), parent.max_tokens, st.next_arrival())
+        else:
+            branch = Sequence(key, branch_lists[index], parent.max_tokens, st.next_arrival(), shared_list=True)
         branch.recomputable = parent.recomputable
         branch.num_prompt_tokens = parent.num_prompt_tokens
         branch.awaiting_first_token = parent.awaiting_first_token
@@ -53,10 +62,21 @@ def fork_seq(st: SchedState, parent: Sequence, num_branches: int) -> tuple[str, 
         table.num_output[branch_row] = table.num_output[row]
         table.num_branches[row] += 1
         st.num_uncopied += 1
-        st.seqs[key] = branch
+        st.register(branch)
         st.prompted[key] = branch
     parent.num_forks += num_branches
     return tuple("_" + key for key in keys)
+
+
+def _check_branch_lists(parent: Sequence, num_branches: int, branch_lists: list[list[int]]) -> None:
+    if len(branch_lists) != num_branches:
+        raise ValueError(f"branch_lists must hold one list per branch ({num_branches})")
+    if len({id(tokens) for tokens in branch_lists}) != num_branches or \
+            any(tokens is parent.token_ids for tokens in branch_lists):
+        raise ValueError("branch_lists must be distinct lists, none of them the parent's")
+    if any(type(tokens) is not list or tokens != parent.token_ids for tokens in branch_lists):
+        raise ValueError(f"each of branch_lists must be a list equal to {parent.seq_id!r}'s "
+                         f"{parent.num_tokens} tokens now")
 
 
 def copy_on_write(st: SchedState, branch: Sequence) -> bool:

@@ -41,6 +41,9 @@ def _check_queues(st: SchedState) -> None:
             _fail(f"prompted {key!r} has status {seq.status.name}")
     if st.prefilling is not None and st.prefilling.status is not SeqStatus.PREFILLING:
         _fail(f"prefilling {st.prefilling!r} has the wrong status")
+    owned = sum(not seq.shared_list for seq in st.seqs.values())
+    if owned != st.num_owned_lists:
+        _fail(f"num_owned_lists={st.num_owned_lists}, {owned} live sequences own their token list")
     uncopied = [seq for seq in st.seqs.values() if seq.uncopied]
     if len(uncopied) != st.num_uncopied:
         _fail(f"num_uncopied={st.num_uncopied}, {len(uncopied)} uncopied branches live")

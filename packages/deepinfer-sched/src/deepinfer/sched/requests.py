@@ -27,11 +27,8 @@ _ENGINE_REASONS = (FinishReason.STOP, FinishReason.LENGTH, FinishReason.ABORT, F
 def _as_tokens(token_ids: Iterable[int], field: str) -> list[int]:
     """Token ids as a list of ints in [0, 2**31); bools, floats and nested input are refused."""
     if isinstance(token_ids, (list, tuple)) and all(type(t) is int for t in token_ids):
-        tokens = list(token_ids)
-        if tokens and not (0 <= min(tokens) and max(tokens) < _TOKEN_LIMIT):
-            bad = next(t for t in tokens if not 0 <= t < _TOKEN_LIMIT)
-            raise ValueError(f"{field} holds token id {bad}, outside [0, {_TOKEN_LIMIT})")
-        return tokens
+        _check_range(token_ids, field)
+        return list(token_ids)
     array = np.asarray(token_ids if isinstance(token_ids, np.ndarray) else list(token_ids))
     if array.size == 0:
         return []
@@ -41,6 +38,21 @@ def _as_tokens(token_ids: Iterable[int], field: str) -> list[int]:
         bad = int(array.min()) if int(array.min()) < 0 else int(array.max())
         raise ValueError(f"{field} holds token id {bad}, outside [0, {_TOKEN_LIMIT})")
     return array.tolist()
+
+
+def _shared_tokens(token_ids: object, field: str) -> list[int]:
+    """The caller's list itself (share_list=True), checked as `_as_tokens` checks the ids it copies."""
+    if type(token_ids) is not list or not all(type(t) is int for t in token_ids):
+        raise ValueError(f"share_list=True needs {field} as a list of ints (kept, not copied), "
+                         f"got {type(token_ids).__name__}")
+    _check_range(token_ids, field)
+    return token_ids
+
+
+def _check_range(tokens: list[int] | tuple[int, ...], field: str) -> None:
+    if tokens and not (0 <= min(tokens) and max(tokens) < _TOKEN_LIMIT):
+        bad = next(t for t in tokens if not 0 <= t < _TOKEN_LIMIT)
+        raise ValueError(f"{field} holds token id {bad}, outside [0, {_TOKEN_LIMIT})")
 
 
 def _check_new(st: SchedState, seq_id: object, max_tokens: object) -> None:
@@ -55,14 +67,19 @@ def _check_new(st: SchedState, seq_id: object, max_tokens: object) -> None:
 
 
 def add_seq(
-    st: SchedState, seq_id: str, prompt_token_ids: Iterable[int], max_tokens: int, recomputable: bool = True
+    st: SchedState, seq_id: str, prompt_token_ids: Iterable[int], max_tokens: int, recomputable: bool = True,
+    share_list: bool = False,
 ) -> None:
     if st.config.engine_type is EngineType.COMPLETION:
         raise ValueError("engine_type=COMPLETION cannot prefill; admit sequences with add_prefilled_seq")
     _check_new(st, seq_id, max_tokens)
-    if not isinstance(recomputable, bool):
-        raise ValueError(f"recomputable={recomputable!r} must be a bool")
-    tokens = _as_tokens(prompt_token_ids, "prompt_token_ids")
+    for name, flag in (("recomputable", recomputable), ("share_list", share_list)):
+        if not isinstance(flag, bool):
+            raise ValueError(f"{name}={flag!r} must be a bool")
+    if share_list:
+        tokens = _shared_tokens(prompt_token_ids, "prompt_token_ids")
+    else:
+        tokens = _as_tokens(prompt_token_ids, "prompt_token_ids")
     reason = None
     if not tokens:
         reason = IgnoreReason.EMPTY_PROMPT
@@ -73,36 +90,48 @@ def add_seq(
     if reason is not None:
         st.pending_ignored.append(IgnoredSeq(seq_id, reason))
         return
-    seq = Sequence(seq_id, tokens, max_tokens, st.next_arrival())
+    seq = Sequence(seq_id, tokens, max_tokens, st.next_arrival(), share_list)
     seq.recomputable = recomputable
-    st.seqs[seq_id] = seq
+    st.register(seq)
     st.waiting[seq_id] = seq
 
 
 def add_prefilled_seq(
-    st: SchedState, seq_id: str, prompt_token_ids: Iterable[int], first_token_id: int, max_tokens: int
+    st: SchedState, seq_id: str, prompt_token_ids: Iterable[int], first_token_id: int, max_tokens: int,
+    share_list: bool = False,
 ) -> PrefilledSeq | None:
     _check_new(st, seq_id, max_tokens)
-    tokens = _as_tokens(prompt_token_ids, "prompt_token_ids")
-    if not 1 <= len(tokens) <= st.config.max_model_len:
-        raise ValueError(
-            f"len(prompt_token_ids)={len(tokens)} out of range: must be in [1, {st.config.max_model_len}]"
-        )
+    if not isinstance(share_list, bool):
+        raise ValueError(f"share_list={share_list!r} must be a bool")
     (first,) = _as_tokens([first_token_id], "first_token_id")
-    num_blocks = st.blocks_for(len(tokens))
+    if share_list:
+        tokens = _shared_tokens(prompt_token_ids, "prompt_token_ids")
+        if not tokens or tokens[-1] != first:
+            raise ValueError("share_list=True: prompt_token_ids must hold the prompt followed by first_token_id")
+        num_prompt_tokens = len(tokens) - 1
+    else:
+        tokens = _as_tokens(prompt_token_ids, "prompt_token_ids")
+        num_prompt_tokens = len(tokens)
+    if not 1 <= num_prompt_tokens <= st.config.max_model_len:
+        raise ValueError(
+            f"len(prompt_token_ids)={num_prompt_tokens} out of range: must be in [1, {st.config.max_model_len}]"
+        )
+    num_blocks = st.blocks_for(num_prompt_tokens)
     if st.table.num_used >= st.config.max_num_seqs or st.slots.num_free < 1 or st.kv.num_free < num_blocks:
         return None
-    seq = Sequence(seq_id, tokens + [first], max_tokens, st.next_arrival())
-    seq.num_prompt_tokens = len(tokens)
+    if not share_list:
+        tokens.append(first)
+    seq = Sequence(seq_id, tokens, max_tokens, st.next_arrival(), share_list)
+    seq.num_prompt_tokens = num_prompt_tokens
     seq.status = SeqStatus.PROMPTED
     table = st.table
     row = table.acquire(seq)
     table.state_slot[row] = int(st.slots.allocate(1)[0])
     table.append_blocks(row, st.kv.allocate(num_blocks))
-    table.seq_len[row] = len(tokens)
+    table.seq_len[row] = num_prompt_tokens
     table.last_token[row] = first
     table.num_output[row] = 1
-    st.seqs[seq_id] = seq
+    st.register(seq)
     st.prompted[seq_id] = seq
     return PrefilledSeq(seq_id, table.block_ids(row).copy(), int(table.state_slot[row]))
 
@@ -132,6 +161,9 @@ def append_tokens(st: SchedState, seq_id: str, token_ids: Iterable[int]) -> None
     if row < 0 or table.pending_steps[row] == 0:
         raise ValueError(f"seq_id={seq_id!r} has no step in flight to append tokens for")
     tokens = _as_tokens(token_ids, "token_ids")
+    if seq.shared_list and seq.token_ids[seq.num_prompt_tokens + int(table.num_output[row]):] != tokens:
+        raise ValueError(f"seq_id={seq_id!r} shares its token list (share_list=True): append token_ids to "
+                         "that list first, then hand them to append_tokens")
     if seq.awaiting_first_token:
         if len(tokens) != 1:
             raise ValueError(
@@ -147,7 +179,8 @@ def append_tokens(st: SchedState, seq_id: str, token_ids: Iterable[int]) -> None
         if len(tokens) < query_len:
             _trim_blocks(st, row)
     table.pending_steps[row] -= 1
-    seq.token_ids.extend(tokens)
+    if not seq.shared_list:
+        seq.token_ids.extend(tokens)
     table.num_output[row] += len(tokens)
     table.last_token[row] = tokens[-1]
 
@@ -230,12 +263,14 @@ def append_decode_tokens(
         raise ValueError(f"seq_id={stale[0]!r} has no decode step in flight")
     if len(set(rows)) != len(rows):
         raise ValueError("seq_ids lists a sequence twice")
-    if tokens.shape[1] == 1:   # one token each (nextn = 0): no per-sequence lists to build
-        for seq, token in zip(targets, tokens[:, 0].tolist()):
-            seq.token_ids.append(token)
-    else:
-        for seq, row_tokens, count in zip(targets, tokens.tolist(), accepted.tolist()):
-            seq.token_ids.extend(row_tokens[:count])
+    if st.num_owned_lists:     # a shared list's owner has appended the kept tokens already
+        if tokens.shape[1] == 1:   # one token each (nextn = 0): no per-sequence lists to build
+            _append_each(st, targets, tokens[:, 0].tolist())
+        else:
+            all_owned = st.num_owned_lists == len(st.seqs)
+            for seq, row_tokens, count in zip(targets, tokens.tolist(), accepted.tolist()):
+                if all_owned or not seq.shared_list:
+                    seq.token_ids.extend(row_tokens[:count])
     kept_counts = accepted.astype(np.int32)
     table.pending_steps[row_array] -= 1
     table.num_inflight[row_array] -= query_len
@@ -257,8 +292,8 @@ def _append_one_each(
         stale = next(seq.seq_id for seq, row in zip(seqs, rows.tolist())
                      if seq.awaiting_first_token or table.pending_steps[row] == 0)
         raise ValueError(f"seq_id={stale!r} has no decode step in flight")
-    for seq, token in zip(seqs, tokens.tolist()):
-        seq.token_ids.append(token)
+    if st.num_owned_lists:
+        _append_each(st, seqs, tokens.tolist())
     query_len = st.config.max_query_len
     table.pending_steps[rows] -= 1
     table.num_inflight[rows] -= query_len
@@ -266,3 +301,15 @@ def _append_one_each(
     table.num_output[rows] += 1
     table.last_token[rows] = tokens
     return len(seqs)
+
+
+def _append_each(st: SchedState, seqs: list[Sequence], tokens: list[int]) -> None:
+    """Appends one token to each sequence's list that the scheduler owns (a shared list's owner has
+    appended it already)."""
+    if st.num_owned_lists == len(st.seqs):     # no shared list: no per-sequence check
+        for seq, token in zip(seqs, tokens):
+            seq.token_ids.append(token)
+        return
+    for seq, token in zip(seqs, tokens):
+        if not seq.shared_list:
+            seq.token_ids.append(token)

@@ -96,7 +96,8 @@ class Scheduler:
     # ---------------------------------------------------------------- engine -> scheduler
 
     def add_seq(
-        self, seq_id: str, prompt_token_ids: Iterable[int], max_tokens: int, *, recomputable: bool = True
+        self, seq_id: str, prompt_token_ids: Iterable[int], max_tokens: int, *, recomputable: bool = True,
+        share_list: bool = False,
     ) -> None:
         """Queues a request for prefill (FIFO).
 
@@ -106,6 +107,12 @@ class Scheduler:
             max_tokens: output limit, >= 1 (the engine enforces it; kept for `get_seq`).
             recomputable: False = a preemption always finishes it, even with
                 stop_preempted_request=False (structured-output requests, DESIGN.md §4).
+            share_list: False (default) = the scheduler keeps its own copy of the tokens and
+                `append_*` extend it. True = `prompt_token_ids` must be a list of ints, which
+                becomes the sequence's token history in place (no copy): the scheduler reads it
+                (prefill chunks, recompute after preemption, fork) and never writes it; the caller
+                appends each token it hands to `append_tokens` / `append_decode_tokens` (the kept
+                ones only) to that list before the call, so the history is kept once.
 
         An empty prompt, a prompt longer than max_model_len or one needing more KV blocks than
         the cache holds is not queued: the next `schedule()` reports it in `ignored`.
@@ -114,14 +121,18 @@ class Scheduler:
             ValueError: a bad or duplicate seq_id, bad token ids or max_tokens, or a COMPLETION
                 engine (use `add_prefilled_seq`).
         """
-        requests.add_seq(self._st, seq_id, prompt_token_ids, max_tokens, recomputable)
+        requests.add_seq(self._st, seq_id, prompt_token_ids, max_tokens, recomputable, share_list)
 
     def add_prefilled_seq(
-        self, seq_id: str, prompt_token_ids: Iterable[int], first_token_id: int, max_tokens: int
+        self, seq_id: str, prompt_token_ids: Iterable[int], first_token_id: int, max_tokens: int, *,
+        share_list: bool = False,
     ) -> PrefilledSeq | None:
         """Admits a sequence whose prompt was prefilled elsewhere (a COMPLETION engine's input):
         allocates its blocks and state slot now; the caller writes the transferred KV and state
         into them. It joins the running set at the next decode step.
+
+        share_list: as `add_seq`; the shared list must already hold the prompt followed by
+        first_token_id (a token reaches the list before the scheduler).
 
         Returns:
             The block table and state slot to fill, or None when blocks, a slot or
@@ -130,7 +141,8 @@ class Scheduler:
         Raises:
             ValueError: as `add_seq`, plus an empty or over-long prompt or a bad first_token_id.
         """
-        return requests.add_prefilled_seq(self._st, seq_id, prompt_token_ids, first_token_id, max_tokens)
+        return requests.add_prefilled_seq(self._st, seq_id, prompt_token_ids, first_token_id, max_tokens,
+                                          share_list)
 
     def abort_seq(self, seq_id: str) -> None:
         """Finishes a sequence at once and frees what it holds. A WAITING one (never run, or
@@ -149,11 +161,13 @@ class Scheduler:
 
         After the prefill chunk that completed the prompt: exactly the one sampled token. After a
         decode step: the accepted tokens, 1 to nextn + 1 (the verified drafts plus the bonus
-        token); the step's unused reserved positions are given back.
+        token); the step's unused reserved positions are given back. A sequence added with
+        share_list=True takes only the count here: its list must already end with token_ids.
 
         Raises:
             KeyError: unknown id (e.g. finished or preempted: drop its in-flight results).
-            ValueError: no step of it is in flight, or a bad token count or id.
+            ValueError: no step of it is in flight, a bad token count or id, or a shared list
+                that does not end with token_ids.
         """
         requests.append_tokens(self._st, seq_id, token_ids)
 
@@ -166,7 +180,9 @@ class Scheduler:
             seq_ids: [num_seqs] the step's `DecodeBatch.seq_ids`. Sequences finished or preempted
                 since the step was scheduled are skipped: their results are dropped.
             token_ids: [num_seqs, k] integer token ids, k in [1, nextn + 1]; row i holds the
-                tokens of seq_ids[i], of which the first num_accepted[i] are kept.
+                tokens of seq_ids[i], of which the first num_accepted[i] are kept (and are
+                appended to its list, unless it shares the caller's list, whose owner has
+                appended them; not checked here: `check_integrity` does).
             num_accepted: [num_seqs] integers in [1, k].
 
         Returns:
@@ -178,9 +194,17 @@ class Scheduler:
         """
         return requests.append_decode_tokens(self._st, seq_ids, token_ids, num_accepted, self._scratch)
 
-    def fork_seq(self, parent_id: str, num_branches: int) -> tuple[str, ...]:
+    def fork_seq(
+        self, parent_id: str, num_branches: int, *, branch_lists: Iterable[list[int]] | None = None
+    ) -> tuple[str, ...]:
         """Makes `num_branches` copies of a prefilled sequence that share its KV blocks and state
         slot (copy-on-write at their first decode step).
+
+        Args:
+            branch_lists: None (default) = each branch gets its own copy of the parent's tokens.
+                Otherwise one list per branch, in order, each equal to the parent's tokens now and
+                none of them the parent's: it becomes that branch's token history as with
+                `add_seq(..., share_list=True)` (read in place, appended by the caller).
 
         Returns:
             The branch ids "_{parent_id}.{k}", k counting forks of this parent from 1; the "_"
@@ -188,9 +212,11 @@ class Scheduler:
 
         Raises:
             KeyError: unknown parent. ValueError: num_branches < 1, a parent that is not PROMPTED
-                or RUNNING, has a decode step in flight or is itself an uncopied branch.
+                or RUNNING, has a decode step in flight or is itself an uncopied branch, or bad
+                branch_lists.
         """
-        return fork_seq(self._st, self._st.lookup(parent_id), num_branches)
+        lists = None if branch_lists is None else list(branch_lists)
+        return fork_seq(self._st, self._st.lookup(parent_id), num_branches, lists)
 
     # ---------------------------------------------------------------- queries
 

@@ -69,6 +69,9 @@ def branch_id(key: str, uncopied: bool) -> str:
 class Sequence:
     """Mutable per-sequence record owned by the scheduler (never handed out; see `SeqView`).
 
+    `token_ids` is the sequence's one token history (prompt, then outputs): what a prefill chunk and
+    a recompute read and a fork copies.
+
     Counters the decode hot path touches (KV length, blocks, in-flight steps, ...) live in the
     flat arrays of `SeqTable`, at index `row`; a sequence holds a row only while it holds KV.
     """
@@ -86,11 +89,17 @@ class Sequence:
         "parent",
         "num_forks",
         "recomputable",
+        "shared_list",
     )
 
-    def __init__(self, key: str, token_ids: list[int], max_tokens: int, arrival: int) -> None:
+    def __init__(
+        self, key: str, token_ids: list[int], max_tokens: int, arrival: int, shared_list: bool = False
+    ) -> None:
         self.key = key
         self.token_ids = token_ids            # prompt followed by output tokens
+        # True: token_ids is the caller's list (`share_list`), which the caller appends to and the
+        # scheduler only reads; False: the scheduler's own copy, appended by `append_*`.
+        self.shared_list = shared_list
         self.num_prompt_tokens = len(token_ids)
         self.max_tokens = max_tokens
         self.status = SeqStatus.WAITING

@@ -31,6 +31,7 @@ class SchedState:
         self.prompted: OrderedDict[str, Sequence] = OrderedDict()
         self.running_rows = np.zeros(0, dtype=np.int32)
         self.num_uncopied = 0            # fork branches awaiting copy-on-write
+        self.num_owned_lists = 0         # live sequences whose token list `append_*` extends (not shared)
         self.num_arrivals = 0
         self.num_decode_steps = 0
         # Emitted by the next schedule() (ignored) or by the current one (the rest).
@@ -49,6 +50,12 @@ class SchedState:
         if seq is None:
             raise KeyError(f"seq_id={seq_id!r} is not a live sequence")
         return seq
+
+    def register(self, seq: Sequence) -> None:
+        """Makes `seq` live (the caller queues it)."""
+        self.seqs[seq.key] = seq
+        if not seq.shared_list:
+            self.num_owned_lists += 1
 
     def next_arrival(self) -> int:
         self.num_arrivals += 1
@@ -88,6 +95,8 @@ class SchedState:
         self.unlink(seq)
         self.release_kv(seq)
         del self.seqs[seq.key]
+        if not seq.shared_list:
+            self.num_owned_lists -= 1
 
     def _forget_branch(self, seq: Sequence) -> None:
         parent = seq.parent

@@ -140,7 +140,7 @@ class DPRank:
         engine = self.engine
         prepared = [engine.prepare_request(None, prompt, p, output_kind=OutputKind.FINAL_ONLY)
                     for prompt, p in zip(prompts, params)]     # every rank checks every prompt: all or none run
-        costs = [len(req.prompt_token_ids) + (p.max_tokens or engine.max_model_len) for req, p in zip(prepared, params)]
+        costs = [req.num_prompt_tokens + (p.max_tokens or engine.max_model_len) for req, p in zip(prepared, params)]
         owners = assign_least_loaded(costs, self.spec.world_size)
         index_of = {req.request_id: index for index, (req, owner) in enumerate(zip(prepared, owners))
                     if owner == self.spec.rank}
