@@ -20,12 +20,12 @@ import torch
 from deepinfer.engine import EngineArgs, LLMEngine
 from deepinfer.engine.env import EngineEnv, read_env
 from deepinfer.engine.spec_step import SpeculativeDecoder
-from deepinfer.engine.varlen_profile import profile_fields
-from deepinfer.spec import ProfileCache, StepTimeCurve, cuda_graph_sizes, profile_key
+from deepinfer.engine.varlen_profile import profile_fields, profile_sizes
+from deepinfer.spec import ProfileCache, StepTimeCurve, profile_key
 
 ARGS = EngineArgs(device="cpu", kv_cache_memory_mb=16, max_num_seqs=2, max_model_len=256,
                   num_speculative_tokens=2)
-SIZES = cuda_graph_sizes(2 * 3)                  # max_num_seqs × (k + 1) tokens
+SIZES = profile_sizes(2 * 3, False, 8)             # max_num_seqs × (k + 1) tokens, no graphs on the CPU
 CURVE = StepTimeCurve(SIZES, tuple(float(s) for s in SIZES))
 LOGGER = "deepinfer.engine.varlen_profile"
 
@@ -65,7 +65,7 @@ def test_a_second_start_loads_the_curve_without_measuring(tmp_path: Path, measur
     [key] = json.loads(path.read_text())
     assert ProfileCache(path).load(key) == CURVE
     [line] = _messages(caplog, logging.INFO)
-    assert line.startswith(f"varlen step-time curve ({len(SIZES)} graph sizes): measured in ")
+    assert line.startswith(f"varlen step-time curve ({len(SIZES)} sizes): measured in ")
     assert line.endswith(f"stored in {path} (key {key[:16]})")
     assert [p.name for p in path.parent.iterdir()] == ["varlen_profile.json"]      # no temporary file left
 
@@ -75,7 +75,7 @@ def test_a_second_start_loads_the_curve_without_measuring(tmp_path: Path, measur
         second = _start(path)
     assert measured == [] and _curve(second) == CURVE
     assert _messages(caplog, logging.INFO) == [
-        f"varlen step-time curve ({len(SIZES)} graph sizes): loaded from {path} (key {key[:16]})"]
+        f"varlen step-time curve ({len(SIZES)} sizes): loaded from {path} (key {key[:16]})"]
     assert _messages(caplog, logging.WARNING) == []
 
 
@@ -84,7 +84,7 @@ def test_a_changed_config_measures_again_and_keeps_the_other_entries(tmp_path: P
     _start(path)
     measured.clear()
     bigger = _start(path, dataclasses.replace(ARGS, max_num_seqs=3))
-    assert sorted(set(measured)) == list(cuda_graph_sizes(3 * 3)) and _curve(bigger).sizes == cuda_graph_sizes(9)
+    assert sorted(set(measured)) == list(profile_sizes(3 * 3, False, 8)) and _curve(bigger).sizes == (1, 2, 4, 8, 9)
     assert len(json.loads(path.read_text())) == 2
     measured.clear()
     _start(path)                                       # the first config's entry is still there
@@ -114,7 +114,7 @@ def test_every_field_of_the_key_changes_it(tmp_path: Path, measured: list[int],
                                      "expert_parallel": True})),
         key(env=dataclasses.replace(env, batch_invariant=True)),
         key(env=dataclasses.replace(env, cudagraph_batch_size_interval=4)),
-        key(sizes=cuda_graph_sizes(9)),
+        key(sizes=profile_sizes(9, False, 8)),
     ]
     threads = torch.get_num_threads()
     torch.set_num_threads(threads + 1)

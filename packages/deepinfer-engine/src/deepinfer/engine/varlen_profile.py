@@ -33,11 +33,23 @@ PROFILE_FORMAT = 1
 
 def varlen_step_time_curve(run_step: Callable[[int], float], draft: DSparkDraft, runner: ModelRunner,
                            args: EngineArgs, env: EngineEnv) -> StepTimeCurve:
-    """The step-time curve of the verify graph sizes (up to max_num_seqs × (k + 1) tokens): the cached
-    one for this model and parallel config, else `profile_step_times(run_step, sizes)`, then cached."""
-    sizes = cuda_graph_sizes(args.max_num_seqs * (draft.block_size + 1), env.cudagraph_batch_size_interval)
+    """The step-time curve up to max_num_seqs × (k + 1) tokens: the cached one for this model and
+    parallel config, else `profile_step_times(run_step, sizes)`, then cached. Sizes: every verify graph
+    size where the runner captured graphs (a step pads up to one); without graphs (CPU, enforce_eager)
+    the eager forward's time grows smoothly, so powers of two and the largest size, between which
+    `StepTimeCurve.at` interpolates (a tenth of the measurements at max_num_seqs = 64)."""
+    sizes = profile_sizes(args.max_num_seqs * (draft.block_size + 1), runner.graphs is not None,
+                          env.cudagraph_batch_size_interval)
     key = profile_key(*profile_fields(draft, runner, args, env, sizes))
     return load_or_measure(run_step, sizes, key, varlen_profile_cache_path(env))
+
+
+def profile_sizes(max_total_q: int, graphs: bool, interval: int) -> tuple[int, ...]:
+    """The verify sizes measured: `cuda_graph_sizes(max_total_q, interval)` with graphs, else the powers
+    of two below max_total_q and max_total_q itself."""
+    if graphs:
+        return cuda_graph_sizes(max_total_q, interval)
+    return tuple(sorted({*(1 << i for i in range(max_total_q.bit_length())), max_total_q}))
 
 
 def profile_fields(draft: DSparkDraft, runner: ModelRunner, args: EngineArgs, env: EngineEnv,
@@ -91,7 +103,7 @@ def load_or_measure(run_step: Callable[[int], float], sizes: Sequence[int], key:
                            cache.path, err)
             curve = None
         if curve is not None:
-            logger.info("varlen step-time curve (%d graph sizes): loaded from %s (key %s)", len(curve.sizes),
+            logger.info("varlen step-time curve (%d sizes): loaded from %s (key %s)", len(curve.sizes),
                         cache.path, key[:16])
             return curve
     started = time.perf_counter()
@@ -107,7 +119,7 @@ def load_or_measure(run_step: Callable[[int], float], sizes: Sequence[int], key:
             logger.warning("could not write the varlen profile cache %s (%s); the next start measures again",
                            cache.path, err)
             where = "not stored"
-    logger.info("varlen step-time curve (%d graph sizes): measured in %.2f s, %s", len(curve.sizes), seconds, where)
+    logger.info("varlen step-time curve (%d sizes): measured in %.2f s, %s", len(curve.sizes), seconds, where)
     return curve
 
 
