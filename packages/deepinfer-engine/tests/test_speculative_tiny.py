@@ -16,22 +16,14 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from test_dummy_load import CONFIG as DUMMY_CONFIG
 from test_zos_replay import Arrival, assert_nothing_left, replay
 
 from deepinfer.engine import SamplingParams, llm_engine
 from deepinfer.model import DSparkDraft
 
-CONFIG = {
-    "vocab_size": 96, "hidden_size": 64, "num_hidden_layers": 4, "num_attention_heads": 4, "head_dim": 32,
-    "qk_rope_head_dim": 8, "q_lora_rank": 32, "o_groups": 2, "o_lora_rank": 16, "n_routed_experts": 4,
-    "n_shared_experts": 1, "num_experts_per_tok": 2, "moe_intermediate_size": 64, "num_hash_layers": 1,
-    "layer_types": ["sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention",
-                    "sliding_attention"],
-    "compress_rates": {"compressed_sparse_attention": 4, "heavily_compressed_attention": 8},
-    "sliding_window": 8, "hc_mult": 2, "hc_sinkhorn_iters": 3, "index_n_heads": 2, "index_head_dim": 16,
-    "index_topk": 8, "max_position_embeddings": 512, "eos_token_id": 95,
-    "dspark_block_size": 3, "dspark_noise_token_id": 94, "dspark_target_layer_ids": [1, 2], "dspark_markov_rank": 8,
-}
+CONFIG = {**DUMMY_CONFIG, "max_position_embeddings": 512, "eos_token_id": 95, "dspark_block_size": 3,
+          "dspark_noise_token_id": 94, "dspark_target_layer_ids": [1, 2], "dspark_markov_rank": 8}
 ARGS = {"device": "cpu", "load_format": "dummy", "max_num_seqs": 6, "max_num_batched_tokens": 32,
         "kv_cache_memory_mb": 8, "max_model_len": 256}
 
