@@ -80,11 +80,14 @@ def test_plan_tiles_cover_each_experts_rows_once() -> None:
     assert plan.max_tiles == 10
 
 
-def test_quant_groups_matches_its_twin() -> None:
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_quant_groups_matches_its_twin(dtype) -> None:
+    """Bitwise. bfloat16 inputs (8 significant bits) put some values exactly halfway between two e4m3
+    codes: they round to the even one, as torch and the GPU's conversion do."""
     from deepinfer.kernels.triton_ops.moe_grouped import quant_groups
 
     gen = torch.Generator().manual_seed(1)
-    x = (torch.randn(7, 96, generator=gen) * torch.logspace(-3, 2, 96)).to(DEVICE, DTYPE)
+    x = (torch.randn(7, 96, generator=gen) * torch.logspace(-3, 2, 96)).to(DEVICE, dtype)
     x[2, :32] = 0.0                                                    # an all-zero group: scale 1
     x[3, 40] = 448.0 * 3                                               # a group's maximum exactly at ±448
     poison_allocator()
