@@ -3,7 +3,8 @@
 Runs on a CUDA device (bfloat16, the V4-Flash shapes too); without one, under Triton's CPU interpreter
 when TRITON_INTERPRET=1 (float32, tiny shapes, every load and store bounds-checked by `kernel_bounds`);
 otherwise skipped. Twins: `reference.moe_experts` (bf16), `reference.moe.moe_experts_fp8_w8a8` (FP8
-block-scaled weights, activations quantised per 1 × block group), `reference.moe_experts_mxfp4`.
+block-scaled weights, activations quantised per 1 × block group; checked stage by stage, see
+`fp8_stages`), `reference.moe_experts_mxfp4`.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import pytest
 import torch
 
 from deepinfer.kernels import reference
-from deepinfer.kernels.reference.moe import moe_experts_fp8_w8a8, quant_fp8_groups
+from deepinfer.kernels.reference.moe import down_fp8_w8a8, quant_fp8_groups, swiglu_fp8_w8a8
 
 CUDA = torch.cuda.is_available()
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
@@ -67,6 +68,88 @@ def close(got: torch.Tensor, want: torch.Tensor) -> None:
     torch.testing.assert_close(got.float(), want.float(), atol=TOL, rtol=TOL)
 
 
+# Of a group's absolute maximum: how far the kernel's SwiGLU output may lie beyond half an e4m3 step
+# from the twin's, and its group scales from the twin's (relative). The two differ by the order of the
+# float32 additions (per K block partial products scaled into the accumulator, against one product
+# over the dequantised operands) and, on Hopper, by the FP8 tensor cores' e8m13 accumulator. At
+# V4-Flash's K (hidden 4096), emulated in float64 on CPU: float32 order alone 2.5e-8 beyond half a step
+# and 1.2e-6 on scales; the e8m13 accumulator (the sum truncated after each 32-input step, or every
+# addend first cut to the largest one's grid) up to 3.1e-4 and 4.9e-4. 2^-8 leaves ~8×; an indexing
+# bug moves values by far more, and a scale 1% off fails.
+FP8_ACT_SLACK = 2.0**-8
+
+
+def check_fp8_act(codes: torch.Tensor, scales: torch.Tensor, want: torch.Tensor, block: int) -> None:
+    """The kernel's quantised SwiGLU output (`codes` [pairs, inter] as float, `scales` [pairs, inter /
+    block]) is the twin's float32 one (`want`) quantised: each group's scale within FP8_ACT_SLACK of
+    the twin's, each value within half the e4m3 spacing at the twin's value plus FP8_ACT_SLACK of the
+    group maximum (a value near a rounding boundary may take either neighbouring code)."""
+    rows, cols = want.shape
+    groups = want.reshape(rows, cols // block, block)
+    amax = groups.abs().amax(-1)
+    scale = torch.where(amax > 0, amax / 448.0, torch.ones_like(amax))
+    bad = ~((scales - scale).abs() <= FP8_ACT_SLACK * scale)
+    assert not bad.any(), (f"{int(bad.sum())} of {bad.numel()} group scales off, first at (pair, group) "
+                           f"{bad.nonzero()[0].tolist()}: {scales[bad][0]} != {scale[bad][0]}")
+    exponent = torch.frexp((groups.abs() / scale[..., None]).clamp(min=2.0**-6))[1] - 1
+    half_step = torch.ldexp(torch.full_like(groups, 2.0**-4), exponent) * scale[..., None]
+    err = (codes.reshape(groups.shape) * scales[..., None] - groups).abs()
+    bad = ~(err <= half_step + FP8_ACT_SLACK * amax[..., None])
+    assert not bad.any(), (f"{int(bad.sum())} of {bad.numel()} activations off by more than half an e4m3 step, "
+                           f"first at (pair, group, column) {bad.nonzero()[0].tolist()}")
+
+
+def fp8_stages(x, ids, weights, args, limit: float, block: int, tiles=None) -> torch.Tensor:
+    """The FP8 grouped kernels run as `grouped_experts` does, each stage checked against the twin's
+    stage fed the same input (the kernel's own); returns the output.
+
+    Why not the output against the twin's (`moe_experts_fp8_w8a8`) elementwise, as before: both
+    quantise the SwiGLU output to e4m3 again, from float32 values that differ by accumulation order,
+    so a value near a rounding boundary takes the neighbouring code in one and not the other (one
+    e4m3 step, up to 1/8 of the value, then spread over a whole output row by w2). At V4-Flash shapes
+    (512 tokens, hidden 4096, width 2048, limit 10), emulated in torch: float64 instead of float32
+    accumulation, or the kernel's per-128-input float32 blocks, flip 3.7e-5 of the codes and the worst
+    output element takes 0.25 of atol + rtol·|want| at atol = rtol = 3e-2; with Hopper's e8m13 FP8
+    accumulator (the sum truncated after each 32-input step) 6.6e-3 flip and the worst takes 0.79;
+    cutting every addend to the largest one's grid first, 1.2e-2 flip and on the first 128 tokens the
+    worst goes from 0.58 to 0.69. 4096 tokens have 8× the elements: no margin. Stage by stage no flip
+    carries over:
+    - x's quantiser: bitwise the twin's;
+    - the up kernel: `check_fp8_act` against `swiglu_fp8_w8a8` (half an e4m3 step + FP8_ACT_SLACK);
+    - the down kernel, fed the kernel's own quantised activations: `down_fp8_w8a8` on the same values,
+      and the slot sums, to TOL (float32 accumulation order and the rounding to x's dtype only).
+    An indexing bug (a wrong row, scale or group) moves values by far more than half a step, or a
+    group's scale by far more than FP8_ACT_SLACK (`test_fp8_stage_check_catches_indexing_bugs`).
+    """
+    from deepinfer.kernels.triton_ops import moe
+    from deepinfer.kernels.triton_ops import moe_grouped as mg
+
+    w13, s13, w2, s2 = args
+    num_tokens, top_k = ids.shape
+    hidden, inter = x.shape[1], w2.shape[-1]
+    tiles = tiles or mg.expert_tiles(moe.FP8_BLOCK, hidden, inter, block)
+    up_plan, down_plan = mg.plans(ids, w13.shape[0], tiles)
+    xq, xs = mg.quant_groups(x, block)
+    xq_want, xs_want = quant_fp8_groups(x, block)
+    assert torch.equal(xs, xs_want) and torch.equal(xq.float(), xq_want.float())
+    act, acts = mg.run_up(xq, xs, up_plan, mg.Weights(w13, s13, moe.FP8_BLOCK, block), top_k, limit, inter, tiles.up)
+    codes, scales = torch.empty(act.shape, device=x.device), torch.empty(acts.shape, device=x.device)
+    codes[up_plan.order], scales[up_plan.order] = act.float(), acts          # pair order (kernel: sorted rows)
+    check_fp8_act(codes, scales, swiglu_fp8_w8a8(x, ids, w13, s13, limit, block), block)
+    flat_weights = weights.reshape(-1).float().contiguous()
+    y = mg.run_down(act, acts, down_plan, flat_weights, mg.Weights(w2, s2, moe.FP8_BLOCK, block), hidden, x.dtype,
+                    tiles.down)
+    deq = (codes.reshape(-1, inter // block, block) * scales[..., None]).reshape(-1, inter)
+    y_want = down_fp8_w8a8(deq, ids, weights, w2, s2, block, x.dtype)
+    close(y, y_want)
+    out = mg.sum_slots(y, num_tokens, top_k, x.dtype)
+    out_want = torch.zeros(num_tokens, hidden, device=x.device)
+    for k in range(top_k):
+        out_want += y_want.view(num_tokens, top_k, hidden)[:, k].float()
+    close(out, out_want.to(x.dtype))
+    return out
+
+
 def test_plan_tiles_cover_each_experts_rows_once() -> None:
     from deepinfer.kernels.triton_ops.moe_grouped import plan_tiles
 
@@ -80,11 +163,14 @@ def test_plan_tiles_cover_each_experts_rows_once() -> None:
     assert plan.max_tiles == 10
 
 
-def test_quant_groups_matches_its_twin() -> None:
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_quant_groups_matches_its_twin(dtype) -> None:
+    """Bitwise. bfloat16 inputs (8 significant bits) put some values exactly halfway between two e4m3
+    codes: they round to the even one, as torch and the GPU's conversion do."""
     from deepinfer.kernels.triton_ops.moe_grouped import quant_groups
 
     gen = torch.Generator().manual_seed(1)
-    x = (torch.randn(7, 96, generator=gen) * torch.logspace(-3, 2, 96)).to(DEVICE, DTYPE)
+    x = (torch.randn(7, 96, generator=gen) * torch.logspace(-3, 2, 96)).to(DEVICE, dtype)
     x[2, :32] = 0.0                                                    # an all-zero group: scale 1
     x[3, 40] = 448.0 * 3                                               # a group's maximum exactly at ±448
     poison_allocator()
@@ -99,7 +185,8 @@ SMALL = [(40, 8, 3, 64, 64, False), (29, 8, 2, 128, 96, True)]      # tokens, ex
 
 
 def run_format(fmt: str, x, ids, weights, w13, w2, *, block: int, tiles=None):
-    """(the grouped kernels' output, the twin's) for one weight format."""
+    """(the grouped kernels' output, the twin's) for one weight format; FP8's "twin" is the stage by
+    stage run, each stage checked against the twin's (`fp8_stages`)."""
     from deepinfer.kernels.triton_ops import moe
     from deepinfer.kernels.triton_ops.moe_grouped import grouped_experts
 
@@ -111,7 +198,7 @@ def run_format(fmt: str, x, ids, weights, w13, w2, *, block: int, tiles=None):
         args = quantised(w13, w2, lambda w: reference.quant_fp8_block(w, block))
         return (grouped_experts(x, ids, weights, args[0], args[2], 0.5, moe.FP8_BLOCK, args[1], args[3], block,
                                 w2.shape[-1], tiles),
-                moe_experts_fp8_w8a8(x, ids, weights, *args, 0.5, block))
+                fp8_stages(x, ids, weights, args, 0.5, block, tiles))
     args = quantised(w13, w2, reference.quant_mxfp4)
     return (grouped_experts(x, ids, weights, args[0], args[2], 0.5, moe.MXFP4, args[1], args[3], 32, w2.shape[-1],
                             tiles),
@@ -145,6 +232,58 @@ def test_grouped_experts_match_their_twins(fmt, num_tokens, num_experts, top_k, 
         _checked.assert_clean("_up_kernel", "_down_kernel", "_sum_slots_kernel")
 
 
+FP8_BUGS = ["none", "x scales of the next K block", "w13 scales of the next K block", "act scales of the row before in "
+            "each expert's last row", "act scales 1% high", "down reads the next K block's act scales",
+            "each expert's last tile a row short"]
+
+
+@pytest.mark.parametrize("bug", FP8_BUGS)
+def test_fp8_stage_check_catches_indexing_bugs(bug, monkeypatch) -> None:
+    """`fp8_stages` is tight, not only sound: each bug, put in at a stage boundary as a kernel with
+    that indexing error would compute it, makes it fail (down to "act scales 1% high", about 1% of
+    the output: mostly within the old elementwise atol = rtol = 3e-2); without one it passes."""
+    from dataclasses import replace
+
+    from deepinfer.kernels.triton_ops import moe_grouped as mg
+
+    x, ids, weights, w13, w2 = case(11, 40, 8, 3, 128, 64, skew=True)
+    block = 32
+    args = quantised(w13, w2, lambda w: reference.quant_fp8_block(w, block))
+    run_up, run_down, plans = mg.run_up, mg.run_down, mg.plans
+    ends = torch.cumsum(torch.bincount(ids.reshape(-1), minlength=8), 0)
+
+    def up(x, xs, plan, w13, *rest):
+        if bug == "x scales of the next K block":
+            xs = xs.roll(-1, 1).contiguous()
+        if bug == "w13 scales of the next K block":
+            w13 = replace(w13, scale=w13.scale.roll(-1, 2).contiguous())
+        act, acts = run_up(x, xs, plan, w13, *rest)
+        if bug == "act scales 1% high":
+            acts = acts * 1.01
+        if bug.startswith("act scales of the row before"):
+            last = ends[ends > 1] - 1
+            acts = acts.index_copy(0, last, acts[last - 1])
+        return act, acts
+
+    def down(act, acts, *rest):
+        return run_down(act, acts.roll(-1, 1).contiguous() if bug.startswith("down") else acts, *rest)
+
+    def short(plan):
+        expert, first, end = plan.tiles.long()
+        last = (expert >= 0) & (end == ends[expert.clamp(min=0)]) & (end - first >= 2)
+        return replace(plan, tiles=torch.stack((expert, first, end - last.long())).int())
+
+    monkeypatch.setattr(mg, "run_up", up)
+    monkeypatch.setattr(mg, "run_down", down)
+    if bug == "each expert's last tile a row short":
+        monkeypatch.setattr(mg, "plans", lambda *a: tuple(map(short, plans(*a))))
+    if bug == "none":
+        fp8_stages(x, ids, weights, args, 10.0, block)          # limit 0.5 would clamp many groups alike
+        return
+    with pytest.raises(AssertionError, match="off by more than|group scales off|not close"):
+        fp8_stages(x, ids, weights, args, 10.0, block)
+
+
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_large_batches_take_the_grouped_kernels(fmt, monkeypatch) -> None:
     """The registered ops switch to the grouped kernels from GROUPED_MIN_PAIRS pairs: FP8 then
@@ -167,7 +306,7 @@ def test_large_batches_take_the_grouped_kernels(fmt, monkeypatch) -> None:
             got = moe.moe_experts_fp8_fused(x, ids, weights, *args, 0.5, block)
             plain = reference.moe_experts_fp8(x, ids, weights, *args, 0.5, block)
             if grouped:
-                close(got, moe_experts_fp8_w8a8(x, ids, weights, *args, 0.5, block))
+                assert torch.equal(got, fp8_stages(x, ids, weights, args, 0.5, block))
                 assert (got.float() - plain.float()).norm() / plain.float().norm() < 0.1
             else:
                 close(got, plain)
@@ -183,7 +322,8 @@ def test_large_batches_take_the_grouped_kernels(fmt, monkeypatch) -> None:
 @pytest.mark.parametrize("num_tokens", [512, 4096])
 def test_grouped_experts_at_v4_flash_shapes(fmt, num_tokens, monkeypatch) -> None:
     """256 experts × 2048, hidden 4096, top-6 through the registered op (4096 tokens: ~96 rows an
-    expert, full and half-height tiles; 512: ~12, half-height ones), against the twin."""
+    expert, full and half-height tiles; 512: ~12, half-height ones), against the twin (FP8: stage by
+    stage, `fp8_stages`; its output elementwise against the twin's is no sound check)."""
     from deepinfer.kernels.triton_ops import moe
 
     x, ids, weights, w13, w2 = case(num_tokens, num_tokens, 256, 6, 4096, 2048)
@@ -198,7 +338,7 @@ def test_grouped_experts_at_v4_flash_shapes(fmt, num_tokens, monkeypatch) -> Non
         args = quantised(w13, w2, lambda w: reference.quant_fp8_block(w, 128))
         del w13, w2
         got, want = (moe.moe_experts_fp8_fused(x, ids, weights, *args, 10.0, 128),
-                     moe_experts_fp8_w8a8(x, ids, weights, *args, 10.0, 128))
+                     fp8_stages(x, ids, weights, args, 10.0, 128))
     else:
         args = quantised(w13, w2, reference.quant_mxfp4)
         del w13, w2

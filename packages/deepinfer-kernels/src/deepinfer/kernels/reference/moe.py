@@ -189,25 +189,58 @@ def moe_experts_fp8_w8a8(
     1 × block group (`quant_fp8_groups`: each token's x before w13, each SwiGLU output row before
     w2), the products in float32; each pair's weighted output rounded to x's dtype, a token's top-k
     rows added in float32 in slot order. The twin of the grouped FP8 kernels
-    (`triton_ops.moe_grouped`), which the CUDA `moe_experts_fp8` uses for large batches.
+    (`triton_ops.moe_grouped`), which the CUDA `moe_experts_fp8` uses for large batches; its two
+    stages are `swiglu_fp8_w8a8` and `down_fp8_w8a8`.
 
     Args and returns: as `moe_experts_fp8`.
     """
     num_tokens, top_k = expert_ids.shape
-    hidden = x.shape[1]
+    act = swiglu_fp8_w8a8(x, expert_ids, w13, w13_scale, limit, block)
+    pairs = down_fp8_w8a8(_fp8_groups_dequant(act, block), expert_ids, weights, w2, w2_scale, block, x.dtype)
+    out = torch.zeros(num_tokens, x.shape[1], dtype=torch.float32, device=x.device)
+    for k in range(top_k):
+        out += pairs.view(num_tokens, top_k, -1)[:, k].float()
+    return out.to(x.dtype)
+
+
+def swiglu_fp8_w8a8(x: Tensor, expert_ids: Tensor, w13: Tensor, w13_scale: Tensor, limit: float,
+                    block: int) -> Tensor:
+    """The first stage of `moe_experts_fp8_w8a8`: x quantised per 1 × block group, times each
+    pair's expert's w13ᵀ in float32, the clamped SwiGLU; before its own quantisation.
+
+    Args:
+        x, expert_ids, w13, w13_scale, limit, block: as `moe_experts_fp8`.
+    Returns:
+        [num_tokens · top_k, inter] float32, row = pair id (token · top_k + slot).
+    """
+    top_k, inter = expert_ids.shape[1], w13.shape[1] // 2
     xq = _fp8_groups_dequant(x, block)
-    pairs = torch.zeros(num_tokens * top_k, hidden, dtype=x.dtype, device=x.device)
-    flat_ids, flat_weights = expert_ids.reshape(-1), weights.reshape(-1).float()
-    expert = fp8_expert(w13, w13_scale, w2, w2_scale, block, torch.float32)
+    flat_ids = expert_ids.reshape(-1)
+    act = torch.zeros(flat_ids.numel(), inter, dtype=torch.float32, device=x.device)
     for e in torch.unique(flat_ids).tolist():
         rows = (flat_ids == e).nonzero(as_tuple=True)[0]
-        w13e, w2e = expert(e)
-        inter = w2e.shape[-1]
-        h = xq[rows // top_k] @ w13e.T
+        h = xq[rows // top_k] @ dequant_fp8_block(w13[e], w13_scale[e], block).T
         gate, up = h[:, :inter].clamp(max=limit), h[:, inter:].clamp(min=-limit, max=limit)
-        act = _fp8_groups_dequant(gate * torch.sigmoid(gate) * up, block)
-        pairs[rows] = ((act @ w2e.T) * flat_weights[rows, None]).to(x.dtype)
-    out = torch.zeros(num_tokens, hidden, dtype=torch.float32, device=x.device)
-    for k in range(top_k):
-        out += pairs.view(num_tokens, top_k, hidden)[:, k].float()
-    return out.to(x.dtype)
+        act[rows] = gate * torch.sigmoid(gate) * up
+    return act
+
+
+def down_fp8_w8a8(act: Tensor, expert_ids: Tensor, weights: Tensor, w2: Tensor, w2_scale: Tensor, block: int,
+                  dtype: torch.dtype) -> Tensor:
+    """The second stage of `moe_experts_fp8_w8a8`: each pair's activation row times its expert's
+    w2ᵀ in float32, times its routing weight, rounded to `dtype`.
+
+    Args:
+        act: [num_tokens · top_k, inter] float32 (in the twin: the SwiGLU output rounded through
+            `quant_fp8_groups`), row = pair id; expert_ids, weights, w2, w2_scale, block: as
+            `moe_experts_fp8`.
+    Returns:
+        [num_tokens · top_k, hidden] in `dtype`, row = pair id.
+    """
+    flat_ids, flat_weights = expert_ids.reshape(-1), weights.reshape(-1).float()
+    pairs = torch.zeros(flat_ids.numel(), w2.shape[1], dtype=dtype, device=act.device)
+    for e in torch.unique(flat_ids).tolist():
+        rows = (flat_ids == e).nonzero(as_tuple=True)[0]
+        w2e = dequant_fp8_block(w2[e], w2_scale[e], block)
+        pairs[rows] = ((act[rows] @ w2e.T) * flat_weights[rows, None]).to(dtype)
+    return pairs

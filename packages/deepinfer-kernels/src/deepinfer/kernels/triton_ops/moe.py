@@ -38,9 +38,17 @@ from .gemv import linear_fused
 FUSED_MAX_PAIRS = 2048
 GROUPED_MIN_PAIRS = FUSED_MAX_PAIRS + 1     # from here on the grouped GEMMs of `moe_grouped` (prefill)
 # The FP8 grouped GEMMs are off until they pass on a GPU: their test at V4-Flash shapes
-# (`test_grouped_experts_at_v4_flash_shapes[512-fp8]`) failed on the H200 on 2026-12-02, cause not
-# known yet (e4m3 rounding flips of the SwiGLU output against the tolerance, or a defect). Tests and
-# benchmarks that exercise them set this to True.
+# (`test_grouped_experts_at_v4_flash_shapes[512-fp8]`) failed on the H200 on 2026-12-02 (error not
+# recorded). Examined on CPU since (issue #22): no kernel defect found, and an unsound check. Under
+# the interpreter, with the 512-token tile structure (256 experts, top-6, ~12 rows an expert:
+# half-height tiles; skewed routing too), the kernels match the twin but for 2-4 one-step e4m3 flips
+# of the re-quantised SwiGLU output. The test compared the output with the twin's elementwise at
+# atol = rtol = 3e-2, which such flips nearly use up on Hopper (its e8m13 FP8 accumulator emulated at
+# the real shape: 0.7% of the codes flip, the worst element takes 0.79 of the tolerance, more under a
+# coarser model of that accumulator). The test now checks stage by stage (`fp8_stages` in
+# tests/test_triton_moe_grouped.py; emulated and source-level indexing bugs fail it). Not run on a GPU
+# yet: rerun the V4-Flash FP8 tests there before turning this on. Tests and benchmarks that exercise
+# the FP8 grouped GEMMs set this to True.
 GROUPED_FP8 = False
 _SCORING = {"sqrtsoftplus": 0, "sigmoid": 1, "softmax": 2}
 

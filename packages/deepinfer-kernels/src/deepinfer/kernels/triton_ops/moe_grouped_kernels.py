@@ -32,12 +32,16 @@ def _tile(tiles_ptr, max_tiles, num_n):
 
 @triton.jit
 def _round_e4m3(v):
-    """v (|v| ≤ 448) rounded to the nearest e4m3 value (ties up) in float32: Triton's CPU interpreter
-    converts float32 to float8e4nv wrongly where rounding carries into the exponent (127.5 → 64), so
-    there values are rounded here first and the conversion is exact."""
+    """v (|v| ≤ 448) rounded to the nearest e4m3 value, ties to even (as torch and the GPU's
+    conversion), in float32: Triton's CPU interpreter converts float32 to float8e4nv wrongly where
+    rounding carries into the exponent (127.5 → 64), so there values are rounded here first and the
+    conversion is exact. Ties are common for bfloat16 inputs (8 significant bits)."""
     exponent = tl.maximum(((v.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127, -6)
     step = tl.exp2((exponent - 3).to(tl.float32))
-    return tl.floor(v / step + 0.5) * step
+    steps = v / step                                         # exact: a power of two, |steps| < 16
+    nearest = tl.floor(steps + 0.5)
+    odd = nearest - 2.0 * tl.floor(nearest * 0.5) != 0.0
+    return tl.where((nearest - steps == 0.5) & odd, nearest - 1.0, nearest) * step
 
 
 @triton.jit
