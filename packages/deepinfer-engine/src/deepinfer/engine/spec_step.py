@@ -22,7 +22,8 @@ placed N + 1 after all of them, so its positions move back by the difference).
    masked at each position by its grammar after the drafts before it (`_grammar_masks`: the matcher
    accepts them one by one, then rolls back). Rows that may not draft (`may_draft`: logit controls,
    top-k / top-p / min-p, min_tokens still banning EOS, DEEPINFER_SAMPLER_FORCE_TOPK) feed q = 1 and
-   are sampled by the engine's `SamplingStage` as in a plain step.
+   are sampled by the engine's `SamplingStage` as in a plain step, as are rows the varlen policy
+   gave q = 1 (their draft walk is not run).
 4. commit: per row, `Request.add_token` token by token, so stop strings, EOS, stop ids and max_tokens
    end the run exactly at the token that ends the request; then one `Scheduler.append_decode_tokens`
    with the number of tokens kept. Under ZOS a request's end is seen one step late: the step in flight
@@ -249,7 +250,9 @@ class SpeculativeDecoder:
         run under `forbid_cuda_sync` (the draft walk and eager forwards run the model's eager kernels)."""
         device, k, runner = self.runner.device, self.k, self.runner
         n = d.num_seqs
-        drafting = np.array([i for i, r in enumerate(reqs) if may_draft(r, self._force_top_k)], dtype=np.int64)
+        # rows given drafts to verify (`DraftGate`: those that may draft, as the policy chose); a row the
+        # policy gave q = 1 is sampled as a plain row, and its draft walk is not run
+        drafting = np.flatnonzero(d.query_lens > 1)
         with forbid_cuda_sync(device, enabled=guarded):
             runner.ensure_rows(int(d.rows.max()) + 1)
             host = np.empty((5, n), dtype=np.int64)
