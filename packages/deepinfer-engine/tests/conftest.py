@@ -4,7 +4,7 @@ from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).parent))   # the serve_helpers and kept_once modules
+sys.path.insert(0, str(Path(__file__).parent))   # serve_helpers, kept_once, engine_tiny_v4
 
 
 @pytest.fixture(scope="session", autouse=True)

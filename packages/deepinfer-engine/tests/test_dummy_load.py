@@ -8,23 +8,12 @@ from pathlib import Path
 
 import pytest
 import torch
+from engine_tiny_v4 import CONFIG
 
 import deepinfer.model
 from deepinfer.engine import EngineArgs, InvalidEngineArgs, LLMEngine, SamplingParams
 from deepinfer.engine.cli import main
 from deepinfer.engine.engine_args import LOAD_FORMATS, allowed_values
-
-# A tiny V4 (transformers names): window-only, CSA and HCA layers, hash-routed and learned MoE layers.
-CONFIG = {
-    "vocab_size": 96, "hidden_size": 64, "num_hidden_layers": 4, "num_attention_heads": 4, "head_dim": 32,
-    "qk_rope_head_dim": 8, "q_lora_rank": 32, "o_groups": 2, "o_lora_rank": 16, "n_routed_experts": 4,
-    "n_shared_experts": 1, "num_experts_per_tok": 2, "moe_intermediate_size": 64, "num_hash_layers": 1,
-    "layer_types": ["sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention",
-                    "sliding_attention"],
-    "compress_rates": {"compressed_sparse_attention": 4, "heavily_compressed_attention": 8},
-    "sliding_window": 8, "hc_mult": 2, "hc_sinkhorn_iters": 3, "index_n_heads": 2, "index_head_dim": 16,
-    "index_topk": 8, "max_position_embeddings": 256,
-}
 
 
 @pytest.fixture

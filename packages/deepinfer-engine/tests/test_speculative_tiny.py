@@ -16,7 +16,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from test_dummy_load import CONFIG as DUMMY_CONFIG
+from engine_tiny_v4 import CONFIG as DUMMY_CONFIG
 from test_zos_replay import Arrival, assert_nothing_left, replay
 
 from deepinfer.engine import SamplingParams, llm_engine
