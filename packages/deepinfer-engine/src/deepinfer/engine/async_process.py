@@ -194,7 +194,9 @@ class AsyncLLMProcess(ProcessFront):
             try:
                 message = receive(self._from_engine)
             except (EOFError, OSError):
-                self._proc.join(timeout=10)
+                # After StopEngine the process is exiting: wait for it (its teardown can outlast any
+                # fixed bound on a loaded machine; `shutdown` waits too). Else give it 10 s to say how.
+                self._proc.join(timeout=None if self._stopping else 10)
                 code = self._proc.exitcode
                 if not (self._stopping and code == 0):
                     how = " (SIGTERM: it finished its requests first)" if code == 0 else ""
