@@ -7,6 +7,7 @@ import socket
 import threading
 import time
 
+import pytest
 import uvicorn
 
 from deepinfer.engine import SamplingParams
@@ -46,3 +47,16 @@ def assert_closing_a_stream_frees_its_blocks(llm, free_at_start: int) -> None:
 
     assert asyncio.run(run()) == 0
     assert (llm.stats.num_running, llm.stats.num_waiting, llm.stats.num_free_kv_blocks) == (0, 0, free_at_start)
+
+
+def assert_refused_requests_raise_from_the_first_iteration(llm) -> None:
+    """A request the engine refuses (a token id past the vocabulary, a reserved request id) raises
+    ValueError from the first iteration of `llm.generate` (`AsyncLLM` or `AsyncLLMProcess`)."""
+    async def first(prompt: object, request_id: str | None = None) -> None:
+        async for _ in llm.generate(prompt, SamplingParams(max_tokens=1), request_id):
+            pass
+
+    with pytest.raises(ValueError, match="must be in"):
+        asyncio.run(first([10**9]))
+    with pytest.raises(ValueError, match="must not start with '_'"):
+        asyncio.run(first("x", "_mine"))

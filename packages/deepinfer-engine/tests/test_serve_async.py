@@ -15,7 +15,10 @@ import time
 
 import httpx
 import pytest
-from serve_helpers import assert_closing_a_stream_frees_its_blocks
+from serve_helpers import (
+    assert_closing_a_stream_frees_its_blocks,
+    assert_refused_requests_raise_from_the_first_iteration,
+)
 
 from deepinfer.engine import EngineArgs, LLMEngine, SamplingParams
 from deepinfer.engine.async_llm import AsyncLLM, EngineQueueFull, EngineStopped
@@ -49,14 +52,7 @@ def test_closing_a_stream_aborts_it_and_frees_its_blocks(llm: AsyncLLM) -> None:
 
 
 def test_refused_requests_raise_from_the_first_iteration(llm: AsyncLLM) -> None:
-    async def first(prompt: object, request_id: str | None = None) -> None:
-        async for _ in llm.generate(prompt, SamplingParams(max_tokens=1), request_id):
-            pass
-
-    with pytest.raises(ValueError, match="must be in"):
-        asyncio.run(first([10**9]))
-    with pytest.raises(ValueError, match="must not start with '_'"):
-        asyncio.run(first("x", "_mine"))
+    assert_refused_requests_raise_from_the_first_iteration(llm)
 
 
 class _CountingEngine:

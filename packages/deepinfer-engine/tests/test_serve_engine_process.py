@@ -14,7 +14,11 @@ from pathlib import Path
 
 import httpx
 import pytest
-from serve_helpers import assert_closing_a_stream_frees_its_blocks, start_uvicorn
+from serve_helpers import (
+    assert_closing_a_stream_frees_its_blocks,
+    assert_refused_requests_raise_from_the_first_iteration,
+    start_uvicorn,
+)
 
 from deepinfer.engine import EngineArgs, SamplingParams
 from deepinfer.engine.async_front import EngineDead
@@ -69,14 +73,7 @@ def test_closing_a_stream_aborts_it_and_frees_its_blocks(llm: AsyncLLMProcess) -
 
 
 def test_refused_requests_raise_from_the_first_iteration(llm: AsyncLLMProcess) -> None:
-    async def first(prompt: object, request_id: str | None = None) -> None:
-        async for _ in llm.generate(prompt, SamplingParams(max_tokens=1), request_id):
-            pass
-
-    with pytest.raises(ValueError, match="must be in"):
-        asyncio.run(first([10**9]))
-    with pytest.raises(ValueError, match="must not start with '_'"):
-        asyncio.run(first("x", "_mine"))
+    assert_refused_requests_raise_from_the_first_iteration(llm)
     assert llm.is_running and llm.stats.num_waiting == 0
 
 
