@@ -476,9 +476,10 @@ def test_the_invariant_set_resolves_twins_and_registered_kernels() -> None:
     assert {name for name, source in cuda.sources.items() if source == "cuda-invariant"} == {
         "linear", "grouped_linear", "clamped_swiglu", "moe_experts", "moe_experts_fp8", "moe_experts_mxfp4", "route",
         "hc_pre", "hc_post", "hc_head", "sparse_attention", "prefill_attention", "paged_decode_attention",
-        "indexer_scores", "paged_indexer_scores", "compress_decode", "sample_race", "v41_attention", "v41_index_scores"}
+        "indexer_scores", "paged_indexer_scores", "compress_decode", "sample_race", "v41_attention", "v41_index_scores",
+        "hc_mixes", "hc_collapse", "hc_expand"}
     assert {name for name, source in cuda.sources.items() if source == "invariant"} == {
-        "compress_pool", "router_scores", "routing_weights", "hc_mixes", "hc_collapse", "hc_expand", "engram_gate"}
+        "compress_pool", "router_scores", "routing_weights", "engram_gate"}
 
 
 def test_registering_a_second_invariant_kernel_is_refused() -> None:

@@ -235,11 +235,52 @@ def test_the_cuda_set_serves_the_v41_kernels() -> None:
         ops = KernelSet("cuda", batch_invariant=batch_invariant)
         assert ops.sources["v41_attention"] == ("cuda-invariant" if batch_invariant else "cuda")
         assert ops.sources["v41_index_scores"] == ("cuda-invariant" if batch_invariant else "cuda")
+        assert ops.sources["hc_mixes"] == ("cuda-invariant" if batch_invariant else "cuda")
+        for name in ("hc_collapse", "hc_expand"):            # one program per token and channel block
+            assert ops.sources[name] == ("cuda-invariant" if batch_invariant else "cuda")
         for name in ("quant_mxfp8_rows", "quant_fp4_rows", "fake_quant_mxfp8", "fake_quant_fp4_rows"):
             assert ops.sources[name] == "cuda"               # row-wise and exact: the same kernel in both sets
             assert getattr(ops, name) is getattr(triton_ops, f"{name}_fused")
     assert KernelSet("cuda").v41_attention is triton_ops.v41_attention_fused
     assert KernelSet("cuda", batch_invariant=True).v41_attention is triton_ops.v41_attention_invariant
+
+
+MHC_CASES = [(1, 4, 64, 20), (3, 4, 96, 3), (7, 2, 48, 1)] + ([(300, 4, 5120, 20), (2, 4, 5120, 20)] if BIG else [])
+
+
+@pytest.mark.parametrize(("num_tokens", "hc", "dim", "iters"), MHC_CASES)
+@pytest.mark.parametrize("invariant", [False, True], ids=["fused", "invariant"])
+def test_single_pass_mhc_kernels_match_reference(num_tokens, hc, dim, iters, invariant) -> None:
+    """V4.1's hc_mixes (the weights alone), hc_collapse by a given pre and hc_expand, against the
+    reference ops; the batch-invariant hc_mixes gives each token's rows alone as in the batch."""
+    from deepinfer.kernels import triton_ops
+
+    gen = torch.Generator().manual_seed(num_tokens * 7 + hc)
+    dtype = torch.bfloat16 if CUDA else torch.float32
+    streams = (torch.randn(num_tokens, hc, dim, generator=gen) * 3).to(DEVICE, dtype)
+    fn = (torch.randn((2 + hc) * hc, hc * dim, generator=gen) * 0.2).to(DEVICE)
+    scale, base = (1 + 0.3 * torch.randn(3, generator=gen)).to(DEVICE), torch.randn((2 + hc) * hc, generator=gen).to(DEVICE)
+    kwargs = dict(sinkhorn_iters=iters, hc_eps=1e-6, norm_eps=1e-6)
+    mixes = triton_ops.hc_mixes_invariant if invariant else triton_ops.hc_mixes_fused
+    got = mixes(streams, fn, scale, base, **kwargs)
+    want = reference.hc_mixes(streams, fn, scale, base, **kwargs)
+    for g, w in zip(got, want):
+        assert g.dtype == w.dtype == torch.float32 and g.shape == w.shape
+        torch.testing.assert_close(g, w, atol=1e-4, rtol=1e-4)
+    if invariant and num_tokens > 1:
+        alone = mixes(streams[1:2], fn, scale, base, **kwargs)
+        for g, a in zip(got, alone):
+            assert torch.equal(g[1:2], a)
+    pre, post, comb = want
+    tol = 3e-2 if dtype == torch.bfloat16 else 1e-5
+    collapsed = triton_ops.hc_collapse_fused(streams, pre)
+    assert collapsed.dtype == dtype
+    torch.testing.assert_close(collapsed.float(), reference.hc_collapse(streams, pre).float(), atol=tol, rtol=tol)
+    block_out = torch.randn(num_tokens, dim, generator=gen).to(DEVICE, dtype)
+    expanded = triton_ops.hc_expand_fused(block_out, streams, post, comb)
+    assert expanded.dtype == dtype
+    torch.testing.assert_close(expanded.float(), reference.hc_expand(block_out, streams, post, comb).float(),
+                               atol=tol, rtol=tol)
 
 
 def quant_inputs(seed: int, rows: int, dim: int, block: int) -> torch.Tensor:

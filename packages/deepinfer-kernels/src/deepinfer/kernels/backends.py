@@ -57,7 +57,7 @@ def _triton_invariant(name: str, kernel: str, **kernels: str):
 
 # op -> (implementation, its kernel arguments): triton_ops names, or a twin of `invariant` driven by
 # the Triton kernels. Ops not listed run their PyTorch twin (elementwise work only on CUDA:
-# compress_pool, router_scores, routing_weights) or, in `invariant.AS_REFERENCE`, their usual kernel.
+# compress_pool, router_scores, routing_weights, engram_gate) or, in `invariant.AS_REFERENCE`, their usual kernel.
 _INVARIANT_CUDA: dict[str, tuple[str, dict[str, str]]] = {
     "linear": ("linear_invariant", {}),
     "grouped_linear": ("grouped_linear_invariant", {}),
@@ -68,6 +68,9 @@ _INVARIANT_CUDA: dict[str, tuple[str, dict[str, str]]] = {
     "route": ("route_fused", {}),                                 # one program per token
     "hc_pre": ("hc_pre_invariant", {}),
     "hc_post": ("hc_post_fused", {}),                             # one program per (token, channel block)
+    "hc_mixes": ("hc_mixes_invariant", {}),
+    "hc_collapse": ("hc_collapse_fused", {}),                     # one program per (token, channel block)
+    "hc_expand": ("hc_expand_fused", {}),
     "hc_head": ("hc_head", {"linear": "linear_invariant", "rms_norm": "rms_norm_fused"}),
     "sparse_attention": ("sparse_attention_fused", {}),           # one program per (query, head block)
     "prefill_attention": ("prefill_attention_invariant", {}),     # fixed tiles, one program per (head block, query)
@@ -90,10 +93,10 @@ def register_builtin_backends() -> None:
     expert: bf16, FP8 on the FP8 tensor cores, MXFP4 decoded in the kernel; cuBLAS's for float32
     beyond), the projections of 1–4 rows (GEMV; TileLang's for one row where installed), the sampler's
     filters + race (sort-free) and DeepSeek-V4.1's attention and index scores over the packed cache
-    rows (decode and prefill) and its cache-row quantisation (one launch). Everything else: the
+    rows (decode and prefill), its single-pass mHC and its cache-row quantisation (one launch). Everything else: the
     reference.
     The batch-invariant set on CUDA: `_INVARIANT_CUDA`."""
-    for name in ("hc_pre", "hc_post", "rms_norm", "apply_rope", "norm_rope", "compress_decode",
+    for name in ("hc_pre", "hc_post", "hc_mixes", "hc_collapse", "hc_expand", "rms_norm", "apply_rope", "norm_rope", "compress_decode",
                  "paged_decode_attention", "paged_indexer_scores", "topk_lowest_index", "route", "moe_experts",
                  "moe_experts_fp8", "moe_experts_mxfp4", "sample_race", "sparse_attention", "prefill_attention",
                  "indexer_scores", "v41_attention", "v41_index_scores", "quant_mxfp8_rows", "quant_fp4_rows",

@@ -3,7 +3,15 @@
 from .gemm import grouped_linear_invariant, linear_invariant
 from .gemv import linear_fused
 from .indexer import indexer_scores_fused
-from .mhc import hc_post_fused, hc_pre_fused, hc_pre_invariant
+from .mhc import (
+    hc_collapse_fused,
+    hc_expand_fused,
+    hc_mixes_fused,
+    hc_mixes_invariant,
+    hc_post_fused,
+    hc_pre_fused,
+    hc_pre_invariant,
+)
 from .moe import (
     clamped_swiglu_fused,
     moe_experts_fp8_fused,
@@ -31,8 +39,8 @@ from .v41_quant import fake_quant_fp4_rows_fused, fake_quant_mxfp8_fused, quant_
 
 __all__ = [
     "fake_quant_fp4_rows_fused", "fake_quant_mxfp8_fused", "quant_fp4_rows_fused", "quant_mxfp8_rows_fused",
-    "apply_rope_fused", "clamped_swiglu_fused", "compress_decode_fused", "grouped_linear_invariant", "hc_post_fused",
-    "hc_pre_fused", "hc_pre_invariant", "indexer_scores_fused", "linear_fused", "linear_invariant",
+    "apply_rope_fused", "clamped_swiglu_fused", "compress_decode_fused", "grouped_linear_invariant", "hc_collapse_fused",
+    "hc_expand_fused", "hc_mixes_fused", "hc_mixes_invariant", "hc_post_fused", "hc_pre_fused", "hc_pre_invariant", "indexer_scores_fused", "linear_fused", "linear_invariant",
     "moe_experts_fp8_fused", "moe_experts_fp8_invariant", "moe_experts_fused", "moe_experts_invariant",
     "moe_experts_mxfp4_fused", "moe_experts_mxfp4_invariant", "norm_rope_fused",
     "paged_decode_attention_fused", "paged_decode_attention_invariant", "paged_indexer_scores_fused",

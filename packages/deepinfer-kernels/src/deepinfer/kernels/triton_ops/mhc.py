@@ -1,4 +1,6 @@
-"""mHC in two launches per site: the mixing weights + collapse, and the expansion.
+"""mHC in two launches per site: the mixing weights + collapse, and the expansion (DeepSeek-V4.1's
+single-pass mHC: the weights alone, `hc_mixes_fused`, the collapse by a given pre, and the same
+expansion).
 
 `hc_pre_fused`: the projection GEMM runs on the raw streams (the RMS normalisation has no weight, so
 it is a per-token scale applied after the GEMM) — for ≤ 4 tokens as split-K partials of the GEMV,
@@ -34,11 +36,12 @@ def _mix(mix_ptr, offsets, split_stride, SPLITS: tl.constexpr):
 
 
 @triton.jit
-def _hc_pre_kernel(streams_ptr, mix_ptr, base_ptr, scale_ptr, collapsed_ptr, post_ptr, comb_ptr, dim, iters, hc_eps,
-                   norm_eps, split_stride, HC: tl.constexpr, SPLITS: tl.constexpr, BLOCK_D: tl.constexpr,
-                   BLOCK_SQ: tl.constexpr):
-    """Program (token t, chunk) recomputes the token's weights (cheap, from L2) and collapses
-    channels chunk·BLOCK_D …; chunk 0 also stores post and comb. The projection comes as SPLITS
+def _hc_pre_kernel(streams_ptr, mix_ptr, base_ptr, scale_ptr, collapsed_ptr, pre_ptr, post_ptr, comb_ptr, dim, iters,
+                   hc_eps, norm_eps, split_stride, HC: tl.constexpr, SPLITS: tl.constexpr, BLOCK_D: tl.constexpr,
+                   BLOCK_SQ: tl.constexpr, COLLAPSE: tl.constexpr):
+    """Program (token t, chunk) recomputes the token's weights (cheap, from L2) and, with COLLAPSE,
+    collapses channels chunk·BLOCK_D … with them (V4's `hc_pre`); chunk 0 stores post and comb, and
+    without COLLAPSE pre (V4.1's `hc_mixes`, one chunk per token). The projection comes as SPLITS
     split-K partials (split_stride apart), added here in order."""
     t = tl.program_id(0).to(tl.int64)
     chunk = tl.program_id(1)
@@ -67,27 +70,25 @@ def _hc_pre_kernel(streams_ptr, mix_ptr, base_ptr, scale_ptr, collapsed_ptr, pos
         comb = comb / (tl.sum(comb, axis=1)[:, None] + hc_eps)     # rows
         comb = comb / (tl.sum(comb, axis=0)[None, :] + hc_eps)     # columns
     tl.store(comb_ptr + t * HC * HC + c, tl.reshape(comb, (HC * HC,)), mask=(c < HC * HC) & (chunk == 0))
-    d = chunk * BLOCK_D + tl.arange(0, BLOCK_D)
-    x = tl.load(row + h[:, None] * dim + d[None, :], mask=(d < dim)[None, :], other=0.0).to(tl.float32)
-    out = tl.sum(pre[:, None] * x, axis=0)
-    tl.store(collapsed_ptr + t * dim + d, out.to(collapsed_ptr.dtype.element_ty), mask=d < dim)
+    if COLLAPSE:
+        d = chunk * BLOCK_D + tl.arange(0, BLOCK_D)
+        x = tl.load(row + h[:, None] * dim + d[None, :], mask=(d < dim)[None, :], other=0.0).to(tl.float32)
+        out = tl.sum(pre[:, None] * x, axis=0)
+        tl.store(collapsed_ptr + t * dim + d, out.to(collapsed_ptr.dtype.element_ty), mask=d < dim)
+    else:
+        tl.store(pre_ptr + t * HC + h, pre, mask=(h < HC) & (chunk == 0))
 
 
 def hc_pre_fused(
     streams: Tensor, fn: Tensor, scale: Tensor, base: Tensor, *, sinkhorn_iters: int, hc_eps: float, norm_eps: float
 ) -> tuple[Tensor, Tensor, Tensor]:
     """Same contract as `deepinfer.kernels.reference.hc_pre` (hc a power of two, else the reference)."""
-    num_tokens, hc, dim = streams.shape
+    num_tokens, hc, _ = streams.shape
     if not on_triton(streams) or hc & (hc - 1) or num_tokens == 0:
         return reference.hc_pre(streams, fn, scale, base, sinkhorn_iters=sinkhorn_iters, hc_eps=hc_eps,
                                 norm_eps=norm_eps)
     src = streams.contiguous()
-    flat, fn = src.view(num_tokens, -1), fn.float().contiguous()
-    if num_tokens <= MAX_ROWS:      # split-K partials of the raw rows (24 outputs: too few programs)
-        mixes = gemv_partials(flat, fn, _SPLITS)
-    else:
-        mixes = (flat.float() @ fn.t()).contiguous()[None]
-    return _collapse(src, mixes, base, scale, sinkhorn_iters, hc_eps, norm_eps)
+    return _site(src, _projection(src, fn), base, scale, sinkhorn_iters, hc_eps, norm_eps, collapse=True)
 
 
 def hc_pre_invariant(
@@ -102,24 +103,92 @@ def hc_pre_invariant(
                                 norm_eps=norm_eps)
     src = streams.contiguous()
     mixes = gemm_partials_invariant(src.view(num_tokens, -1).float(), fn.float(), _SPLITS)
-    return _collapse(src, mixes, base, scale, sinkhorn_iters, hc_eps, norm_eps)
+    return _site(src, mixes, base, scale, sinkhorn_iters, hc_eps, norm_eps, collapse=True)
 
 
-def _collapse(src: Tensor, mixes: Tensor, base: Tensor, scale: Tensor, sinkhorn_iters: int, hc_eps: float,
-              norm_eps: float) -> tuple[Tensor, Tensor, Tensor]:
-    """Launch `_hc_pre_kernel` on contiguous streams and their projection's partials
-    [splits, tokens, (2 + hc) · hc] float32."""
+def hc_mixes_fused(
+    streams: Tensor, fn: Tensor, scale: Tensor, base: Tensor, *, sinkhorn_iters: int, hc_eps: float, norm_eps: float
+) -> tuple[Tensor, Tensor, Tensor]:
+    """Same contract as `reference.hc_mixes` (DeepSeek-V4.1's single-pass mHC weights): the projection
+    as `hc_pre_fused` runs it, then one program per token (hc a power of two, else the reference)."""
+    num_tokens, hc, _ = streams.shape
+    if not on_triton(streams) or hc & (hc - 1) or num_tokens == 0:
+        return reference.hc_mixes(streams, fn, scale, base, sinkhorn_iters=sinkhorn_iters, hc_eps=hc_eps,
+                                  norm_eps=norm_eps)
+    src = streams.contiguous()
+    return _site(src, _projection(src, fn), base, scale, sinkhorn_iters, hc_eps, norm_eps, collapse=False)
+
+
+def hc_mixes_invariant(
+    streams: Tensor, fn: Tensor, scale: Tensor, base: Tensor, *, sinkhorn_iters: int, hc_eps: float, norm_eps: float
+) -> tuple[Tensor, Tensor, Tensor]:
+    """Same contract as `reference.hc_mixes`, batch-invariant as `hc_pre_invariant` (else the PyTorch
+    twin `invariant.hc_mixes`)."""
+    num_tokens, hc, _ = streams.shape
+    if not on_triton(streams) or hc & (hc - 1) or num_tokens == 0:
+        return invariant.hc_mixes(streams, fn, scale, base, sinkhorn_iters=sinkhorn_iters, hc_eps=hc_eps,
+                                  norm_eps=norm_eps)
+    src = streams.contiguous()
+    mixes = gemm_partials_invariant(src.view(num_tokens, -1).float(), fn.float(), _SPLITS)
+    return _site(src, mixes, base, scale, sinkhorn_iters, hc_eps, norm_eps, collapse=False)
+
+
+def _projection(src: Tensor, fn: Tensor) -> Tensor:
+    """The raw streams [t, hc, dim] projected by fn [(2 + hc)·hc, hc·dim]: [splits, t, (2 + hc)·hc]
+    float32 partials (split-K GEMV for ≤ MAX_ROWS tokens: 24 outputs are too few programs), else one."""
+    flat, fn = src.view(src.shape[0], -1), fn.float().contiguous()
+    if src.shape[0] <= MAX_ROWS:
+        return gemv_partials(flat, fn, _SPLITS)
+    return (flat.float() @ fn.t()).contiguous()[None]
+
+
+def _site(src: Tensor, mixes: Tensor, base: Tensor, scale: Tensor, sinkhorn_iters: int, hc_eps: float,
+          norm_eps: float, *, collapse: bool) -> tuple[Tensor, Tensor, Tensor]:
+    """Launch `_hc_pre_kernel` on contiguous streams [t, hc, dim] and their projection's partials
+    [splits, t, (2 + hc)·hc] float32: (collapsed, post, comb) with `collapse`, else (pre, post, comb)."""
     num_tokens, hc, dim = src.shape
-    collapsed = torch.empty(num_tokens, dim, dtype=src.dtype, device=src.device)
     post = torch.empty(num_tokens, hc, dtype=torch.float32, device=src.device)
     comb = torch.empty(num_tokens, hc, hc, dtype=torch.float32, device=src.device)
     block_d = min(triton.next_power_of_2(dim), 512)
-    _hc_pre_kernel[(num_tokens, triton.cdiv(dim, block_d))](
-        src, mixes, base.float().contiguous(), scale.float().contiguous(), collapsed, post, comb, dim,
+    if collapse:
+        first = torch.empty(num_tokens, dim, dtype=src.dtype, device=src.device)
+        chunks = triton.cdiv(dim, block_d)
+    else:
+        first = torch.empty(num_tokens, hc, dtype=torch.float32, device=src.device)
+        chunks = 1
+    _hc_pre_kernel[(num_tokens, chunks)](
+        src, mixes, base.float().contiguous(), scale.float().contiguous(), first, first, post, comb, dim,
         sinkhorn_iters, hc_eps, norm_eps, mixes.stride(0), HC=hc, SPLITS=mixes.shape[0], BLOCK_D=block_d,
-        BLOCK_SQ=min(triton.next_power_of_2(dim), 8192 // hc), num_warps=2,   # H200: 5.6 µs vs 8.2 with 8 warps
+        BLOCK_SQ=min(triton.next_power_of_2(dim), 8192 // hc), COLLAPSE=collapse,
+        num_warps=2,   # H200: 5.6 µs vs 8.2 with 8 warps
     )
-    return collapsed, post, comb
+    return first, post, comb
+
+
+@triton.jit
+def _hc_collapse_kernel(streams_ptr, pre_ptr, out_ptr, dim, HC: tl.constexpr, BLOCK_D: tl.constexpr):
+    t = tl.program_id(0).to(tl.int64)
+    d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
+    h = tl.arange(0, HC)
+    x = tl.load(streams_ptr + t * HC * dim + h[:, None] * dim + d[None, :], mask=(d < dim)[None, :],
+                other=0.0).to(tl.float32)
+    pre = tl.load(pre_ptr + t * HC + h).to(tl.float32)
+    out = tl.sum(pre[:, None] * x, axis=0)
+    tl.store(out_ptr + t * dim + d, out.to(out_ptr.dtype.element_ty), mask=d < dim)
+
+
+def hc_collapse_fused(streams: Tensor, pre: Tensor) -> Tensor:
+    """Same contract as `reference.hc_collapse` (float32 products, one rounding): one program per
+    (token, channel block), so each row is independent of the batch (hc a power of two, else the
+    reference)."""
+    num_tokens, hc, dim = streams.shape
+    if not on_triton(streams) or hc & (hc - 1) or num_tokens == 0:
+        return reference.hc_collapse(streams, pre)
+    out = torch.empty(num_tokens, dim, dtype=streams.dtype, device=streams.device)
+    block_d = min(triton.next_power_of_2(dim), 512)
+    _hc_collapse_kernel[(num_tokens, triton.cdiv(dim, block_d))](
+        streams.contiguous(), pre.float().contiguous(), out, dim, HC=hc, BLOCK_D=block_d, num_warps=4)
+    return out
 
 
 @triton.jit
@@ -150,3 +219,8 @@ def hc_post_fused(block_out: Tensor, residual: Tensor, post: Tensor, comb: Tenso
         HC=hc, BLOCK_D=block_d, num_warps=4,
     )
     return out
+
+
+def hc_expand_fused(block_out: Tensor, residual: Tensor, post: Tensor, comb: Tensor) -> Tensor:
+    """Same contract as `reference.hc_expand` (DeepSeek-V4.1's expansion is V4's `hc_post`)."""
+    return hc_post_fused(block_out, residual, post, comb)
