@@ -259,7 +259,8 @@ def test_single_pass_mhc_kernels_match_reference(num_tokens, hc, dim, iters, inv
     dtype = torch.bfloat16 if CUDA else torch.float32
     streams = (torch.randn(num_tokens, hc, dim, generator=gen) * 3).to(DEVICE, dtype)
     fn = (torch.randn((2 + hc) * hc, hc * dim, generator=gen) * 0.2).to(DEVICE)
-    scale, base = (1 + 0.3 * torch.randn(3, generator=gen)).to(DEVICE), torch.randn((2 + hc) * hc, generator=gen).to(DEVICE)
+    scale = (1 + 0.3 * torch.randn(3, generator=gen)).to(DEVICE)
+    base = torch.randn((2 + hc) * hc, generator=gen).to(DEVICE)
     kwargs = dict(sinkhorn_iters=iters, hc_eps=1e-6, norm_eps=1e-6)
     mixes = triton_ops.hc_mixes_invariant if invariant else triton_ops.hc_mixes_fused
     got = mixes(streams, fn, scale, base, **kwargs)

@@ -93,11 +93,11 @@ def register_builtin_backends() -> None:
     expert: bf16, FP8 on the FP8 tensor cores, MXFP4 decoded in the kernel; cuBLAS's for float32
     beyond), the projections of 1–4 rows (GEMV; TileLang's for one row where installed), the sampler's
     filters + race (sort-free) and DeepSeek-V4.1's attention and index scores over the packed cache
-    rows (decode and prefill), its single-pass mHC and its cache-row quantisation (one launch). Everything else: the
-    reference.
+    rows (decode and prefill), its single-pass mHC and its cache-row quantisation (one launch).
+    Everything else: the reference.
     The batch-invariant set on CUDA: `_INVARIANT_CUDA`."""
-    for name in ("hc_pre", "hc_post", "hc_mixes", "hc_collapse", "hc_expand", "rms_norm", "apply_rope", "norm_rope", "compress_decode",
-                 "paged_decode_attention", "paged_indexer_scores", "topk_lowest_index", "route", "moe_experts",
+    for name in ("hc_pre", "hc_post", "hc_mixes", "hc_collapse", "hc_expand", "rms_norm", "apply_rope", "norm_rope",
+                 "compress_decode", "paged_decode_attention", "paged_indexer_scores", "topk_lowest_index", "route", "moe_experts",
                  "moe_experts_fp8", "moe_experts_mxfp4", "sample_race", "sparse_attention", "prefill_attention",
                  "indexer_scores", "v41_attention", "v41_index_scores", "quant_mxfp8_rows", "quant_fp4_rows",
                  "fake_quant_mxfp8", "fake_quant_fp4_rows"):
