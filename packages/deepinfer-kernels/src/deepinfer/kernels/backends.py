@@ -97,10 +97,10 @@ def register_builtin_backends() -> None:
     Everything else: the reference.
     The batch-invariant set on CUDA: `_INVARIANT_CUDA`."""
     for name in ("hc_pre", "hc_post", "hc_mixes", "hc_collapse", "hc_expand", "rms_norm", "apply_rope", "norm_rope",
-                 "compress_decode", "paged_decode_attention", "paged_indexer_scores", "topk_lowest_index", "route", "moe_experts",
-                 "moe_experts_fp8", "moe_experts_mxfp4", "sample_race", "sparse_attention", "prefill_attention",
-                 "indexer_scores", "v41_attention", "v41_index_scores", "quant_mxfp8_rows", "quant_fp4_rows",
-                 "fake_quant_mxfp8", "fake_quant_fp4_rows"):
+                 "compress_decode", "paged_decode_attention", "paged_indexer_scores", "topk_lowest_index", "route",
+                 "moe_experts", "moe_experts_fp8", "moe_experts_mxfp4", "sample_race", "sparse_attention",
+                 "prefill_attention", "indexer_scores", "v41_attention", "v41_index_scores", "quant_mxfp8_rows",
+                 "quant_fp4_rows", "fake_quant_mxfp8", "fake_quant_fp4_rows"):
         register(name, "cuda", _triton(name))
     register("linear", "cuda", _linear)
     register("clamped_swiglu", "cuda", _clamped_swiglu)
