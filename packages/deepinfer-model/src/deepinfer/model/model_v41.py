@@ -224,7 +224,8 @@ class DeepseekV41ForCausalLM(nn.Module):
 
         Args:
             block_size: tokens per paged block; a multiple of every compress ratio.
-            max_backtracking: spare ring slots for rejected draft tokens.
+            max_backtracking: spare ring slots for rejected draft tokens (a multi-token decode of up
+                to q tokens per row needs q − 1; a DSpark draft asks for its block size + 1).
             dtype: element type of rows a packed format cannot hold (default: the parameter dtype).
         """
         cfg = self.cfg
