@@ -4,7 +4,7 @@ decoding) is CUDA-graph safe, checked on CPU:
 - no host read: the forward runs under the engine's `forbid_cuda_sync` emulation, which raises on
   every tensor call that would read device memory on the host (the routed experts' CPU twin, which
   lists its active experts on the host, is exempt: on CUDA the Triton expert kernels run with a fixed
-  grid and are already captured in the one-token decode graphs);
+  grid and are already captured in the one-token decode graphs); DeepSeek-V4.1's path too;
 - the CUDA kernel set under Triton's interpreter (TRITON_INTERPRET=1) gives the per-sequence path's
   logits with each row's tokens fed in reverse order, so the fused compressor kernel's programs run
   later positions first: the rows of earlier tokens are in the compressor rings before any program
@@ -14,6 +14,8 @@ decoding) is CUDA-graph safe, checked on CPU:
 from __future__ import annotations
 
 import os
+import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -75,6 +77,39 @@ def test_the_multi_token_forward_reads_nothing_on_the_host() -> None:
                                           torch.tensor(SLOTS), max_query_len=Q, max_context_len=64)
         logits = model(batch, cache, ops)
     assert logits.shape == (7, RAW["vocab_size"]) and torch.isfinite(logits).all()
+
+
+def test_the_v41_multi_token_forward_reads_nothing_on_the_host() -> None:
+    """DeepSeek-V4.1's multi-token decode (`layers.csa2_decode`: ring checks, the Engram hasher's
+    scatter-min, the two-level indexer) with a DSpark draft attached, under the same guard."""
+    sys.path.insert(0, str(Path(__file__).parents[1] / "packages" / "deepinfer-model" / "tests"))
+    from v41_helpers import tiny_model
+
+    from deepinfer.model import DSparkDraft
+
+    model = tiny_model(seed=1, dspark_block_size=Q - 1, dspark_noise_token_id=95, dspark_markov_rank=8,
+                       dspark_n_routed_experts=3, dspark_num_experts_per_tok=2)
+    draft = DSparkDraft(model, 1)
+    draft.init_weights(2, std=0.1)
+    model.attach_draft(draft.eval())
+    cache = ModelCache.allocate(model.cache_spec(8, Q), num_blocks=9, num_slots=3)
+    tables = [[3, 1, 5, 7], [2, 4, 6, 8]]
+    with torch.no_grad():
+        model(ForwardBatch.build([list(range(4, 14)), list(range(20, 41))], [0, 0], tables, SLOTS), cache)
+    ops = KernelSet("cpu")
+    experts = ops.moe_experts
+
+    def experts_unguarded(*args, **kwargs):
+        with torch._C.DisableTorchFunction():
+            return experts(*args, **kwargs)
+
+    ops.moe_experts = experts_unguarded
+    tokens, positions, rows = (torch.from_numpy(a) for a in _flat([[5, 6], [7, 8, 9, 10, 11]], [10, 21], False))
+    with torch.no_grad(), forbid_cuda_sync(torch.device("cpu")):
+        batch = ForwardBatch.multi_decode(tokens, positions, rows, torch.tensor(tables, dtype=torch.int32),
+                                          torch.tensor(SLOTS), max_query_len=Q, max_context_len=32)
+        logits = model(batch, cache, ops)
+    assert logits.shape == (7, model.cfg.vocab_size) and torch.isfinite(logits).all()
 
 
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="needs TRITON_INTERPRET=1")

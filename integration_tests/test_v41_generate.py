@@ -1,13 +1,16 @@
 """LLM(model=DIR) on tiny DeepSeek-V4.1 folders (official FP8 / MXFP4 names and transformers' names):
 the engine builds the V4.1 model through deepinfer.model's public API and its greedy tokens are the
-model's own (prefill then one token per decode step); the embedded default stays V4."""
+model's own (prefill then one token per decode step, or speculative steps verified by V4.1's
+multi-token decode); the embedded default stays V4."""
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "packages" / "deepinfer-model" / "tests"))
 
@@ -75,28 +78,87 @@ def test_engine_options_of_v41_reach_the_model(tmp_path, monkeypatch) -> None:
         LLM(seed=0, engram_on_host=True)
 
 
-def test_speculative_decoding_on_a_v41_folder_keeps_greedy_output(tmp_path) -> None:
-    """A V4.1 checkpoint with a (random) DSpark head: speculative steps verify eagerly through V4.1's
-    per-sequence path (it has no multi-token decode), and greedy output stays the plain greedy one."""
+DSPARK = {"dspark_block_size": 2, "dspark_noise_token_id": 95, "dspark_markov_rank": 8,
+          "dspark_n_routed_experts": 3, "dspark_num_experts_per_tok": 2}
+K = 2                # drafts per step
+MAX_TOKENS = 10
+
+
+@pytest.fixture(scope="module")
+def dspark_folder(tmp_path_factory):
+    """(model, folder, greedy continuations of PROMPTS) of a tiny V4.1 checkpoint with a random DSpark
+    head (its mtp.* tensors next to the backbone's)."""
     from v41_checkpoint import token_map_of, tokenizer
     from v41_configs import tiny_text
     from v41_helpers import tiny_model
 
     from deepinfer.model import DSparkDraft
 
-    dspark = {"dspark_block_size": 2, "dspark_noise_token_id": 95, "dspark_markov_rank": 8,
-              "dspark_n_routed_experts": 3, "dspark_num_experts_per_tok": 2}
     token_map = token_map_of(tokenizer(), 96)
-    raw = tiny_text(engram_compressed_vocab_size=int(token_map.max()) + 1, **dspark)
-    model = tiny_model(4, engram_compressed_vocab_size=raw["engram_compressed_vocab_size"], **dspark)
+    raw = tiny_text(engram_compressed_vocab_size=int(token_map.max()) + 1, **DSPARK)
+    model = tiny_model(4, engram_compressed_vocab_size=raw["engram_compressed_vocab_size"], **DSPARK)
     model.bind_token_map(token_map)
     draft = DSparkDraft(model, 2)
     draft.init_weights(5, std=0.1)
     tensors = {**official_tensors(model, quantised=False), **{k: v.contiguous() for k, v in draft.state_dict().items()}}
-    folder = write_folder(tmp_path / "dspark", model, raw, tensors, composite=False)
-    llm = LLM(model=str(folder), seed=0, num_speculative_tokens=2, device="cpu")
-    outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], SamplingParams(max_tokens=6, temperature=0.0),
-                        use_tqdm=False)
-    for prompt, out in zip(PROMPTS, outs):
-        assert list(out.outputs[0].token_ids) == _greedy(model, prompt, 6)
-    assert llm.engine.stats().spec_verify_steps > 0
+    folder = write_folder(tmp_path_factory.mktemp("dspark"), model, raw, tensors, composite=False)
+    return model, folder, [_greedy(model, p, MAX_TOKENS + K) for p in PROMPTS]
+
+
+def _oracle(propose, continuations: list[list[int]]):
+    """A draft proposer that knows the greedy continuations: a row whose anchor (id at its position)
+    lies on one of them gets its next K tokens as drafts, the last one wrong at every third position
+    (so steps accept all, some or none of their drafts); other rows keep the head's drafts. The head
+    still runs (its rings, its confidences)."""
+    sequences = [p + c for p, c in zip(PROMPTS, continuations)]
+
+    def oracle(anchor_ids, anchor_positions, *args, **kwargs):
+        prop = propose(anchor_ids, anchor_positions, *args, **kwargs)
+        drafts = prop.token_ids.clone()
+        for i, (token, position) in enumerate(zip(anchor_ids.tolist(), anchor_positions.tolist())):
+            for seq in sequences:
+                if position + K < len(seq) and seq[position] == token:
+                    drafts[i] = torch.tensor(seq[position + 1:position + 1 + K])
+                    if position % 3 == 0:
+                        drafts[i, -1] = (drafts[i, -1] + 1) % 95
+                    break
+        return dataclasses.replace(prop, token_ids=drafts)
+
+    return oracle
+
+
+@pytest.mark.parametrize(("zos", "varlen"), [(False, False), (True, False), (True, True)],
+                         ids=["zos-off", "zos-on", "zos-on-varlen"])
+def test_speculative_decoding_on_a_v41_folder_keeps_greedy_output(dspark_folder, zos, varlen) -> None:
+    """A V4.1 checkpoint with a DSpark head: speculative steps verify through V4.1's multi-token decode
+    (`ForwardBatch.multi_decode`), under ZOS (positions shifted on the device) and with the varlen
+    policy (under ZOS its split comes from the device), and greedy output stays the plain greedy one,
+    with the random head's drafts (almost all rejected) and with drafts that are mostly right."""
+    model, folder, greedy = dspark_folder
+    llm = LLM(model=str(folder), seed=0, num_speculative_tokens=K, device="cpu", max_num_seqs=4,
+              zero_overhead_scheduling=zos, varlen_verify=varlen)
+    engine = llm.engine
+    assert engine.zos is zos and (engine.spec.varlen is not None) is varlen
+    runner = engine.runner
+    verify_forward, seen = runner.verify_forward, []
+
+    def recording(d, tokens, shift=None, query_lens=None):
+        seen.append((shift is not None, query_lens is not None))
+        return verify_forward(d, tokens, shift, query_lens)
+
+    runner.verify_forward = recording
+    prompts = [{"prompt_token_ids": p} for p in PROMPTS]
+    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0)
+    for oracle in (False, True):
+        if oracle:
+            engine.spec.draft.propose = _oracle(engine.spec.draft.propose, greedy)
+        before = engine.stats()
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        assert [list(o.outputs[0].token_ids) for o in outs] == [g[:MAX_TOKENS] for g in greedy]
+        stats = engine.stats()
+        assert stats.spec_verify_steps > before.spec_verify_steps
+        if oracle:
+            accepted = stats.spec_accepted_tokens - before.spec_accepted_tokens
+            drafted = stats.spec_draft_tokens - before.spec_draft_tokens
+            assert 0 < accepted < drafted
+    assert any(s for s, _ in seen) is zos and any(q for _, q in seen) is (zos and varlen)

@@ -1,4 +1,4 @@
-"""Speculative decoding on a tiny random DeepSeek-V4 with a random two-stage DSpark head.
+"""Speculative decoding on a tiny random DeepSeek-V4 (and V4.1) with a random two-stage DSpark head.
 
 Random drafts are almost never accepted, so a speculative step mostly emits one token, but the
 engine still drafts, verifies k + 1 positions per row, rolls rejected ones back and reuses the rings:
@@ -6,7 +6,8 @@ greedy tokens must equal plain greedy decoding token for token, with ZOS on and 
 prompts are prefilled in chunks, prompts arrive mid-decode and requests are aborted mid-run; every
 block, slot and row is given back. The checkpoint is the dummy loader's model (a folder with only
 config.json) plus the head's random `mtp.*` weights handed to the engine as the checkpoint's draft
-weights.
+weights. The V4.1 twin runs the same trace on a tiny V4.1 of every layer kind (`engine_tiny_v41`),
+whose verify steps are its multi-token decode as V4's are.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from engine_tiny_v4 import CONFIG as DUMMY_CONFIG
+from engine_tiny_v41 import CONFIG as V41_CONFIG
 from test_zos_replay import Arrival, assert_nothing_left, replay
 
 from deepinfer.engine import SamplingParams, llm_engine
@@ -32,6 +34,13 @@ ARGS = {"device": "cpu", "load_format": "dummy", "max_num_seqs": 6, "max_num_bat
 def folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
     path = tmp_path_factory.mktemp("v4-tiny-dspark")
     (path / "config.json").write_text(json.dumps(CONFIG))
+    return path
+
+
+@pytest.fixture(scope="module")
+def folder_v41(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("v41-tiny-dspark")
+    (path / "config.json").write_text(json.dumps(V41_CONFIG))
     return path
 
 
@@ -58,6 +67,15 @@ def _prompt(seed: int, length: int) -> dict[str, list[int]]:
 
 @pytest.mark.usefixtures("with_random_head")
 def test_random_draft_heads_keep_greedy_tokens_under_chunked_prefill_aborts_and_zos(folder: Path) -> None:
+    _greedy_with_and_without_drafts(folder)
+
+
+@pytest.mark.usefixtures("with_random_head")
+def test_v41_random_draft_heads_keep_greedy_tokens_under_chunked_prefill_aborts_and_zos(folder_v41: Path) -> None:
+    _greedy_with_and_without_drafts(folder_v41)
+
+
+def _greedy_with_and_without_drafts(folder: Path) -> None:
     greedy = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
     arrivals = (
         Arrival(0, "long", _prompt(1, 90), greedy),                     # three chunks of 32

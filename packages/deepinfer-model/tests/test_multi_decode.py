@@ -236,12 +236,3 @@ def test_the_embedded_model_with_its_draft_head() -> None:
     for name in ("mtp.0.window", "layers.1.compressor.kv", "layers.2.window"):
         torch.testing.assert_close(got_cache.state[name][1:], want_cache.state[name][1:], atol=1e-5, rtol=0)
 
-
-def test_deepseek_v41_refuses_multi_token_decode_batches() -> None:
-    from v41_helpers import tiny_model
-    model = tiny_model(seed=0)
-    cache = ModelCache.allocate(model.cache_spec(8, 2), 8, 2)
-    batch = ForwardBatch.multi_decode(np.array([5, 6]), np.array([0, 1]), np.array([0, 0]),
-                                      np.array([[1, 2]], dtype=np.int32), np.array([1]), max_query_len=2)
-    with pytest.raises(NotImplementedError, match="DeepSeek-V4 only"), torch.no_grad():
-        model(batch, cache)

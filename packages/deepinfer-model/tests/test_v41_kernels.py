@@ -167,6 +167,38 @@ def test_cuda_kernel_set_matches_the_reference_under_the_interpreter() -> None:
 
 
 @pytest.mark.skipif(not INTERPRET, reason="needs TRITON_INTERPRET=1")
+def test_v41_kernels_run_a_multi_token_decode_step_under_the_interpreter() -> None:
+    """A verify step (`ForwardBatch.multi_decode`: rows of 4, 1 and 3 tokens, shuffled, each token a
+    query of its row's slot and block table) with the V4.1 kernels that read the cache (the quantisers
+    see rows alone): the reference set's logits."""
+    pytest.importorskip("triton")
+    import numpy as np
+
+    from deepinfer.kernels import triton_ops
+
+    ops = KernelSet("cpu")
+    for name in ("v41_attention", "v41_index_scores"):
+        setattr(ops, name, getattr(triton_ops, f"{name}_fused"))
+    model = tiny_model(seed=3)
+    prompts, starts = _seqs([20], 3), [20, 13, 6]
+    chunks = [[5, 6, 7, 8], [9], [10, 11, 12]]
+    order = np.array([7, 0, 4, 2, 6, 1, 5, 3])
+    flat = np.concatenate([np.arange(s, s + len(c)) for s, c in zip(starts, chunks)])
+    rows = np.repeat(np.arange(3), [len(c) for c in chunks])
+    tables = np.array([list(range(1 + 5 * i, 6 + 5 * i)) for i in range(3)], dtype=np.int32)
+    logits = []
+    for step_ops in (ops, kernels_for("cpu")):
+        cache = ModelCache.allocate(model.cache_spec(8, 3), 16, 4)
+        with torch.no_grad():
+            model(ForwardBatch.build([p[:s] for p, s in zip(prompts, starts)], [0] * 3, tables.tolist(), [1, 2, 3]),
+                  cache)
+            batch = ForwardBatch.multi_decode(np.concatenate(chunks)[order], flat[order], rows[order], tables,
+                                              np.array([1, 2, 3]), max_query_len=4)
+            logits.append(model(batch, cache, step_ops))
+    torch.testing.assert_close(logits[0], logits[1], atol=1e-4, rtol=0)
+
+
+@pytest.mark.skipif(not INTERPRET, reason="needs TRITON_INTERPRET=1")
 def test_v41_kernels_match_their_twins_on_the_bf16_models_inputs_under_the_interpreter() -> None:
     """The bfloat16 paths of the V4.1 kernels (the GPU runs them; CPU tests ran float32 only)."""
     pytest.importorskip("triton")

@@ -140,7 +140,7 @@ class EngineArgs:
             accepted ones plus one target token (docs/spec.md); greedy output is the same as without it.
             Its verify forwards replay CUDA graphs keyed by total query tokens (the draft walk runs
             eagerly). ZOS covers speculative steps on the CPU by default; on CUDA only with
-            zero_overhead_scheduling=True (that path has not run on a GPU yet); never for V4.1.
+            zero_overhead_scheduling=True (that path has not run on a GPU yet).
         varlen_verify: with num_speculative_tokens > 0, how many of the k drafts each request verifies:
             True = DESIGN.md §6's choice by expected throughput, from a step-time curve measured at
             start-up (kept in DEEPINFER_VARLEN_PROFILE_CACHE for the next start of the same config) and

@@ -110,11 +110,9 @@ class _InFlightStep:
     spec: SpecFlight | None = None
 
 
-def _zos_with_drafts(args: EngineArgs, eager_verify: bool) -> bool:
-    """Whether speculative decode steps run under ZOS: not for DeepSeek-V4.1 (its verify steps take host
-    positions); on CUDA only when zero_overhead_scheduling=True asks for it (not yet run on a GPU)."""
-    if eager_verify:
-        return False
+def _zos_with_drafts(args: EngineArgs) -> bool:
+    """Whether speculative decode steps run under ZOS: on CUDA only when zero_overhead_scheduling=True
+    asks for it (not yet run on a GPU)."""
     return torch.device(args.device).type != "cuda" or args.zero_overhead_scheduling is True
 
 
@@ -226,14 +224,13 @@ class LLMEngine(RequestIntake):
             prefill_attempt_interval=self.env.prefill_attempt_interval,
             prefill_any_attempt_interval=self.env.prefill_any_attempt_interval, engine_type=args.engine_type,
         )
-        # speculative: verify steps replay graphs keyed by total query tokens; V4.1 verifies eagerly
-        eager_verify = draft is not None and isinstance(cfg, DeepseekV41Config)
-        query_len = 1 if draft is None or eager_verify else draft.block_size + 1
+        # speculative: verify steps (V4 and V4.1 alike) replay graphs keyed by total query tokens
+        query_len = 1 if draft is None else draft.block_size + 1
         self.runner = ModelRunner(
             self.model, block_size=block_size, num_kv_blocks=args.num_kv_blocks,
             budget_bytes=self._kv_budget_bytes(), num_state_slots=num_state_slots,
             max_backtracking=self.env.max_backtracking_tokens,
-            graph_max_seqs=None if args.enforce_eager or eager_verify else args.max_num_seqs * query_len,
+            graph_max_seqs=None if args.enforce_eager else args.max_num_seqs * query_len,
             graph_max_query_len=query_len,
             max_blocks_per_seq=sched_cfg.max_blocks_per_seq, max_model_len=sched_cfg.max_blocks_per_seq * block_size,
             graph_interval=self.env.cudagraph_batch_size_interval, batch_invariant=self.env.batch_invariant,
@@ -243,7 +240,7 @@ class LLMEngine(RequestIntake):
         self.scheduler = self._new_scheduler()
         # One caller at a time: add_request / abort_request / step / has_unfinished_requests take it.
         self._lock = threading.RLock()
-        self.zos = args.zos and (draft is None or _zos_with_drafts(args, eager_verify))
+        self.zos = args.zos and (draft is None or _zos_with_drafts(args))
         self.sampling = SamplingStage(Sampler(seed=args.seed, force_top_k=self.env.sampler_force_topk,
                                               batch_invariant=self.env.batch_invariant),
                                       self.eos_token_ids, cfg.vocab_size, sync_guard=not self.env.disable_sync_guard,

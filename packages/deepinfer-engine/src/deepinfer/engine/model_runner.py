@@ -13,7 +13,6 @@ host has read them, places its tokens (`verify_forward`'s `shift`).
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 from math import lcm
 
@@ -23,7 +22,7 @@ from torch import Tensor
 
 from deepinfer.cache import PagedStream, StateRegion, plan_paged_layout, plan_state_layout
 from deepinfer.kernels import kernels_for
-from deepinfer.model import DeepseekV4ForCausalLM, DeepseekV41ForCausalLM, ForwardBatch, ModelCache
+from deepinfer.model import DeepseekV4ForCausalLM, ForwardBatch, ModelCache
 from deepinfer.sched import DecodeBatch, SchedulerOutput, StepKind
 
 from .block_tables import RowBlockTables
@@ -229,9 +228,8 @@ class ModelRunner:
     def verify_forward(self, d: DecodeBatch, tokens: Tensor, shift: Tensor | None = None,
                        query_lens: Tensor | None = None) -> Tensor:
         """The verify forward of a speculative decode step: the model's multi-token decode
-        (`ForwardBatch.multi_decode`, static shapes), replayed from the CUDA graph keyed by the
-        step's total query tokens when there is one, else eager; DeepSeek-V4.1 (no multi-token
-        decode) runs the rows as one varlen batch of its per-sequence path, eagerly.
+        (`ForwardBatch.multi_decode`, static shapes; DeepSeek-V4 and V4.1), replayed from the CUDA
+        graph keyed by the step's total query tokens when there is one, else eager.
 
         Args:
             d: the decode step; sequence i reserved positions [seq_lens[i] − m, seq_lens[i]) with m =
@@ -239,10 +237,10 @@ class ModelRunner:
             tokens: [num_seqs, nextn + 1] int64 on the device: the anchor (last token), then the drafts.
             shift: ZOS: [num_seqs] int64 on the device, how many positions before the reserved ones each
                 row's anchor really is (the reservation of its step in flight that the step did not use:
-                nextn + 1 − `row_emitted`; 0 for rows without one); None = 0 for every row. Not for V4.1.
+                nextn + 1 − `row_emitted`; 0 for rows without one); None = 0 for every row.
             query_lens: ZOS: [num_seqs] int64 on the device, the query lengths split on the device (same
                 sum as d.query_lens, which they replace); the step's tokens are then laid out on the
-                device. None = d.query_lens. Not for V4.1.
+                device. None = d.query_lens.
         Returns:
             float32 logits [sum(query_lens), vocab] of every fed row, sequence by sequence.
         """
@@ -258,15 +256,6 @@ class ModelRunner:
         fed = tokens.flatten().index_select(0, self._to_device(flat))
         total_q = len(flat)
         token_shift = None if shift is None else shift.index_select(0, self._to_device(token_rows))
-        if isinstance(self.model, DeepseekV41ForCausalLM):
-            if shift is not None:
-                raise ValueError("DeepSeek-V4.1 verifies through its per-sequence path, from host positions: "
-                                 "no shift (ZOS stays off)")
-            # no multi-token decode in V4.1: the rows as one varlen batch of the per-sequence path
-            batch = ForwardBatch.build([[0] * q for q in query_lens.tolist()], (d.seq_lens.astype(np.int64)
-                                       - width).tolist(), list(d.block_tables), d.state_slots.tolist(), logits="all",
-                                       device=self.device)
-            return self.model(dataclasses.replace(batch, token_ids=fed), self.cache, self.ops).float()
         if self.verify_replays_graph(total_q):
             # a replay of the graph keyed by total_q: per token (-1: filled below on the device), its
             # position, its row's state slot and scheduler row (the graphs gather the block tables by it)
@@ -292,8 +281,6 @@ class ModelRunner:
                                      query_lens: Tensor) -> Tensor:
         """`verify_forward` with query lengths known only on the device: the token layout (each token's
         row, column and position) is computed there, without a host read."""
-        if isinstance(self.model, DeepseekV41ForCausalLM):
-            raise ValueError("DeepSeek-V4.1 verifies through its per-sequence path: no device split")
         n, width = d.num_seqs, tokens.shape[1]
         total_q = int(d.query_lens.sum())
         host = np.empty((3, n), dtype=np.int64)
@@ -321,8 +308,7 @@ class ModelRunner:
 
     def verify_replays_graph(self, total_q: int) -> bool:
         """Whether `verify_forward` of total_q query tokens replays a CUDA graph."""
-        return (self.graphs is not None and self.graphs.bucket(total_q) is not None
-                and not isinstance(self.model, DeepseekV41ForCausalLM))
+        return self.graphs is not None and self.graphs.bucket(total_q) is not None
 
     def record_sampled(self, step: StepBatch, token_ids: Tensor) -> None:
         """Keep a decode step's sampled tokens ([num_seqs] int64, on the device) by row, for the next

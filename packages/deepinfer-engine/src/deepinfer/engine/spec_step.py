@@ -199,7 +199,7 @@ class SpeculativeDecoder:
     def _time_dummy_step(self, total_q: int) -> float:
         """ms of one verify forward of total_q tokens in rows of up to k + 1 at the start of the dummy slot
         0 and block 0: the graph replay `verify_forward` runs for that many tokens, else the eager
-        forward it runs (DeepSeek-V4.1: its per-sequence path)."""
+        forward it runs."""
         graphs, device = self.runner.graphs, self.runner.device
         cuda = device.type == "cuda"
         if self.runner.verify_replays_graph(total_q):

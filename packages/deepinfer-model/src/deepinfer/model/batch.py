@@ -166,13 +166,13 @@ class ForwardBatch:
         row i feeding q_i consecutive query tokens (1 <= q_i <= max_query_len), flattened to
         total_q = sum(q_i) tokens. Every token becomes a virtual sequence of one query row carrying
         its row's state slot and block table (gathered on the device: no host read) and its own
-        position, so the model runs its static-shape batched decode path (`layers.batched_decode`)
-        with shapes set by total_q alone: a CUDA graph keyed by total_q serves any split into rows.
+        position, so the model runs its static-shape batched decode path (`layers.batched_decode`;
+        DeepSeek-V4.1: `layers.csa2_decode`) with shapes set by total_q alone: a CUDA graph keyed by
+        total_q serves any split into rows.
         Logits are returned for every token, in the given order.
 
         Padding tokens (a graph larger than the step) point at a row whose block table is all zeros
         and whose state slot is 0 (the reserved block and the dummy slot), at position 0.
-        DeepSeek-V4 only: DeepSeek-V4.1 refuses max_query_len > 1.
 
         Args:
             token_ids: [total_q] integer input tokens (anchor, then drafts, per row), or an int64 tensor
@@ -182,8 +182,8 @@ class ForwardBatch:
             token_rows: [total_q] integer index into block_tables / state_slots of each token's row.
             block_tables: [R, max_blocks] integer block ids (0-padded); state_slots: [R] integer.
             max_query_len: the largest q_i (or a bound on it: a graph captures the bound). The model
-                checks that the window and compressor rings hold max_query_len − 1 spare rows
-                (`cache_spec(max_backtracking >= max_query_len − 1)`).
+                checks that its state rings (window, compressor; V4.1's Engram history too) hold
+                max_query_len − 1 spare rows (`cache_spec(max_backtracking >= max_query_len − 1)`).
             max_context_len: >= every position + 1; required when positions is a tensor (a graph
                 passes its capacity). From host positions it defaults to their max + 1.
             to_device: how a host array reaches `device` (default: `torch.from_numpy(a).to(device)`).

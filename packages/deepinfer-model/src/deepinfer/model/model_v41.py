@@ -24,6 +24,7 @@ from .cache import CacheSpec, ModelCache, PagedStreamSpec, StateSpec
 from .ced import DEFAULT_KEEP_TOKENS, Frozen, Truncation, TruncationPlan, check_truncation, first_consumer_layer
 from .config_checks import ConfigError
 from .config_v41 import DeepseekV41Config
+from .layers import csa2_decode
 from .layers.common import RMSNorm, add_hc_site_params, matmul_t
 from .layers.csa2 import Attention, Codecs, Published
 from .layers.engram import HISTORY, Engram, EngramHasher, table_rows
@@ -223,7 +224,8 @@ class DeepseekV41ForCausalLM(nn.Module):
 
         Args:
             block_size: tokens per paged block; a multiple of every compress ratio.
-            max_backtracking: spare ring slots for rejected draft tokens.
+            max_backtracking: spare ring slots for rejected draft tokens (a multi-token decode of up
+                to q tokens per row needs q − 1; a DSpark draft asks for its block size + 1).
             dtype: element type of rows a packed format cannot hold (default: the parameter dtype).
         """
         cfg = self.cfg
@@ -257,19 +259,23 @@ class DeepseekV41ForCausalLM(nn.Module):
     def forward(self, batch: ForwardBatch, cache: ModelCache, ops: KernelSet | None = None) -> Tensor:
         """Run one step; writes this step's KV/state into `cache`.
 
+        A uniform decode batch (`ForwardBatch.decode`, or `ForwardBatch.multi_decode`: the verify rows of
+        speculative decoding as one virtual sequence per token) runs the static-shape path
+        (`layers.csa2_decode`, CUDA-graph safe), any other batch the per-sequence path; both give the
+        same logits and leave the same cache.
+
         Returns:
             logits [len(batch.logits_indices), vocab] float32 for the requested rows.
         Raises:
-            ValueError: the model has Engram layers but no token map (`bind_token_map`), or prefill
-                truncation is on and logits of a row outside a sequence's tail are asked for.
+            ValueError: the model has Engram layers but no token map (`bind_token_map`), prefill
+                truncation is on and logits of a row outside a sequence's tail are asked for, or a
+                multi-token decode batch's max_query_len needs longer state rings than the cache has
+                (`cache_spec(max_backtracking >= max_query_len − 1)`; nothing is written then).
             RuntimeError: a step that is not a uniform decode called while a CUDA graph is captured.
-            NotImplementedError: a multi-token decode batch (`ForwardBatch.multi_decode` with
-                max_query_len > 1; DeepSeek-V4 only).
         """
         cfg = self.cfg
         if batch.max_query_len > 1:
-            raise NotImplementedError("multi-token decode batches (ForwardBatch.multi_decode) run on DeepSeek-V4 "
-                                      "only; feed DeepSeek-V4.1's verify rows through ForwardBatch.build")
+            csa2_decode.check_rings(cfg, cache, batch.max_query_len)
         if not batch.uniform_decode and batch.token_ids.is_cuda and torch.cuda.is_current_stream_capturing():
             raise RuntimeError("only a uniform decode step of DeepSeek-V4.1 can be captured in a CUDA graph (the "
                                "per-sequence path reads positions on the host)")

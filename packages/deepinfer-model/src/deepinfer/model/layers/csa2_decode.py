@@ -6,6 +6,42 @@ its source (masked by visibility), a group that does not close this step writes 
 block 0, and the published top-k and candidates are [num_seqs, …] tensors. So a decode step can be
 captured in a CUDA graph keyed by the number of sequences. Attention and index scores read the packed
 rows in place through the kernel set (`v41_attention`, `v41_index_scores`: Triton kernels on CUDA).
+
+Multi-token decode (`ForwardBatch.multi_decode`, `max_query_len` = q > 1: the verify rows of
+speculative decoding) runs through the same code with one virtual sequence per token, the tokens of
+a row sharing its state slot and block table at consecutive positions s … s + q_row − 1, in any order
+in the batch. It is exact because, for every state, all of a step's writes land before any read that
+depends on them, and no write reaches a row that a token still reads (`check_rings` refuses shorter
+rings than below before the forward writes anything: `cache_spec(max_backtracking >= q − 1)`):
+
+- window rings: every token's row is stored (one scatter) before the attention reads the ring; the
+  token at p reads p − window + 1 … p, and a later token of its row writes p' <= p + q − 1, whose
+  ring row p' − ring_len lies before that window as long as the ring has window + q − 1 rows;
+- ratio-2 compressor rings: every token's (kv, gate) is stored before any group is pooled, so the
+  group a token closes at p pools p − 1 from an earlier token of the step or from the committed
+  state; the step writes s … s + q − 1 and pools from s − 1 on: ratio + q − 1 rows;
+- paged kv / index_k streams: a token that closes a group stores its entry (p // ratio) in its KV
+  source layer, before any later index source or consumer layer reads the stream; a token that
+  closes nothing writes into the reserved block 0. An entry closed by a later token of the row is
+  beyond what an earlier token may see ((p + 1) // ratio entries): masked like any future entry;
+- published top-k and candidates: [num_tokens, …] tensors, one row per virtual sequence, handed
+  from the index sources to the layers after them inside the forward: nothing shared between tokens;
+- the Engram history ring (`engram.EngramHasher`): the token at p hashes the ids at p − max_ngram
+  + 1 … p. Those before its row's first position s in the step (each slot's least position, by a
+  scatter-min: no host read) are read before the step writes its ids, those from s on (earlier
+  tokens of the same step) after; max_ngram − 1 + q − 1 rows (see below; they hold the step's own
+  q ids too, as max_ngram >= 2);
+- DSpark capture rings (`mtp.{i}.window`, with a draft attached): written for every token after the
+  last layer, read only by the next draft forward, over committed positions: window + q − 1 rows
+  (the draft head asks for more);
+- CED prefill truncation does not apply: each virtual sequence has one row.
+
+Rejected drafts need nothing: a row's next step starts after its accepted run, at s >= the previous
+start + 1, so the rows that rejected tokens wrote hold positions s … s + q − 2. This step rewrites
+them before any token reads them (ring rows, compressor rows, history ids, closed entries), or
+nothing reads them (entries not yet visible, positions past every window); and the spare rows keep
+them off the committed rows the step reads: from s − window + 1 (window), s − 1 (compressor) and
+s − max_ngram + 1 (history) up to s + q − 2 are no more positions than the ring has rows.
 """
 
 from __future__ import annotations
@@ -20,9 +56,34 @@ from deepinfer.kernels.reference.paged import entry_location
 
 from ..batch import ForwardBatch
 from ..cache import ModelCache
+from ..config_v41 import DeepseekV41Config
+from .engram import HISTORY
 
 if TYPE_CHECKING:
     from .csa2 import Attention, Codecs, Published
+
+
+def check_rings(cfg: DeepseekV41Config, cache: ModelCache, max_query_len: int) -> None:
+    """Refuse a multi-token decode of `max_query_len` tokens per row whose state rings are too short
+    (module docstring): each needs its own span (window, compress ratio, Engram look-back) plus
+    max_query_len − 1 spare rows.
+
+    Raises:
+        ValueError: naming the first ring that is too short and the `cache_spec` field that sizes it.
+    """
+    spare = max_query_len - 1
+    for name, rows in cache.state.items():
+        if name == HISTORY:
+            span = cfg.engram_max_ngram_size - 1
+        elif name.endswith(".window"):                     # layers.{i}.window and the draft's mtp.{i}.window
+            span = cfg.sliding_window
+        elif ".compressor." in name:
+            span = cfg.compress_ratios[int(name.split(".")[1])]
+        else:
+            continue
+        if rows.shape[1] < span + spare:
+            raise ValueError(f"{name}: a ring of {rows.shape[1]} rows cannot hold {max_query_len} query tokens per "
+                             f"row (needs {span} + {spare}: cache_spec(max_backtracking >= {spare}))")
 
 
 def _window(attn: Attention, kv: Tensor, batch: ForwardBatch, cache: ModelCache, codecs: Codecs) -> Tensor:

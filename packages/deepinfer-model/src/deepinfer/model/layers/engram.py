@@ -79,7 +79,7 @@ class EngramHasher:
         ids = self.token_map[batch.token_ids]
         ring = history.shape[1]
         if batch.uniform_decode:         # one token per sequence: static shapes, no host positions
-            return self._decode(ids, batch.positions, batch.state_slots, history)
+            return self._decode(ids, batch.positions, batch.state_slots, history, batch.max_query_len)
         cols = []
         for shift in range(self.max_ngram):
             src = batch.positions - shift
@@ -98,15 +98,23 @@ class EngramHasher:
             history[batch.state_slots[i], pos % ring] = ids[a + keep - start:b]
         return engram_hash(torch.stack(cols, dim=-1), self.multipliers, self.primes, self.offsets)
 
-
-    def _decode(self, ids: Tensor, pos: Tensor, slots: Tensor, history: Tensor) -> Tensor:
+    def _decode(self, ids: Tensor, pos: Tensor, slots: Tensor, history: Tensor, max_query_len: int) -> Tensor:
+        """One token per (virtual) sequence. The look-back is read before this step writes its ids, so a
+        ring of max_ngram − 1 rows is enough; under multi-token decode (max_query_len > 1, several tokens
+        of one row at consecutive positions) the predecessors at or after the row's first position in
+        the step are read again after the write (see `csa2_decode`)."""
         ring = history.shape[1]
         shifts = torch.arange(self.max_ngram, device=ids.device)
         src = pos[:, None] - shifts[None, :]                                       # [n, max_ngram]
         past = history[slots[:, None], src.clamp(min=0) % ring]
+        history[slots, pos % ring] = ids
+        if max_query_len > 1:
+            first = torch.full((history.shape[0],), torch.iinfo(torch.int64).max, dtype=torch.int64, device=ids.device)
+            first.scatter_reduce_(0, slots, pos, "amin")            # each slot's first position in this step
+            fed_now = src >= first.index_select(0, slots)[:, None]
+            past = torch.where(fed_now, history[slots[:, None], src.clamp(min=0) % ring], past)
         cols = torch.where(src >= 0, past, torch.full_like(past, self.pad))
         cols[:, 0] = ids
-        history[slots, pos % ring] = ids
         return engram_hash(cols, self.multipliers, self.primes, self.offsets)
 
 
