@@ -162,3 +162,29 @@ def test_speculative_decoding_on_a_v41_folder_keeps_greedy_output(dspark_folder,
             drafted = stats.spec_draft_tokens - before.spec_draft_tokens
             assert 0 < accepted < drafted
     assert any(s for s, _ in seen) is zos and any(q for _, q in seen) is (zos and varlen)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("zos", [False, True], ids=["zos-off", "zos-on"])
+def test_speculative_v41_on_cuda_replays_verify_graphs(dspark_folder, zos) -> None:
+    """On a GPU: V4.1's verify forwards replay the CUDA graphs keyed by total query tokens (no eager
+    fallback), with and without ZOS, and greedy output with mostly-right drafts equals the same
+    device's plain greedy decoding."""
+    _, folder, greedy = dspark_folder
+    prompts = [{"prompt_token_ids": p} for p in PROMPTS]
+    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0)
+    common = dict(model=str(folder), seed=0, device="cuda", dtype="float32", max_num_seqs=4)
+    plain = [list(o.outputs[0].token_ids) for o in LLM(**common).generate(prompts, params, use_tqdm=False)]
+    llm = LLM(**common, num_speculative_tokens=K, zero_overhead_scheduling=zos)
+    engine = llm.engine
+    assert engine.runner.graphs is not None and engine.runner.graphs.max_query_len == K + 1
+    replays = engine.runner.verify_replays_graph
+    used = []
+    engine.runner.verify_replays_graph = lambda *a, **kw: used.append(replays(*a, **kw)) or used[-1]
+    engine.spec.draft.propose = _oracle(engine.spec.draft.propose, greedy)
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    assert [list(o.outputs[0].token_ids) for o in outs] == plain
+    assert used and all(used)
+    stats = engine.stats()
+    assert 0 < stats.spec_accepted_tokens < stats.spec_draft_tokens
