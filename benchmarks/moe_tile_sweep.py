@@ -146,17 +146,20 @@ def runs(variant: Variant, b: Batch) -> bool:
 
 def compile_all(jobs: list, threads: int) -> dict[tuple, str]:
     """Run each job (key, callable) once, `threads` at a time (Triton's compiler releases the GIL):
-    every kernel is built before timing. Returns the keys that failed, with the error."""
+    every kernel is built before timing. Returns the keys that failed (too much shared memory for the
+    tile, or any other error: reported, and the sweep goes on), with the error."""
     def one(job):
         key, fn = job
         try:
             fn()
             return key, None
-        except triton.runtime.errors.OutOfResources as err:      # too much shared memory for this tile
-            return key, f"OutOfResources: {err}"
+        except Exception as err:            # one tile's failure must not end the run
+            return key, f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"
 
     with ThreadPoolExecutor(max(threads, 1)) as pool:
         failed = {key: err for key, err in pool.map(one, jobs) if err is not None}
+    for (variant, *tile), err in failed.items():
+        print(f"skipped {variant.name} {'x'.join(map(str, tile[:2]))}w{tile[2]}s{tile[3]}: {err}", flush=True)
     if torch.cuda.is_available():
         torch.cuda.synchronize()
     return failed
@@ -200,18 +203,21 @@ def sweep(shape: Shape, variants: list[Variant], batches: list[Batch], weights: 
 
 
 def summary(rows: list[dict]) -> list[str]:
-    """The best tile per (batch, format / decoder), one line each."""
+    """The best tile per (batch, format / decoder), one line each; MXFP4 decoders with their speed-up
+    over dot_scaled's best at that batch."""
     best: dict[tuple, dict] = {}
     for r in rows:
         key = (r["batch"], r["format"], r["decode"] or "")
         if key not in best or r["us"] < best[key]["us"]:
             best[key] = r
-    lines = [f"{'batch':>5}  {'format/decoder':<18} {'tile':<13} {'us':>9} {'GB/s':>7} {'rel err':>8}"]
+    lines = [f"{'batch':>5}  {'format/decoder':<18} {'tile':<13} {'us':>9} {'GB/s':>7} {'rel err':>8} {'vs dot':>6}"]
     for (size, fmt, decode), r in sorted(best.items()):
         tile = f"{r['BLOCK_N']}x{r['BLOCK_K']}w{r['num_warps']}s{r['num_stages']}"
         name = f"{fmt}/{decode}" if decode else fmt
+        base = best.get((size, "mxfp4", "dot_scaled"))
+        ratio = f"{base['us'] / r['us']:>5.2f}x" if decode and base else ""
         lines.append(f"{size:>5}  {name:<18} {tile:<13} {r['us']:>9.1f} {r['weight_GBps']:>7.0f} "
-                     f"{r['max_rel_error']:>8.1e}")
+                     f"{r['max_rel_error']:>8.1e} {ratio:>6}")
     return lines
 
 

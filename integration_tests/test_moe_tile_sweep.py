@@ -11,7 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from scripts_under_test import ROOT
+from scripts_under_test import ROOT, load_script
 
 
 @pytest.fixture(scope="module")
@@ -42,3 +42,17 @@ def test_shipped_choice_and_summary(smoke) -> None:
     lines = stdout.strip().splitlines()
     assert lines[-6].split()[:2] == ["batch", "format/decoder"]
     assert [line.split()[1] for line in lines[-5:]] == ["bf16", "fp8", "mxfp4/bits", "mxfp4/group_dot", "mxfp4/words"]
+
+
+def test_a_tile_that_fails_to_build_is_reported_and_skipped(monkeypatch, capsys) -> None:
+    pytest.importorskip("triton")
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))            # the script imports kernels_gpu
+    sweep = load_script("benchmarks/moe_tile_sweep.py")
+    asm = sweep.Variant("mxfp4", sweep.mxfp4.MX_ASM)
+
+    def too_big() -> None:
+        raise RuntimeError("out of shared memory\nmore detail")
+
+    failed = sweep.compile_all([((asm, 64, 128, 4, 3), lambda: None), ((asm, 128, 256, 4, 3), too_big)], threads=2)
+    assert failed == {(asm, 128, 256, 4, 3): "RuntimeError: out of shared memory"}
+    assert "skipped mxfp4/asm 128x256w4s3: RuntimeError: out of shared memory" in capsys.readouterr().out
