@@ -1,7 +1,8 @@
-"""The grouped expert GEMMs of prefill compiled for Hopper (sm_90) on a machine without a GPU, at the
-V4-Flash shapes and with every shipped tile: the SASS must use the warpgroup matrix instructions
-(HGMMA for bf16 and decoded MXFP4, QGMMA for FP8 e4m3 × e4m3), software-pipelined copies
-(LDGSTS: the `num_stages` took effect) and no local memory (no spills)."""
+"""The expert kernels compiled for Hopper (sm_90) on a machine without a GPU: the grouped GEMMs of
+prefill at the V4-Flash shapes with every shipped tile, and the small-batch kernels on MXFP4 weights
+with every decoder of `triton_ops.mxfp4`. The SASS must use the warpgroup matrix instructions (HGMMA
+for bf16 and decoded MXFP4, QGMMA for FP8 e4m3 × e4m3), software-pipelined copies (LDGSTS: the
+`num_stages` took effect) and no local memory (no spills)."""
 
 from __future__ import annotations
 
@@ -81,3 +82,58 @@ def test_grouped_expert_kernels_compile_to_warpgroup_mma(kernel, fmt, sig, tiles
     assert "LDGSTS" in sass, "loads not software-pipelined"
     assert "LDL" not in sass and "STL" not in sass and re.search(r"STACK:0\b", usage), "local memory (spills)"
     assert compiled.metadata.shared <= 227 * 1024
+
+
+def small_batch_cases():
+    """The small-batch expert kernels (`moe._expert_up_kernel` / `_expert_down_kernel`) on MXFP4
+    weights, every decoder of `mxfp4.DECODES` at its shipped tile (`moe.MXFP4_TILES`)."""
+    from deepinfer.kernels.triton_ops import moe, mxfp4
+
+    for name, decode in mxfp4.DECODES.items():
+        block_n, block_k = moe.MXFP4_TILES[decode]
+        for kernel in ("up", "down"):
+            yield pytest.param(kernel, decode, block_n, block_k, id=f"{name}-{kernel}-{block_n}x{block_k}")
+
+
+SMALL_BATCH_SIGNATURES = {
+    "up": dict(x_ptr="*bf16", order_ptr="*i64", meta_ptr="*i32", w13_ptr="*u8", s13_ptr="*u8", act_ptr="*bf16",
+               num_slots="i32", hidden="i32", inter="i32", top_k="i32", limit="fp32", w_expert="i32", w_row="i32",
+               s_expert="i32", s_row="i32"),
+    "down": dict(act_ptr="*bf16", order_ptr="*i64", meta_ptr="*i32", weights_ptr="*fp32", w2_ptr="*u8", s2_ptr="*u8",
+                 y_ptr="*fp32", num_slots="i32", hidden="i32", inter="i32", w_expert="i32", w_row="i32",
+                 s_expert="i32", s_row="i32"),
+}
+
+
+@pytest.mark.parametrize(("kernel", "decode", "block_n", "block_k"), list(small_batch_cases()))
+def test_small_batch_mxfp4_kernels_compile_for_hopper(kernel, decode, block_n, block_k, tmp_path) -> None:
+    """V4-Flash shapes (hidden 4096, intermediate 2048: the sizes and strides the launch specialises
+    as divisible by 16). Every decoder must compile for sm_90 without local memory, with the matrix
+    instructions on the tensor cores (HGMMA: weights × activationsᵀ puts BLOCK_N ≥ 64 weight rows on
+    a wgmma's M) and pipelined copies; the PTX decoder's prmt / bf16x2 multiplies must be there."""
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from deepinfer.kernels.triton_ops import moe, mxfp4
+
+    fn = moe._expert_up_kernel if kernel == "up" else moe._expert_down_kernel
+    sig = SMALL_BATCH_SIGNATURES[kernel]
+    constants = dict(BLOCK_M=16, BLOCK_N=block_n, BLOCK_K=block_k, PRECISION="tf32", FORMAT=moe.MXFP4, BLOCK_S=32,
+                     DECODE=decode, BF16_MATH=True)
+    aligned = {"hidden", "inter", "w_expert", "w_row", "s_expert", "s_row"}
+    attrs = {(fn.arg_names.index(n),): [["tt.divisibility", 16]] for n, t in sig.items()
+             if t.startswith("*") or n in aligned}
+    source = ASTSource(fn=fn, signature={**sig, **dict.fromkeys(constants, "constexpr")}, constexprs=constants,
+                       attrs=attrs)
+    compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4, "num_stages": 3})
+    cubin = tmp_path / "k.cubin"
+    cubin.write_bytes(compiled.asm["cubin"])
+    sass = subprocess.run([str(BIN / "cuobjdump"), "-sass", str(cubin)], capture_output=True, text=True,
+                          check=True).stdout
+    usage = subprocess.run([str(BIN / "cuobjdump"), "-res-usage", str(cubin)], capture_output=True, text=True,
+                           check=True).stdout
+    assert re.search(r"\bHGMMA\.", sass), "no HGMMA in the SASS"
+    assert "LDGSTS" in sass, "loads not software-pipelined"
+    assert "LDL" not in sass and "STL" not in sass and re.search(r"STACK:0\b", usage), "local memory (spills)"
+    if decode == mxfp4.MX_ASM:
+        assert "PRMT" in sass and re.search(r"\bHMUL2\.BF16", sass), "the PTX decoder is missing"

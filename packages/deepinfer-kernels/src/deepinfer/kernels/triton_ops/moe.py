@@ -11,9 +11,9 @@
   `GROUPED_MIN_PAIRS` pairs (prefill) the grouped GEMMs of `moe_grouped` take over (128-row tiles
   over the pairs sorted by expert, the gather fused into the load, SwiGLU in the epilogue).
 - `moe_experts_fp8_fused` / `moe_experts_mxfp4_fused`: the same kernels on FP8 block-scaled weights
-  (each tile converted to the activations' dtype, its partial product scaled) or MXFP4 ones (bfloat16
-  activations on a GPU: Triton's microscaling `dot_scaled` on the packed codes and e8m0 scales;
-  else each tile's e2m1 codes decoded and scaled per 32 inputs here); from `GROUPED_MIN_PAIRS`
+  (each tile converted to the activations' dtype, its partial product scaled) or MXFP4 ones (each
+  tile decoded to the exact bfloat16 weights by the decoder `MXFP4_DECODE` of `mxfp4`: Triton's
+  microscaling `dot_scaled`, or weights × activationsᵀ on 32-bit code words); from `GROUPED_MIN_PAIRS`
   pairs the grouped GEMMs (FP8: e4m3 × e4m3 on the FP8 tensor cores, activations quantised per
   1 × block group). `*_invariant`: the kernels here at any batch (batch-invariant).
 - `moe_experts_invariant`: the expert kernels at any batch (batch-invariant).
@@ -34,6 +34,7 @@ from .. import invariant, reference
 from ..torch_ops import moe_experts_grouped
 from ._launch import on_triton, precision
 from .gemv import linear_fused
+from .mxfp4 import DECODES, MX_DOT_SCALED, load_columns, mxfp4_dot, mxfp4_tile, runnable_decode
 
 FUSED_MAX_PAIRS = 2048
 GROUPED_MIN_PAIRS = FUSED_MAX_PAIRS + 1     # from here on the grouped GEMMs of `moe_grouped` (prefill)
@@ -50,6 +51,10 @@ GROUPED_MIN_PAIRS = FUSED_MAX_PAIRS + 1     # from here on the grouped GEMMs of 
 # yet: rerun the V4-Flash FP8 tests there before turning this on. Tests and benchmarks that exercise
 # the FP8 grouped GEMMs set this to True.
 GROUPED_FP8 = False
+# How the small-batch expert kernels decode MXFP4 weights (`mxfp4.DECODES`; where the choice cannot
+# run, `mxfp4.runnable_decode` says what does), and their (BLOCK_N, BLOCK_K) per decoder.
+MXFP4_DECODE = MX_DOT_SCALED
+MXFP4_TILES = {decode: (64, 128) for decode in DECODES.values()}
 _SCORING = {"sqrtsoftplus": 0, "sigmoid": 1, "softmax": 2}
 
 
@@ -172,23 +177,11 @@ def _e2m1(code):
 
 
 @triton.jit
-def _mxfp4_tile(w_rows, s_rows, k0, k_in, nm, BLOCK_K: tl.constexpr):
-    """Columns k0 … k0 + BLOCK_K of the MXFP4 weight rows at `w_rows` ([BLOCK_N, 1] pointers):
-    (packed codes [BLOCK_N, BLOCK_K / 2] uint8, two per byte, low nibble first; their e8m0 group
-    scales [BLOCK_N, BLOCK_K / 32] uint8, read from `s_rows`, one per 32 columns)."""
-    kp = k0 // 2 + tl.arange(0, BLOCK_K // 2)
-    packed = tl.load(w_rows + kp[None, :], mask=nm[:, None] & (kp < k_in // 2)[None, :], other=0)
-    g = k0 // 32 + tl.arange(0, BLOCK_K // 32)
-    scale = tl.load(s_rows + g[None, :], mask=nm[:, None] & (g < k_in // 32)[None, :], other=127)
-    return packed, scale
-
-
-@triton.jit
 def _weight_tile(w_rows, s_rows, k0, k_in, nm, dtype, FORMAT: tl.constexpr, BLOCK_K: tl.constexpr):
     """Columns k0 … k0 + BLOCK_K of the weight rows at `w_rows` ([BLOCK_N, 1] pointers) in `dtype`:
     as stored (FP8 converted; its block scale is the caller's), or MXFP4 codes decoded and scaled."""
     if FORMAT == 2:
-        packed, scale = _mxfp4_tile(w_rows, s_rows, k0, k_in, nm, BLOCK_K)
+        packed, scale = mxfp4_tile(w_rows, s_rows, k0, k_in, nm, BLOCK_K)
         values = tl.interleave(_e2m1(packed & 0xF), _e2m1(packed >> 4))
         scale = tl.exp2(scale.to(tl.float32) - 127.0)
         rows: tl.constexpr = values.shape[0]
@@ -200,14 +193,33 @@ def _weight_tile(w_rows, s_rows, k0, k_in, nm, dtype, FORMAT: tl.constexpr, BLOC
 
 
 @triton.jit
+def _zeros(BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, WORDS: tl.constexpr):
+    """A float32 accumulator: [BLOCK_M, BLOCK_N], or [BLOCK_N, BLOCK_M] on MXFP4 code words (WORDS:
+    the `mxfp4` decoders but MX_DOT_SCALED multiply weights × activationsᵀ)."""
+    if WORDS:
+        out = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
+    else:
+        out = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    return out
+
+
+@triton.jit
+def _rows_first(acc, WORDS: tl.constexpr):
+    """An accumulator of `_zeros` as [BLOCK_M, BLOCK_N]."""
+    if WORDS:
+        out = tl.trans(acc)
+    else:
+        out = acc
+    return out
+
+
+@triton.jit
 def _dot_tile(a, acc, w_rows, s_rows, k0, k_in, nm, block_scale, FORMAT: tl.constexpr, BLOCK_K: tl.constexpr,
-              PRECISION: tl.constexpr, MX_DOT: tl.constexpr):
+              PRECISION: tl.constexpr, DECODE: tl.constexpr, BF16_MATH: tl.constexpr):
     """acc + a @ (weight columns k0 … k0 + BLOCK_K of the rows at `w_rows`)ᵀ, a [BLOCK_M, BLOCK_K]:
-    FP8 partial products scaled by the tile's `block_scale`; MXFP4 through Triton's microscaling dot
-    when MX_DOT (bfloat16 activations on a GPU), else decoded here."""
-    if FORMAT == 2 and MX_DOT:
-        packed, scale = _mxfp4_tile(w_rows, s_rows, k0, k_in, nm, BLOCK_K)
-        out = tl.dot_scaled(a, None, "bf16", tl.trans(packed), scale, "e2m1", acc=acc)
+    FP8 partial products scaled by the tile's `block_scale`; MXFP4 decoded by `DECODE` (`mxfp4`)."""
+    if FORMAT == 2:
+        out = mxfp4_dot(a, acc, w_rows, s_rows, k0, k_in, nm, BLOCK_K, PRECISION, DECODE, BF16_MATH)
     elif FORMAT == 1:
         w = tl.trans(_weight_tile(w_rows, s_rows, k0, k_in, nm, a.dtype, FORMAT, BLOCK_K))
         out = acc + tl.dot(a, w, input_precision=PRECISION) * block_scale
@@ -221,10 +233,13 @@ def _dot_tile(a, acc, w_rows, s_rows, k0, k_in, nm, block_scale, FORMAT: tl.cons
 def _expert_up_kernel(x_ptr, order_ptr, meta_ptr, w13_ptr, s13_ptr, act_ptr, num_slots, hidden, inter, top_k, limit,
                       w_expert, w_row, s_expert, s_row, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                       BLOCK_K: tl.constexpr, PRECISION: tl.constexpr, FORMAT: tl.constexpr, BLOCK_S: tl.constexpr,
-                      MX_DOT: tl.constexpr):
+                      DECODE: tl.constexpr, BF16_MATH: tl.constexpr):
     """FORMAT FP8_BLOCK: one float32 scale per BLOCK_S × BLOCK_S block (BLOCK_N, BLOCK_K divide
     BLOCK_S, so each weight tile has one, applied to the tile's partial product); MXFP4: packed rows
-    (`w_row` bytes apart) with uint8 e8m0 scales per 32 inputs (`s_row` apart)."""
+    (`w_row` bytes apart) with uint8 e8m0 scales per 32 inputs (`s_row` apart), decoded by `DECODE`
+    (`mxfp4`; MX_GROUP_DOT takes each BLOCK_K in 32-column steps). BF16_MATH: bf16 arithmetic."""
+    WORDS: tl.constexpr = FORMAT == 2 and DECODE != 0
+    STEP: tl.constexpr = 32 if FORMAT == 2 and DECODE == 2 else BLOCK_K
     expert, start, count = _slot(meta_ptr, num_slots)
     n0 = tl.program_id(1) * BLOCK_N
     n = n0 + tl.arange(0, BLOCK_N)
@@ -237,19 +252,19 @@ def _expert_up_kernel(x_ptr, order_ptr, meta_ptr, w13_ptr, s13_ptr, act_ptr, num
         r = start + m0 + tl.arange(0, BLOCK_M)
         rm = m0 + tl.arange(0, BLOCK_M) < count
         tokens = tl.load(order_ptr + r, mask=rm, other=0) // top_k
-        gate = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-        up = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+        gate = _zeros(BLOCK_M, BLOCK_N, WORDS)
+        up = _zeros(BLOCK_M, BLOCK_N, WORDS)
         for k0 in range(0, hidden, BLOCK_K):
-            k = k0 + tl.arange(0, BLOCK_K)
-            xs = tl.load(x_ptr + tokens[:, None] * hidden + k[None, :], mask=rm[:, None] & (k < hidden)[None, :],
-                         other=0.0)
-            bs1, bs3 = 1.0, 1.0
-            if FORMAT == 1:
-                bs1 = _scale(s13_ptr, expert, n0, k0, s_expert, s_row, BLOCK_S)
-                bs3 = _scale(s13_ptr, expert, inter + n0, k0, s_expert, s_row, BLOCK_S)
-            gate = _dot_tile(xs, gate, w1, s1, k0, hidden, nm, bs1, FORMAT, BLOCK_K, PRECISION, MX_DOT)
-            up = _dot_tile(xs, up, w3, s3, k0, hidden, nm, bs3, FORMAT, BLOCK_K, PRECISION, MX_DOT)
-        act = _clamped_silu_mul(gate, up, limit)
+            for ks in tl.static_range(0, BLOCK_K, STEP):
+                xs = load_columns(x_ptr + tokens[:, None] * hidden, k0 + ks, hidden, rm[:, None], STEP, WORDS)
+                bs1, bs3 = 1.0, 1.0
+                if FORMAT == 1:
+                    bs1 = _scale(s13_ptr, expert, n0, k0, s_expert, s_row, BLOCK_S)
+                    bs3 = _scale(s13_ptr, expert, inter + n0, k0, s_expert, s_row, BLOCK_S)
+                gate = _dot_tile(xs, gate, w1, s1, k0 + ks, hidden, nm, bs1, FORMAT, STEP, PRECISION, DECODE,
+                                 BF16_MATH)
+                up = _dot_tile(xs, up, w3, s3, k0 + ks, hidden, nm, bs3, FORMAT, STEP, PRECISION, DECODE, BF16_MATH)
+        act = _rows_first(_clamped_silu_mul(gate, up, limit), WORDS)
         tl.store(act_ptr + r[:, None] * inter + n[None, :], act.to(act_ptr.dtype.element_ty),
                  mask=rm[:, None] & nm[None, :])
 
@@ -258,7 +273,9 @@ def _expert_up_kernel(x_ptr, order_ptr, meta_ptr, w13_ptr, s13_ptr, act_ptr, num
 def _expert_down_kernel(act_ptr, order_ptr, meta_ptr, weights_ptr, w2_ptr, s2_ptr, y_ptr, num_slots, hidden, inter,
                         w_expert, w_row, s_expert, s_row, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                         BLOCK_K: tl.constexpr, PRECISION: tl.constexpr, FORMAT: tl.constexpr,
-                        BLOCK_S: tl.constexpr, MX_DOT: tl.constexpr):
+                        BLOCK_S: tl.constexpr, DECODE: tl.constexpr, BF16_MATH: tl.constexpr):
+    WORDS: tl.constexpr = FORMAT == 2 and DECODE != 0
+    STEP: tl.constexpr = 32 if FORMAT == 2 and DECODE == 2 else BLOCK_K
     expert, start, count = _slot(meta_ptr, num_slots)
     n0 = tl.program_id(1) * BLOCK_N
     n = n0 + tl.arange(0, BLOCK_N)
@@ -269,15 +286,15 @@ def _expert_down_kernel(act_ptr, order_ptr, meta_ptr, weights_ptr, w2_ptr, s2_pt
         r = start + m0 + tl.arange(0, BLOCK_M)
         rm = m0 + tl.arange(0, BLOCK_M) < count
         pair = tl.load(order_ptr + r, mask=rm, other=0)
-        acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+        acc = _zeros(BLOCK_M, BLOCK_N, WORDS)
         for k0 in range(0, inter, BLOCK_K):
-            k = k0 + tl.arange(0, BLOCK_K)
-            a = tl.load(act_ptr + r[:, None] * inter + k[None, :], mask=rm[:, None] & (k < inter)[None, :], other=0.0)
-            bs = 1.0
-            if FORMAT == 1:
-                bs = _scale(s2_ptr, expert, n0, k0, s_expert, s_row, BLOCK_S)
-            acc = _dot_tile(a, acc, w2, s2, k0, inter, nm, bs, FORMAT, BLOCK_K, PRECISION, MX_DOT)
-        acc = acc * tl.load(weights_ptr + pair, mask=rm, other=0.0)[:, None]
+            for ks in tl.static_range(0, BLOCK_K, STEP):
+                a = load_columns(act_ptr + r[:, None] * inter, k0 + ks, inter, rm[:, None], STEP, WORDS)
+                bs = 1.0
+                if FORMAT == 1:
+                    bs = _scale(s2_ptr, expert, n0, k0, s_expert, s_row, BLOCK_S)
+                acc = _dot_tile(a, acc, w2, s2, k0 + ks, inter, nm, bs, FORMAT, STEP, PRECISION, DECODE, BF16_MATH)
+        acc = _rows_first(acc, WORDS) * tl.load(weights_ptr + pair, mask=rm, other=0.0)[:, None]
         tl.store(y_ptr + pair[:, None] * hidden + n[None, :], acc, mask=rm[:, None] & nm[None, :])
 
 
@@ -373,12 +390,14 @@ def moe_experts_mxfp4_invariant(
     limit: float,
 ) -> Tensor:
     """Same contract as `reference.moe_experts_mxfp4`, batch-invariant: the expert kernels here decode
-    the packed e2m1 codes and their e8m0 group scales tile by tile (any number of pairs). Needs hidden
-    and intermediate sizes divisible by 32 and uint8-coded scales; else the reference."""
+    the packed e2m1 codes and their e8m0 group scales tile by tile (any number of pairs; decoder
+    `MXFP4_DECODE`). Needs hidden and intermediate sizes divisible by 32, uint8-coded scales and
+    codes at 4-byte-aligned addresses (read as 32-bit words); else the reference."""
     tensors = (x, w13, w13_scale, w2, w2_scale)
     inter, hidden = 2 * w2.shape[-1], x.shape[-1]
     if (not on_triton(x) or expert_ids.numel() == 0 or inter % 32 or hidden % 32 or w13_scale.dtype != torch.uint8
-            or w2_scale.dtype != torch.uint8 or not all(t.is_contiguous() for t in tensors)):
+            or w2_scale.dtype != torch.uint8 or not all(t.is_contiguous() for t in tensors)
+            or w13.data_ptr() % 4 or w2.data_ptr() % 4):
         return reference.moe_experts_mxfp4(x, expert_ids, weights, w13, w13_scale, w2, w2_scale, limit)
     return _experts(x, expert_ids, weights, w13.view(torch.uint8), w2.view(torch.uint8), limit, MXFP4, w13_scale,
                     w2_scale, 32, inter)
@@ -421,26 +440,33 @@ def _align(expert_ids: Tensor, num_experts: int) -> tuple[Tensor, Tensor, int]:
     return order, meta, num_experts
 
 
-def _tiles(fmt: int, block: int) -> dict[str, int]:
+def _tiles(fmt: int, block: int, decode: int = MX_DOT_SCALED) -> dict[str, int]:
     """Tile shape and launch shape of the expert kernels for weight format `fmt` (FP8: `block` is the
-    scale block edge, which the tiles must divide)."""
-    block_n, block_k = (min(32, block), min(128, block)) if fmt == FP8_BLOCK else (64, 128)
+    scale block edge, which the tiles must divide; MXFP4: per decoder, `MXFP4_TILES`). Fixed per
+    format and decoder: a token's result must not depend on the batch."""
+    if fmt == FP8_BLOCK:
+        block_n, block_k = min(32, block), min(128, block)
+    else:
+        block_n, block_k = MXFP4_TILES[decode] if fmt == MXFP4 else (64, 128)
     return dict(BLOCK_M=16, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=4, num_stages=3)
 
 
 def _experts(x: Tensor, expert_ids: Tensor, weights: Tensor, w13: Tensor, w2: Tensor, limit: float, fmt: int,
-             s13: Tensor, s2: Tensor, block: int, inter: int) -> Tensor:
+             s13: Tensor, s2: Tensor, block: int, inter: int, *, decode: int | None = None,
+             tiles: dict[str, int] | None = None) -> Tensor:
     """Align the pairs, run the up and down kernels on weights of format `fmt` (scales s13 / s2 and
-    their block edge; for PLAIN any tensors, unused), sum each token's rows."""
+    their block edge; for PLAIN any tensors, unused), sum each token's rows. `decode` (MXFP4's
+    decoder, default `MXFP4_DECODE`) and `tiles` (default `_tiles`) are for benchmarks."""
     num_tokens, top_k = expert_ids.shape
     pairs = num_tokens * top_k
     num_experts, hidden = w13.shape[0], x.shape[1]
     order, meta, slots = _align(expert_ids, num_experts)
     act = torch.empty(pairs, inter, dtype=x.dtype, device=x.device)
     y = torch.empty(pairs, hidden, dtype=torch.float32, device=x.device)
-    tiles = _tiles(fmt, block)
-    mx_dot = fmt == MXFP4 and x.dtype == torch.bfloat16 and x.is_cuda
-    meta_args = dict(PRECISION=precision(x), FORMAT=fmt, BLOCK_S=block, MX_DOT=mx_dot, **tiles)
+    decode = runnable_decode(MXFP4_DECODE if decode is None else decode, x) if fmt == MXFP4 else MX_DOT_SCALED
+    tiles = _tiles(fmt, block, decode) if tiles is None else tiles
+    meta_args = dict(PRECISION=precision(x), FORMAT=fmt, BLOCK_S=block, DECODE=decode, BF16_MATH=x.is_cuda,
+                     **tiles)
     _expert_up_kernel[(slots, triton.cdiv(inter, tiles["BLOCK_N"]))](
         x, order, meta, w13, s13, act, slots, hidden, inter, top_k, limit, w13.stride(0), w13.stride(1),
         s13.stride(0), s13.stride(1), **meta_args,

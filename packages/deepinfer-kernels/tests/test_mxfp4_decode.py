@@ -1,0 +1,307 @@
+"""The MXFP4 decoders of the small-batch expert kernels (`triton_ops.mxfp4`) against
+`reference.dequant_mxfp4`, and the expert ops through each of them against `reference.moe_experts_mxfp4`.
+
+Runs on a CUDA device (every decoder; bfloat16 activations) and under Triton's CPU interpreter when
+TRITON_INTERPRET=1 (float32 activations; the decoders the interpreter can run: not `MX_DOT_SCALED`,
+whose weights no kernel exposes, nor the PTX of `MX_ASM`; op tests bounds-checked by `kernel_bounds`).
+"""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+import torch
+
+from deepinfer.kernels import reference
+
+CUDA = torch.cuda.is_available()
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+DEVICE = "cuda" if CUDA else "cpu"
+DTYPE = torch.bfloat16 if CUDA else torch.float32
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not (CUDA or INTERPRET), reason="needs CUDA or TRITON_INTERPRET=1")]
+triton = pytest.importorskip("triton")
+tl = triton.language
+mxfp4 = pytest.importorskip("deepinfer.kernels.triton_ops.mxfp4")
+from deepinfer.kernels.triton_ops import moe  # noqa: E402
+
+# Decoders that expose their weight tile (MX_DOT_SCALED does not), and those the op runs here.
+TILE_DECODES = [mxfp4.MX_BITS, mxfp4.MX_GROUP_DOT, mxfp4.MX_WORDS] + ([mxfp4.MX_ASM] if CUDA else [])
+OP_DECODES = sorted(mxfp4.DECODES.values()) if CUDA else [mxfp4.MX_BITS, mxfp4.MX_GROUP_DOT, mxfp4.MX_WORDS]
+NAMES = {v: k for k, v in mxfp4.DECODES.items()}
+
+
+@triton.jit
+def _decode_kernel(w_ptr, s_ptr, out_ptr, num_rows, k_in, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                   DECODE: tl.constexpr, BF16_MATH: tl.constexpr):
+    """Columns 0 … BLOCK_K of MXFP4 rows (k_in columns stored) decoded as the expert kernels do,
+    stored in logical order: bf16 bits (int16), or for MX_GROUP_DOT the unscaled value × its
+    group's factor as float32."""
+    n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    nm = n < num_rows
+    words, scale = mxfp4._code_words(w_ptr + n[:, None] * (k_in // 2), s_ptr + n[:, None] * (k_in // 32), 0, k_in,
+                                     nm, BLOCK_K)
+    cols = tl.arange(0, BLOCK_K)
+    if DECODE == 2:
+        factor = mxfp4._spread(mxfp4._group_factor(scale).to(tl.float32), 32)
+        out = mxfp4._unscaled(words, BLOCK_K, BF16_MATH).to(tl.float32) * factor
+    else:
+        if DECODE == 1:
+            w = mxfp4._bits_tile(words, scale, BLOCK_K)
+        elif DECODE == 3:
+            w = mxfp4._words_tile(words, scale, BLOCK_K, BF16_MATH)
+        else:
+            w = mxfp4._asm_tile(words, scale, BLOCK_K)
+        out = w.to(tl.int16, bitcast=True)
+    tl.store(out_ptr + n[:, None] * BLOCK_K + cols[None, :], out, mask=nm[:, None])
+
+
+@triton.jit
+def _columns_kernel(index_ptr, out_ptr, k_in, BLOCK_K: tl.constexpr, BLOCK_M: tl.constexpr):
+    """The natural column each logical column of `load_columns` holds (rows of 0, 1, …, k_in − 1)."""
+    m = tl.arange(0, BLOCK_M)
+    cols = mxfp4.load_columns(index_ptr + m[:, None] * 0, 0, k_in, (m < BLOCK_M)[:, None], BLOCK_K, True)
+    tl.store(out_ptr + tl.arange(0, BLOCK_K), tl.max(cols, axis=1))
+
+
+def logical_columns(block_k: int, k_in: int) -> torch.Tensor:
+    """[block_k] int64: the natural column of each logical column (−1 past k_in)."""
+    index = torch.arange(k_in, dtype=torch.int32, device=DEVICE)
+    out = torch.empty(block_k, dtype=torch.int32, device=DEVICE)
+    _columns_kernel[(1,)](index, out, k_in, BLOCK_K=block_k, BLOCK_M=16)
+    cols = out.long().cpu()
+    cols[torch.arange(block_k) >= k_in] = -1
+    return cols
+
+
+def decode(packed: torch.Tensor, scale: torch.Tensor, decoder: int, block_k: int) -> torch.Tensor:
+    """Decoder `decoder`'s weights of `packed` / `scale` at natural columns: bf16 bits (int16) or,
+    for MX_GROUP_DOT, float32 bits (int32)."""
+    rows, k_in = packed.shape[0], 2 * packed.shape[1]
+    dtype = torch.float32 if decoder == mxfp4.MX_GROUP_DOT else torch.int16
+    out = torch.empty(rows, block_k, dtype=dtype, device=DEVICE)
+    _decode_kernel[(triton.cdiv(rows, 64),)](packed.to(DEVICE), scale.to(DEVICE), out, rows, k_in, BLOCK_N=64,
+                                            BLOCK_K=block_k, DECODE=decoder, BF16_MATH=CUDA)
+    cols = logical_columns(block_k, k_in)
+    natural = torch.empty(rows, k_in, dtype=dtype)
+    natural[:, cols[cols >= 0]] = out.cpu()[:, cols >= 0]
+    return natural.view(torch.int32 if dtype == torch.float32 else torch.int16)
+
+
+def expected_bits(packed: torch.Tensor, scale: torch.Tensor, decoder: int) -> torch.Tensor:
+    values = reference.dequant_mxfp4(packed, scale)                       # float32, as the reference op
+    if decoder == mxfp4.MX_GROUP_DOT:
+        return values.view(torch.int32)
+    return values.to(torch.bfloat16).view(torch.int16)
+
+
+def assert_same_bits(got: torch.Tensor, want: torch.Tensor) -> None:
+    """Bitwise equal, except that any NaN matches any NaN (0 · inf at s = 255)."""
+    float_type = torch.float32 if got.dtype == torch.int32 else torch.bfloat16
+    got_nan, want_nan = torch.isnan(got.view(float_type)), torch.isnan(want.view(float_type))
+    assert torch.equal(got_nan, want_nan)
+    bad = (got != want) & ~want_nan
+    assert not bad.any(), (f"{int(bad.sum())} codes differ, first at (scale byte row, column) "
+                           f"{bad.nonzero()[0].tolist()}: {int(got[bad][0]):#06x} != {int(want[bad][0]):#06x}")
+
+
+def test_logical_columns_permute_each_group_of_32() -> None:
+    cols = logical_columns(128, 128)
+    for g in range(4):
+        assert sorted(cols[32 * g: 32 * g + 32].tolist()) == list(range(32 * g, 32 * g + 32))
+    # lane c's A-fragment column pairs (2c, 2c + 8, 16 + 2c, 24 + 2c) are the bytes of code word c
+    for c in range(4):
+        assert [int(cols[p]) // 2 for p in (2 * c, 2 * c + 8, 16 + 2 * c, 24 + 2 * c)] == [4 * c + j for j in range(4)]
+
+
+@pytest.mark.parametrize("decoder", TILE_DECODES, ids=lambda d: NAMES[d])
+def test_every_code_at_every_scale_byte_decodes_exactly(decoder: int) -> None:
+    """Row s holds each of the 16 codes twice (shuffled) under scale byte s, for s = 0 … 255: the
+    subnormal results (s ≤ 1), overflow to inf (s ≥ 253), inf and NaN (s = 255) included."""
+    gen = torch.Generator().manual_seed(decoder)
+    codes = torch.stack([torch.arange(32)[torch.randperm(32, generator=gen)] % 16 for _ in range(256)])
+    packed = (codes[:, 0::2] | (codes[:, 1::2] << 4)).to(torch.uint8)
+    scale = torch.arange(256, dtype=torch.uint8)[:, None]
+    assert_same_bits(decode(packed, scale, decoder, 32), expected_bits(packed, scale, decoder))
+
+
+@pytest.mark.parametrize("decoder", TILE_DECODES, ids=lambda d: NAMES[d])
+def test_random_rows_decode_exactly_past_a_partial_tile(decoder: int) -> None:
+    """96 columns (3 groups) in a 128-column tile: random codes, random scale bytes 0–255."""
+    gen = torch.Generator().manual_seed(100 + decoder)
+    packed = torch.randint(0, 256, (80, 48), generator=gen, dtype=torch.uint8)
+    scale = torch.randint(0, 256, (80, 3), generator=gen, dtype=torch.uint8)
+    assert_same_bits(decode(packed, scale, decoder, 128), expected_bits(packed, scale, decoder))
+
+
+def test_runnable_decode_falls_back_to_words_where_a_decoder_cannot_run() -> None:
+    cpu = torch.zeros(1)
+    assert mxfp4.runnable_decode(mxfp4.MX_DOT_SCALED, cpu) == mxfp4.MX_WORDS
+    assert mxfp4.runnable_decode(mxfp4.MX_ASM, cpu) == mxfp4.MX_WORDS
+    for decoder in (mxfp4.MX_BITS, mxfp4.MX_GROUP_DOT, mxfp4.MX_WORDS):
+        assert mxfp4.runnable_decode(decoder, cpu) == decoder
+    if CUDA:
+        assert mxfp4.runnable_decode(mxfp4.MX_DOT_SCALED, cpu.cuda()) == mxfp4.MX_WORDS      # float32
+        assert mxfp4.runnable_decode(mxfp4.MX_DOT_SCALED, cpu.cuda().bfloat16()) == mxfp4.MX_DOT_SCALED
+        assert mxfp4.runnable_decode(mxfp4.MX_ASM, cpu.cuda()) == mxfp4.MX_ASM
+
+
+def experts_case(seed: int, num_tokens: int, num_experts: int, hidden: int, inter: int, top_k: int = 6):
+    """Tokens, routing (distinct experts per token) and MXFP4 experts: (x, ids, weights, [w13,
+    w13_scale, w2, w2_scale])."""
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(num_tokens, hidden, generator=gen).to(DEVICE, DTYPE)
+    ids = torch.stack([torch.randperm(num_experts, generator=gen)[:top_k] for _ in range(num_tokens)])
+    weights = torch.rand(num_tokens, top_k, generator=gen)
+    q13 = [reference.quant_mxfp4(torch.randn(2 * inter, hidden, generator=gen) * hidden**-0.5)
+           for _ in range(num_experts)]
+    q2 = [reference.quant_mxfp4(torch.randn(hidden, inter, generator=gen) * inter**-0.5) for _ in range(num_experts)]
+    args = [torch.stack([q[i] for q in qs]).to(DEVICE) for qs in (q13, q2) for i in (0, 1)]
+    return x, ids.to(DEVICE), weights.to(DEVICE), args
+
+
+@pytest.fixture
+def checked(request):
+    """Under the interpreter, every load and store of the expert kernels bounds-checked."""
+    log = request.getfixturevalue("kernel_bounds") if INTERPRET else None
+    yield
+    if log is not None:
+        log.assert_clean("_expert_up_kernel", "_expert_down_kernel")
+
+
+@pytest.mark.parametrize(("num_tokens", "num_experts", "hidden", "inter"),
+                         [(1, 8, 96, 160), (3, 16, 160, 96), (17, 8, 96, 160)])
+@pytest.mark.parametrize("decoder", OP_DECODES, ids=lambda d: NAMES[d])
+def test_experts_through_each_decoder_match_the_reference(decoder, num_tokens, num_experts, hidden, inter, checked,
+                                                          monkeypatch) -> None:
+    """Top-6 routing; hidden and intermediate sizes multiples of 32 but not of 128 (partial tiles).
+    The weights are exact, so only the accumulation order differs from the reference."""
+    monkeypatch.setattr(moe, "MXFP4_DECODE", decoder)
+    x, ids, weights, args = experts_case(num_tokens * 7 + decoder, num_tokens, num_experts, hidden, inter)
+    got = moe.moe_experts_mxfp4_fused(x, ids, weights, *args, 0.5)
+    want = reference.moe_experts_mxfp4(x, ids, weights, *args, 0.5)
+    assert got.shape == want.shape and got.dtype == want.dtype and not torch.isnan(got).any()
+    tol = 3e-2 if DTYPE == torch.bfloat16 else 1e-4
+    torch.testing.assert_close(got.float(), want.float(), atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("decoder", OP_DECODES, ids=lambda d: NAMES[d])
+def test_a_token_gets_the_same_bits_alone_and_in_a_batch(decoder, monkeypatch) -> None:
+    """`moe_experts_mxfp4_invariant`: token 0 alone and as row 9 of 17 tokens, bitwise equal."""
+    monkeypatch.setattr(moe, "MXFP4_DECODE", decoder)
+    x, ids, weights, args = experts_case(50 + decoder, 17, 8, 96, 160)
+    order = torch.arange(17, device=DEVICE).roll(9)                     # token 0 lands on row 9
+    alone = moe.moe_experts_mxfp4_invariant(x[:1], ids[:1], weights[:1], *args, 0.5)
+    batch = moe.moe_experts_mxfp4_invariant(x[order], ids[order], weights[order], *args, 0.5)
+    assert torch.equal(alone[0], batch[9])
+
+
+class PtxSubset:
+    """Runs the straight-line PTX of `mxfp4._ASM` on numpy lanes (uint32): the instructions it uses,
+    with PTX's semantics (prmt's default mode: selector nibble k picks byte k of the result from
+    a's and b's 8 bytes, its top bit replicating that byte's sign; mul.rn.bf16x2 as exact products
+    rounded to nearest even, subnormals kept); one forward branch per predicate."""
+
+    def __init__(self, text: str) -> None:
+        self.lines = [line.strip().rstrip(";") for line in text.splitlines()]
+
+    def run(self, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        regs = {k: v.astype(np.uint32) for k, v in inputs.items()}
+        lanes = next(iter(inputs.values())).shape
+        active = np.ones(lanes, dtype=bool)
+        skipping: dict[str, np.ndarray] = {}                    # label -> lanes that jumped there
+
+        def val(tok: str) -> np.ndarray:
+            tok = tok.strip()
+            if tok in regs:
+                return regs[tok]
+            return np.full(lanes, int(tok, 0) & 0xFFFFFFFF, dtype=np.uint32)
+
+        def put(dst: str, value: np.ndarray) -> None:
+            old = regs.get(dst, np.zeros(lanes, dtype=np.uint32))
+            regs[dst] = np.where(active, value.astype(np.uint32), old)
+
+        for line in self.lines:
+            if not line or line in "{}" or line.startswith(".reg"):
+                continue
+            if line.endswith(":"):                               # a label: lanes that branched rejoin
+                active = active | skipping.pop(line[:-1].replace("${:uid}", ""), False)
+                continue
+            op, _, rest = line.partition(" ")
+            args = [a.strip() for a in rest.split(",")]
+            if op.startswith("@!"):                              # @!p bra LABEL
+                instruction, target = rest.split()
+                assert instruction == "bra", line
+                target = target.replace("${:uid}", "")
+                jumped = active & ~regs[op[2:]].astype(bool)
+                skipping[target] = jumped
+                active = active & ~jumped
+                continue
+            if op == "and.b32":
+                put(args[0], val(args[1]) & val(args[2]))
+            elif op == "shr.u32":
+                put(args[0], val(args[1]) >> val(args[2]))
+            elif op == "mul.lo.u32":
+                put(args[0], (val(args[1]).astype(np.uint64) * val(args[2])).astype(np.uint32))
+            elif op == "mad.lo.u32":
+                put(args[0], (val(args[1]).astype(np.uint64) * val(args[2]) + val(args[3])).astype(np.uint32))
+            elif op == "min.u32":
+                put(args[0], np.minimum(val(args[1]), val(args[2])))
+            elif op == "max.u32":
+                put(args[0], np.maximum(val(args[1]), val(args[2])))
+            elif op == "prmt.b32":
+                put(args[0], self._prmt(val(args[1]), val(args[2]), val(args[3])))
+            elif op == "mul.rn.bf16x2":
+                put(args[0], self._mul_bf16x2(val(args[1]), val(args[2])))
+            elif op in ("setp.gt.u32", "setp.eq.u32"):
+                cmp = np.greater if op == "setp.gt.u32" else np.equal
+                put(args[0], cmp(val(args[1]), val(args[2])).astype(np.uint32))
+            elif op == "selp.b32":
+                put(args[0], np.where(regs[args[3]].astype(bool), val(args[1]), val(args[2])))
+            else:
+                raise AssertionError(f"instruction not modelled: {line}")
+        assert not skipping, "a branch without its label"
+        return regs
+
+    @staticmethod
+    def _prmt(a: np.ndarray, b: np.ndarray, sel: np.ndarray) -> np.ndarray:
+        pool = np.stack([(a >> (8 * i)) & 0xFF for i in range(4)] + [(b >> (8 * i)) & 0xFF for i in range(4)])
+        out = np.zeros_like(a)
+        for k in range(4):
+            nibble = (sel >> (4 * k)) & 0xF
+            byte = np.take_along_axis(pool, (nibble & 7)[None].astype(np.int64), 0)[0]
+            byte = np.where(nibble & 8, np.where(byte & 0x80, 0xFF, 0), byte)
+            out |= (byte.astype(np.uint32) << (8 * k)).astype(np.uint32)
+        return out
+
+    @staticmethod
+    def _mul_bf16x2(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+        def halves(x: np.ndarray) -> torch.Tensor:
+            pairs = torch.from_numpy(x.astype(np.int64)).to(torch.int32)
+            return torch.stack((pairs & 0xFFFF, (pairs >> 16) & 0xFFFF), -1).to(torch.int16).view(torch.bfloat16)
+
+        product = (halves(a).float() * halves(b).float()).to(torch.bfloat16).view(torch.int16).to(torch.int64) & 0xFFFF
+        return (product[..., 0] | (product[..., 1] << 16)).numpy().astype(np.uint32)
+
+
+def test_asm_text_decodes_every_code_at_every_scale_byte_when_emulated() -> None:
+    """`mxfp4._ASM` itself (what the GPU runs for MX_ASM) under `PtxSubset`: two code words per block
+    with their scale bytes; every code at every nibble position, each scale byte 0–255 with the
+    other word's byte equal, ordinary (127) or large (200): both sides of the s > 128 branch."""
+    nibbles = np.array([[(c + r) % 16 for c in range(16)] for r in range(8)], dtype=np.uint32)    # [8, 16]
+    words = [(nibbles[:, 8 * w: 8 * w + 8] << (4 * np.arange(8, dtype=np.uint32))).sum(1).astype(np.uint32)
+             for w in range(2)]
+    s = np.arange(256, dtype=np.uint32)
+    pairs = [(s, s), (s, np.full(256, 127, np.uint32)), (np.full(256, 200, np.uint32), s)]
+    s0 = np.concatenate([p[0] for p in pairs])[None, :].repeat(8, 0)
+    s1 = np.concatenate([p[1] for p in pairs])[None, :].repeat(8, 0)
+    w0, w1 = (w[:, None].repeat(s0.shape[1], 1) for w in words)
+    regs = PtxSubset(mxfp4._ASM.value).run({"$8": w0, "$9": w1, "$10": s0, "$11": s1})
+    for word, scale, outs in ((w0, s0, ("$0", "$2", "$4", "$6")), (w1, s1, ("$1", "$3", "$5", "$7"))):
+        codes = np.stack([(word >> (4 * i)) & 0xF for i in range(8)], -1).reshape(-1, 8)
+        packed = torch.from_numpy(np.concatenate([codes[:, 0::2] | (codes[:, 1::2] << 4),
+                                                  np.zeros((codes.shape[0], 12), np.uint32)], 1).astype(np.uint8))
+        want = expected_bits(packed, torch.from_numpy(scale.reshape(-1, 1).astype(np.uint8)), mxfp4.MX_ASM)[:, :8]
+        got = np.stack([np.stack([regs[o] & 0xFFFF, regs[o] >> 16], -1) for o in outs], -2).reshape(-1, 8)
+        assert_same_bits(torch.from_numpy(got.astype(np.int64)).to(torch.int16), want)
