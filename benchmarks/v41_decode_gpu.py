@@ -40,6 +40,8 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--expert-dtype", default="fp4", choices=["fp4", "fp8", "bf16"])
     ap.add_argument("--engram-vocab", type=int, default=65536, help="start of the Engram prime search (16M released)")
     ap.add_argument("--no-graphs", action="store_true", help="eager steps only")
+    ap.add_argument("--mxfp4-decode", default=None,
+                    help="the small-batch expert kernels' MXFP4 decoder (triton_ops.mxfp4.DECODES; default: shipped)")
     ap.add_argument("--out", required=True, help="where the JSON report goes")
     return ap.parse_args()
 
@@ -95,7 +97,12 @@ def main() -> None:
                         expert_dtype=None if args.expert_dtype == "bf16" else args.expert_dtype)
     model.eval()
     ops = kernels_for("cuda")
-    report = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "layers": args.layers,
+    from deepinfer.kernels.triton_ops import moe, mxfp4
+    if args.mxfp4_decode is not None:
+        moe.MXFP4_DECODE = mxfp4.DECODES[args.mxfp4_decode]
+    decoder = next(k for k, v in mxfp4.DECODES.items() if v == moe.MXFP4_DECODE)
+    report = {"mxfp4_decode": decoder, "gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
+              "layers": args.layers,
               "compress_ratios": list(cfg.compress_ratios)[:args.layers], "context": args.context,
               "expert_dtype": args.expert_dtype, "engram_rows": list(cfg.engram_num_embeddings),
               "copy_bandwidth_Bps": bandwidth, "kernels": dict(ops.sources), "runs": []}
