@@ -83,12 +83,8 @@ def hc_pre_fused(
     streams: Tensor, fn: Tensor, scale: Tensor, base: Tensor, *, sinkhorn_iters: int, hc_eps: float, norm_eps: float
 ) -> tuple[Tensor, Tensor, Tensor]:
     """Same contract as `deepinfer.kernels.reference.hc_pre` (hc a power of two, else the reference)."""
-    num_tokens, hc, _ = streams.shape
-    if not on_triton(streams) or hc & (hc - 1) or num_tokens == 0:
-        return reference.hc_pre(streams, fn, scale, base, sinkhorn_iters=sinkhorn_iters, hc_eps=hc_eps,
-                                norm_eps=norm_eps)
-    src = streams.contiguous()
-    return _site(src, _projection(src, fn), base, scale, sinkhorn_iters, hc_eps, norm_eps, collapse=True)
+    return _site_op(streams, fn, scale, base, sinkhorn_iters, hc_eps, norm_eps, collapse=True, fixed_tiles=False,
+                    twin=reference.hc_pre)
 
 
 def hc_pre_invariant(
@@ -97,13 +93,8 @@ def hc_pre_invariant(
     """Same contract as `reference.hc_pre`, batch-invariant: the projection as `_SPLITS` float32 split-K
     partials of `gemm_partials_invariant` at any token count (tiles independent of it), added in order
     by the kernel. Where the kernels do not apply: the PyTorch twin `invariant.hc_pre`."""
-    num_tokens, hc, _ = streams.shape
-    if not on_triton(streams) or hc & (hc - 1) or num_tokens == 0:
-        return invariant.hc_pre(streams, fn, scale, base, sinkhorn_iters=sinkhorn_iters, hc_eps=hc_eps,
-                                norm_eps=norm_eps)
-    src = streams.contiguous()
-    mixes = gemm_partials_invariant(src.view(num_tokens, -1).float(), fn.float(), _SPLITS)
-    return _site(src, mixes, base, scale, sinkhorn_iters, hc_eps, norm_eps, collapse=True)
+    return _site_op(streams, fn, scale, base, sinkhorn_iters, hc_eps, norm_eps, collapse=True, fixed_tiles=True,
+                    twin=invariant.hc_pre)
 
 
 def hc_mixes_fused(
@@ -111,12 +102,8 @@ def hc_mixes_fused(
 ) -> tuple[Tensor, Tensor, Tensor]:
     """Same contract as `reference.hc_mixes` (DeepSeek-V4.1's single-pass mHC weights): the projection
     as `hc_pre_fused` runs it, then one program per token (hc a power of two, else the reference)."""
-    num_tokens, hc, _ = streams.shape
-    if not on_triton(streams) or hc & (hc - 1) or num_tokens == 0:
-        return reference.hc_mixes(streams, fn, scale, base, sinkhorn_iters=sinkhorn_iters, hc_eps=hc_eps,
-                                  norm_eps=norm_eps)
-    src = streams.contiguous()
-    return _site(src, _projection(src, fn), base, scale, sinkhorn_iters, hc_eps, norm_eps, collapse=False)
+    return _site_op(streams, fn, scale, base, sinkhorn_iters, hc_eps, norm_eps, collapse=False, fixed_tiles=False,
+                    twin=reference.hc_mixes)
 
 
 def hc_mixes_invariant(
@@ -124,13 +111,24 @@ def hc_mixes_invariant(
 ) -> tuple[Tensor, Tensor, Tensor]:
     """Same contract as `reference.hc_mixes`, batch-invariant as `hc_pre_invariant` (else the PyTorch
     twin `invariant.hc_mixes`)."""
+    return _site_op(streams, fn, scale, base, sinkhorn_iters, hc_eps, norm_eps, collapse=False, fixed_tiles=True,
+                    twin=invariant.hc_mixes)
+
+
+def _site_op(streams: Tensor, fn: Tensor, scale: Tensor, base: Tensor, sinkhorn_iters: int, hc_eps: float,
+             norm_eps: float, *, collapse: bool, fixed_tiles: bool, twin) -> tuple[Tensor, Tensor, Tensor]:
+    """One mHC site's weights (and, with `collapse`, the collapsed streams) through `_hc_pre_kernel`: the
+    projection by `_projection`, or with `fixed_tiles` as split-K partials of the batch-invariant GEMM;
+    `twin` where the kernel does not apply (no Triton device, hc not a power of two, no tokens)."""
     num_tokens, hc, _ = streams.shape
     if not on_triton(streams) or hc & (hc - 1) or num_tokens == 0:
-        return invariant.hc_mixes(streams, fn, scale, base, sinkhorn_iters=sinkhorn_iters, hc_eps=hc_eps,
-                                  norm_eps=norm_eps)
+        return twin(streams, fn, scale, base, sinkhorn_iters=sinkhorn_iters, hc_eps=hc_eps, norm_eps=norm_eps)
     src = streams.contiguous()
-    mixes = gemm_partials_invariant(src.view(num_tokens, -1).float(), fn.float(), _SPLITS)
-    return _site(src, mixes, base, scale, sinkhorn_iters, hc_eps, norm_eps, collapse=False)
+    if fixed_tiles:
+        mixes = gemm_partials_invariant(src.view(num_tokens, -1).float(), fn.float(), _SPLITS)
+    else:
+        mixes = _projection(src, fn)
+    return _site(src, mixes, base, scale, sinkhorn_iters, hc_eps, norm_eps, collapse=collapse)
 
 
 def _projection(src: Tensor, fn: Tensor) -> Tensor:
