@@ -12,6 +12,7 @@ import dataclasses
 import numpy as np
 import pytest
 import torch
+from multi_decode_steps import multi_step
 from v41_helpers import run_chunks, tiny_model
 
 from deepinfer.model import DeepseekV41ForCausalLM, DSparkDraft, ForwardBatch, ModelCache
@@ -72,25 +73,9 @@ def _token_by_token(model, cache, chunks: list[list[int]], starts: list[int]) ->
 
 def _multi(model, cache, chunks: list[list[int]], starts: list[int], order: np.ndarray | None = None,
            pad: int = 0, max_query_len: int = K + 1) -> torch.Tensor:
-    """One multi-token decode step over the rows (row i: scheduler row i), its tokens flattened in
-    `order` (a permutation; default row by row) and followed by `pad` padding tokens (slot 0, an
-    all-zero block table, position 0, as DecodeGraphs pads); logits row by row."""
-    lens = np.array([len(c) for c in chunks])
-    token_ids = np.concatenate([np.asarray(c) for c in chunks])
-    rows = np.repeat(np.arange(len(chunks)), lens)
-    positions = np.repeat(np.asarray(starts), lens) + np.arange(lens.sum()) - np.repeat(np.cumsum(lens) - lens, lens)
-    order = np.arange(len(token_ids)) if order is None else order
-    tables = np.zeros((len(chunks) + 1, BLOCKS_PER_ROW), dtype=np.int32)       # the last row: padding
-    tables[:-1] = np.array(_tables())[: len(chunks)]
-    slots = np.array(SLOTS[: len(chunks)] + [0])
-    token_ids, positions, rows = (np.concatenate((a[order], np.full(pad, fill))) for a, fill in
-                                  ((token_ids, 0), (positions, 0), (rows, len(chunks))))
-    batch = ForwardBatch.multi_decode(token_ids, positions, rows, tables, slots, max_query_len=max_query_len)
-    with torch.no_grad():
-        logits = model(batch, cache)
-    out = torch.empty_like(logits[: len(order)])
-    out[torch.from_numpy(order)] = logits[: len(order)]
-    return out
+    """`multi_decode_steps.multi_step` over this module's block tables and slots."""
+    return multi_step(model, cache, chunks, starts, np.array(_tables()), SLOTS, max_query_len=max_query_len,
+                      order=order, pad=pad)
 
 
 def _prefill(model, cache, prompts: list[list[int]]) -> None:
