@@ -63,6 +63,12 @@ def _flat(chunks: list[list[int]], starts: list[int], reverse: bool) -> tuple[np
 
 def test_the_multi_token_forward_reads_nothing_on_the_host() -> None:
     model, cache, prompts = _setup((10, 21))
+    _guarded_multi_token_step(model, cache, TABLES, max_context_len=64)
+
+
+def _guarded_multi_token_step(model, cache, tables: list[list[int]], *, max_context_len: int) -> None:
+    """Rows of 2 and 5 tokens at 10 and 21 through `ForwardBatch.multi_decode` under the sync guard
+    (the experts' host-side grouping exempted, as a CUDA graph runs it on the device); finite logits."""
     ops = KernelSet("cpu")
     experts = ops.moe_experts
 
@@ -73,10 +79,10 @@ def test_the_multi_token_forward_reads_nothing_on_the_host() -> None:
     ops.moe_experts = experts_unguarded
     tokens, positions, rows = (torch.from_numpy(a) for a in _flat([[5, 6], [7, 8, 9, 10, 11]], [10, 21], False))
     with torch.no_grad(), forbid_cuda_sync(torch.device("cpu")):
-        batch = ForwardBatch.multi_decode(tokens, positions, rows, torch.tensor(TABLES, dtype=torch.int32),
-                                          torch.tensor(SLOTS), max_query_len=Q, max_context_len=64)
+        batch = ForwardBatch.multi_decode(tokens, positions, rows, torch.tensor(tables, dtype=torch.int32),
+                                          torch.tensor(SLOTS), max_query_len=Q, max_context_len=max_context_len)
         logits = model(batch, cache, ops)
-    assert logits.shape == (7, RAW["vocab_size"]) and torch.isfinite(logits).all()
+    assert logits.shape == (7, model.cfg.vocab_size) and torch.isfinite(logits).all()
 
 
 def test_the_v41_multi_token_forward_reads_nothing_on_the_host() -> None:
@@ -96,20 +102,7 @@ def test_the_v41_multi_token_forward_reads_nothing_on_the_host() -> None:
     tables = [[3, 1, 5, 7], [2, 4, 6, 8]]
     with torch.no_grad():
         model(ForwardBatch.build([list(range(4, 14)), list(range(20, 41))], [0, 0], tables, SLOTS), cache)
-    ops = KernelSet("cpu")
-    experts = ops.moe_experts
-
-    def experts_unguarded(*args, **kwargs):
-        with torch._C.DisableTorchFunction():
-            return experts(*args, **kwargs)
-
-    ops.moe_experts = experts_unguarded
-    tokens, positions, rows = (torch.from_numpy(a) for a in _flat([[5, 6], [7, 8, 9, 10, 11]], [10, 21], False))
-    with torch.no_grad(), forbid_cuda_sync(torch.device("cpu")):
-        batch = ForwardBatch.multi_decode(tokens, positions, rows, torch.tensor(tables, dtype=torch.int32),
-                                          torch.tensor(SLOTS), max_query_len=Q, max_context_len=32)
-        logits = model(batch, cache, ops)
-    assert logits.shape == (7, model.cfg.vocab_size) and torch.isfinite(logits).all()
+    _guarded_multi_token_step(model, cache, tables, max_context_len=32)
 
 
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="needs TRITON_INTERPRET=1")
