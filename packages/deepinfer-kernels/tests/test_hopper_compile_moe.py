@@ -55,29 +55,37 @@ def cases():
                                id=f"{name}-{kernel}-{t.block_m}x{t.block_n}x{t.block_k}-w{t.num_warps}-h{int(t.half)}")
 
 
-@pytest.mark.parametrize(("kernel", "fmt", "sig", "tiles", "mma"), list(cases()))
-def test_grouped_expert_kernels_compile_to_warpgroup_mma(kernel, fmt, sig, tiles, mma, tmp_path) -> None:
+def compile_sm90(fn, sig: dict[str, str], constants: dict, aligned: set[str], num_warps: int, num_stages: int,
+                 tmp_path) -> tuple:
+    """(compiled kernel, its SASS, its resource usage) of `fn` for sm_90: pointers and the `aligned`
+    integer arguments specialised as divisible by 16, `constants` as constexprs."""
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    from deepinfer.kernels.triton_ops import moe, moe_grouped_kernels
-
-    fn = moe_grouped_kernels._up_kernel if kernel == "up" else moe_grouped_kernels._down_kernel
-    constants = dict(FORMAT=fmt, BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k,
-                     GROUP=128 if fmt == moe.FP8_BLOCK else 1, PRECISION="tf32", F8_DOT=fmt == moe.FP8_BLOCK,
-                     HALF=tiles.half)
     attrs = {(fn.arg_names.index(n),): [["tt.divisibility", 16]] for n, t in sig.items()
-             if t.startswith("*") or n in ALIGNED}
+             if t.startswith("*") or n in aligned}
     source = ASTSource(fn=fn, signature={**sig, **dict.fromkeys(constants, "constexpr")}, constexprs=constants,
                        attrs=attrs)
     compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32),
-                              options={"num_warps": tiles.num_warps, "num_stages": tiles.num_stages})
+                              options={"num_warps": num_warps, "num_stages": num_stages})
     cubin = tmp_path / "k.cubin"
     cubin.write_bytes(compiled.asm["cubin"])
     sass = subprocess.run([str(BIN / "cuobjdump"), "-sass", str(cubin)], capture_output=True, text=True,
                           check=True).stdout
     usage = subprocess.run([str(BIN / "cuobjdump"), "-res-usage", str(cubin)], capture_output=True, text=True,
                            check=True).stdout
+    return compiled, sass, usage
+
+
+@pytest.mark.parametrize(("kernel", "fmt", "sig", "tiles", "mma"), list(cases()))
+def test_grouped_expert_kernels_compile_to_warpgroup_mma(kernel, fmt, sig, tiles, mma, tmp_path) -> None:
+    from deepinfer.kernels.triton_ops import moe, moe_grouped_kernels
+
+    fn = moe_grouped_kernels._up_kernel if kernel == "up" else moe_grouped_kernels._down_kernel
+    constants = dict(FORMAT=fmt, BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k,
+                     GROUP=128 if fmt == moe.FP8_BLOCK else 1, PRECISION="tf32", F8_DOT=fmt == moe.FP8_BLOCK,
+                     HALF=tiles.half)
+    compiled, sass, usage = compile_sm90(fn, sig, constants, ALIGNED, tiles.num_warps, tiles.num_stages, tmp_path)
     assert re.search(rf"\b{mma}\.", sass), f"no {mma} in the SASS"
     assert "LDGSTS" in sass, "loads not software-pipelined"
     assert "LDL" not in sass and "STL" not in sass and re.search(r"STACK:0\b", usage), "local memory (spills)"
@@ -111,9 +119,6 @@ def test_small_batch_mxfp4_kernels_compile_for_hopper(kernel, decode, block_n, b
     as divisible by 16). Every decoder must compile for sm_90 without local memory, with the matrix
     instructions on the tensor cores (HGMMA: weights × activationsᵀ puts BLOCK_N ≥ 64 weight rows on
     a wgmma's M) and pipelined copies; the PTX decoder's prmt / bf16x2 multiplies must be there."""
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-
     from deepinfer.kernels.triton_ops import moe, mxfp4
 
     fn = moe._expert_up_kernel if kernel == "up" else moe._expert_down_kernel
@@ -121,17 +126,7 @@ def test_small_batch_mxfp4_kernels_compile_for_hopper(kernel, decode, block_n, b
     constants = dict(BLOCK_M=16, BLOCK_N=block_n, BLOCK_K=block_k, PRECISION="tf32", FORMAT=moe.MXFP4, BLOCK_S=32,
                      DECODE=decode, BF16_MATH=True)
     aligned = {"hidden", "inter", "w_expert", "w_row", "s_expert", "s_row"}
-    attrs = {(fn.arg_names.index(n),): [["tt.divisibility", 16]] for n, t in sig.items()
-             if t.startswith("*") or n in aligned}
-    source = ASTSource(fn=fn, signature={**sig, **dict.fromkeys(constants, "constexpr")}, constexprs=constants,
-                       attrs=attrs)
-    compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4, "num_stages": 3})
-    cubin = tmp_path / "k.cubin"
-    cubin.write_bytes(compiled.asm["cubin"])
-    sass = subprocess.run([str(BIN / "cuobjdump"), "-sass", str(cubin)], capture_output=True, text=True,
-                          check=True).stdout
-    usage = subprocess.run([str(BIN / "cuobjdump"), "-res-usage", str(cubin)], capture_output=True, text=True,
-                           check=True).stdout
+    _, sass, usage = compile_sm90(fn, sig, constants, aligned, 4, 3, tmp_path)
     assert re.search(r"\bHGMMA\.", sass), "no HGMMA in the SASS"
     assert "LDGSTS" in sass, "loads not software-pipelined"
     assert "LDL" not in sass and "STL" not in sass and re.search(r"STACK:0\b", usage), "local memory (spills)"
