@@ -46,7 +46,10 @@ for step in range(3):
     if out.decode is not None:
         sched.finish_seq("a", "stop")
 result["kinds"] = kinds
-print(json.dumps(result))
+print(json.dumps(result), flush=True)
+# every rank past its last collective before any tears its group down (a gloo worker thread still
+# holding work at interpreter exit aborts the process: "terminate called without an active exception")
+dist.barrier()
 dist.destroy_process_group()
 """
 

@@ -110,7 +110,10 @@ with torch.no_grad():
                           max_decode_tokens=5)
     result["hash_fixed_err"] = (hashed(x, tokens, ops, decode_step=True) - expected).abs().max().item()
     result["hash_variable_err"] = (hashed(x, tokens, ops) - expected).abs().max().item()
-print(json.dumps(result))
+print(json.dumps(result), flush=True)
+# every rank past its last collective before any tears its group down (a gloo worker thread still
+# holding work at interpreter exit aborts the process: "terminate called without an active exception")
+dist.barrier()
 dist.destroy_process_group()
 """
 
