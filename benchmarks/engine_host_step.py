@@ -18,7 +18,8 @@ Phases, timed with time.perf_counter around the engine's calls (the methods are 
              the sampler and reading its tokens back; `sampler math` is the Sampler call
              alone (tensor work that runs on the device in a GPU engine: logsumexp + argmax over
              [N, 4096] on this CPU), reported separately so the pure host part is visible
-  post       `LLMEngine._post_process` (stop checks, detokenization, handing tokens back)
+  post       `PlainStep._post_process` (stop checks, detokenization, handing tokens back; on an
+             engine before the Step protocol, `LLMEngine._post_process`)
   outputs    the rest of `step()`: building the RequestOutputs of the changed requests
 The sampler math is in the total; "host" = total − sampler math − forward stand-in.
 
@@ -128,7 +129,8 @@ def run_repeat(num_seqs: int, steps: int, warmup: int, prompt_len: int, block_si
     sampling.launch = clock.wrap("sampling", sampling.launch)
     sampling.collect = clock.wrap("sampling", sampling.collect)
     sampling.sampler = clock.wrap("sampler math", sampling.sampler)
-    engine._post_process = clock.wrap("post", engine._post_process)
+    plain = getattr(engine, "plain_step", engine)      # engines before the Step protocol: the engine's own
+    plain._post_process = clock.wrap("post", plain._post_process)
     times: dict[str, list[float]] = defaultdict(list)
     for step in range(warmup + steps):
         kinds.clear()

@@ -40,12 +40,13 @@ def _trace(stop_id: int) -> list[tuple[str, str, SamplingParams, OutputKind, int
 
 def _run(zos: bool, steady: bool, stop_id: int) -> tuple[dict[str, tuple], int]:
     engine = _engine(zos)
-    step_rows, bulk = engine._step_rows, engine._post_process_steady
+    plain = engine.plain_step
+    step_rows, bulk = plain.step_rows, plain._post_process_steady
     calls = [0]
 
     def no_steady(*args, **kwargs):
         rows = step_rows(*args, **kwargs)
-        engine._steady = None            # every step takes the per-row path
+        plain.steady = None              # every step takes the per-row path
         return rows
 
     def counting(*args, **kwargs):
@@ -53,8 +54,8 @@ def _run(zos: bool, steady: bool, stop_id: int) -> tuple[dict[str, tuple], int]:
         return bulk(*args, **kwargs)
 
     if not steady:
-        engine._step_rows = no_steady
-    engine._post_process_steady = counting
+        plain.step_rows = no_steady
+    plain._post_process_steady = counting
     results: dict[str, tuple] = {}
     texts: dict[str, str] = {}
     try:
@@ -78,10 +79,10 @@ def _run(zos: bool, steady: bool, stop_id: int) -> tuple[dict[str, tuple], int]:
                                                completion.stop_reason, texts[out.request_id])
             step += 1
     finally:
-        del engine._post_process_steady
+        del plain._post_process_steady
         if not steady:
-            del engine._step_rows
-    assert engine._in_flight is None and not engine.scheduler.has_unfinished()
+            del plain.step_rows
+    assert engine.num_in_flight == 0 and not engine.scheduler.has_unfinished()
     return results, calls[0]
 
 

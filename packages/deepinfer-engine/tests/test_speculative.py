@@ -231,6 +231,10 @@ def test_varlen_verify_and_the_draft_count_flags(draft_model: Path, plain: LLM, 
     assert _results(llm.generate(PROMPTS[:3], params, use_tqdm=False)) == \
         _results(plain.generate(PROMPTS[:3], params, use_tqdm=False))
     assert llm.engine.stats().spec_verify_steps > 0
+    # the policy's estimators learn from the real steps (ZOS on): every verify step was timed
+    varlen = llm.engine.spec.varlen
+    assert len(varlen.forward._steps) >= llm.engine.stats().spec_verify_steps > 0
+    assert varlen.sampler.estimate_ms(2) > 0
 
 
 def test_bad_flags_are_refused_naming_the_field(draft_model: Path, no_draft_model: Path) -> None:

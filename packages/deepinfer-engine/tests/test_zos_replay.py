@@ -77,7 +77,7 @@ def replay(zos: bool, arrivals: tuple[Arrival, ...], **engine_args: object) -> R
             if out.finished:
                 results[out.request_id] = Result(tuple(completion.token_ids), completion.finish_reason,
                                                  completion.text)
-        run.steps_left_in_flight += engine._in_flight is not None
+        run.steps_left_in_flight += engine.num_in_flight > 0
         step += 1
         assert step < 2000, "the trace never finished"
     del engine.scheduler.schedule
@@ -93,7 +93,7 @@ def assert_nothing_left(engine: LLMEngine) -> None:
     engine.scheduler.check_integrity()
     assert not engine.scheduler.has_unfinished() and not engine._requests
     assert engine.kv_blocks.num_free == engine.runner.plan.num_kv_blocks - 1      # block 0 is reserved
-    assert engine._in_flight is None
+    assert engine.num_in_flight == 0
 
 
 def assert_same_with_zos_on_and_off(arrivals: tuple[Arrival, ...], **engine_args: object) -> tuple[Replay, Replay]:

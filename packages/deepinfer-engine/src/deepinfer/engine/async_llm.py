@@ -38,6 +38,7 @@ from .async_front import (
     StreamingFront,
     deliver,
 )
+from .core_loop import run_loop
 from .intake import PromptInput
 from .llm_engine import LLMEngine
 from .outputs import RequestOutput
@@ -142,20 +143,8 @@ class AsyncLLM(StreamingFront):
     # ------------------------------------------------------------------ engine-thread side
 
     def _run(self) -> None:
-        engine = self.engine
         try:
-            while True:
-                self._wake.clear()
-                self._take_inbox()
-                if engine.has_unfinished_requests():
-                    self._deliver(engine.step())
-                    self.stats = self._snapshot()
-                elif self._stopping:         # every accepted request has finished (or was refused)
-                    self.stats = self._snapshot()
-                    return
-                else:
-                    self.stats = self._snapshot()
-                    self._wake.wait()
+            run_loop(self.engine.step, _ThreadTransport(self))
         except BaseException as error:          # a bug: fail every stream rather than hang them
             logger.exception("the engine thread failed; every request in flight fails")
             self._dead = error
@@ -183,6 +172,34 @@ class AsyncLLM(StreamingFront):
         num_running = engine.scheduler.num_running
         kv = engine.kv_blocks
         return EngineStats(num_running, max(0, len(self._streams) - num_running), kv.num_free, kv.num_blocks - 1)
+
+
+class _ThreadTransport:
+    """The `core_loop.Transport` of `AsyncLLM`'s engine thread: its inbox in, its streams out; with
+    nothing to run the thread sleeps on the front's event, which a submission or an abort sets."""
+
+    def __init__(self, front: AsyncLLM) -> None:
+        self._front = front
+
+    def poll(self) -> None:
+        self._front._wake.clear()
+        self._front._take_inbox()
+
+    def has_work(self) -> bool:
+        return self._front.engine.has_unfinished_requests()
+
+    def deliver(self, outputs: list[RequestOutput]) -> None:
+        front = self._front
+        front._deliver(outputs)
+        front.stats = front._snapshot()
+
+    def idle(self) -> bool:
+        front = self._front
+        front.stats = front._snapshot()
+        if front._stopping:          # every accepted request has finished (or was refused)
+            return False
+        front._wake.wait()
+        return True
 
 
 __all__ = ["DEFAULT_MAX_NUM_WAITING", "AsyncLLM", "EngineDead", "EngineQueueFull", "EngineStats", "EngineStopped"]

@@ -28,17 +28,16 @@ class SteadyRows:
     """The rows of one decode step's requests, reused while the next steps have the same ones.
 
     Args:
-        seq_ids: the step's sequence ids (`DecodeBatch.seq_ids`), in row order; later steps whose
-            tuple is this very object have the same rows (the scheduler hands out a new tuple
-            whenever a row or an id changes).
+        generation: the step's `DecodeBatch.rows_generation`; later steps of the same generation
+            have the same rows (the scheduler starts a new one whenever a row or an id changes).
         reqs: the request of each row.
         rows: the rows' sampling parameters; must not be constrained (no grammar) or controlled.
     """
 
-    def __init__(self, seq_ids: tuple[str, ...], reqs: list[Request], rows: StepRows) -> None:
+    def __init__(self, generation: int, reqs: list[Request], rows: StepRows) -> None:
         if rows.grammars is not None or rows.controlled:
             raise ValueError("constrained or controlled rows change every step; they are not steady")
-        self.seq_ids = seq_ids
+        self.generation = generation
         self.reqs = reqs
         self._params, self._rngs = rows.params, rows.rngs
         num_rows = len(reqs)

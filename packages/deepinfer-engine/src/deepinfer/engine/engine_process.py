@@ -9,8 +9,9 @@ requests it refused), or `EngineFailed` before the process exits on an error. Ea
 pickle written with `Connection.send_bytes`, by the thread that made it (no feeder thread beside
 the engine loop).
 
-The loop: take every message waiting (new requests into the engine with DELTA outputs, aborts
-applied); step while the engine has work and report the step; with no work, block on the pipe. A
+The loop (`core_loop.run_loop`, `EngineLoop` its transport): take every message waiting (new
+requests into the engine with DELTA outputs, aborts applied); step while the engine has work and
+report the step; with no work, block on the pipe. A
 report carries the common output, a running request of one sample without logprobs whose prompt
 the front has already seen, as three flat columns (id, new text, new token ids) and every other
 output whole. The process ignores SIGINT (a Ctrl-C reaches the whole process group: the front
@@ -31,6 +32,7 @@ from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
 
+from .core_loop import run_loop
 from .engine_args import EngineArgs
 from .intake import PromptInput
 from .outputs import OutputKind, RequestOutput
@@ -190,23 +192,35 @@ class EngineLoop:
     def run(self) -> None:
         """Serve until `StopEngine` and no work is left (returns). Raises EOFError when the front's
         end of the pipe closes."""
-        engine, inbox = self._engine, self._inbox
-        while True:
-            while inbox.poll():
-                self._take(receive(inbox))
-            if self._refusals:
-                self._report([])
-            if engine.has_unfinished_requests():
-                self._report(engine.step())
-            elif self._stopping:
-                return
-            else:
-                if engine_load(engine) != self._load:
-                    self._report([])              # the state the metrics show while idle
-                self._idle = True
-                message = receive(inbox)          # idle: sleep until the front says something
-                self._idle = False
-                self._take(message)
+        run_loop(self._engine.step, self)
+
+    # ------------------------------------------------------------------ core_loop.Transport
+
+    def poll(self) -> None:
+        """Take every message waiting; report the requests refused."""
+        while self._inbox.poll():
+            self._take(receive(self._inbox))
+        if self._refusals:
+            self._report([])
+
+    def has_work(self) -> bool:
+        return self._engine.has_unfinished_requests()
+
+    def deliver(self, outputs: list[RequestOutput]) -> None:
+        self._report(outputs)
+
+    def idle(self) -> bool:
+        """No work: end after `StopEngine`, else report the state the metrics show while idle and
+        sleep on the pipe until the front says something."""
+        if self._stopping:
+            return False
+        if engine_load(self._engine) != self._load:
+            self._report([])
+        self._idle = True
+        message = receive(self._inbox)
+        self._idle = False
+        self._take(message)
+        return True
 
     def on_sigterm(self, signum: int, frame: object) -> None:
         """SIGTERM: no work -> exit now (SystemExit); else exit once the requests taken have finished."""

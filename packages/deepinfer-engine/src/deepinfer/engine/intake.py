@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from deepinfer.model import DeepseekV4ForCausalLM
-from deepinfer.sched import EngineType, Scheduler
+from deepinfer.sched import EngineType, Scheduler, canonical_id
 
 from .engine_args import EngineArgs
 from .grammar_backend import StructuredOutputUnavailable, XGrammarBackend
@@ -176,7 +176,7 @@ class RequestIntake:
 
     def _seq(self, seq_id: str) -> Request | None:
         """The sample running as scheduler sequence `seq_id` (either spelling of a fork branch)."""
-        return self._seqs.get(seq_id[1:] if seq_id.startswith("_") else seq_id)
+        return self._seqs.get(canonical_id(seq_id))
 
     def _grammar_pool(self) -> GrammarCompilePool:
         if self.grammars is None:

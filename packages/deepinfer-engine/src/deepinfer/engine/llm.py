@@ -13,6 +13,7 @@ from deepinfer.sched import EngineType
 
 from .chat_messages import ChatMessage, parse_tool_list
 from .chat_template import ChatTemplate, chat_prompt, load_chat_template
+from .core_loop import run_loop
 from .engine_args import EngineArgs
 from .env import read_torchrun_env
 from .intake import PromptInput
@@ -164,23 +165,53 @@ class LLM:
         return self._chat_templates[override]
 
     def _run(self, requests: list[Request], use_tqdm: bool) -> list[RequestOutput]:
-        order = {req.request_id: i for i, req in enumerate(requests)}
-        results: list[RequestOutput | None] = [None] * len(requests)
+        engine = self.engine
         try:
             for req in requests:
-                self.engine.enqueue(req)
+                engine.enqueue(req)
             with tqdm(total=len(requests), disable=not use_tqdm, desc="generate", unit="req") as bar:
-                while any(r is None for r in results):
-                    if not self.engine.has_unfinished_requests():
-                        raise RuntimeError("the engine went idle before every request finished")
-                    for out in self.engine.step():
-                        if out.finished and out.request_id in order:
-                            results[order[out.request_id]] = out
-                            bar.update(1)
+                batch = _OfflineBatch(engine, requests, bar)
+                run_loop(engine.step, batch)
         except BaseException:
-            for req, result in zip(requests, results):
-                if result is None:
-                    self.engine.abort_request(req.request_id)
-            self.engine.step()           # report (and forget) the aborted requests here, not later
+            for req in requests:
+                if not req.finished:
+                    engine.abort_request(req.request_id)
+            engine.step()           # report (and forget) the aborted requests here, not later
             raise
-        return [r for r in results if r is not None]
+        return batch.results()
+
+
+class _OfflineBatch:
+    """The `core_loop.Transport` of one `LLM.generate` call: its requests are queued up front; the
+    loop steps until each has its finished output."""
+
+    def __init__(self, engine: LLMEngine, requests: list[Request], bar: tqdm) -> None:
+        self._engine, self._bar = engine, bar
+        self._order = {req.request_id: i for i, req in enumerate(requests)}
+        self._results: list[RequestOutput | None] = [None] * len(requests)
+        self._missing = len(requests)
+
+    def poll(self) -> None:
+        """Nothing arrives during a call."""
+
+    def has_work(self) -> bool:
+        if not self._missing:
+            return False
+        if not self._engine.has_unfinished_requests():
+            raise RuntimeError("the engine went idle before every request finished")
+        return True
+
+    def deliver(self, outputs: list[RequestOutput]) -> None:
+        order, results = self._order, self._results
+        for out in outputs:
+            index = order.get(out.request_id) if out.finished else None
+            if index is not None and results[index] is None:
+                results[index] = out
+                self._missing -= 1
+                self._bar.update(1)
+
+    def idle(self) -> bool:
+        return False            # every request has its output: the call is done
+
+    def results(self) -> list[RequestOutput]:
+        return [r for r in self._results if r is not None]

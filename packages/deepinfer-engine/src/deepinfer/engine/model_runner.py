@@ -3,9 +3,10 @@ scheduler steps into model batches.
 
 Per-row state (ZOS, DESIGN.md §7): `row_tokens[row]` holds, on the device, the token last sampled for
 the sequence at scheduler row `row` (`DecodeBatch.rows`, stable while the sequence lives). A decode step
-whose sequences have a step in flight (`last_token_ids` = −1) takes their input tokens from there, so
+whose sequences have a step in flight (`DecodeBatch.in_flight`) takes their input tokens from there, so
 the host never waits for a sampled token before launching the next forward; only rows whose last token
-the host already knows (new, or after a prefill) read it from the step's pinned host copy. Under
+the host already knows (new, or after a prefill) read it from the step's pinned host copy (where the
+others stage `ON_DEVICE`, replaced on the device). Under
 speculative decoding a verify step emits 1 … k + 1 tokens per row: `row_tokens` then holds the last of
 them and `row_emitted[row]` how many (`record_emitted`), from which the next step, launched before the
 host has read them, places its tokens (`verify_forward`'s `shift`).
@@ -28,6 +29,8 @@ from deepinfer.sched import DecodeBatch, SchedulerOutput, StepKind
 from .block_tables import RowBlockTables
 from .cuda_graphs import STAGED_ROWS, DecodeGraphs
 from .staging import to_device
+
+ON_DEVICE = -1      # the staged input token of a row whose last token is on the device (`row_tokens`)
 
 
 @dataclass(frozen=True, slots=True)
@@ -160,26 +163,31 @@ class ModelRunner:
                 `StepBatch.prompt_spans` says where each such chunk's rows are (`forward_all`).
         """
         if out.kind is StepKind.PREFILL and out.prefill:
-            chunks = out.prefill
-            wanted = [i for i, c in enumerate(chunks) if c.seq_id in all_logits_for] if all_logits_for else []
-            batch = ForwardBatch.build(
-                [c.token_ids.tolist() for c in chunks], [c.start for c in chunks],
-                [c.block_table.tolist() for c in chunks], [c.state_slot for c in chunks],
-                logits="all" if wanted else "last", device=self.device,
-            )
-            done = [i for i, c in enumerate(chunks) if c.completes_prefill]
-            if not wanted:
-                return StepBatch(batch, tuple(chunks[i].seq_id for i in done),
-                                 torch.tensor(done, dtype=torch.int64, device=self.device))
-            ends = np.cumsum([len(c.token_ids) for c in chunks])
-            spans = tuple((chunks[i].seq_id, int(ends[i]) - len(chunks[i].token_ids), len(chunks[i].token_ids),
-                           int(chunks[i].start)) for i in wanted)
-            return StepBatch(batch, tuple(chunks[i].seq_id for i in done),
-                             torch.tensor([int(ends[i]) - 1 for i in done], dtype=torch.int64, device=self.device),
-                             prompt_spans=spans)
+            return self._prefill_step(out, all_logits_for)
         if out.kind is StepKind.DECODE and out.decode is not None and out.decode.num_seqs:
             return self._decode_step(out.decode)
         return None
+
+    def _prefill_step(self, out: SchedulerOutput, all_logits_for: frozenset[str]) -> StepBatch:
+        """A prefill step's batch: the last row's logits of each chunk that completes its prompt, or
+        every row's when a chunk of `all_logits_for` is in the step (`StepBatch.prompt_spans`)."""
+        chunks = out.prefill
+        wanted = [i for i, c in enumerate(chunks) if c.seq_id in all_logits_for] if all_logits_for else []
+        batch = ForwardBatch.build(
+            [c.token_ids.tolist() for c in chunks], [c.start for c in chunks],
+            [c.block_table.tolist() for c in chunks], [c.state_slot for c in chunks],
+            logits="all" if wanted else "last", device=self.device,
+        )
+        done = [i for i, c in enumerate(chunks) if c.completes_prefill]
+        if not wanted:
+            return StepBatch(batch, tuple(chunks[i].seq_id for i in done),
+                             torch.tensor(done, dtype=torch.int64, device=self.device))
+        ends = np.cumsum([len(c.token_ids) for c in chunks])
+        spans = tuple((chunks[i].seq_id, int(ends[i]) - len(chunks[i].token_ids), len(chunks[i].token_ids),
+                       int(chunks[i].start)) for i in wanted)
+        return StepBatch(batch, tuple(chunks[i].seq_id for i in done),
+                         torch.tensor([int(ends[i]) - 1 for i in done], dtype=torch.int64, device=self.device),
+                         prompt_spans=spans)
 
     def _decode_step(self, d: DecodeBatch) -> StepBatch:
         if (d.query_lens != 1).any():   # speculative decode steps go through `verify_forward`
@@ -187,16 +195,16 @@ class ModelRunner:
                              "drafts runs through verify_forward")
         n = d.num_seqs
         self.ensure_rows(int(d.rows.max()) + 1)
-        in_flight = d.last_token_ids.min() < 0          # ZOS: some rows' tokens are still on the device
+        in_flight = bool(d.in_flight.any())              # ZOS: some rows' tokens are still on the device
         if self.graphs is not None and self.graphs.bucket(n) is not None:
             return self._staged_decode_step(d, in_flight)
         host_tokens_and_rows = np.empty((2, n), dtype=np.int64)
-        host_tokens_and_rows[0] = d.last_token_ids
+        _stage_tokens(d, in_flight, host_tokens_and_rows[0])
         host_tokens_and_rows[1] = d.rows
         staged = self._to_device(host_tokens_and_rows)
         tokens, rows = staged[0], staged[1]
         if in_flight:
-            tokens = torch.where(tokens >= 0, tokens, self.row_tokens.index_select(0, rows))
+            tokens = torch.where(tokens == ON_DEVICE, self.row_tokens.index_select(0, rows), tokens)
         batch = ForwardBatch.decode(tokens, d.seq_lens, d.block_tables, d.state_slots, device=self.device,
                                     to_device=self._to_device)
         return StepBatch(batch, tuple(d.seq_ids), None, rows)
@@ -211,7 +219,7 @@ class ModelRunner:
             raise ValueError(f"seq_lens must be >= 1, got {int(d.seq_lens.min())}")
         inputs = torch.empty((STAGED_ROWS, n), dtype=torch.int64, pin_memory=True)
         host = inputs.numpy()
-        host[0] = d.last_token_ids
+        _stage_tokens(d, in_flight, host[0])
         np.subtract(d.seq_lens, 1, out=host[1])
         host[2] = d.state_slots
         host[3] = d.rows
@@ -221,7 +229,7 @@ class ModelRunner:
         rows = graphs.seq_rows[:n]
         if in_flight:
             tokens = graphs.token_ids[:n]
-            tokens.copy_(torch.where(tokens >= 0, tokens, self.row_tokens.index_select(0, rows)))
+            tokens.copy_(torch.where(tokens == ON_DEVICE, self.row_tokens.index_select(0, rows), tokens))
         return StepBatch(None, tuple(d.seq_ids), None, rows, graph_seqs=n)
 
     @torch.no_grad()
@@ -359,3 +367,12 @@ class ModelRunner:
             logits = self.model(batch, self.cache, self.ops)
         sampled = logits if step.logits_rows is None else logits[step.logits_rows]
         return sampled, logits if step.prompt_spans else None
+
+
+def _stage_tokens(d: DecodeBatch, in_flight: bool, out: np.ndarray) -> None:
+    """A decode step's input tokens as staged for the device: the last known token of each row,
+    `ON_DEVICE` for rows with a step in flight."""
+    if in_flight:
+        np.copyto(out, np.where(d.in_flight, ON_DEVICE, d.last_token_ids))
+    else:
+        out[...] = d.last_token_ids

@@ -153,12 +153,8 @@ class SamplingStage:
         reusable = self._reusable
         if masks is not None or rows.controlled:
             self._reusable = None
-        elif (reusable is not None and reusable.device == device and reusable.params == params
-                and reusable.rngs == rngs and min(num_out, default=0) >= reusable.max_min_tokens):
-            batch = reusable.batch
-            if not batch.rngs:
-                return batch
-            return dataclasses.replace(batch, draw_positions=tuple(num_out[row] for row in reusable.random_rows))
+        elif reusable is not None and reusable.fits(rows, device):
+            return reusable.for_step(num_out)
         batch = build_sampling_batch(
             params, rngs=rngs, num_output_tokens=num_out,
             eos_token_ids=self.eos_token_ids, vocab_size=self.vocab_size, device=device,
@@ -226,6 +222,19 @@ class _ReusableBatch:
     rngs: list[RequestRng | None]          # the rows' generators (the same requests when seeded)
     random_rows: list[int]                 # rows that draw noise (their draw positions move each step)
     max_min_tokens: int                    # no row is banned once every row has this many outputs
+
+    def fits(self, rows: StepRows, device: torch.device) -> bool:
+        """Whether a step of these rows (none constrained or controlled) may sample with `batch`: the
+        same device, parameters and generators, and no row still banned by min_tokens."""
+        return (self.device == device and self.params == rows.params and self.rngs == rows.rngs
+                and min(rows.num_output_tokens, default=0) >= self.max_min_tokens)
+
+    def for_step(self, num_output_tokens: Sequence[int]) -> SamplingBatch:
+        """`batch` with the random rows' draw positions of this step."""
+        if not self.batch.rngs:
+            return self.batch
+        return dataclasses.replace(self.batch, draw_positions=tuple(num_output_tokens[row]
+                                                                    for row in self.random_rows))
 
 
 def _readback_tensors(sampled: SamplerOutput, batch: SamplingBatch) -> tuple[Tensor, ...]:

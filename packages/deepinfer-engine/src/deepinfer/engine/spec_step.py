@@ -1,14 +1,13 @@
 """Speculative decode steps with the DSpark draft head (DESIGN.md §6, docs/spec.md).
 
-With `EngineArgs.speculative_decoding` the scheduler reserves k + 1 positions per decode row
-(nextn = k) and asks `DraftGate` how many of them each row feeds. A speculative decode step has the
-engine's three phases (`LLMEngine`: launch the forward, post-process the step before, launch the
-sampling): `launch_forward` (1–2 below), `launch_accept` (3, on the device) and `commit` (4, on the
-host). With ZOS off the engine runs them back to back (`step`); with ZOS on it commits step N while
-step N + 1 runs: N + 1 was launched before N's tokens reached the host, so a row with a step in
-flight takes its anchor and its place on the device (`ModelRunner.row_tokens` / `row_emitted`: the
-in-flight step emitted 1 … k + 1 tokens of the k + 1 positions reserved for it; the scheduler had
-placed N + 1 after all of them, so its positions move back by the difference).
+With `EngineArgs.num_speculative_tokens` = k > 0 the scheduler reserves k + 1 positions per decode
+row (nextn = k) and asks `DraftGate` how many of them each row feeds. `SpeculativeDecoder` is the
+`steps.Step` of decode steps: `launch` (1–2 below), `sample` (3, on the device) and `commit` (4, on
+the host). With ZOS off the engine runs them back to back; with ZOS on it commits step N while step
+N + 1 runs: N + 1 was launched before N's tokens reached the host, so a row with a step in flight
+(`DecodeBatch.in_flight`) takes its anchor and its place on the device (`ModelRunner.row_tokens` /
+`row_emitted`: the in-flight step emitted 1 … k + 1 tokens of the k + 1 positions reserved for it;
+the scheduler had placed N + 1 after all of them, so its positions move back by the difference).
 
 1. draft: `DSparkDraft.propose` from each drafting row's anchor (its last token, at position
    seq_len − k − 1 minus that difference); the rings hold the target's features of every committed
@@ -30,8 +29,13 @@ placed N + 1 after all of them, so its positions move back by the difference).
    ran its row too, and those tokens are dropped (as a plain ZOS step's one token is).
 
 Under ZOS the varlen policy splits step N + 1's verify lengths on the host from the confidences of
-step N − 1 (the last one read); the seed recomputes the split on the device from step N's. The online
-forward-time correction is fed by ZOS-off steps only (a ZOS step's host time is not its forward's).
+step N − 1 (the last one read); the seed recomputes the split on the device from step N's.
+
+The varlen policy's estimators learn from real steps: each step's verify forward and its
+verification + sampling are timed on the device's own timeline (`_Stopwatch`: CUDA events, read at
+the commit once the step's results are on the host, so never a wait of their own; the host clock on
+the CPU, where the work runs synchronously), with ZOS on and off alike, and fed to
+`ForwardRuntimeEstimator.observe` (total query tokens) and `SamplerRuntimeEstimator.observe` (rows).
 """
 
 from __future__ import annotations
@@ -45,7 +49,7 @@ import torch
 from torch import Tensor
 
 from deepinfer.model import ConfigError, DSparkDraft, WeightError, num_stages_in
-from deepinfer.sched import DecodeBatch, Scheduler
+from deepinfer.sched import DecodeBatch, SchedulerOutput
 from deepinfer.spec import (
     DraftSampler,
     FixedVerifyPolicy,
@@ -61,11 +65,12 @@ from deepinfer.spec import (
 
 from .engine_args import EngineArgs, InvalidEngineArgs
 from .env import EngineEnv, env_var_name
-from .model_runner import ModelRunner
+from .plain_step import PlainStep, StepHost
 from .request import Request
 from .sampler import MAX_LOGIT_MAGNITUDE
-from .sampling_stage import NON_FINITE_LOGITS, InFlightSampling, SamplingStage, StepRows
+from .sampling_stage import NON_FINITE_LOGITS, InFlightSampling
 from .staging import to_device, to_host
+from .steps import Changed, Launched
 from .sync_guard import forbid_cuda_sync
 from .token_bitmask import allocate_token_bitmask, apply_token_bitmask, unpack_token_bitmask
 from .varlen_profile import varlen_step_time_curve
@@ -166,19 +171,23 @@ class _RowTokens:
 
 
 class SpeculativeDecoder:
-    """Runs the engine's speculative decode steps (module docstring).
+    """The `steps.Step` of speculative decode steps (module docstring).
 
     Args:
         draft: the attached draft head (`attach_draft_head`).
-        runner: the model runner (its cache holds the draft rings).
+        host: the engine (its runner's cache holds the draft rings; its scheduler, sampling stage and
+            requests are read at each step).
+        plain: the engine's plain step: the sampling parameters of rows that do not draft.
         args / env: the engine's; varlen_verify measures the step-time curve here, at start-up
             (or loads it from DEEPINFER_VARLEN_PROFILE_CACHE: varlen_profile.py).
-        lookup: the engine's request of a scheduler sequence id.
     """
 
-    def __init__(self, draft: DSparkDraft, runner: ModelRunner, args: EngineArgs, env: EngineEnv,
-                 lookup: Callable[[str], Request | None]) -> None:
+    def __init__(self, draft: DSparkDraft, host: StepHost, plain: PlainStep, args: EngineArgs,
+                 env: EngineEnv) -> None:
+        runner = host.runner
         self.draft, self.runner, self.k = draft, runner, draft.block_size
+        self._host, self._plain = host, plain
+        self._stopwatch = _Stopwatch(runner.device)
         self._force_top_k = env.sampler_force_topk
         self._noise = np.random.default_rng(args.seed)      # seeds of unseeded sampled rows, drawn per step
         self.varlen: VarlenVerifyPolicy | None = None
@@ -186,7 +195,7 @@ class SpeculativeDecoder:
             curve = varlen_step_time_curve(self._time_dummy_step, draft, runner, args, env)   # cached in a file
             self.varlen = VarlenVerifyPolicy(ForwardRuntimeEstimator(curve, interval=env.cudagraph_batch_size_interval),
                                              SamplerRuntimeEstimator())
-        self.gate = DraftGate(self.varlen or FixedVerifyPolicy(), lookup, self._force_top_k)
+        self.gate = DraftGate(self.varlen or FixedVerifyPolicy(), host._seq, self._force_top_k)
         self._observed: set[str] = set()
         self._row_confidence = torch.full((0, self.k), -1.0, dtype=torch.float32, device=runner.device)
         self._counts = np.zeros(4, dtype=np.int64)           # SpeculativeStats' fields, in order
@@ -217,7 +226,8 @@ class SpeculativeDecoder:
         zeros = np.zeros(num_rows, dtype=np.int32)
         d = DecodeBatch(seq_ids=tuple(map(str, range(num_rows))), rows=zeros, query_lens=query_lens,
                         seq_lens=np.full(num_rows, width, dtype=np.int32), block_tables=zeros[:, None],
-                        state_slots=zeros, last_token_ids=zeros, table_versions=zeros.astype(np.int64))
+                        state_slots=zeros, last_token_ids=zeros, table_versions=zeros.astype(np.int64),
+                        in_flight=np.zeros(num_rows, dtype=np.bool_), rows_generation=0)
         tokens = torch.zeros((num_rows, width), dtype=torch.int64, device=device)
         if cuda:
             torch.cuda.synchronize(device)
@@ -227,24 +237,34 @@ class SpeculativeDecoder:
             torch.cuda.synchronize(device)
         return (time.perf_counter() - started) * 1e3
 
-    def step(self, d: DecodeBatch, reqs: list[Request], sampling: SamplingStage,
-             step_rows: Callable[[list[Request]], StepRows], scheduler: Scheduler,
-             changed: dict[str, Request]) -> None:
-        """Run one speculative decode step of `d` (its rows' requests `reqs`) and commit its tokens (ZOS
-        off: `launch_forward`, `launch_accept` and `commit` at once)."""
-        if not d.num_seqs:
-            return
-        started = time.perf_counter()
-        launched = self.launch_forward(d, reqs)
-        flight = self.launch_accept(launched, sampling, step_rows)
-        self.commit(flight, sampling, scheduler, changed)
-        if self.varlen is not None:
-            self.varlen.forward.observe(int(d.query_lens.sum()), (time.perf_counter() - started) * 1e3)
+    # ------------------------------------------------------------------ the Step protocol
+
+    def launch(self, out: SchedulerOutput, *, guarded: bool) -> SpecLaunched | None:
+        """Draft and launch the verify forward of decode step `out` (`launch_forward`)."""
+        d = out.decode
+        if d is None or not d.num_seqs:
+            return None
+        lookup = self._host._seq
+        reqs = [lookup(seq_id) for seq_id in d.seq_ids]
+        return SpecLaunched(out, reqs, launched=self.launch_forward(d, reqs, guarded=guarded), guarded=guarded)
+
+    def sample(self, handle: SpecLaunched) -> None:
+        """Verify the drafting rows and sample the others (`launch_accept`)."""
+        handle.flight = self.launch_accept(handle.launched, guarded=handle.guarded)
+        handle.launched = None              # its logits are no longer needed
+
+    def commit(self, handle: SpecLaunched, *, rows_unchanged: bool = False) -> Changed:
+        """Read the step's results and commit its tokens (`commit_flight`)."""
+        changed: Changed = {}
+        self.commit_flight(handle.flight, changed, preempted=handle.preempted, recomputed=handle.recomputed)
+        return changed
+
+    # ------------------------------------------------------------------ the phases
 
     def launch_forward(self, d: DecodeBatch, reqs: list[Request], *, guarded: bool = False) -> SpecLaunch:
         """Draft and launch the verify forward of decode step `d`, reading nothing from the device: ZOS
         launches it before the previous step's tokens are on the host. Rows whose step is in flight
-        (last_token_ids −1) take their anchor from `ModelRunner.row_tokens` and their place from
+        (`DecodeBatch.in_flight`) take their anchor from `ModelRunner.row_tokens` and their place from
         `row_emitted`: that step used row_emitted of the k + 1 positions the scheduler reserved for it.
         `guarded`: a ZOS launch: the input updates, and the verify forward when it replays a CUDA graph,
         run under `forbid_cuda_sync` (the draft walk and eager forwards run the model's eager kernels)."""
@@ -255,17 +275,20 @@ class SpeculativeDecoder:
         drafting = np.flatnonzero(d.query_lens > 1)
         with forbid_cuda_sync(device, enabled=guarded):
             runner.ensure_rows(int(d.rows.max()) + 1)
-            host = np.empty((5, n), dtype=np.int64)
+            in_flight = bool(d.in_flight.any())             # ZOS: a step of some rows is in flight
+            host = np.empty((6 if in_flight else 5, n), dtype=np.int64)
             host[0] = d.last_token_ids
             host[1] = d.rows
             np.subtract(d.seq_lens, k + 1, out=host[2])      # the anchor's place if nothing is in flight
             host[3] = [r.num_output_tokens for r in reqs]
             host[4] = d.state_slots
+            if in_flight:
+                host[5] = d.in_flight
             staged = to_device(host, device)
             anchors, rows, positions, outputs = staged[0], staged[1], staged[2], staged[3]
             shift = known = None
-            if d.last_token_ids.min() < 0:                    # ZOS: a step of some rows is in flight
-                known = anchors >= 0
+            if in_flight:
+                known = staged[5] == 0
                 emitted = torch.where(known, 0, runner.row_emitted.index_select(0, rows))
                 anchors = torch.where(known, anchors, runner.row_tokens.index_select(0, rows))
                 shift = torch.where(known, 0, k + 1 - emitted)
@@ -280,11 +303,14 @@ class SpeculativeDecoder:
             if known is not None and self.varlen is not None:
                 with forbid_cuda_sync(device, enabled=guarded):
                     query_lens = self._split_on_device(d, verifying, rows, known)
-        with forbid_cuda_sync(device, enabled=guarded and runner.verify_replays_graph(int(d.query_lens.sum()))):
+        total_q = int(d.query_lens.sum())
+        with forbid_cuda_sync(device, enabled=guarded and runner.verify_replays_graph(total_q)):
+            started = self._stopwatch.mark()
             logits = runner.verify_forward(d, tokens, shift, query_lens)
+            forwarded = self._stopwatch.mark()
         if query_lens is None:
             query_lens = to_device(d.query_lens.astype(np.int64), device)
-        return SpecLaunch(d, reqs, drafting, rows, logits, tokens, verifying, query_lens)
+        return SpecLaunch(d, reqs, drafting, rows, logits, tokens, verifying, query_lens, (started, forwarded))
 
     def _split_on_device(self, d: DecodeBatch, v: _Verifying, rows: Tensor, known: Tensor) -> Tensor:
         """DESIGN.md §6 under ZOS: the drafting rows' total query tokens stay the host's choice (it
@@ -331,8 +357,7 @@ class SpeculativeDecoder:
         return _Verifying(sub, sub_rows, drafting, sampler, sampler.draft_probs(prop.logits) if sampled else None,
                           prop.confidence, constrained, drafts_to_host)
 
-    def launch_accept(self, launched: SpecLaunch, sampling: SamplingStage,
-                      step_rows: Callable[[list[Request]], StepRows], *, guarded: bool = False) -> SpecFlight:
+    def launch_accept(self, launched: SpecLaunch, *, guarded: bool = False) -> SpecFlight:
         """Verify the drafting rows and sample the others on the device, keep each row's last token and
         count in the runner (for the next step, launched before this one is read), and start copying the
         results back. `guarded`: a ZOS launch (the plain rows' sampling runs under the sync guard)."""
@@ -355,16 +380,20 @@ class SpeculativeDecoder:
             with forbid_cuda_sync(device, enabled=guarded):
                 first_rows = torch.cumsum(launched.query_lens, 0) - launched.query_lens
                 logits = launched.logits.index_select(0, first_rows.index_select(0, plain_index))
-            flight = sampling.launch(tuple(r.seq_id for r in sub), logits, step_rows(sub), guarded=guarded)
+            flight = self._host.sampling.launch(tuple(r.seq_id for r in sub), logits, self._plain.step_rows(sub),
+                                                guarded=guarded)
             plain_rows = launched.rows.index_select(0, plain_index)
             self.runner.record_emitted(plain_rows, flight.token_ids, torch.ones_like(flight.token_ids))
             if self.varlen is not None:
                 self._ensure_confidence_rows(self.runner.row_tokens.shape[0])
                 self._row_confidence.index_fill_(0, plain_rows, -1.0)
         host, done = to_host(results + logprob_parts + confidence)
+        sampled = self._stopwatch.mark()
         num_parts = len(logprob_parts)
+        started, forwarded = launched.marks
         return SpecFlight(reqs, launched.drafting, plain, host[0] if host else None, host[1:1 + num_parts],
-                          host[-1] if confidence else None, done, flight, wanted, dead)
+                          host[-1] if confidence else None, done, flight, wanted, dead,
+                          (started, forwarded, sampled), int(d.query_lens.sum()))
 
     def _launch_verify(self, launched: SpecLaunch, v: _Verifying, guarded: bool
                        ) -> tuple[tuple[Tensor, ...], tuple[Tensor, ...], tuple[Tensor, ...], dict[int, str]]:
@@ -440,8 +469,8 @@ class SpeculativeDecoder:
                 dead[j] = f"grammar dead end after {num_outputs} output tokens: no token is allowed"
         return masks, dead
 
-    def commit(self, flight: SpecFlight, sampling: SamplingStage, scheduler: Scheduler, changed: dict[str, Request],
-               *, preempted: Collection[str] = (), recomputed: Collection[str] = ()) -> None:
+    def commit_flight(self, flight: SpecFlight, changed: Changed, *, preempted: Collection[str] = (),
+                      recomputed: Collection[str] = ()) -> None:
         """Read a launched step's results (waiting only for their copy) and commit its tokens.
 
         Args:
@@ -456,11 +485,25 @@ class SpeculativeDecoder:
             for i, row in zip(flight.drafting.tolist(), self._verified_rows(flight)):
                 rows[i] = row
         if flight.sampling is not None:
-            sampled = sampling.collect(flight.sampling)
+            sampled = self._host.sampling.collect(flight.sampling)
             for j, i in enumerate(flight.plain):
                 rank = None if sampled.ranks is None else sampled.ranks[j]
                 rows[i] = _RowTokens([sampled.token_ids[j]], [sampled.logprobs[j]], [rank], sampled.errors.get(j))
-        self._commit(flight.reqs, rows, sampling, scheduler, changed, preempted, recomputed)
+        self._observe_times(flight)
+        self._commit(flight.reqs, rows, changed, preempted, recomputed)
+
+    def _observe_times(self, flight: SpecFlight) -> None:
+        """Feed the varlen policy's estimators the step's measured verify forward and verification +
+        sampling times (read now that its results are on the host: no wait of their own)."""
+        if self.varlen is None:
+            return
+        started, forwarded, sampled = flight.marks
+        forward_ms = self._stopwatch.elapsed_ms(started, forwarded)
+        sampler_ms = self._stopwatch.elapsed_ms(forwarded, sampled)
+        if forward_ms is not None:
+            self.varlen.forward.observe(flight.total_q, forward_ms)
+        if sampler_ms is not None:
+            self.varlen.sampler.observe(len(flight.reqs), sampler_ms)
 
     def _verified_rows(self, flight: SpecFlight) -> list[_RowTokens]:
         """The drafting rows' tokens, logprobs and errors from the host copies."""
@@ -485,12 +528,12 @@ class SpeculativeDecoder:
         self._counts += (1, len(reqs), int(host[:, k + 3].sum()), int(host[:, k + 1].sum()))
         return out
 
-    def _commit(self, reqs: list[Request], rows: Sequence[_RowTokens | None], sampling: SamplingStage,
-                scheduler: Scheduler, changed: dict[str, Request], preempted: Collection[str],
-                recomputed: Collection[str]) -> None:
+    def _commit(self, reqs: list[Request], rows: Sequence[_RowTokens | None], changed: Changed,
+                preempted: Collection[str], recomputed: Collection[str]) -> None:
         """Feed each row's tokens to its request until it ends, then tell the scheduler what was kept.
         A row whose request ended (or went to be recomputed) since the step was launched drops its
         tokens; a row preempted for good takes them and finishes as "preempted"."""
+        sampling, scheduler = self._host.sampling, self._host.scheduler
         seq_ids: list[str] = []
         kept_tokens: list[list[int]] = []
         for req, row in zip(reqs, rows):
@@ -542,6 +585,7 @@ class SpecLaunch:
     verifying: _Verifying | None   # the drafting rows' sampler, q and confidences; None when m = 0
     query_lens: Tensor             # [num_seqs] int64 query length of each row (device): d.query_lens, or
                                    # their split on the device under ZOS + varlen
+    marks: tuple[object, object]   # `_Stopwatch` marks before and after the verify forward
 
 
 @dataclass(frozen=True, slots=True)
@@ -559,6 +603,8 @@ class SpecFlight:
         done: the CUDA event after the copies (None on the CPU).
         wanted: SamplingParams.logprobs of each drafting row.
         dead: drafting rows (index among them) whose grammar allows no token -> why (they fail).
+        marks: `_Stopwatch` marks before and after the verify forward and after the verification
+            and sampling; total_q: the step's query tokens.
     """
 
     reqs: list[Request]
@@ -571,6 +617,39 @@ class SpecFlight:
     sampling: InFlightSampling | None
     wanted: list[int | None]
     dead: dict[int, str]
+    marks: tuple[object, object, object]
+    total_q: int
+
+
+@dataclass(slots=True, eq=False)
+class SpecLaunched(Launched):
+    """A speculative decode step between its launch and its commit: `launched` until `sample`,
+    `flight` after it; `guarded`: launched to stay in flight."""
+
+    launched: SpecLaunch | None = None
+    guarded: bool = False
+    flight: SpecFlight | None = None
+
+
+class _Stopwatch:
+    """Marks on the device's timeline, read after the step's results are on the host: CUDA events
+    with timing on CUDA (`elapsed_ms` is None while the later one has not happened: never a wait),
+    the host clock on the CPU (whose forwards and sampling run synchronously)."""
+
+    def __init__(self, device: torch.device) -> None:
+        self._cuda = device.type == "cuda"
+
+    def mark(self) -> object:
+        if not self._cuda:
+            return time.perf_counter()
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+
+    def elapsed_ms(self, first: object, second: object) -> float | None:
+        if not self._cuda:
+            return (second - first) * 1e3
+        return first.elapsed_time(second) if second.query() else None
 
 
 @dataclass(frozen=True, slots=True)

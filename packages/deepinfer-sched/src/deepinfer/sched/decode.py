@@ -7,6 +7,7 @@ The per-row loop runs in `_decode_core` (Cython, GIL released) or its numpy twin
 
 from __future__ import annotations
 
+import itertools
 from types import ModuleType
 
 import numpy as np
@@ -19,22 +20,27 @@ from .sequence import SeqStatus, Sequence
 from .state import SchedState
 from .verify import VerifyLengthPolicy, checked_query_lens
 
+_GENERATIONS = itertools.count(1)     # `DecodeBatch.rows_generation`: unique over the process
+
 
 class DecodeScratch:
     """State reused across decode steps (internal; never handed out): the per-row block-need
-    array, and the last step's id tuple, reused while the rows and their ids are unchanged."""
+    array, and the last step's id tuple and rows generation, reused while the rows and their ids
+    are unchanged."""
 
     def __init__(self, capacity: int) -> None:
         self.need = np.zeros(max(capacity, 1), dtype=np.int32)
         self.last_rows = np.zeros(0, dtype=np.int32)
         self.last_ids_version = -1
         self.last_seq_ids: tuple[str, ...] = ()
+        self.generation = 0
         self._last_seqs: list[Sequence] | None = None
         self._maybe_awaiting = False
 
     def seq_ids(self, table: SeqTable, rows: np.ndarray) -> tuple[str, ...]:
         if table.ids_version != self.last_ids_version or not np.array_equal(rows, self.last_rows):
             self.last_seq_ids = tuple(table.ids[rows].tolist())
+            self.generation = next(_GENERATIONS)
             self.last_rows = rows.copy()
             self.last_ids_version = table.ids_version
             self._last_seqs = None
@@ -140,6 +146,8 @@ def schedule_decode(
         state_slots=state_slots,
         last_token_ids=last_token_ids,
         table_versions=table.table_version[rows],
+        in_flight=table.pending_steps[rows] > 1,       # this step is one of them
+        rows_generation=scratch.generation,
     )
 
 

@@ -80,12 +80,17 @@ class DecodeBatch:
             seq_len) are this step's reserved query positions.
         block_tables: [num_seqs, max_num_blocks] int32 block ids, 0-padded (block 0 = empty).
         state_slots: [num_seqs] int32 state slot of each sequence (>= 1).
-        last_token_ids: [num_seqs] int32 last known token of each sequence; -1 where a step of it
-            is still in flight (ZOS), so the input token comes from that step's sampled tokens.
+        last_token_ids: [num_seqs] int32 last known token of each sequence; meaningless where
+            `in_flight` (the engine takes those rows' input tokens from their step in flight).
         table_versions: [num_seqs] int64 version of each row's block table: equal in two decode
             batches only if the row's table changed in between by appended blocks alone (no new
             sequence in the row, copy-on-write or trim), so a per-row copy kept elsewhere can be
             brought up to date by copying the appended entries (never reused; 0 = none).
+        in_flight: [num_seqs] bool, True where an earlier decode step of the sequence is still in
+            flight (ZOS: its tokens have not been appended yet), so its last token is on the device.
+        rows_generation: changes whenever the step's rows or their ids differ from the previous
+            decode step's (unique over the process); equal in two batches only when both have the
+            same sequences in the same rows, in the same order (`seq_ids` is then the same tuple).
     """
 
     seq_ids: tuple[str, ...]
@@ -96,6 +101,8 @@ class DecodeBatch:
     state_slots: np.ndarray
     last_token_ids: np.ndarray
     table_versions: np.ndarray
+    in_flight: np.ndarray
+    rows_generation: int
 
     @property
     def num_seqs(self) -> int:

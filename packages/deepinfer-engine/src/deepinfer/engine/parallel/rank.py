@@ -27,6 +27,7 @@ import torch.distributed as dist
 from deepinfer.model import DeepseekV4Config, run_ep_dummy_forward
 from deepinfer.sched import StepKind
 
+from ..core_loop import run_loop
 from ..dp_group import GlooStepVoteGroup
 from ..engine_args import EngineArgs
 from ..intake import PromptInput
@@ -147,14 +148,11 @@ class DPRank:
         for req, owner in zip(prepared, owners):
             if owner == self.spec.rank:
                 engine.enqueue(req)
-        finished: dict[int, RequestOutput] = {}
+        batch = _LockstepBatch(self, index_of)
         gathered: list[dict[int, RequestOutput] | None] = [None] * self.spec.world_size
         try:
-            while self.vote_group.any_true(engine.has_unfinished_requests()):
-                for out in self.step():
-                    if out.finished and out.request_id in index_of:
-                        finished[index_of[out.request_id]] = out
-            dist.all_gather_object(gathered, finished, group=self.vote_group.process_group)
+            run_loop(self.step, batch)
+            dist.all_gather_object(gathered, batch.finished, group=self.vote_group.process_group)
         except RuntimeError as err:
             raise RankFailure(f"DP rank {self.spec.rank}: a peer rank died or did not answer within "
                               f"{self._timeout_s} s: {err}") from err
@@ -176,3 +174,28 @@ class DPRank:
         """Leave the process group."""
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+class _LockstepBatch:
+    """The `core_loop.Transport` of one `DPRank.generate` call: the rank's share of the prompts is
+    queued up front; every rank steps while any has work (the vote), and keeps its finished outputs
+    by prompt index."""
+
+    def __init__(self, rank: DPRank, index_of: dict[str, int]) -> None:
+        self._rank, self._index_of = rank, index_of
+        self.finished: dict[int, RequestOutput] = {}
+
+    def poll(self) -> None:
+        """Nothing arrives during a call."""
+
+    def has_work(self) -> bool:
+        return self._rank.vote_group.any_true(self._rank.engine.has_unfinished_requests())
+
+    def deliver(self, outputs: list[RequestOutput]) -> None:
+        index_of = self._index_of
+        for out in outputs:
+            if out.finished and out.request_id in index_of:
+                self.finished[index_of[out.request_id]] = out
+
+    def idle(self) -> bool:
+        return False            # no rank has work left: the call is done

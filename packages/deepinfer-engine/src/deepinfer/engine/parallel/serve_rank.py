@@ -1,6 +1,6 @@
 """One DP rank serving online requests: the process `dp_async.DPAsyncLLM` spawns per rank.
 
-The loop, on every rank:
+The loop (`core_loop.run_loop`, `RankServer` its transport), on every rank:
 
     take what the inbox holds (new requests into the engine, aborts applied)
     vote (one MIN all-reduce over the gloo group): does any rank have work? how many counted
@@ -26,6 +26,7 @@ from typing import Any
 
 import torch
 
+from ..core_loop import run_loop
 from ..engine_args import EngineArgs
 from ..engine_process import picklable_error
 from ..outputs import OutputKind, RequestOutput
@@ -81,26 +82,41 @@ class RankServer:
         self._prompt_sent: set[str] = set()
         self._prompt_logprobs_sent: set[str] = set()
         self._num_rebalances_sent = 0
+        self._fewest = self._most = 0             # counted messages taken by the slowest / fastest rank
 
     def run(self) -> None:
         """Serve until `Stop` (returns) or a failure (raises; `RankFailure` when a peer stopped answering)."""
-        vote = self._rank.vote_group
-        while True:
-            self._take_waiting()
-            try:
-                no_work, fewest, most = vote.all_reduce_min(
-                    [int(not self._engine.has_unfinished_requests()), self._num_taken, -self._num_taken])
-            except RuntimeError as err:
-                raise RankFailure(f"DP rank {self._rank.spec.rank}: a peer rank died or did not answer: {err}") from err
-            most = -most
-            if not no_work:
-                self._report(self._step())
-            elif fewest < most:
-                self._wait_until(most)
-            elif self._stopping:
-                return
-            else:
-                self._wait_until(most + 1)
+        run_loop(self._step, self)
+
+    # ------------------------------------------------------------------ core_loop.Transport
+
+    def poll(self) -> None:
+        self._take_waiting()
+
+    def has_work(self) -> bool:
+        """The vote (module docstring): whether any rank has work; also how many counted messages
+        the slowest and the fastest rank have taken (for `idle`)."""
+        try:
+            no_work, self._fewest, most = self._rank.vote_group.all_reduce_min(
+                [int(not self._engine.has_unfinished_requests()), self._num_taken, -self._num_taken])
+        except RuntimeError as err:
+            raise RankFailure(f"DP rank {self._rank.spec.rank}: a peer rank died or did not answer: {err}") from err
+        self._most = -most
+        return not no_work
+
+    def deliver(self, outputs: list[RequestOutput]) -> None:
+        self._report(outputs)
+
+    def idle(self) -> bool:
+        """No rank has work: catch up with the fastest rank's messages, else end after `Stop`, else
+        block on the inbox for the next counted message."""
+        if self._fewest < self._most:
+            self._wait_until(self._most)
+        elif self._stopping:
+            return False
+        else:
+            self._wait_until(self._most + 1)
+        return True
 
     def _step(self) -> list[RequestOutput]:
         try:
