@@ -144,7 +144,8 @@ class AsyncLLM(StreamingFront):
 
     def _run(self) -> None:
         try:
-            run_loop(self.engine.step, _ThreadTransport(self))
+            transport = _ThreadTransport(self)
+            run_loop(transport.step, transport)
         except BaseException as error:          # a bug: fail every stream rather than hang them
             logger.exception("the engine thread failed; every request in flight fails")
             self._dead = error
@@ -180,6 +181,9 @@ class _ThreadTransport:
 
     def __init__(self, front: AsyncLLM) -> None:
         self._front = front
+
+    def step(self) -> list[RequestOutput]:
+        return self._front.engine.step()
 
     def poll(self) -> None:
         self._front._wake.clear()
