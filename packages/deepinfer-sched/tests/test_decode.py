@@ -68,8 +68,10 @@ def test_zos_keeps_one_step_in_flight(make_sched) -> None:
     sched.add_seq("a", [1, 2, 3], 16)
     first = prefill_all(sched, first_token=7).decode        # step 1 in flight
     assert first.last_token_ids.tolist() == [7] and first.seq_lens.tolist() == [4]
+    assert first.in_flight.tolist() == [False]
     second = sched.schedule().decode                        # step 2 scheduled before step 1's tokens
-    assert second.last_token_ids.tolist() == [-1] and second.seq_lens.tolist() == [5]
+    assert second.in_flight.tolist() == [True] and second.seq_lens.tolist() == [5]
+    assert second.rows_generation == first.rows_generation   # the same row, the same id
     assert sched.get_seq("a").num_inflight_tokens == 2
     sched.append_tokens("a", [8])                           # step 1
     sched.append_tokens("a", [9])                           # step 2
@@ -277,3 +279,16 @@ def test_append_decode_tokens_drops_finished_sequences_and_checks_input(make_sch
     with pytest.raises(ValueError, match="no decode step in flight"):
         sched.append_decode_tokens(("b",), np.array([[1]]), np.array([1]))
     sched.check_integrity()
+
+
+def test_rows_generation_changes_exactly_when_the_rows_do(make_sched) -> None:
+    sched = make_sched()
+    sched.add_seq("a", [1, 2, 3], 16)
+    sched.add_seq("b", [4, 5], 16)
+    first = prefill_all(sched, decode_token=9)
+    same = decode_step(sched)
+    assert same.decode.seq_ids == first.decode.seq_ids and same.decode.rows_generation == first.decode.rows_generation
+    sched.finish_seq("b", FinishReason.STOP)
+    fewer = decode_step(sched)
+    assert fewer.decode.seq_ids == ("a",) and fewer.decode.rows_generation != same.decode.rows_generation
+    assert not fewer.decode.in_flight.any()
