@@ -12,7 +12,7 @@ from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
 from deepinfer.cache import BlockManager
-from deepinfer.sched import Scheduler, SchedulerConfig, SeqStatus, StepKind
+from deepinfer.sched import Scheduler, SchedulerConfig, SeqStatus, StepKind, TokenLog
 
 OPS = st.lists(
     st.tuples(st.sampled_from(["add", "add", "step", "step", "step", "step", "step", "finish", "abort",
@@ -146,7 +146,7 @@ class SharedListEngine(EngineModel):
         if self.next_id % 3 == 0:
             super().add(seq_id, prompt, max_tokens)
             return
-        self.lists[seq_id] = list(prompt)
+        self.lists[seq_id] = TokenLog(prompt)
         self.sched.add_seq(seq_id, self.lists[seq_id], max_tokens, share_list=True)
 
     def append(self, seq_id: str, tokens: list[int]) -> None:
@@ -163,7 +163,7 @@ class SharedListEngine(EngineModel):
         if parent is None:
             super().fork(seq_id, num_branches)
             return
-        lists = [list(parent) for _ in range(num_branches)]
+        lists = [TokenLog(parent) for _ in range(num_branches)]
         for branch_id, tokens in zip(self.sched.fork_seq(seq_id, num_branches, branch_lists=lists), lists):
             self.lists[branch_id.lstrip("_")] = tokens
 

@@ -1,5 +1,5 @@
-"""Shared token lists (`add_seq(..., share_list=True)`, `fork_seq(..., branch_lists=...)`): the
-scheduler reads the caller's list in place and never writes it; the caller appends first."""
+"""Shared token logs (`add_seq(..., share_list=True)`, `fork_seq(..., branch_lists=...)`): the
+scheduler reads the caller's `TokenLog` in place and never writes it; the caller appends first."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import dataclasses
 import numpy as np
 import pytest
 
-from deepinfer.sched import EngineType, SeqStatus, StepKind
+from deepinfer.sched import EngineType, SeqStatus, StepKind, TokenLog
 
 
 def history(sched, seq_id):
@@ -29,7 +29,7 @@ def decode(sched, tokens_by_id, lists):
 
 def test_a_shared_list_is_read_in_place_and_never_written(make_sched) -> None:
     sched = make_sched()
-    tokens = [5, 6, 7, 8, 9, 10]
+    tokens = TokenLog([5, 6, 7, 8, 9, 10])
     sched.add_seq("a", tokens, 8, share_list=True)
     assert history(sched, "a") is tokens
     out = sched.schedule()
@@ -62,9 +62,9 @@ def test_without_share_list_the_scheduler_keeps_its_own_copy(make_sched) -> None
     sched.check_integrity()
 
 
-def test_share_list_needs_a_list_of_ints(make_sched) -> None:
+def test_share_list_needs_a_token_log_of_ints(make_sched) -> None:
     sched = make_sched()
-    for prompt in ((1, 2), np.array([1, 2]), [1, True], [1, -2]):
+    for prompt in ((1, 2), np.array([1, 2]), [1, 2], TokenLog([1, True]), TokenLog([1, -2])):
         with pytest.raises(ValueError):
             sched.add_seq("a", prompt, 8, share_list=True)
     with pytest.raises(ValueError, match="share_list"):
@@ -74,7 +74,7 @@ def test_share_list_needs_a_list_of_ints(make_sched) -> None:
 
 def test_append_tokens_refuses_a_shared_list_that_lacks_them(make_sched) -> None:
     sched = make_sched()
-    tokens = [5, 6, 7]
+    tokens = TokenLog([5, 6, 7])
     sched.add_seq("a", tokens, 8, share_list=True)
     sched.schedule()
     before = sched.get_seq("a")
@@ -92,7 +92,7 @@ def test_append_tokens_refuses_a_shared_list_that_lacks_them(make_sched) -> None
 
 def test_integrity_check_finds_a_shared_list_the_caller_did_not_extend(make_sched) -> None:
     sched = make_sched()
-    tokens = [5, 6, 7]
+    tokens = TokenLog([5, 6, 7])
     sched.add_seq("a", tokens, 8, share_list=True)
     sched.schedule()
     tokens.append(1)
@@ -105,7 +105,7 @@ def test_integrity_check_finds_a_shared_list_the_caller_did_not_extend(make_sche
 
 def test_shared_and_own_lists_mix_in_one_decode_step(make_sched) -> None:
     sched = make_sched()
-    shared = [1, 2, 3]
+    shared = TokenLog([1, 2, 3])
     sched.add_seq("s", shared, 8, share_list=True)
     sched.add_seq("o", [4, 5, 6], 8)
     out = sched.schedule()
@@ -122,7 +122,7 @@ def test_shared_and_own_lists_mix_in_one_decode_step(make_sched) -> None:
 
 def test_shared_lists_with_speculative_counts(make_sched) -> None:
     sched = make_sched(nextn=2)
-    tokens = [1, 2, 3]
+    tokens = TokenLog([1, 2, 3])
     sched.add_seq("a", tokens, 16, share_list=True)
     sched.schedule()
     tokens.append(10)
@@ -140,14 +140,15 @@ def test_shared_lists_with_speculative_counts(make_sched) -> None:
 
 def test_fork_gives_each_branch_its_list(make_sched) -> None:
     sched = make_sched()
-    parent = [5, 6, 7, 8, 9]
+    parent = TokenLog([5, 6, 7, 8, 9])
     sched.add_seq("p", parent, 8, share_list=True)
     sched.schedule()
     parent.append(1)
     sched.append_tokens("p", [1])
-    lists = [list(parent), list(parent)]
-    for bad in ([list(parent)], [parent, list(parent)], [lists[0], lists[0]], [list(parent), parent[:-1]],
-                [list(parent), tuple(parent)]):
+    lists = [TokenLog(parent), TokenLog(parent)]
+    for bad in ([TokenLog(parent)], [parent, TokenLog(parent)], [lists[0], lists[0]],
+                [TokenLog(parent), TokenLog(parent[:-1])], [TokenLog(parent), tuple(parent)],
+                [TokenLog(parent), list(parent)]):
         with pytest.raises(ValueError, match="branch_lists"):
             sched.fork_seq("p", 2, branch_lists=bad)
     sched.check_integrity()
@@ -164,7 +165,7 @@ def test_fork_gives_each_branch_its_list(make_sched) -> None:
 
 def test_a_recompute_prefills_the_shared_list_again(make_sched) -> None:
     sched = make_sched(num_blocks=4, stop_preempted_request=False)     # 3 usable blocks of 4 tokens
-    lists = {"a": [1, 2, 3, 4], "b": [5, 6, 7, 8]}
+    lists = {"a": TokenLog([1, 2, 3, 4]), "b": TokenLog([5, 6, 7, 8])}
     for seq_id, tokens in lists.items():
         sched.add_seq(seq_id, tokens, 8, share_list=True)
     out = sched.schedule()
@@ -190,8 +191,8 @@ def test_a_recompute_prefills_the_shared_list_again(make_sched) -> None:
 def test_add_prefilled_seq_shares_a_list_ending_with_the_first_token(make_sched) -> None:
     sched = make_sched(engine_type=EngineType.COMPLETION)
     with pytest.raises(ValueError, match="followed by first_token_id"):
-        sched.add_prefilled_seq("a", [1, 2, 3], 9, 8, share_list=True)
-    tokens = [1, 2, 3, 9]
+        sched.add_prefilled_seq("a", TokenLog([1, 2, 3]), 9, 8, share_list=True)
+    tokens = TokenLog([1, 2, 3, 9])
     assert sched.add_prefilled_seq("a", tokens, 9, 8, share_list=True) is not None
     assert history(sched, "a") is tokens
     view = sched.get_seq("a")

@@ -372,7 +372,9 @@ class ModelRunner:
 def _stage_tokens(d: DecodeBatch, in_flight: bool, out: np.ndarray) -> None:
     """A decode step's input tokens as staged for the device: the last known token of each row,
     `ON_DEVICE` for rows with a step in flight."""
-    if in_flight:
-        np.copyto(out, np.where(d.in_flight, ON_DEVICE, d.last_token_ids))
-    else:
+    if not in_flight:
         out[...] = d.last_token_ids
+    elif d.in_flight.all():           # the steady ZOS step: every row's token is on the device
+        out.fill(ON_DEVICE)
+    else:
+        np.copyto(out, np.where(d.in_flight, ON_DEVICE, d.last_token_ids))

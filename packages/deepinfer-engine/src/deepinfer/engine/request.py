@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from deepinfer.sched import FinishReason
+from deepinfer.sched import FinishReason, TokenLog
 
 from .detokenizer import IncrementalDetokenizer, StopStringChecker
 from .grammar_backend import GrammarState
@@ -41,11 +41,12 @@ class Request:
     for the others, forked from it once its prompt is in), seeded with seed + index. Until the fork,
     sample 0 holds the others in `unforked`, and they end with it if it ends first.
 
-    The token history is kept once: `token_ids` (the prompt, then each kept output token) is the
-    list the scheduler reads in place (`Scheduler.add_seq(..., share_list=True)`, `fork_seq`'s
-    branch_lists), and the detokenizer reads its outputs in place. Only the engine appends to it
-    (`add_token`, `SteadyRows.take_tokens`), and only tokens the request keeps, before handing them
-    to the scheduler; a ZOS step's token dropped for an ended or recomputed request never reaches it.
+    The token history is kept once: `token_ids` (the prompt, then each kept output token) is a
+    `deepinfer.sched.TokenLog`, which the scheduler reads in place (`Scheduler.add_seq(...,
+    share_list=True)`, `fork_seq`'s branch_lists) and the detokenizer reads its outputs from. The
+    request is its one writer (`add_token`; `SteadyRows.take_tokens` appends the tokens of a steady
+    decode step in bulk on its behalf), and only tokens the request keeps, before they are handed to
+    the scheduler; a ZOS step's token dropped for an ended or recomputed request never reaches it.
     """
 
     def __init__(
@@ -69,7 +70,7 @@ class Request:
         self.owner: Request | ParallelRequest = self          # what the engine reports: self or the group
         self.unforked: list[Request] = []                     # sample 0 of a group, until the fork
         self.prompt = prompt
-        self.token_ids: list[int] = list(prompt_token_ids)    # prompt + outputs: the one copy (class doc)
+        self.token_ids = TokenLog(prompt_token_ids)           # prompt + outputs: the one copy (class doc)
         self.num_prompt_tokens = len(self.token_ids)
         self.params = params
         self.rng = None if params.seed is None else RequestRng((params.seed + index) & MAX_SEED, device)

@@ -11,7 +11,7 @@ from importlib.metadata import PackageNotFoundError, version
 from .config import ConfigError, EngineType, SchedulerConfig
 from .output import DecodeBatch, IgnoredSeq, PrefillChunk, PrefilledSeq, SchedulerOutput, StepKind
 from .scheduler import Scheduler
-from .sequence import FinishReason, IgnoreReason, SeqStatus, SeqView, branch_id, canonical_id
+from .sequence import FinishReason, IgnoreReason, SeqStatus, SeqView, TokenLog, branch_id, canonical_id
 from .verify import VerifyLengthPolicy
 from .vote import AttemptPoint, SingleRankVoteGroup, StepVoteGroup
 
@@ -38,6 +38,7 @@ __all__ = [
     "SingleRankVoteGroup",
     "StepKind",
     "StepVoteGroup",
+    "TokenLog",
     "branch_id",
     "canonical_id",
     "VerifyLengthPolicy",

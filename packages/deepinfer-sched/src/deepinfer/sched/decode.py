@@ -146,7 +146,7 @@ def schedule_decode(
         state_slots=state_slots,
         last_token_ids=last_token_ids,
         table_versions=table.table_version[rows],
-        in_flight=table.pending_steps[rows] > 1,       # this step is one of them
+        in_flight=last_token_ids < 0,     # the decode core emits -1 for a row with an earlier step pending
         rows_generation=scratch.generation,
     )
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .sequence import SeqStatus, Sequence
+from .sequence import SeqStatus, Sequence, TokenLog
 from .state import SchedState
 
 
@@ -74,8 +74,8 @@ def _check_branch_lists(parent: Sequence, num_branches: int, branch_lists: list[
     if len({id(tokens) for tokens in branch_lists}) != num_branches or \
             any(tokens is parent.token_ids for tokens in branch_lists):
         raise ValueError("branch_lists must be distinct lists, none of them the parent's")
-    if any(type(tokens) is not list or tokens != parent.token_ids for tokens in branch_lists):
-        raise ValueError(f"each of branch_lists must be a list equal to {parent.seq_id!r}'s "
+    if any(type(tokens) is not TokenLog or tokens != parent.token_ids for tokens in branch_lists):
+        raise ValueError(f"each of branch_lists must be a TokenLog equal to {parent.seq_id!r}'s "
                          f"{parent.num_tokens} tokens now")
 
 

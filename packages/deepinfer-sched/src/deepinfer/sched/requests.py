@@ -11,7 +11,7 @@ import numpy as np
 
 from .config import EngineType
 from .output import IgnoredSeq, PrefilledSeq
-from .sequence import BRANCH_PREFIX, FinishReason, IgnoreReason, SeqStatus, Sequence, SeqView
+from .sequence import BRANCH_PREFIX, FinishReason, IgnoreReason, SeqStatus, Sequence, SeqView, TokenLog
 from .state import SchedState
 
 if TYPE_CHECKING:
@@ -40,11 +40,11 @@ def _as_tokens(token_ids: Iterable[int], field: str) -> list[int]:
     return array.tolist()
 
 
-def _shared_tokens(token_ids: object, field: str) -> list[int]:
-    """The caller's list itself (share_list=True), checked as `_as_tokens` checks the ids it copies."""
-    if type(token_ids) is not list or not all(type(t) is int for t in token_ids):
-        raise ValueError(f"share_list=True needs {field} as a list of ints (kept, not copied), "
-                         f"got {type(token_ids).__name__}")
+def _shared_tokens(token_ids: object, field: str) -> TokenLog:
+    """The caller's `TokenLog` itself (share_list=True), checked as `_as_tokens` checks the ids it copies."""
+    if type(token_ids) is not TokenLog or not all(type(t) is int for t in token_ids):
+        raise ValueError(f"share_list=True needs {field} as a TokenLog of ints (kept, not copied; its "
+                         f"owner is its one writer), got {type(token_ids).__name__}")
     _check_range(token_ids, field)
     return token_ids
 

@@ -17,7 +17,7 @@ from .decode import DecodeScratch, schedule_decode
 from .fork import fork_seq
 from .integrity import check_integrity
 from .output import DecodeBatch, PrefillChunk, PrefilledSeq, SchedulerOutput, StepKind
-from .sequence import FinishReason, SeqView
+from .sequence import FinishReason, SeqView, TokenLog
 from .state import SchedState
 from .verify import VerifyLengthPolicy
 from .vote import SingleRankVoteGroup, StepVoteGroup, attempt_point, cast_vote, confirm_prefill
@@ -108,11 +108,12 @@ class Scheduler:
             recomputable: False = a preemption always finishes it, even with
                 stop_preempted_request=False (structured-output requests, DESIGN.md §4).
             share_list: False (default) = the scheduler keeps its own copy of the tokens and
-                `append_*` extend it. True = `prompt_token_ids` must be a list of ints, which
+                `append_*` extend it. True = `prompt_token_ids` must be a `TokenLog` of ints, which
                 becomes the sequence's token history in place (no copy): the scheduler reads it
-                (prefill chunks, recompute after preemption, fork) and never writes it; the caller
-                appends each token it hands to `append_tokens` / `append_decode_tokens` (the kept
-                ones only) to that list before the call, so the history is kept once.
+                (prefill chunks, recompute after preemption, fork) and never writes it; its owner,
+                the one writer, appends each token it hands to `append_tokens` /
+                `append_decode_tokens` (the kept ones only) to the log before the call, so the
+                history is kept once.
 
         An empty prompt, a prompt longer than max_model_len or one needing more KV blocks than
         the cache holds is not queued: the next `schedule()` reports it in `ignored`.
@@ -195,15 +196,15 @@ class Scheduler:
         return requests.append_decode_tokens(self._st, seq_ids, token_ids, num_accepted, self._scratch)
 
     def fork_seq(
-        self, parent_id: str, num_branches: int, *, branch_lists: Iterable[list[int]] | None = None
+        self, parent_id: str, num_branches: int, *, branch_lists: Iterable[TokenLog] | None = None
     ) -> tuple[str, ...]:
         """Makes `num_branches` copies of a prefilled sequence that share its KV blocks and state
         slot (copy-on-write at their first decode step).
 
         Args:
             branch_lists: None (default) = each branch gets its own copy of the parent's tokens.
-                Otherwise one list per branch, in order, each equal to the parent's tokens now and
-                none of them the parent's: it becomes that branch's token history as with
+                Otherwise one `TokenLog` per branch, in order, each equal to the parent's tokens now
+                and none of them the parent's: it becomes that branch's token history as with
                 `add_seq(..., share_list=True)` (read in place, appended by the caller).
 
         Returns:

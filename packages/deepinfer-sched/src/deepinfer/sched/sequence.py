@@ -5,7 +5,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass
 
-__all__ = ["FinishReason", "IgnoreReason", "SeqStatus", "SeqView", "branch_id", "canonical_id"]
+__all__ = ["FinishReason", "IgnoreReason", "SeqStatus", "SeqView", "TokenLog", "branch_id", "canonical_id"]
 
 BRANCH_PREFIX = "_"
 
@@ -54,6 +54,20 @@ class IgnoreReason(str, enum.Enum):
     PROMPT_TOO_LONG = "prompt longer than max_model_len"
     PROMPT_EXCEEDS_KV_CAPACITY = "prompt needs more KV blocks than the cache holds"
     ABORTED = "aborted"
+
+
+class TokenLog(list):
+    """A sequence's token history (its prompt, then each output token kept), kept once and shared
+    with the scheduler: `Scheduler.add_seq(..., share_list=True)`, `add_prefilled_seq(...,
+    share_list=True)` and `fork_seq(..., branch_lists=...)` take it as the sequence's history and read
+    it in place (prefill chunks, a recompute after preemption, a fork), never writing it.
+
+    It has one writer, its owner (the engine's request): each token the owner keeps is appended here
+    before the owner hands it to `append_tokens` / `append_decode_tokens`, which then only count it
+    (`check_integrity` checks each log's length). The scheduler takes no other list in place: a plain
+    list given with share_list=True is refused."""
+
+    __slots__ = ()
 
 
 def canonical_id(seq_id: str) -> str:
