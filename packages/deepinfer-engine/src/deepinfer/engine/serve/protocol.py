@@ -11,7 +11,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from ..sampling_params import InvalidSamplingParams, SamplingParams, StructuredOutput
+from ..sampling_params import MAX_LOGIT_BIAS_ENTRIES, InvalidSamplingParams, SamplingParams, StructuredOutput
 from .errors import APIError, bad_request, from_sampling_error
 from .reasoning import thinking_requested
 from .tools import ToolsRequest, parse_tools
@@ -166,11 +166,20 @@ def _logit_bias(bias: object) -> dict[int, object] | None:
         return None
     if not isinstance(bias, dict):
         raise bad_request(f"logit_bias={bias!r} must be an object of token id -> bias", "logit_bias")
+    if len(bias) > MAX_LOGIT_BIAS_ENTRIES:      # before any key is converted
+        raise bad_request(f"logit_bias has {len(bias)} entries: at most {MAX_LOGIT_BIAS_ENTRIES} are allowed",
+                          "logit_bias")
     result: dict[int, object] = {}
+    spelled: dict[int, str] = {}
     for key, value in bias.items():
-        if not (isinstance(key, str) and key.isdigit() and key.isascii()):
-            raise bad_request(f"logit_bias key {key!r} must be a token id (a non-negative integer)", "logit_bias")
-        result[int(key)] = value
+        if not (isinstance(key, str) and key.isdigit() and key.isascii() and len(key) <= 20):
+            raise bad_request(f"logit_bias key {key[:40]!r} must be a token id (a non-negative integer)", "logit_bias")
+        token_id = int(key)
+        if token_id in spelled:
+            raise bad_request(f"logit_bias keys {spelled[token_id]!r} and {key!r} are the same token id {token_id}",
+                              "logit_bias")
+        spelled[token_id] = key
+        result[token_id] = value
     return result
 
 
