@@ -8,9 +8,9 @@ scheduler. One request's slow compile therefore never holds back a step.
 Hostile grammars (a schema whose pattern repeats 45,000 times compiles for minutes) are bounded:
 
 - every request gets its answer within `timeout_s` of `submit`: past it, the request fails with an
-  error saying so, and a key that compiled for that long is remembered as failed (sent again, it
-  fails at once);
-- a compile takes one of `max_workers` slots only while it is young (under `SLOW_COMPILE_S`) and
+  error saying so, and a key that had compiled for half that long by then is remembered as failed
+  (sent again, it fails at once);
+- a compile takes one of `max_workers` slots only while it is young (`slow_after_s`) and
   someone waits for it, so simple grammars do not queue behind slow ones; at most `max_threads`
   compiles run at once;
 - `cancel` (the request was aborted: its client left) drops a compile nobody else waits for: one
@@ -71,20 +71,22 @@ class GrammarCompilePool:
         timeout_s: > 0 seconds from `submit` within which a request gets its compiled grammar or
             fails (GRAMMAR_COMPILE_TIMEOUT_S by default).
         max_threads: >= max_workers compiles running at once, slow and cancelled ones included.
+        slow_after_s: > 0 seconds after which a running compile gives up its worker slot.
     """
 
     def __init__(self, backend: GrammarBackend, *, max_workers: int = 2, max_cached: int = 256,
-                 timeout_s: float = GRAMMAR_COMPILE_TIMEOUT_S, max_threads: int = 8) -> None:
+                 timeout_s: float = GRAMMAR_COMPILE_TIMEOUT_S, max_threads: int = 8,
+                 slow_after_s: float = SLOW_COMPILE_S) -> None:
         if max_workers < 1:
             raise ValueError(f"max_workers={max_workers} must be >= 1")
         if max_cached < 1:
             raise ValueError(f"max_cached={max_cached} must be >= 1")
-        if not timeout_s > 0:
-            raise ValueError(f"timeout_s={timeout_s} must be > 0")
+        if not timeout_s > 0 or not slow_after_s > 0:
+            raise ValueError(f"timeout_s={timeout_s} and slow_after_s={slow_after_s} must be > 0")
         if max_threads < max_workers:
             raise ValueError(f"max_threads={max_threads} must be >= max_workers={max_workers}")
         self.backend = backend
-        self.timeout_s = timeout_s
+        self.timeout_s, self._slow_after_s = timeout_s, slow_after_s
         self._max_workers, self._max_threads, self._max_cached = max_workers, max_threads, max_cached
         self._cache: OrderedDict[tuple[str, str], _Compile] = OrderedDict()
         self._queued: deque[_Compile] = deque()
@@ -162,6 +164,12 @@ class GrammarCompilePool:
         return len(self._cache)
 
     @property
+    def num_waiting(self) -> int:
+        """Requests submitted and not answered yet."""
+        with self._lock:
+            return len(self._waiting)
+
+    @property
     def num_running(self) -> int:
         """Compiles running on a thread now (slow and cancelled ones included)."""
         with self._lock:
@@ -179,7 +187,7 @@ class GrammarCompilePool:
         """Start queued compiles while a worker slot and a thread are free (lock held)."""
         while self._queued and not self._closed and len(self._running) < self._max_threads:
             busy = sum(1 for job in self._running
-                       if job.waiters and job.started is not None and now - job.started < SLOW_COMPILE_S)
+                       if job.waiters and job.started is not None and now - job.started < self._slow_after_s)
             if busy >= self._max_workers:
                 return
             job = self._queued.popleft()
@@ -203,7 +211,7 @@ class GrammarCompilePool:
                 if job.started is None:               # never ran (the threads were busy): forget it
                     self._queued.remove(job)
                     self._cache.pop(job.key, None)
-                elif now - job.started > self.timeout_s and self._cache.get(job.key) is job:
+                elif now - job.started >= self.timeout_s / 2 and self._cache.get(job.key) is job:
                     self._cache[job.key] = _Compile(job.key, job.spec, done=True, error=reason)
             self._start_compiles(now)
 
