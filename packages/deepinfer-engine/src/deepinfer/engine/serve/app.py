@@ -3,7 +3,8 @@ process), `AsyncLLM` (one engine in a thread) or `parallel.DPAsyncLLM` (data-par
 
 Routes: POST /v1/completions, POST /v1/chat/completions (server-sent events when "stream": true,
 ending with `data: [DONE]`), GET /v1/models, /health, /version, /metrics. Errors are OpenAI-shaped
-(`errors.APIError`): 400 naming the bad field, 401 without the API key, 404 for an unknown model,
+(`errors.APIError`): 400 naming the bad field (a lone surrogate anywhere in the body included: its
+path), 401 without the API key, 404 for an unknown model, 413 for a body over `max_body_bytes`,
 503 when the waiting queue is full or the server is draining, 500 naming the cause when the engine
 failed (the engine process or a DP rank died; a stream in progress then ends with an error event and
 /health answers 503). A client that disconnects aborts its request: from a stream, Starlette cancels the response,
