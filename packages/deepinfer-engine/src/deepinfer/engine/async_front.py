@@ -216,6 +216,7 @@ class StreamingFront(abc.ABC):
 
     _streams: dict[str, OutputStream]
     model: ServedModel
+    is_running: bool
 
     @abc.abstractmethod
     def _submit(self, prompt: PromptInput | Sequence[int], params: SamplingParams,
@@ -276,8 +277,10 @@ class StreamingFront(abc.ABC):
             ValueError: the text holds a lone surrogate, or is longer than max_model_len tokens could
                 hold (`text_checks.check_prompt_length`: refused without tokenizing it).
         """
+        if not isinstance(prompt, str) or not self.is_running:    # stopped: `_submit` says so, untokenized
+            return prompt
         model = self.model
-        if not isinstance(prompt, str) or model.tokenizer is None:
+        if model.tokenizer is None:
             return prompt
         check_prompt_length(prompt, model.tokenizer.max_token_chars, model.max_model_len)
         check_unicode(prompt, "prompt")

@@ -31,6 +31,7 @@ MAX_STOP_STRING_LEN = 1024      # characters per stop string
 MAX_STOP_TOKEN_IDS = 1024
 MAX_STRUCTURED_CHARS = 2**20   # a schema (compact JSON), regex or grammar; all choices together
 MAX_CHOICES = 4096
+MAX_SCHEMA_DEPTH = 100         # JSON nesting of a schema (objects and arrays); xgrammar's compile recurses on it
 MAX_REPETITION = 1000           # a {m,n} count in a regex, a grammar or a schema's pattern (compile time grows fast)
 MAX_N = 128                     # parallel samples of one request
 MAX_PENALTY = 2.0               # presence / frequency penalties in [-2, 2]; repetition in (0, 2]
@@ -66,6 +67,7 @@ class StructuredOutput:
     Sizes are capped (compiling a grammar costs time and memory in proportion): the compact JSON
     schema, the regex and the grammar are at most MAX_STRUCTURED_CHARS (2**20) characters each; choice
     holds at most MAX_CHOICES (4096) strings of at most MAX_STRUCTURED_CHARS characters in all. A
+    schema nests at most MAX_SCHEMA_DEPTH (100) objects and arrays deep, and a
     repetition count `{m,n}` in the regex, the grammar or a schema's "pattern" is at most
     MAX_REPETITION (1000): xgrammar's compile time grows faster than linearly in it (a schema pattern
     `[a-z]{1,10000}` compiles for over a minute). The compile itself is time-bounded too
@@ -421,8 +423,14 @@ def _normalise_schema(schema: object) -> str:
             schema = json.loads(schema)
         except json.JSONDecodeError as error:
             _fail(f"structured.json is not valid JSON text: {error}")
+        except RecursionError:
+            _fail(f"structured.json is nested more than {MAX_SCHEMA_DEPTH} levels deep (objects and arrays)")
     if not isinstance(schema, dict | bool):
         _fail(f"structured.json must be a JSON schema (an object or a boolean), got {type(schema).__name__}")
+    depth = _depth(schema)
+    if depth > MAX_SCHEMA_DEPTH:
+        _fail(f"structured.json is nested more than {MAX_SCHEMA_DEPTH} levels deep (objects and arrays); at most "
+              f"{MAX_SCHEMA_DEPTH} are allowed")
     for where, pattern in _schema_patterns(schema):
         _check_repetitions(f"structured.json{where}", pattern)
     try:
@@ -443,6 +451,20 @@ def _check_repetitions(name: str, pattern: str) -> None:
         if any(len(c) > 9 or int(c) > MAX_REPETITION for c in counts):
             _fail(f"{name}: the repetition {found.group(0)[:40]} exceeds {MAX_REPETITION} (compiling it would take "
                   "too long); use a smaller count, or maxLength / maxItems in a JSON schema")
+
+
+def _depth(value: object, limit: int = MAX_SCHEMA_DEPTH) -> int:
+    """How deeply JSON objects and arrays nest in `value` (0 for a scalar), counted up to limit + 1
+    (a Python value that contains itself stops there); iterative."""
+    deepest, stack = 0, [(value, 1)]
+    while stack:
+        node, level = stack.pop()
+        children = node.values() if isinstance(node, dict) else node if isinstance(node, list) else None
+        if children is not None:
+            deepest = max(deepest, level)
+            if level <= limit:
+                stack.extend((child, level + 1) for child in children)
+    return deepest
 
 
 def _schema_patterns(schema: object) -> list[tuple[str, str]]:
