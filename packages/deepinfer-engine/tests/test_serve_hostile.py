@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import httpx
 import pytest
 import uvicorn
+from serve_helpers import tcp_socket
 
 from deepinfer.engine import EngineArgs, SamplingParams
 from deepinfer.engine.async_llm import AsyncLLM
@@ -26,6 +27,7 @@ from deepinfer.engine.grammar_compiler import GrammarCompilePool
 from deepinfer.engine.llm_engine import LLMEngine
 from deepinfer.engine.sampling_params import StructuredOutput
 from deepinfer.engine.serve import build_app
+from deepinfer.engine.serve.protocol import CHAT_ONLY, COMMON, COMPLETION_ONLY, NOT_SUPPORTED_YET
 from deepinfer.engine.serve.server import uvicorn_config
 
 MODEL = "tiny"
@@ -43,8 +45,7 @@ class Served:
 
 
 def serve(llm: object, **app_kwargs: object) -> Served:
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
+    sock = tcp_socket()
     app = build_app(llm, served_model_name=MODEL, **app_kwargs)
     server = uvicorn.Server(uvicorn_config(app, log_level="warning", header_timeout_s=0.5, keep_alive_timeout_s=5))
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
@@ -290,7 +291,7 @@ def test_slow_grammars_time_out_as_400_and_do_not_hold_back_simple_ones(grammar_
             thread.join()
         for reply in results:
             error = reply.json()["error"]
-            assert reply.status_code == 400 and error["param"] == "response_format"
+            assert reply.status_code == 400 and error["param"] == "structured_outputs"
             assert "did not compile within 2 s" in error["message"]
         again = post(http3, "completions", _regex("slow0"))              # remembered as failed: at once
         assert again.status_code == 400 and backend.started.count("slow0") == 1
@@ -371,3 +372,110 @@ def test_pool_times_out_requests_and_remembers_a_key_that_compiled_too_long() ->
     pool.shutdown()
     with pytest.raises(ValueError, match="must be >= max_workers"):
         GrammarCompilePool(backend, max_workers=2, max_threads=1)
+
+
+# ------------------------------------------------------------------------------ the #35 sweep
+
+WRONG_TYPES = [[], {}, "s", 1.5, True]      # ranges (-1, 10**30, ...) are checked field by field elsewhere
+
+
+def _fields(chat: bool) -> list[str]:
+    if chat:
+        return sorted(CHAT_ONLY)
+    return sorted(COMMON | set(COMPLETION_ONLY) | set(NOT_SUPPORTED_YET))
+
+
+def _root(param: str) -> str:
+    return param.split(".")[0].split("[")[0]
+
+
+# A wrong value of these fields is charged to the field it conflicts with.
+_CHARGED_TO = {"best_of": {"best_of", "n"}, "tools": {"tools", "tool_choice"},
+               "parallel_tool_calls": {"parallel_tool_calls", "tool_choice", "tools"},
+               "max_completion_tokens": {"max_completion_tokens", "max_tokens"},
+               "top_logprobs": {"top_logprobs", "logprobs"}, "logprobs": {"logprobs", "top_logprobs"}}
+
+
+@pytest.mark.parametrize("chat", [False, True])
+def test_wrong_json_types_for_every_field_are_refused_naming_it(served: Served, http: httpx.Client,
+                                                                 chat: bool) -> None:
+    base = {"messages": [{"role": "user", "content": "hi"}]} if chat else {"prompt": [5, 6]}
+    path = "chat/completions" if chat else "completions"
+    threads = threading.active_count()
+    for field in _fields(chat):
+        for value in WRONG_TYPES:
+            reply = post(http, path, {"max_tokens": 1, **base, field: value})
+            if reply.status_code == 200:                        # a value that happens to be valid
+                continue
+            error = reply.json()["error"]
+            assert reply.status_code in (400, 404), (field, value, reply.text)
+            assert _root(error["param"] or "?") in _CHARGED_TO.get(field, {field}), (field, value, error)
+    assert threading.active_count() <= threads + 2            # the tokenizer worker threads at most
+    assert_nothing_left_and_serving(served, http)
+
+
+@pytest.mark.parametrize(("body", "param", "needle"), [
+    ({"prompt": [-1]}, "prompt", "must be in [0, "),
+    ({"prompt": [4096]}, "prompt", "must be in [0, 4096)"),
+    ({"prompt": [10**18]}, "prompt", "must be in [0, "),
+    ({"prompt": "x", "stop": ["s"] * 1000}, "stop", "at most 64"),
+    ({"prompt": "x", "stop": ["s" * 10_000]}, "stop", "at most 1024"),
+    ({"prompt": "x", "logit_bias": {str(i): 1 for i in range(100_000)}}, "logit_bias", "at most 1024"),
+    ({"prompt": "x", "allowed_token_ids": [-5]}, "allowed_token_ids", ""),
+    ({"prompt": "x", "response_format": {"type": "json_schema", "json_schema": {"schema": json.loads(
+        '{"type": "array", "items": ' * 300 + '{"type": "string"}' + "}" * 300)}}}, "response_format",
+     "nested more than 100 levels"),
+    ({"prompt": "x", "structured_outputs": {"regex": "(" * 3000 + "a" + ")" * 3000}}, "structured_outputs",
+     "Nest layer exceeded"),
+])
+def test_out_of_range_ids_and_oversized_controls_are_400(served: Served, http: httpx.Client, body: dict,
+                                                          param: str, needle: str) -> None:
+    reply = post(http, "completions", {"max_tokens": 1, **body})
+    error = reply.json()["error"]
+    assert reply.status_code == 400 and error["param"] == param and needle in error["message"], reply.text
+    assert served.llm.num_unfinished == 0 and served.llm.stats.num_waiting == 0
+
+
+def test_nul_bytes_and_catastrophic_regexes_are_just_text(http: httpx.Client) -> None:
+    for body in ({"prompt": "a\x00b", "stop": ["\x00"]},
+                 {"prompt": "x", "structured_outputs": {"regex": "(a|aa)*b"}}):
+        reply = post(http, "completions", {"max_tokens": 2, **body})
+        assert reply.status_code == 200, reply.text
+
+
+def test_a_client_that_leaves_mid_stream_aborts_its_request_and_frees_its_cache(served: Served) -> None:
+    llm = served.llm
+    free = llm.stats.num_free_kv_blocks
+    body = json.dumps({"prompt": "class A:", "max_tokens": 3000, "ignore_eos": True, "stream": True})
+    with httpx.Client(base_url=served.url, timeout=30, headers={"Authorization": "Bearer sesame"}) as http, \
+            http.stream("POST", "/v1/completions", content=body) as reply:
+        assert reply.status_code == 200
+        lines = reply.iter_lines()
+        assert next(line for line in lines if line.startswith("data: "))          # it runs
+    deadline = time.monotonic() + 30
+    while llm.num_unfinished or llm.stats.num_running or llm.stats.num_free_kv_blocks != free:
+        assert time.monotonic() < deadline, "the left request still runs or holds cache blocks"
+        time.sleep(0.02)
+
+
+def test_200_concurrent_streams_all_finish_and_leave_nothing(grammar_served) -> None:
+    served = grammar_served[0]
+    llm, threads = served.llm, threading.active_count()
+
+    async def one(http: httpx.AsyncClient, i: int) -> str:
+        text = ""
+        async with http.stream("POST", "/v1/completions", content=json.dumps(
+                {"prompt": [5 + i % 50], "max_tokens": 2, "temperature": 0, "stream": True})) as reply:
+            assert reply.status_code == 200
+            async for line in reply.aiter_lines():
+                text += line
+        return text
+
+    async def run() -> list[str]:
+        limits = httpx.Limits(max_connections=200)
+        async with httpx.AsyncClient(base_url=served.url, timeout=120, limits=limits) as http:
+            return await asyncio.gather(*(one(http, i) for i in range(200)))
+
+    assert all(text.endswith("data: [DONE]") for text in asyncio.run(run()))
+    assert llm.num_unfinished == 0 and llm.stats.num_running == 0
+    assert threading.active_count() <= threads + 2

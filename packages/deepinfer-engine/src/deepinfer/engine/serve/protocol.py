@@ -56,6 +56,8 @@ class GenerateRequest:
         chat_template_kwargs: the chat template's options.
         add_generation_prompt: end the chat prompt where the assistant's answer starts.
         tools: the chat request's tools and tool_choice, or None when it gives no tools.
+        structured_param: the field that set the output constraint ("response_format" or
+            "structured_outputs"; a forced tool choice is charged to "tool_choice").
     """
 
     model: str | None
@@ -67,11 +69,12 @@ class GenerateRequest:
     chat_template_kwargs: Mapping[str, Any] | None = None
     add_generation_prompt: bool = True
     tools: ToolsRequest | None = None
+    structured_param: str = "response_format"
 
     @property
     def structured_field(self) -> str:
         """The request field charged with errors of the output constraint."""
-        return "tool_choice" if self.tools is not None and self.tools.forced else "response_format"
+        return "tool_choice" if self.tools is not None and self.tools.forced else self.structured_param
 
 
 def parse_completion(body: object) -> GenerateRequest:
@@ -157,7 +160,8 @@ def _common(body: dict[str, Any], *, default_max_tokens: int | None, logprobs: o
         params = SamplingParams(**fields, logprobs=logprobs, structured=structured or _structured(body))
     except InvalidSamplingParams as error:
         raise from_sampling_error(error, field) from None
-    return {"model": model, "params": params, "stream": stream, "include_usage": include_usage}
+    return {"model": model, "params": params, "stream": stream, "include_usage": include_usage,
+            "structured_param": _structured_field(body)}
 
 
 def _logit_bias(bias: object) -> dict[int, object] | None:
