@@ -368,6 +368,8 @@ def test_pool_times_out_requests_and_remembers_a_key_that_compiled_too_long() ->
     pool.submit("r3", StructuredOutput(regex="slow"))    # remembered as failed: answered at once
     assert "did not compile within" in pool.pop_completed()[0].error
     assert backend.started == ["slow"] and pool.num_running == 1
+    compiling = [t for t in threading.enumerate() if t.name == "deepinfer-grammar"]
+    assert compiling and all(t.daemon for t in compiling)     # an exiting engine process does not wait for them
     backend.gates["slow"].set()
     pool.shutdown()
     with pytest.raises(ValueError, match="must be >= max_workers"):

@@ -114,3 +114,18 @@ def test_a_bfloat16_tensor_relabelled_float16_is_refused(tiny, tmp_path: Path, d
 def test_absurd_config_values_are_refused_naming_the_field(override: dict, message: str) -> None:
     with pytest.raises(ConfigError, match=message):
         DeepseekV4Config.from_dict({**BASE, **override})
+
+
+def test_header_offsets_past_the_file_are_named(tiny, tmp_path: Path) -> None:
+    raw, state = tiny
+    (tmp_path / "config.json").write_text(json.dumps(raw))
+    path = tmp_path / "model.safetensors"
+    save_file(state, str(path))
+    data = bytearray(path.read_bytes())
+    (size,) = struct.unpack("<Q", data[:8])
+    header = json.loads(data[8:8 + size])
+    start, end = header[KV]["data_offsets"]
+    header[KV]["data_offsets"] = [start + 10**9, end + 10**9]          # same length, far past the end
+    text = json.dumps(header, separators=(",", ":")).encode()
+    path.write_bytes(struct.pack("<Q", len(text)) + text + bytes(data[8 + size:]))
+    _fails(tmp_path, re.escape(str(path)) + r": not a readable safetensors file")
