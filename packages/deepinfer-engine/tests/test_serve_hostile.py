@@ -458,26 +458,3 @@ def test_a_client_that_leaves_mid_stream_aborts_its_request_and_frees_its_cache(
     while llm.num_unfinished or llm.stats.num_running or llm.stats.num_free_kv_blocks != free:
         assert time.monotonic() < deadline, "the left request still runs or holds cache blocks"
         time.sleep(0.02)
-
-
-def test_200_concurrent_streams_all_finish_and_leave_nothing(grammar_served) -> None:
-    served = grammar_served[0]
-    llm, threads = served.llm, threading.active_count()
-
-    async def one(http: httpx.AsyncClient, i: int) -> str:
-        text = ""
-        async with http.stream("POST", "/v1/completions", content=json.dumps(
-                {"prompt": [5 + i % 50], "max_tokens": 2, "temperature": 0, "stream": True})) as reply:
-            assert reply.status_code == 200
-            async for line in reply.aiter_lines():
-                text += line
-        return text
-
-    async def run() -> list[str]:
-        limits = httpx.Limits(max_connections=200)
-        async with httpx.AsyncClient(base_url=served.url, timeout=120, limits=limits) as http:
-            return await asyncio.gather(*(one(http, i) for i in range(200)))
-
-    assert all(text.endswith("data: [DONE]") for text in asyncio.run(run()))
-    assert llm.num_unfinished == 0 and llm.stats.num_running == 0
-    assert threading.active_count() <= threads + 2

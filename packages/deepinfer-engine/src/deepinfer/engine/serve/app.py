@@ -153,6 +153,7 @@ class _Server:
             raise bad_request(str(error), field) from None
         completion = first.outputs[0]
         if completion.finish_reason == FINISH_IGNORED:
+            await outputs.aclose()              # its stream leaves the front now, not when collected
             tracker.finish(FINISH_IGNORED, len(first.prompt_token_ids), 0)
             reason = completion.ignored_reason or ""
             grammar = req.params.structured is not None and reason.startswith(GRAMMAR_FAILED)
