@@ -50,7 +50,7 @@ class DecodeGraphs:
             every graph gathers compressed entries for (the engine's max_model_len).
         interval: `DEEPINFER_CUDAGRAPH_BATCH_SIZE_INTERVAL`.
         ops: the kernels the graphs capture (None: the model's default for its device); the runner
-            passes the batch-invariant set under DEEPINFER_BATCH_INVARIANT=1.
+            passes the batch-invariant set with `EngineArgs.batch_invariant`.
         max_query_len: 1 = one query token per sequence; k + 1 under speculative decoding: the
             graphs then run multi-token decode batches (`ForwardBatch.multi_decode`: max_seqs counts
             query tokens, one virtual sequence each) and are keyed by total query tokens through

@@ -78,7 +78,7 @@ class ModelRunner:
         graph_interval: spacing of graph sizes past the first powers of two.
         graph_max_query_len: k + 1 under speculative decoding: the graphs run verify steps
             (`verify_forward`), keyed by total query tokens, and graph_max_seqs counts query tokens.
-        batch_invariant: run the batch-invariant kernels (`DEEPINFER_BATCH_INVARIANT`): each sequence's
+        batch_invariant: run the batch-invariant kernels (`EngineArgs.batch_invariant`): each sequence's
             logits are then bitwise the same whatever else is in its step (docs/batch_invariance.md).
     """
 

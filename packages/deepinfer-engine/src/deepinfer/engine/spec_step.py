@@ -99,7 +99,7 @@ def attach_draft_head(model: torch.nn.Module, args: EngineArgs, env: EngineEnv) 
     """Build the checkpoint's DSpark draft head and attach it to `model` (its forward then captures
     the target features and its cache spec gains the draft rings), for args.num_speculative_tokens > 0.
 
-    k = DEEPINFER_USE_NEXTN_DECODE when > 0, else args.num_speculative_tokens.
+    k = args.num_speculative_tokens.
 
     Raises:
         InvalidEngineArgs: the checkpoint has no `mtp.*` tensors or no DSpark config, the draft
@@ -112,7 +112,7 @@ def attach_draft_head(model: torch.nn.Module, args: EngineArgs, env: EngineEnv) 
     if model.cfg.dspark_block_size is None:
         raise InvalidEngineArgs(f"{asked} needs a config with the DSpark fields (dspark_block_size, "
                                 "dspark_noise_token_id, ...)", "num_speculative_tokens")
-    k = env.use_nextn_decode or args.num_speculative_tokens
+    k = args.num_speculative_tokens
     if env.max_backtracking_tokens < k + 1:
         raise InvalidEngineArgs(f"{env_var_name('max_backtracking_tokens')}={env.max_backtracking_tokens} must be "
                                 f">= num_speculative_tokens + 1 = {k + 1} (spare draft ring rows)",

@@ -71,7 +71,7 @@ def profile_fields(draft: DSparkDraft, runner: ModelRunner, args: EngineArgs, en
     parallel = {
         "device": _device_name(device),
         "kernels": dict(runner.ops.sources),
-        "batch_invariant": env.batch_invariant,
+        "batch_invariant": args.batch_invariant,
         "torch": torch.__version__,
         "cuda": torch.version.cuda if device.type == "cuda" else None,
         "sizes": sorted(set(sizes)),

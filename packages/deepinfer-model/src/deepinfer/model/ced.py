@@ -28,7 +28,7 @@ from .config_checks import ConfigError
 from .config_v41 import DeepseekV41Config
 
 TRUNCATION_MODES = ("off", "compact", "mask")
-DEFAULT_KEEP_TOKENS = 140            # window 128 + backtracking margin (DEEPINFER_YOCO_PREFILL_KEEP_TOKENS)
+DEFAULT_KEEP_TOKENS = 140            # window 128 + backtracking margin (EngineArgs.yoco_prefill_keep_tokens)
 
 
 @dataclass(frozen=True, slots=True)
