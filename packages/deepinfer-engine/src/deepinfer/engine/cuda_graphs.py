@@ -1,4 +1,4 @@
-"""Decode CUDA graphs keyed by the number of query tokens (DESIGN.md §6).
+"""Decode CUDA graphs keyed by the number of query tokens (docs/design.md §7.4).
 
 Sizes 1, 2, 4, … up to `interval`, then every `interval` up to the maximum. A step of n sequences
 replays the smallest graph ≥ n; padding rows feed token 0 at position 0 with an all-zero block table

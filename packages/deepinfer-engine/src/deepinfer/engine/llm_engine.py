@@ -1,11 +1,11 @@
 """LLMEngine: requests in, one scheduler step + one model step per `step()`, outputs out.
 
-One step (DESIGN.md §3), owned here: schedule → apply the cache ops → (1) launch the forward of step
+One step (docs/design.md §2), owned here: schedule → apply the cache ops → (1) launch the forward of step
 N → (2) collect and post-process step N − 1 if it is still in flight → (3) launch sampling of step N
 → (4) pre_sampler_sync (grammar pump) → post-process step N at once, or, for a ZOS decode step, keep it
 in flight for the next call.
 
-ZOS (DESIGN.md §7, `EngineArgs.zero_overhead_scheduling`): the host schedules and launches decode step
+ZOS (docs/design.md §6, `EngineArgs.zero_overhead_scheduling`): the host schedules and launches decode step
 N + 1 before it has read step N's tokens; the runner feeds N's sampled tokens to N + 1 on the device.
 A request's end (EOS, stop string, max_tokens) is therefore seen one step late: its row of step N + 1
 runs, and its token is dropped; the scheduler gives back that step's reservation when the request is
@@ -250,7 +250,7 @@ class LLMEngine(RequestIntake):
         self._requests: dict[str, Request | ParallelRequest] = {}   # by request id: what is reported
         self._seqs: dict[str, Request] = {}        # by scheduler sequence id (no "_"): one per sample
         self._ids = itertools.count()
-        # Structured output (DESIGN.md §8): requests wait here, outside the scheduler, until the
+        # Structured output (docs/design.md §11): requests wait here, outside the scheduler, until the
         # pool has compiled their grammar; `_pump_grammars` (pre_sampler_sync) hands them over.
         self.grammars: GrammarCompilePool | None = None     # made at the first constrained request
         self._awaiting_grammar: dict[str, Request | ParallelRequest] = {}
@@ -628,7 +628,7 @@ class LLMEngine(RequestIntake):
 
     # ------------------------------------------------------------------ disaggregation hooks
     # No-ops in NORMAL engines. A prefill/decode-disaggregated deployment overrides them
-    # (DESIGN.md §8): PROMPT engines save KV after prefill, COMPLETION engines load it.
+    # (docs/design.md §3.5): PROMPT engines save KV after prefill, COMPLETION engines load it.
 
     def init_pd_split(self) -> None:
         """Set up the prefill/decode transfer channels (no-op)."""

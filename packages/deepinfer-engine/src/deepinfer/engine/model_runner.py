@@ -1,7 +1,7 @@
 """ModelRunner: owns the model, its cache memory and the per-row device state of decode steps; turns
 scheduler steps into model batches.
 
-Per-row state (ZOS, DESIGN.md §7): `row_tokens[row]` holds, on the device, the token last sampled for
+Per-row state (ZOS, docs/design.md §6): `row_tokens[row]` holds, on the device, the token last sampled for
 the sequence at scheduler row `row` (`DecodeBatch.rows`, stable while the sequence lives). A decode step
 whose sequences have a step in flight (`last_token_ids` = −1) takes their input tokens from there, so
 the host never waits for a sampled token before launching the next forward; only rows whose last token

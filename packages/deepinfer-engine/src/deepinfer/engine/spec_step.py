@@ -1,4 +1,4 @@
-"""Speculative decode steps with the DSpark draft head (DESIGN.md §6, docs/spec.md).
+"""Speculative decode steps with the DSpark draft head (docs/design.md §7, docs/spec.md).
 
 With `EngineArgs.speculative_decoding` the scheduler reserves k + 1 positions per decode row
 (nextn = k) and asks `DraftGate` how many of them each row feeds. A speculative decode step has the
@@ -287,7 +287,7 @@ class SpeculativeDecoder:
         return SpecLaunch(d, reqs, drafting, rows, logits, tokens, verifying, query_lens)
 
     def _split_on_device(self, d: DecodeBatch, v: _Verifying, rows: Tensor, known: Tensor) -> Tensor:
-        """DESIGN.md §6 under ZOS: the drafting rows' total query tokens stay the host's choice (it
+        """docs/design.md §7.5, under ZOS: the drafting rows' total query tokens stay the host's choice (it
         picked the graph, from the confidences of the last step read), split again on the device by
         the confidences of the step in flight (`query_lens_by_confidence`); a row whose last step did
         not draft, or is not in flight, keeps its host estimate. Returns [num_seqs] int64 query lengths

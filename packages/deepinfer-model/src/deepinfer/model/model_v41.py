@@ -168,7 +168,7 @@ class DeepseekV41ForCausalLM(nn.Module):
         `EngineArgs.yoco_prefill_truncation_mode` / `yoco_prefill_keep_tokens`).
 
         Raises:
-            ConfigError: a bad mode or count, or a model that breaks DESIGN.md §8's constraints (no
+            ConfigError: a bad mode or count, or a model that breaks docs/design.md §8's constraints (no
                 layer after the last KV source, an Engram layer after it, DSpark targets on both sides).
         """
         truncation = Truncation(mode, keep_tokens)
