@@ -1,6 +1,6 @@
 """Speculative decode steps with the DSpark draft head (docs/design.md §7, docs/spec.md).
 
-With `EngineArgs.speculative_decoding` the scheduler reserves k + 1 positions per decode row
+With `EngineArgs.num_speculative_tokens` = k > 0 the scheduler reserves k + 1 positions per decode row
 (nextn = k) and asks `DraftGate` how many of them each row feeds. A speculative decode step has the
 engine's three phases (`LLMEngine`: launch the forward, post-process the step before, launch the
 sampling): `launch_forward` (1–2 below), `launch_accept` (3, on the device) and `commit` (4, on the
