@@ -1,4 +1,4 @@
-"""DEEPINFER_BATCH_INVARIANT=1 end to end: one greedy request's logits, at every step, are bitwise the
+"""EngineArgs.batch_invariant end to end: one greedy request's logits, at every step, are bitwise the
 same whether it runs alone or among 1, 7 or 63 other requests of other lengths (their prompts
 prefilled in the same step, their tokens decoded in the same steps), on the embedded tiny model.
 

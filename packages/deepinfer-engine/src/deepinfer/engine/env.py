@@ -133,7 +133,7 @@ MOVED_VARIABLES: dict[str, str] = {
 
 
 def env_var_name(field_name: str) -> str:
-    """The environment variable behind an `EngineEnv` field, e.g. 'DEEPINFER_BATCH_INVARIANT'."""
+    """The environment variable behind an `EngineEnv` field, e.g. 'DEEPINFER_DISABLE_SYNC_GUARD'."""
     return PREFIX + field_name.upper()
 
 
