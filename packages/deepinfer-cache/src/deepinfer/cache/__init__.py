@@ -6,7 +6,8 @@ id 0 is reserved. `plan_paged_layout` / `plan_state_layout` decide where every p
 every per-sequence state region live inside one uint8 buffer each. No torch: the engine allocates
 the buffers. Settings are arguments (the slot ratio of `BlockManager.for_state_slots` included); the
 one environment variable read here is DEEPINFER_CACHE_PURE_PYTHON=1, at import, which lets a source
-tree whose Cython module was never built (a machine without a compiler or without Cython) run the pure-Python twin — same behaviour, slower — instead of failing.
+tree whose Cython module was never built (a machine without a compiler or without Cython) run the
+pure-Python twin — same behaviour, slower — instead of failing.
 """
 
 import os

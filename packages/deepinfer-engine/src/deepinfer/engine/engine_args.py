@@ -47,7 +47,7 @@ INT_RANGES: dict[str, tuple[int, int]] = {
     "yoco_prefill_keep_tokens": (1, MAX_INT32),
 }
 EPLB_PRESETS = ("prefill", "decode")          # docs/design.md §10; deepinfer.eplb's PREFILL / DECODE_EPLB_CONFIG
-TRUNCATION_MODES = ("off", "compact", "mask")  # deepinfer.model's ced.TRUNCATION_MODES (not imported: the CLI stays light)
+TRUNCATION_MODES = ("off", "compact", "mask")  # deepinfer.model's ced.TRUNCATION_MODES (not imported, as above)
 MAX_DISTRIBUTED_TIMEOUT_S = 86400.0
 OPTIONAL_FIELDS = frozenset({"model", "max_model_len", "block_size", "num_kv_blocks", "gpu_memory_utilization",
                              "kv_cache_memory_mb",
@@ -147,8 +147,9 @@ class EngineArgs:
             collective (and `LLM` for a rank) before failing with an error naming the rank.
         num_speculative_tokens: speculative decoding with the checkpoint's DSpark draft head (its
             `mtp.*` tensors; refused, naming them, for a checkpoint without them), k drafts per request
-            and step (the released checkpoints' dspark_block_size is 5); 0 = off. Each decode step verifies the drafts in one forward and keeps the
-            accepted ones plus one target token (docs/spec.md); greedy output is the same as without it.
+            and step (the released checkpoints' dspark_block_size is 5); 0 = off. Each decode step
+            verifies the drafts in one forward and keeps the accepted ones plus one target token
+            (docs/spec.md); greedy output is the same as without it.
             Its verify forwards replay CUDA graphs keyed by total query tokens (the draft walk runs
             eagerly). ZOS covers speculative steps on the CPU by default; on CUDA only with
             zero_overhead_scheduling=True (that path has not run on a GPU yet).
