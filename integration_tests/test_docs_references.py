@@ -25,7 +25,7 @@ TEXT_SUFFIXES = {".py", ".pyx", ".pxd", ".md", ".toml", ".sh", ".cfg", ".txt", "
 EXTERNAL_DESIGN_DOCS = ("DESIGN" + ".md", "STYLE" + ".md", "/work/" + "shared")
 
 _SECTION = re.compile(r"§\s?(\d+(?:\.\d+)*)")
-_DESIGN_REF = re.compile(r"design\.md((?:(?:\s|,|;|and|or|–|-)*§\s?\d+(?:\.\d+)*)+)")
+_DESIGN_REF = re.compile(r"design\.md[)`]?((?:(?:\s|,|;|and|or|–|-)*§\s?\d+(?:\.\d+)*)+)")
 _HEADING = re.compile(r"^(#{1,6})\s+(.*?)\s*#*\s*$")
 _LINK = re.compile(r"(?<!!)\[[^\]]*\]\(([^)\s]+)(?:\s+\"[^\"]*\")?\)")
 _FENCE = re.compile(r"^\s*(```|~~~)")
