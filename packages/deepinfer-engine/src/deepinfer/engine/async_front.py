@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Protocol
 from .intake import PromptInput
 from .outputs import CompletionOutput, RequestOutput, running_output
 from .sampling_params import SamplingParams
+from .text_checks import check_prompt_length, check_unicode
 from .tokenizer import Tokenizer
 
 if TYPE_CHECKING:
@@ -214,6 +215,8 @@ class StreamingFront(abc.ABC):
     """`generate` over `OutputStream`s; a subclass queues requests (`_submit`) and aborts them (`abort`)."""
 
     _streams: dict[str, OutputStream]
+    model: ServedModel
+    is_running: bool
 
     @abc.abstractmethod
     def _submit(self, prompt: PromptInput | Sequence[int], params: SamplingParams,
@@ -238,10 +241,12 @@ class StreamingFront(abc.ABC):
             EngineQueueFull: max_num_waiting requests already wait; nothing was queued.
             EngineStopped: shut down, or the engine failed (`EngineDead`, also after some outputs).
             ValueError / StructuredOutputUnavailable: the engine refused the request (a bad or
-                duplicate id, a bad prompt, ...).
+                duplicate id, a bad prompt, ...), or the text prompt was refused before tokenizing
+                (`_prepare`). A refused request leaves nothing behind.
         Closing or cancelling the iterator before the last output aborts the request, which frees
         its cache blocks at the engine's next step.
         """
+        prompt = await self._prepare(prompt)
         request_id, stream = self._submit(prompt, params or SamplingParams(), request_id)
         finished = False
         try:
@@ -262,6 +267,25 @@ class StreamingFront(abc.ABC):
             self._streams.pop(request_id, None)
             if not finished:
                 self.abort(request_id)
+
+    async def _prepare(self, prompt: PromptInput | Sequence[int]) -> PromptInput | Sequence[int]:
+        """A text prompt checked and tokenized off the event loop, before anything is registered:
+        {"prompt_token_ids", "prompt"} (the engine gives both forms the same result). Anything else,
+        or text without a tokenizer, goes as it is (the engine checks it, or refuses it).
+
+        Raises:
+            ValueError: the text holds a lone surrogate, or is longer than max_model_len tokens could
+                hold (`text_checks.check_prompt_length`: refused without tokenizing it).
+        """
+        if not isinstance(prompt, str) or not self.is_running:    # stopped: `_submit` says so, untokenized
+            return prompt
+        model = self.model
+        if model.tokenizer is None:
+            return prompt
+        check_prompt_length(prompt, model.tokenizer.max_token_chars, model.max_model_len)
+        check_unicode(prompt, "prompt")
+        ids = await asyncio.to_thread(model.tokenizer.encode, prompt)
+        return {"prompt_token_ids": ids, "prompt": prompt}
 
     @property
     def num_unfinished(self) -> int:

@@ -7,7 +7,8 @@
     await llm.shutdown()
 
 The engine loop (`engine_process`) steps in a spawned child; this process keeps the event loop, the
-HTTP work and a reader thread. The front tokenizes text prompts itself and writes each request to
+HTTP work and a reader thread. The front tokenizes text prompts itself (on a worker thread, before
+the request is registered: `StreamingFront._prepare`) and writes each request to
 the child's pipe; the reader thread takes one `StepReport` per engine step, turns its columns back
 into `RequestOutput`s (the prompt from the request's first output) and posts them to their
 `DeltaStream`s with one `call_soon_threadsafe` per step and event loop. When the child dies (or
@@ -126,20 +127,14 @@ class AsyncLLMProcess(ProcessFront):
 
     def _submit(self, prompt: PromptInput | Sequence[int], params: SamplingParams,
                 request_id: str | None) -> tuple[str, OutputStream]:
+        # Text was tokenized by `_prepare` (off the event loop; a refusal there registers nothing).
+        # Nothing below raises after the request is registered.
         request_id = self._accept(request_id, self._load.num_running, lambda _: False)
         stream = DeltaStream(asyncio.get_running_loop())
         self._streams[request_id] = stream
         self._num_unfinished += 1
-        self._send(SubmitRequest(request_id, self._tokenized(prompt), params))
+        self._send(SubmitRequest(request_id, prompt, params))
         return request_id, stream
-
-    def _tokenized(self, prompt: PromptInput | Sequence[int]) -> PromptInput | Sequence[int]:
-        """Text becomes {"prompt_token_ids", "prompt"} here (the engine gives both forms the same
-        result), so the engine process does not tokenize it; anything else goes as it is."""
-        tokenizer = self.model.tokenizer
-        if isinstance(prompt, str) and tokenizer is not None:
-            return {"prompt_token_ids": tokenizer.encode(prompt), "prompt": prompt}
-        return prompt
 
     def abort(self, request_id: str) -> None:
         """Abort a request (unknown or finished ids are ignored); its stream ends without a last output."""

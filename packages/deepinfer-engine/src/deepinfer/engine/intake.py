@@ -24,10 +24,12 @@ from .logit_controls import tokenize_bad_words
 from .outputs import OutputKind
 from .request import ParallelRequest, Request
 from .sampling_params import InvalidSamplingParams, SamplingParams
+from .text_checks import check_unicode
 from .tokenizer import Tokenizer, require_tokenizer
 
 PromptInput = str | dict[str, Any]
 MAX_REQUEST_ID_LEN = 256
+GRAMMAR_FAILED = "grammar compile failed"     # how the ignored_reason of a request whose grammar failed starts
 
 def _checked_request_id(request_id: object) -> str:
     if not isinstance(request_id, str) or not request_id or len(request_id) > MAX_REQUEST_ID_LEN:
@@ -196,7 +198,7 @@ class RequestIntake:
             if req is None or req.finished:          # aborted while compiling
                 continue
             if done.error is not None:
-                req.ignore(f"grammar compile failed: {done.error}")
+                req.ignore(f"{GRAMMAR_FAILED}: {done.error}")
                 self._finished_between_steps.append(req)
             else:
                 for sample in req.samples:
@@ -209,9 +211,11 @@ class RequestIntake:
         """(prompt text or None, prompt token ids) of a prompt in any accepted form.
 
         Raises:
-            ValueError: malformed token ids; NoTokenizerError: text without a tokenizer.
+            ValueError: malformed token ids, text with a lone surrogate; NoTokenizerError: text
+                without a tokenizer.
         """
         if isinstance(prompt, str):
+            check_unicode(prompt, "prompt")
             return prompt, require_tokenizer(self.tokenizer, self.model_dir).encode(prompt)
         if isinstance(prompt, dict):
             if "prompt_token_ids" not in prompt:
@@ -236,6 +240,8 @@ class RequestIntake:
                 for sample in req.samples:
                     if not sample.finished:
                         self._forget_seq(sample.seq_id)
+            elif self.grammars is not None:
+                self.grammars.cancel(request_id)        # nobody else waiting: the compile is dropped
             req.abort()
             self._finished_between_steps.append(req)
 

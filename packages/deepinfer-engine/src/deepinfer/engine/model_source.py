@@ -24,7 +24,7 @@ def resolve_model_source(model: str) -> str:
     Raises:
         ModelNotCached: a repo id that is not in the cache (or huggingface_hub is missing).
     """
-    if Path(model).is_dir() or not _REPO_ID.fullmatch(model) or ".." in model:
+    if not _REPO_ID.fullmatch(model) or ".." in model or _is_dir(model):
         return model
     try:
         from huggingface_hub import constants, snapshot_download
@@ -37,6 +37,13 @@ def resolve_model_source(model: str) -> str:
         raise ModelNotCached(f"model={model!r} is not a folder, nor a Hugging Face repo in the local cache "
                              f"{constants.HF_HUB_CACHE!r}; DeepInfer does not download: fetch it first "
                              f"(`hf download {model}`) or pass a folder") from None
+
+
+def _is_dir(model: str) -> bool:
+    try:
+        return Path(model).is_dir()
+    except OSError:           # e.g. a name too long for the file system: the engine says so
+        return False
 
 
 def config_dtype(model_dir: str | Path) -> str | None:

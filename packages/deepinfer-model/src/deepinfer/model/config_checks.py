@@ -50,6 +50,21 @@ SIZE_FIELDS = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_
                "max_position_embeddings")
 _POSITIVE_REALS = ("rope_theta", "compress_rope_theta", "routed_scaling_factor", "swiglu_limit", "hc_eps",
                    "rms_norm_eps")
+# Upper bounds of fields whose absurd values load but then hang or silently ruin generation: each
+# Sinkhorn iteration runs in every layer of every step (the reference uses 20), and an RMSNorm epsilon
+# past 1 dwarfs unit-scale activations (1e308 makes every hidden state ~0: empty output).
+MAX_SINKHORN_ITERS = 1000
+MAX_NORM_EPS = 1.0
+# Token ids are int32 throughout, and an embedding row per id is allocated before any weight is read:
+# a vocabulary past 2**24 (over 100 times DeepSeek's 129,280) is a typo, not a model.
+MAX_VOCAB_SIZE = 2**24
+
+
+def check_bounds(cfg: Any) -> None:
+    """The fields both versions bound from above (V4 and V4.1 configs)."""
+    integer(cfg.hc_sinkhorn_iters, "hc_sinkhorn_iters", 1, MAX_SINKHORN_ITERS)
+    integer(cfg.vocab_size, "vocab_size", 1, MAX_VOCAB_SIZE)
+    number(cfg.rms_norm_eps, "rms_norm_eps", at_most=MAX_NORM_EPS)
 
 
 def validate(cfg: DeepseekV4Config) -> None:
@@ -58,6 +73,7 @@ def validate(cfg: DeepseekV4Config) -> None:
         integer(getattr(cfg, name), name)
     for name in _POSITIVE_REALS:
         number(getattr(cfg, name), name)
+    check_bounds(cfg)
     n, vocab = cfg.num_hidden_layers, cfg.vocab_size
     integer(cfg.num_experts_per_tok, "num_experts_per_tok", 1, cfg.n_routed_experts)
     integer(cfg.n_shared_experts, "n_shared_experts", 0, 1)

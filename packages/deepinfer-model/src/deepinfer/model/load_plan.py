@@ -17,11 +17,12 @@ import torch
 from torch import Tensor
 
 from .checkpoint import StoredTensor, WeightError
-from .config import DeepseekV4Config
+from .config import DeepseekV4Config, file_problem, read_json_object
 from .names import expert_part, is_draft_key, to_official
 
 FLOATS = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 INTEGERS = (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8)
+HALF_FLOATS = {"float16": torch.float16, "bfloat16": torch.bfloat16}
 PACKED_FP4 = (torch.int8, torch.uint8)              # two e2m1 codes per byte
 FP8_SCALES = (torch.float8_e8m0fnu, torch.float32)
 FP4_SCALES = (torch.float8_e8m0fnu, torch.uint8)    # uint8 = e8m0 bits
@@ -87,9 +88,41 @@ def plan_load(stored: dict[str, StoredTensor], expected: dict[str, Tensor], cfg:
     block = cfg.quant.fp8_block if cfg.quant else 128
     for p in placements:
         _check(p, expected, cfg, expert_dtype, block)
+    _check_half_floats([p.source for p in placements], _declared_half_float(model_dir))
     if shards:
         placements = [local for p in placements if (local := _to_shard(p, shards)) is not None]
     return sorted(placements, key=lambda p: (str(p.source.path), p.source.order))
+
+
+def _declared_half_float(model_dir: Path) -> torch.dtype | None:
+    """config.json's torch_dtype (or dtype) when it names a 16-bit float type, else None."""
+    path = model_dir / "config.json"
+    if file_problem(path) is not None:
+        return None
+    raw = read_json_object(path, WeightError, what="")
+    value = raw.get("torch_dtype", raw.get("dtype"))
+    return HALF_FLOATS.get(value) if isinstance(value, str) else None
+
+
+def _check_half_floats(tensors: list[StoredTensor], declared: torch.dtype | None) -> None:
+    """Every float16 / bfloat16 tensor has the checkpoint's 16-bit type: config.json's torch_dtype when
+    it names one, else the type most of them have. The two have the same size, so a header that
+    mislabels one as the other loads without any other error, as wrong values."""
+    halves = [t for t in tensors if t.dtype in HALF_FLOATS.values()]
+    if declared is not None:
+        basis = f"config.json torch_dtype is {declared}"
+    else:
+        counts: dict[torch.dtype, int] = {}
+        for t in halves:
+            counts[t.dtype] = counts.get(t.dtype, 0) + 1
+        if len(counts) < 2:
+            return
+        declared = max(counts, key=counts.__getitem__)
+        basis = f"{counts[declared]} of its {len(halves)} 16-bit float tensors are {declared}"
+    odd = next((t for t in halves if t.dtype != declared), None)
+    if odd is not None:
+        raise odd.error(f"dtype {odd.dtype} in a checkpoint whose 16-bit floats are {declared} ({basis}): a "
+                        "mislabelled header would load as wrong values; store it as " + str(declared))
 
 
 def _to_shard(p: Placement, shards: dict[str, tuple[int, ...]]) -> Placement | None:

@@ -11,6 +11,7 @@ stops the engine process, the engine thread or the DP ranks (`shutdown(drain=Tru
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import signal
 import threading
@@ -18,11 +19,15 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 import uvicorn
+from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from ..async_front import DEFAULT_MAX_NUM_WAITING, EngineClient
 from ..async_llm import AsyncLLM
 from ..llm_engine import LLMEngine
 from .app import build_app, check_parser_options
+
+HEADER_TIMEOUT_S = 15.0      # a connection's request headers must be complete this long after it opened
+KEEP_ALIVE_TIMEOUT_S = 30.0  # an idle keep-alive connection is closed after this
 
 
 @dataclass(frozen=True, slots=True)
@@ -77,10 +82,47 @@ def serve_client(llm: EngineClient, options: ServeOptions) -> None:
     app = build_app(llm, served_model_name=options.served_model_name, api_key=options.api_key,
                     chat_template=options.chat_template, tool_call_parser=options.tool_call_parser,
                     enable_auto_tool_choice=options.enable_auto_tool_choice, reasoning_parser=options.reasoning_parser)
-    config = uvicorn.Config(app, host=options.host, port=options.port, log_level=options.log_level,
-                            access_log=False, timeout_keep_alive=30)
+    config = uvicorn_config(app, host=options.host, port=options.port, log_level=options.log_level)
     with _signals_end_quietly():
         uvicorn.Server(config).run()
+
+
+def uvicorn_config(app: object, *, host: str = "127.0.0.1", port: int = 0, log_level: str = "info",
+                   header_timeout_s: float = HEADER_TIMEOUT_S,
+                   keep_alive_timeout_s: float = KEEP_ALIVE_TIMEOUT_S) -> uvicorn.Config:
+    """How `deepinfer serve` runs uvicorn: HTTP/1.1 through h11 (`_H11WithHeaderTimeout`), no access log;
+    an idle keep-alive connection is closed after keep_alive_timeout_s, and a connection whose
+    request headers are not complete header_timeout_s after it opened (or after its previous
+    response) is closed."""
+    protocol = type("H11Protocol", (_H11WithHeaderTimeout,), {"header_timeout_s": header_timeout_s})
+    return uvicorn.Config(app, host=host, port=port, log_level=log_level, access_log=False, http=protocol,
+                          timeout_keep_alive=keep_alive_timeout_s)  # type: ignore[arg-type]
+
+
+class _H11WithHeaderTimeout(H11Protocol):
+    """uvicorn's h11 protocol plus a deadline for request headers. uvicorn arms no timer while a
+    connection waits for its first request, and the keep-alive timer it arms after a response is
+    cancelled by any byte received: a client that opens connections (or sends a partial header line)
+    and stops would hold them forever."""
+
+    header_timeout_s: float = HEADER_TIMEOUT_S
+
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        super().connection_made(transport)
+        self._arm_header_deadline()
+
+    def on_response_complete(self) -> None:
+        super().on_response_complete()
+        self._arm_header_deadline()
+
+    def _arm_header_deadline(self) -> None:
+        self.loop.call_later(self.header_timeout_s, self._header_deadline, self.cycle)
+
+    def _header_deadline(self, cycle: object) -> None:
+        """No request started since the deadline was armed (the same finished cycle, or none): close."""
+        idle = cycle is None or cycle.response_complete  # type: ignore[attr-defined]
+        if self.cycle is cycle and idle and not self.transport.is_closing():
+            self.transport.close()
 
 
 @contextlib.contextmanager
