@@ -49,6 +49,10 @@ from deepinfer.sched import EngineType
         (dict(kv_quant=1), "kv_quant", r"kv_quant=1 must be a bool"),
         (dict(engine_type="NORMAL"), "engine_type", r"engine_type='NORMAL' must be an EngineType"),
         (dict(expert_dtype="int4"), "expert_dtype", r"expert_dtype='int4' must be None, 'fp8' or 'fp4'"),
+        (dict(max_cache_usage_for_prefill=1.5), "max_cache_usage_for_prefill",
+         r"max_cache_usage_for_prefill=1.5 must be in \[0, 1\]"),
+        (dict(max_cache_usage_for_prefill=math.nan), "max_cache_usage_for_prefill", r"=nan must be in \[0, 1\]"),
+        (dict(max_cache_usage_for_prefill=True), "max_cache_usage_for_prefill", r"=True must be in \[0, 1\]"),
     ],
 )
 def test_out_of_range_fields_are_named(kwargs: dict, field: str, message: str) -> None:
@@ -81,3 +85,24 @@ def test_llm_engine_refuses_more_than_one_rank():
 
     with pytest.raises(InvalidEngineArgs, match="data_parallel_size"):
         LLMEngine(EngineArgs(model=None, device="cpu", data_parallel_size=2, expert_parallel=True))
+
+
+def test_the_prefill_admission_threshold_reaches_the_scheduler() -> None:
+    from deepinfer.engine import LLMEngine
+
+    engine = LLMEngine(EngineArgs(device="cpu", max_cache_usage_for_prefill=0.25, kv_cache_memory_mb=16))
+    assert engine.scheduler.config.max_cache_usage_for_prefill == 0.25
+    assert EngineArgs().max_cache_usage_for_prefill == 0.9 and EngineArgs(max_cache_usage_for_prefill=0)
+
+
+def test_batch_invariance_refuses_varlen_verify_at_start() -> None:
+    """Varlen verify picks each request's verify length from its batch: with batch-invariant kernels
+    the engine refuses the pair before loading anything, naming both and the way out."""
+    from deepinfer.engine import LLMEngine
+    from deepinfer.engine.env import EngineEnv
+
+    args = EngineArgs(device="cpu", num_speculative_tokens=2)
+    with pytest.raises(InvalidEngineArgs, match=r"varlen_verify=True .* DEEPINFER_BATCH_INVARIANT=1 .*"
+                                                r"varlen_verify=False \(--no-varlen-verify") as caught:
+        LLMEngine(args, env=EngineEnv(batch_invariant=True))
+    assert caught.value.field == "varlen_verify"

@@ -100,6 +100,10 @@ class EngineArgs:
             anywhere).
         stop_preempted_request: finish a preempted request as "preempted" (True) or put it back in
             the queue to be recomputed (False).
+        max_cache_usage_for_prefill: a waiting request is prefilled only while the KV blocks in use
+            are at most this fraction of the cache (with requests running or not; the rest of a prompt
+            already mid-prefill goes on while nothing runs), so that running requests keep room to
+            decode (DESIGN.md §4).
         engine_type: NORMAL, PROMPT (prefill only, disaggregated) or COMPLETION (decode only).
         kv_quant: official FP8/FP4 fake-quantisation of cached KV (off = transformers' numerics).
         expert_dtype: keep the routed experts quantised in memory: "fp8" (e4m3 with float32 block
@@ -164,6 +168,7 @@ class EngineArgs:
     prefill_max_sum_seqlen_k: int | None = None
     chunk_checkpoints: tuple[int, ...] = ()
     stop_preempted_request: bool = True
+    max_cache_usage_for_prefill: float = 0.9
     engine_type: EngineType = EngineType.NORMAL
     kv_quant: bool = False
     expert_dtype: str | None = None
@@ -209,6 +214,9 @@ class EngineArgs:
         util = self.gpu_memory_utilization
         if util is not None and (isinstance(util, bool) or not isinstance(util, int | float) or not 0 < util < 1):
             _fail("gpu_memory_utilization", f"gpu_memory_utilization={util!r} must be in (0, 1)")
+        usage = self.max_cache_usage_for_prefill
+        if isinstance(usage, bool) or not isinstance(usage, int | float) or not 0 <= usage <= 1:
+            _fail("max_cache_usage_for_prefill", f"max_cache_usage_for_prefill={usage!r} must be in [0, 1]")
         _check_checkpoints(self.chunk_checkpoints)
         if self.expert_dtype is not None and self.expert_dtype not in EXPERT_DTYPES:
             _fail("expert_dtype", f"expert_dtype={self.expert_dtype!r} must be None, 'fp8' or 'fp4'")
@@ -321,6 +329,7 @@ def allowed_values(name: str) -> str:
         "gpu_memory_utilization": "float in (0, 1), or None",
         "chunk_checkpoints": f"ints in [1, {MAX_INT32}], strictly increasing",
         "stop_preempted_request": "bool",
+        "max_cache_usage_for_prefill": "float in [0, 1]",
         "engine_type": ", ".join(member.name for member in EngineType),
         "kv_quant": "bool",
         "expert_dtype": ", ".join(EXPERT_DTYPES) + ", or None",

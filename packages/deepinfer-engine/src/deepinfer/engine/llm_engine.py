@@ -157,6 +157,17 @@ def _check_v41_options(cfg: object, args: EngineArgs, env: EngineEnv) -> None:
                                 "it to off for this model")
 
 
+def _check_batch_invariance(args: EngineArgs, env: EngineEnv) -> None:
+    """Refuse batch-invariant kernels with varlen verify: varlen picks each request's verify length
+    from its batch, so the two would change each other's results."""
+    if env.batch_invariant and args.num_speculative_tokens and args.varlen_verify:
+        raise InvalidEngineArgs(
+            f"varlen_verify=True with num_speculative_tokens={args.num_speculative_tokens} picks each "
+            "request's verify length from its batch, which DEEPINFER_BATCH_INVARIANT=1 promises it does not "
+            "depend on: pass varlen_verify=False (--no-varlen-verify: every draft verified) or unset "
+            "DEEPINFER_BATCH_INVARIANT", "varlen_verify")
+
+
 class LLMEngine(RequestIntake):
     """The engine of one DP rank: request intake (`add_request`, `prepare_request`, `enqueue`,
     `abort_request`) comes from `RequestIntake` (intake.py), the step loop is here.
@@ -184,6 +195,7 @@ class LLMEngine(RequestIntake):
             raise InvalidEngineArgs("LLMEngine runs one rank; data_parallel_size > 1 runs through LLM(...) "
                                     "(deepinfer.engine.parallel)", "data_parallel_size")
         self.env = env or read_env()
+        _check_batch_invariance(args, self.env)
         self.model_dir = resolve_model_dir(args.model)
         cfg = DeepseekV4Config.from_model_dir(self.model_dir)
         _check_v41_options(cfg, args, self.env)
@@ -223,6 +235,7 @@ class LLMEngine(RequestIntake):
             chunk_checkpoints=args.chunk_checkpoints, stop_preempted_request=args.stop_preempted_request,
             prefill_attempt_interval=self.env.prefill_attempt_interval,
             prefill_any_attempt_interval=self.env.prefill_any_attempt_interval, engine_type=args.engine_type,
+            max_cache_usage_for_prefill=args.max_cache_usage_for_prefill,
         )
         # speculative: verify steps (V4 and V4.1 alike) replay graphs keyed by total query tokens
         query_len = 1 if draft is None else draft.block_size + 1
