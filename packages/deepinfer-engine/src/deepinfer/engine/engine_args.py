@@ -122,7 +122,8 @@ class EngineArgs:
         data_parallel_size: attention data-parallel ranks, one process each (DESIGN.md §1): `LLM` spawns
             them (or, under torchrun, this process is rank RANK of WORLD_SIZE); each runs its own engine,
             requests go to the least-loaded rank and every rank runs the same kind of step. 1 = one
-            process. Only `LLM` runs more than one rank so far: the `deepinfer` commands refuse it.
+            process. `deepinfer serve` runs N engine processes behind one server; `deepinfer generate`
+            and `deepinfer bench` drive one engine and refuse N > 1.
         expert_parallel: shard the routed experts over the data-parallel ranks (EP size = DP size), tokens
             dispatched and combined by all-to-all; needs data_parallel_size >= 2. Decode steps exchange
             fixed-capacity buffers (max_num_seqs × top-k rows per peer, no host read), so ZOS stays on;
