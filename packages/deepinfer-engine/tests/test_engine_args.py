@@ -53,6 +53,11 @@ from deepinfer.sched import EngineType
          r"max_cache_usage_for_prefill=1.5 must be in \[0, 1\]"),
         (dict(max_cache_usage_for_prefill=math.nan), "max_cache_usage_for_prefill", r"=nan must be in \[0, 1\]"),
         (dict(max_cache_usage_for_prefill=True), "max_cache_usage_for_prefill", r"=True must be in \[0, 1\]"),
+        (dict(yoco_prefill_truncation_mode="Compact"), "yoco_prefill_truncation_mode",
+         r"yoco_prefill_truncation_mode='Compact' must be one of 'off', 'compact', 'mask'"),
+        (dict(yoco_prefill_keep_tokens=0), "yoco_prefill_keep_tokens",
+         r"yoco_prefill_keep_tokens=0 must be an integer in \[1, "),
+        (dict(batch_invariant="1"), "batch_invariant", r"batch_invariant='1' must be a bool"),
     ],
 )
 def test_out_of_range_fields_are_named(kwargs: dict, field: str, message: str) -> None:
@@ -95,14 +100,12 @@ def test_the_prefill_admission_threshold_reaches_the_scheduler() -> None:
     assert EngineArgs().max_cache_usage_for_prefill == 0.9 and EngineArgs(max_cache_usage_for_prefill=0)
 
 
-def test_batch_invariance_refuses_varlen_verify_at_start() -> None:
-    """Varlen verify picks each request's verify length from its batch: with batch-invariant kernels
-    the engine refuses the pair before loading anything, naming both and the way out."""
-    from deepinfer.engine import LLMEngine
-    from deepinfer.engine.env import EngineEnv
-
-    args = EngineArgs(device="cpu", num_speculative_tokens=2)
-    with pytest.raises(InvalidEngineArgs, match=r"varlen_verify=True .* DEEPINFER_BATCH_INVARIANT=1 .*"
-                                                r"varlen_verify=False \(--no-varlen-verify") as caught:
-        LLMEngine(args, env=EngineEnv(batch_invariant=True))
+def test_batch_invariance_refuses_varlen_verify() -> None:
+    """Varlen verify picks each request's verify length from its batch: batch-invariant kernels refuse
+    the pair at construction, naming both and the way out; all k drafts verified is fine."""
+    message = r"varlen_verify=True with num_speculative_tokens=2 .* batch_invariant=True .* varlen_verify=False \(--no"
+    with pytest.raises(InvalidEngineArgs, match=message) as caught:
+        EngineArgs(num_speculative_tokens=2, batch_invariant=True)
     assert caught.value.field == "varlen_verify"
+    assert EngineArgs(num_speculative_tokens=2, batch_invariant=True, varlen_verify=False).batch_invariant
+    assert EngineArgs(batch_invariant=True).varlen_verify                  # no drafts: nothing to verify

@@ -20,7 +20,7 @@ from pathlib import Path
 
 from .dataclass_flags import attribute_docs, flag_name, show_value
 from .engine_args import EngineArgs, allowed_values
-from .env import OTHER_VARIABLES, VARIABLES, EngineEnv
+from .env import MOVED_VARIABLES, OTHER_VARIABLES, VARIABLES, EngineEnv
 from .serve_flags import ENGINE_DEFAULTS_BY_COMMAND, MODEL_HELP, SERVE_FLAGS
 
 COMMAND = "python -m deepinfer.engine.gen_docs"
@@ -76,15 +76,17 @@ def environment_markdown() -> str:
         default = var.shown_default if var.shown_default is not None else _env_value(defaults[var.field])
         rows.append((f"`{var.name}`", f"`{var.field}`", var.allowed, default, var.description))
     others = [(f"`{name}`", meaning) for name, meaning in sorted(OTHER_VARIABLES.items())]
+    moved = [(f"`{name}`", f"`{field}` (`{flag_name(field)}`)") for name, field in MOVED_VARIABLES.items()]
     return "\n".join([
         "# Environment variables",
         "",
         _NOTE,
         "",
-        "The engine reads these once, when an `LLMEngine` is made (`deepinfer.engine.env.read_env`), into",
-        "an `EngineEnv`. An unset or empty variable takes its default; booleans are 0, 1, true or false (any",
-        "case). A value out of range, or one asking for a feature that is not implemented yet, raises",
-        "`InvalidEnvVar` naming the variable. Any other `DEEPINFER_*` variable is warned about (logger",
+        "Environment variables tune and debug the engine; every switch of what it does is an engine argument",
+        "([engine_args.md](engine_args.md)). The engine reads these once, when an `LLMEngine` is made",
+        "(`deepinfer.engine.env.read_env`, the only module that reads them), into an `EngineEnv`. An unset or",
+        "empty variable takes its default; booleans are 0, 1, true or false (any case). A value out of range",
+        "raises `InvalidEnvVar` naming the variable. Any other `DEEPINFER_*` variable is warned about (logger",
         "`deepinfer.engine.env`), with the closest known name, and otherwise ignored.",
         "",
         _table(("variable", "`EngineEnv` field", "allowed", "default", "description"), rows),
@@ -92,6 +94,14 @@ def environment_markdown() -> str:
         "## Read outside the engine",
         "",
         _table(("variable", "meaning"), others),
+        "",
+        "## Engine arguments now",
+        "",
+        "These variables used to switch a behaviour; each is an engine argument now, and `read_env` refuses",
+        "them when set (`InvalidEnvVar` naming the argument), so a setting that no longer acts is never",
+        "ignored silently.",
+        "",
+        _table(("variable", "engine argument"), moved),
     ])
 
 
