@@ -233,6 +233,7 @@ class LLMEngine(RequestIntake):
             chunk_checkpoints=args.chunk_checkpoints, stop_preempted_request=args.stop_preempted_request,
             prefill_attempt_interval=self.env.prefill_attempt_interval,
             prefill_any_attempt_interval=self.env.prefill_any_attempt_interval, engine_type=args.engine_type,
+            max_cache_usage_for_prefill=args.max_cache_usage_for_prefill,
         )
         # speculative: verify steps (V4 and V4.1 alike) replay graphs keyed by total query tokens
         query_len = 1 if draft is None else draft.block_size + 1
