@@ -42,7 +42,7 @@ def assert_closing_a_stream_frees_its_blocks(llm, free_at_start: int) -> None:
     cache blocks."""
 
     async def run() -> int:
-        stream = llm.generate("class A:", SamplingParams(max_tokens=5000, ignore_eos=True))
+        stream = llm.generate("class A:", SamplingParams(max_tokens=4000, ignore_eos=True))
         async for out in stream:
             if len(out.outputs[0].token_ids) >= 2:
                 break

@@ -13,7 +13,9 @@ the child's pipe; the reader thread takes one `StepReport` per engine step, turn
 into `RequestOutput`s (the prompt from the request's first output) and posts them to their
 `DeltaStream`s with one `call_soon_threadsafe` per step and event loop. When the child dies (or
 reports an error) every request in flight fails with `EngineDead`, `failure` says how, and the front
-takes no more requests. `shutdown` stops the child and waits for it: no process is left behind.
+takes no more requests. A child that exits cleanly on SIGTERM (having finished its requests) is a
+stop, not a failure: logged as such, `failure` stays None and the front takes no more requests.
+`shutdown` stops the child and waits for it: no process is left behind.
 
 `AsyncLLM` (an engine in a thread of this process) stays for library use and `deepinfer serve
 --engine-in-thread`.
@@ -86,6 +88,7 @@ class AsyncLLMProcess(ProcessFront):
         self._num_unfinished = 0                        # submitted, not yet finished or refused
         self._load = EngineLoad(0, 0, 0)
         self._stopping = False
+        self._engine_exited = False                     # the process exited cleanly on its own (SIGTERM)
         self._failure: str | None = None
         self._send_lock = threading.Lock()
         ctx = mp.get_context("spawn")
@@ -152,8 +155,10 @@ class AsyncLLMProcess(ProcessFront):
         """Stop taking requests; with drain, let every accepted request finish (else abort them); the
         engine process then exits and is waited for."""
         if not self._begin_shutdown(drain):
-            return
-        self._send(StopEngine())
+            if not self._engine_exited:
+                return                          # a shutdown in progress waits for the process
+        else:
+            self._send(StopEngine())
         await asyncio.to_thread(self._proc.join)
         await asyncio.to_thread(self._reader.join)
         self._to_engine.close()
@@ -193,9 +198,10 @@ class AsyncLLMProcess(ProcessFront):
                 # fixed bound on a loaded machine; `shutdown` waits too). Else give it 10 s to say how.
                 self._proc.join(timeout=None if self._stopping else 10)
                 code = self._proc.exitcode
-                if not (self._stopping and code == 0):
-                    how = " (SIGTERM: it finished its requests first)" if code == 0 else ""
-                    self._fail(f"the engine process exited with code {code}{how}")
+                if code == 0 and not self._stopping:
+                    self._stopped_by_signal()
+                elif code != 0:
+                    self._fail(f"the engine process exited with code {code}")
                 self._from_engine.close()
                 return
             if isinstance(message, StepReport):
@@ -230,6 +236,21 @@ class AsyncLLMProcess(ProcessFront):
                 stream.fail(refusal.error)
         self._load = report.load
         deliver(posts, self.abort)
+
+    def _stopped_by_signal(self) -> None:
+        """The engine process exited cleanly without being asked by this front: a SIGTERM (a service
+        manager signals every process of the server) made it finish its requests first. The front
+        takes no more requests; one that slipped in after the engine stopped reading fails."""
+        self._engine_exited = True
+        self._stopping = True
+        lost = len(self._streams)
+        if not lost:
+            logger.warning("the engine process stopped cleanly (SIGTERM: exit code 0, no request in flight); "
+                           "the server takes no more requests")
+            return
+        logger.error("the engine process stopped (SIGTERM: exit code 0) with %d request(s) it never received; "
+                     "they fail", lost)
+        self._fail_streams("the engine process stopped on SIGTERM before it received the request")
 
     def _fail(self, reason: str) -> None:
         """The engine process died or failed: fail every stream with EngineDead(reason), take no more

@@ -75,7 +75,8 @@ class RequestIntake:
         Raises:
             ValueError: a bad or duplicate id, text without a tokenizer, token ids outside the
                 vocabulary, or a COMPLETION engine (it only takes requests handed over by a PROMPT
-                engine). A refused request leaves nothing behind.
+                engine). InvalidSamplingParams (a ValueError): params.max_tokens above what the
+                prompt leaves of max_model_len. A refused request leaves nothing behind.
             StructuredOutputUnavailable: params.structured without xgrammar, a tokenizer or an EOS id.
             An empty prompt or one longer than max_model_len is not an error: the request finishes
             as "ignored" with its reason at the next step; so does a grammar that fails to compile.
@@ -106,6 +107,7 @@ class RequestIntake:
         bad = [t for t in token_ids if not 0 <= t < vocab]
         if bad:
             raise ValueError(f"prompt_token_ids contain {bad[:3]}: ids must be in [0, {vocab})")
+        _check_room(params, len(token_ids), self.max_model_len)
         if params.stop and self.tokenizer is None:
             raise ValueError("SamplingParams.stop needs a tokenizer; this model folder has no tokenizer.json")
         if params.structured is not None:
@@ -203,7 +205,7 @@ class RequestIntake:
             else:
                 for sample in req.samples:
                     sample.grammar = self.grammars.backend.new_state(done.compiled)
-                # Never recomputed (DESIGN.md §4): a preemption finishes it.
+                # Never recomputed (docs/design.md §3.3): a preemption finishes it.
                 self.scheduler.add_seq(req.request_id, req.samples[0].token_ids, req.max_tokens, recomputable=False,
                                        share_list=True)
 
@@ -251,3 +253,13 @@ class RequestIntake:
             self.scheduler.abort_seq(seq_id)
         except KeyError:
             pass
+
+
+def _check_room(params: SamplingParams, prompt_len: int, max_model_len: int) -> None:
+    """Refuse max_tokens beyond what the prompt leaves of max_model_len (at least one token: the one
+    sampled at the end of the prefill). A prompt longer than max_model_len is left to the scheduler,
+    which finishes it as ignored."""
+    room = max(1, max_model_len - prompt_len)
+    if params.max_tokens is not None and prompt_len <= max_model_len and params.max_tokens > room:
+        raise InvalidSamplingParams(f"max_tokens={params.max_tokens} exceeds the {room} tokens this request has "
+                                    f"room for: max_model_len={max_model_len} minus its {prompt_len} prompt tokens")

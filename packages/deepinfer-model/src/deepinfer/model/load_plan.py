@@ -26,6 +26,7 @@ HALF_FLOATS = {"float16": torch.float16, "bfloat16": torch.bfloat16}
 PACKED_FP4 = (torch.int8, torch.uint8)              # two e2m1 codes per byte
 FP8_SCALES = (torch.float8_e8m0fnu, torch.float32)
 FP4_SCALES = (torch.float8_e8m0fnu, torch.uint8)    # uint8 = e8m0 bits
+TABLE_SCALES = FP4_SCALES + (torch.float32,)        # float32 (save_pretrained's weight_scale_inv): powers of two
 COPY, KEEP, QUANTISE, DRAFT, TABLE = "copy", "keep", "quantise", "draft", "table"
 # DeepSeek-V4.1 checkpoint parts this text-only engine does not serve (the vision tower, its aligner
 # and the image delimiter embeddings), skipped when planning a V4.1 load.
@@ -40,7 +41,8 @@ class Placement:
     mode: COPY (float or integer values, dequantised first if scaled, converted to the target's
     dtype), KEEP (quantised expert bytes and scale as stored), QUANTISE (float values → the
     model's `expert_dtype`), DRAFT (kept aside, dequantised, on CPU), TABLE (a V4.1 Engram table's
-    FP8 rows and e8m0 scales as stored, into `….embed.weight` / `….embed.scale`).
+    FP8 rows and e8m0 scales, into `….embed.weight` / `….embed.scale`; float32 scales must be powers
+    of two). A float Engram table's scale is not read (`save_pretrained` writes one of ones).
     """
 
     source: StoredTensor
@@ -163,10 +165,22 @@ def _place(tensor: StoredTensor, scale: StoredTensor | None, expected: dict[str,
         return Placement(tensor, scale, target, _mode(tensor, scale, expert_dtype), expert, rows, stacked=True)
     if name not in expected:
         return None
-    if name.endswith(ENGRAM_TABLE) and scale is not None and name[:-len("weight")] + "scale" in expected:
-        return Placement(tensor, scale, name, TABLE)
+    if name.endswith(ENGRAM_TABLE) and scale is not None:
+        if tensor.dtype != torch.float8_e4m3fn:
+            _check_unused_table_scale(tensor, scale)
+            return Placement(tensor, None, name, COPY)
+        if name[:-len("weight")] + "scale" in expected:
+            return Placement(tensor, scale, name, TABLE)
     stacked = name.endswith((".experts.w13", ".experts.w2"))
     return Placement(tensor, scale, name, _mode(tensor, scale, expert_dtype) if stacked else COPY, stacked=stacked)
+
+
+def _check_unused_table_scale(table: StoredTensor, scale: StoredTensor) -> None:
+    """A float Engram table's scale (transformers' `save_pretrained` writes one beside every table,
+    all ones; its model, like ours, reads it only for FP8 rows): checked for shape, then left unread."""
+    want = table.shape[:-1] + (table.shape[-1] // 32,) if table.shape else ()
+    if scale.shape != want:
+        raise scale.error(f"scale shape {scale.shape} != expected {want} for Engram table shape {table.shape}")
 
 
 def _mode(tensor: StoredTensor, scale: StoredTensor | None, expert_dtype: str | None) -> str:
@@ -247,7 +261,7 @@ def _check(p: Placement, expected: dict[str, Tensor], cfg: DeepseekV4Config, exp
     if integer_target:
         raise src.error(f"has a scale tensor ({scale.key!r}) but {p.target!r} holds integers")
     if src.dtype == torch.float8_e4m3fn and p.target.endswith(ENGRAM_TABLE):
-        allowed, want = FP4_SCALES, shape[:-1] + (shape[-1] // 32,)        # one e8m0 per row and 32 channels
+        allowed, want = TABLE_SCALES, shape[:-1] + (shape[-1] // 32,)       # one e8m0 per row and 32 channels
     elif src.dtype == torch.float8_e4m3fn:
         allowed, want = FP8_SCALES, _blocks(shape, block)
     elif src.dtype in PACKED_FP4:

@@ -2,9 +2,11 @@
 process), `AsyncLLM` (one engine in a thread) or `parallel.DPAsyncLLM` (data-parallel ranks).
 
 Routes: POST /v1/completions, POST /v1/chat/completions (server-sent events when "stream": true,
-ending with `data: [DONE]`), GET /v1/models, /health, /version, /metrics. Errors are OpenAI-shaped
-(`errors.APIError`): 400 naming the bad field (a lone surrogate anywhere in the body included: its
-path), 401 without the API key, 404 for an unknown model, 413 for a body over `max_body_bytes`,
+ending with `data: [DONE]`), GET /v1/models, /v1/models/{id}, POST /tokenize, /detokenize
+(`utility_routes`), GET /health, /version, /metrics, and FastAPI's /openapi.json and /docs. Errors are
+OpenAI-shaped (`errors.APIError`): 400 naming the bad field (a lone surrogate anywhere in the body
+included: its path), 401 without the API key, 404 for an unknown model, 413 for a body over
+`max_body_bytes`,
 503 when the waiting queue is full or the server is draining, 500 naming the cause when the engine
 failed (the engine process or a DP rank died; a stream in progress then ends with an error event and
 /health answers 503). A client that disconnects aborts its request: from a stream, Starlette cancels the response,
@@ -47,6 +49,7 @@ from .protocol import GenerateRequest, parse_chat, parse_completion
 from .reasoning import REASONING_PARSERS, thinking_requested
 from .responses import ResponseWriter
 from .tool_parsers import TOOL_PARSERS, NamedCallParser, RequiredCallsParser, ToolParser
+from .utility_routes import add_utility_routes, model_card
 
 logger = logging.getLogger(__name__)
 
@@ -259,7 +262,7 @@ def build_app(llm: EngineClient, *, served_model_name: str, api_key: str | None 
         yield
         await llm.shutdown(drain=drain_on_shutdown)
 
-    app = FastAPI(title="DeepInfer", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    app = FastAPI(title="DeepInfer", lifespan=lifespan, redoc_url=None)      # /docs and /openapi.json
     app.state.server = server
 
     @app.exception_handler(APIError)
@@ -294,9 +297,9 @@ def build_app(llm: EngineClient, *, served_model_name: str, api_key: str | None 
     @app.get("/v1/models")
     async def models(request: Request) -> dict[str, Any]:
         check_key(request)
-        card = {"id": server.name, "object": "model", "created": server.created, "owned_by": "deepinfer",
-                "max_model_len": llm.model.max_model_len}
-        return {"object": "list", "data": [card]}
+        return {"object": "list", "data": [model_card(server.name, server.created, llm.model.max_model_len)]}
+
+    add_utility_routes(app, server, check_key, _json_body)
 
     @app.get("/health")
     async def health() -> Response:

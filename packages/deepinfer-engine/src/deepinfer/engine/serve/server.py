@@ -45,6 +45,7 @@ class ServeOptions:
         tool_call_parser: "deepseek_v4" or "hermes": finds tool calls in tool_choice="auto" output.
         enable_auto_tool_choice: accept tool_choice="auto" (needs tool_call_parser).
         reasoning_parser: "deepseek_v4": thinking goes to reasoning_content; None = none.
+        enable_log_requests: uvicorn's access log, one line per HTTP request (at log_level "info").
     """
 
     host: str = "127.0.0.1"
@@ -57,6 +58,7 @@ class ServeOptions:
     tool_call_parser: str | None = None
     enable_auto_tool_choice: bool = False
     reasoning_parser: str | None = None
+    enable_log_requests: bool = False
 
     def __post_init__(self) -> None:
         if isinstance(self.port, bool) or not isinstance(self.port, int) or not 0 <= self.port <= 65535:
@@ -71,31 +73,35 @@ class ServeOptions:
         check_parser_options(self.tool_call_parser, self.enable_auto_tool_choice, self.reasoning_parser)
 
 
-def run_server(engine: LLMEngine, options: ServeOptions) -> None:
+def run_server(engine: LLMEngine, options: ServeOptions) -> str | None:
     """Serve `engine`, stepped in a thread of this process (`AsyncLLM`), over HTTP until SIGINT /
-    SIGTERM; returns once in-flight requests are done."""
-    serve_client(AsyncLLM(engine, max_num_waiting=options.max_num_waiting), options)
+    SIGTERM; returns once in-flight requests are done, as `serve_client`."""
+    return serve_client(AsyncLLM(engine, max_num_waiting=options.max_num_waiting), options)
 
 
-def serve_client(llm: EngineClient, options: ServeOptions) -> None:
-    """Serve `llm` (built with options.max_num_waiting) as `run_server` does; it is shut down on return."""
+def serve_client(llm: EngineClient, options: ServeOptions) -> str | None:
+    """Serve `llm` (built with options.max_num_waiting) as `run_server` does; it is shut down on return.
+    Returns None after a clean stop, else why the engine had failed (`llm.failure`)."""
     app = build_app(llm, served_model_name=options.served_model_name, api_key=options.api_key,
                     chat_template=options.chat_template, tool_call_parser=options.tool_call_parser,
                     enable_auto_tool_choice=options.enable_auto_tool_choice, reasoning_parser=options.reasoning_parser)
-    config = uvicorn_config(app, host=options.host, port=options.port, log_level=options.log_level)
+    config = uvicorn_config(app, host=options.host, port=options.port, log_level=options.log_level,
+                            access_log=options.enable_log_requests)
     with _signals_end_quietly():
         uvicorn.Server(config).run()
+    return llm.failure
 
 
 def uvicorn_config(app: object, *, host: str = "127.0.0.1", port: int = 0, log_level: str = "info",
-                   header_timeout_s: float = HEADER_TIMEOUT_S,
+                   access_log: bool = False, header_timeout_s: float = HEADER_TIMEOUT_S,
                    keep_alive_timeout_s: float = KEEP_ALIVE_TIMEOUT_S) -> uvicorn.Config:
-    """How `deepinfer serve` runs uvicorn: HTTP/1.1 through h11 (`_H11WithHeaderTimeout`), no access log;
+    """How `deepinfer serve` runs uvicorn: HTTP/1.1 through h11 (`_H11WithHeaderTimeout`), an access log
+    only with access_log (`--enable-log-requests`);
     an idle keep-alive connection is closed after keep_alive_timeout_s, and a connection whose
     request headers are not complete header_timeout_s after it opened (or after its previous
     response) is closed."""
     protocol = type("H11Protocol", (_H11WithHeaderTimeout,), {"header_timeout_s": header_timeout_s})
-    return uvicorn.Config(app, host=host, port=port, log_level=log_level, access_log=False, http=protocol,
+    return uvicorn.Config(app, host=host, port=port, log_level=log_level, access_log=access_log, http=protocol,
                           timeout_keep_alive=keep_alive_timeout_s)  # type: ignore[arg-type]
 
 
