@@ -299,7 +299,7 @@ def build_app(llm: EngineClient, *, served_model_name: str, api_key: str | None 
         check_key(request)
         return {"object": "list", "data": [model_card(server.name, server.created, llm.model.max_model_len)]}
 
-    add_utility_routes(app, server, check_key, _json_body)
+    add_utility_routes(app, server, check_key, lambda request: _json_body(request, max_body_bytes))
 
     @app.get("/health")
     async def health() -> Response:

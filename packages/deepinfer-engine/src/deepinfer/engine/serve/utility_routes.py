@@ -12,7 +12,8 @@ Messages are rendered by the server's chat template, as /v1/chat/completions ren
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import asyncio
+from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any
 
 from fastapi import FastAPI, Request
@@ -36,7 +37,7 @@ def model_card(name: str, created: int, max_model_len: int) -> dict[str, Any]:
 
 
 def add_utility_routes(app: FastAPI, server: _Server, check_key: Callable[[Request], None],
-                       json_body: Callable[[Request], Any]) -> None:
+                       json_body: Callable[[Request], Awaitable[Any]]) -> None:
     """Add /tokenize, /detokenize and /v1/models/{model_id} to `app`, over `server`'s engine."""
 
     @app.get("/v1/models/{model_id:path}")
@@ -52,14 +53,15 @@ def add_utility_routes(app: FastAPI, server: _Server, check_key: Callable[[Reque
         body = _object(raw, _TOKENIZE_CHAT if isinstance(raw, dict) and "messages" in raw else _TOKENIZE_PROMPT)
         server.check_model(_optional(body, "model", str))
         tokenizer = _tokenizer(server)
-        if "messages" in body:
-            token_ids = _chat_tokens(server, tokenizer, body)
+        if "messages" in body:        # tokenized off the event loop (a body may hold megabytes of text)
+            token_ids = await asyncio.to_thread(_chat_tokens, server, tokenizer, body)
         else:
             text = body.get("prompt")
             if not isinstance(text, str):
                 raise bad_request(f"prompt={text!r} must be a str (or send messages)", "prompt")
             add_special = _optional(body, "add_special_tokens", bool)
-            token_ids = tokenizer.encode(text, add_special_tokens=True if add_special is None else add_special)
+            token_ids = await asyncio.to_thread(tokenizer.encode, text,
+                                                add_special_tokens=True if add_special is None else add_special)
         return {"count": len(token_ids), "max_model_len": server.llm.model.max_model_len, "tokens": token_ids}
 
     @app.post("/detokenize")
