@@ -1,15 +1,19 @@
 """The Python API against hostile use (issue #36): a step() called from inside a step is refused and
 leaves the outer step's outputs intact; text that is not Unicode is a ValueError naming the prompt;
-a model name too long for the file system is a clear InvalidEngineArgs."""
+a model name too long for the file system is a clear InvalidEngineArgs; a stream consumer that never
+reads holds one joined delta."""
 
 from __future__ import annotations
 
+import asyncio
 import re
 
 import pytest
 
-from deepinfer.engine import LLM, EngineArgs, LLMEngine, SamplingParams
+from deepinfer.engine import LLM, EngineArgs, LLMEngine, RequestOutput, SamplingParams
+from deepinfer.engine.async_front import MAX_PENDING_DELTAS, DeltaStream
 from deepinfer.engine.engine_args import InvalidEngineArgs
+from deepinfer.engine.outputs import CompletionOutput, running_output
 from deepinfer.engine.sampling_params import InvalidSamplingParams, StructuredOutput
 
 GREEDY = SamplingParams(temperature=0, max_tokens=6)
@@ -58,3 +62,16 @@ def test_a_model_name_too_long_for_the_file_system_is_a_clear_error() -> None:
     with pytest.raises(InvalidEngineArgs, match=r"model='a+'\.\.\. \(5000 characters\) cannot be a folder: File name "
                                                 r"too long"):
         LLMEngine(EngineArgs(model="a" * 5000))
+
+
+def test_a_consumer_that_never_reads_holds_one_joined_delta_not_one_per_step() -> None:
+    loop = asyncio.new_event_loop()
+    stream = DeltaStream(loop)
+    for i in range(1000):
+        stream.put(running_output("r", "p", [1], "ab", [i, i], None))
+        assert len(stream._pending) <= MAX_PENDING_DELTAS + 1
+    stream.put(RequestOutput("r", "p", [1], [CompletionOutput(0, "z", [7], "length")], True))
+    out = stream.take(delta=True)
+    assert out.finished and out.outputs[0].text == "ab" * 1000 + "z"
+    assert out.outputs[0].token_ids == [t for i in range(1000) for t in (i, i)] + [7]
+    loop.close()

@@ -31,6 +31,7 @@ if TYPE_CHECKING:
     from .parallel.messages import ParallelStats
 
 DEFAULT_MAX_NUM_WAITING = 1024
+MAX_PENDING_DELTAS = 64      # outputs a DeltaStream queues for its consumer before joining them into one
 
 
 class EngineQueueFull(RuntimeError):
@@ -174,7 +175,13 @@ class DeltaStream(OutputStream):
         return self.error is not None or self._final
 
     def put(self, out: RequestOutput) -> None:
-        self._pending.append(out)
+        pending = self._pending
+        pending.append(out)
+        if len(pending) > MAX_PENDING_DELTAS:      # a consumer that does not read: one joined delta, not
+            joined = pending[0]                     # one object per step for the rest of the request
+            for more in pending[1:]:
+                joined = accumulate(joined, more)
+            self._pending = [joined]
         self._final = out.finished
         self.event.set()
 
