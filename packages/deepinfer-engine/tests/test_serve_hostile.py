@@ -428,7 +428,7 @@ def test_wrong_json_types_for_every_field_are_refused_naming_it(served: Served, 
         '{"type": "array", "items": ' * 300 + '{"type": "string"}' + "}" * 300)}}}, "response_format",
      "nested more than 100 levels"),
     ({"prompt": "x", "structured_outputs": {"regex": "(" * 3000 + "a" + ")" * 3000}}, "structured_outputs",
-     "Nest layer exceeded"),
+     "parentheses nest 3000 deep"),
 ])
 def test_out_of_range_ids_and_oversized_controls_are_400(served: Served, http: httpx.Client, body: dict,
                                                           param: str, needle: str) -> None:

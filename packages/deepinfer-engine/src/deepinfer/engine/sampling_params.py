@@ -32,6 +32,7 @@ MAX_STOP_TOKEN_IDS = 1024
 MAX_STRUCTURED_CHARS = 2**20   # a schema (compact JSON), regex or grammar; all choices together
 MAX_CHOICES = 4096
 MAX_SCHEMA_DEPTH = 100         # JSON nesting of a schema (objects and arrays); xgrammar's compile recurses on it
+MAX_GROUP_DEPTH = 100          # nested parentheses in a regex, a grammar or a schema's pattern
 MAX_REPETITION = 1000           # a {m,n} count in a regex, a grammar or a schema's pattern (compile time grows fast)
 MAX_N = 128                     # parallel samples of one request
 MAX_PENALTY = 2.0               # presence / frequency penalties in [-2, 2]; repetition in (0, 2]
@@ -67,8 +68,9 @@ class StructuredOutput:
     Sizes are capped (compiling a grammar costs time and memory in proportion): the compact JSON
     schema, the regex and the grammar are at most MAX_STRUCTURED_CHARS (2**20) characters each; choice
     holds at most MAX_CHOICES (4096) strings of at most MAX_STRUCTURED_CHARS characters in all. A
-    schema nests at most MAX_SCHEMA_DEPTH (100) objects and arrays deep, and a
-    repetition count `{m,n}` in the regex, the grammar or a schema's "pattern" is at most
+    schema nests at most MAX_SCHEMA_DEPTH (100) objects and arrays deep; parentheses in the regex,
+    the grammar or a schema's "pattern" nest at most MAX_GROUP_DEPTH (100) deep, and a
+    repetition count `{m,n}` in them is at most
     MAX_REPETITION (1000): xgrammar's compile time grows faster than linearly in it (a schema pattern
     `[a-z]{1,10000}` compiles for over a minute). The compile itself is time-bounded too
     (`grammar_compiler`).
@@ -445,7 +447,22 @@ _REPETITION = re.compile(r"(?<!\\)\{\s*(\d+)\s*(?:,\s*(\d*)\s*)?\}")
 
 
 def _check_repetitions(name: str, pattern: str) -> None:
-    """Refuse a `{m}` / `{m,n}` count above MAX_REPETITION (an escaped `\\{` is a literal brace)."""
+    """Refuse a `{m}` / `{m,n}` count above MAX_REPETITION (an escaped `\\{` is a literal brace), and
+    parentheses nested deeper than MAX_GROUP_DEPTH (xgrammar's parsers recurse on them)."""
+    depth = deepest = 0
+    escaped = False
+    for char in pattern:
+        if escaped:
+            escaped = False
+        elif char == "\\":
+            escaped = True
+        elif char == "(":
+            depth += 1
+            deepest = max(deepest, depth)
+        elif char == ")":
+            depth -= 1
+    if deepest > MAX_GROUP_DEPTH:
+        _fail(f"{name}: parentheses nest {deepest} deep; at most {MAX_GROUP_DEPTH} are allowed")
     for found in _REPETITION.finditer(pattern):
         counts = [c for c in found.groups() if c]
         if any(len(c) > 9 or int(c) > MAX_REPETITION for c in counts):
