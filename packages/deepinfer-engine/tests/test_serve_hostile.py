@@ -245,6 +245,7 @@ class _GatedBackend:
     def __init__(self, real: XGrammarBackend) -> None:
         self.real, self.release = real, threading.Event()
         self.started: list[str] = []
+        self.broken = False             # new_state raises
 
     def compile(self, spec: StructuredOutput) -> object:
         self.started.append(spec.regex or spec.kind)
@@ -254,6 +255,8 @@ class _GatedBackend:
         return self.real.compile(spec)
 
     def new_state(self, compiled: object) -> object:
+        if self.broken:
+            raise RuntimeError("matcher broke")
         return self.real.new_state(compiled)
 
 
@@ -312,6 +315,38 @@ def test_a_request_whose_client_left_stops_waiting_for_its_grammar(grammar_serve
         assert time.monotonic() < deadline, "the aborted request still waits for its grammar"
         time.sleep(0.02)
     with httpx.Client(base_url=served.url, timeout=30) as http:
+        assert post(http, "completions", _regex("[ab]+")).status_code == 200
+
+
+def test_a_grammar_that_cannot_start_or_a_failed_request_is_an_error_to_the_client(
+        grammar_served, monkeypatch: pytest.MonkeyPatch) -> None:
+    served, backend, _ = grammar_served
+    engine = served.llm.engine
+    with httpx.Client(base_url=served.url, timeout=30) as http:
+        backend.broken = True
+        try:
+            reply = post(http, "completions", _regex("[ab]+"))
+        finally:
+            backend.broken = False
+        error = reply.json()["error"]
+        assert reply.status_code == 400 and error["param"] == "structured_outputs"
+        assert "its grammar could not start: RuntimeError: matcher broke" in error["message"]
+        post_process = engine._post_process
+
+        def failing(*args: object, **kwargs: object) -> None:
+            raise RuntimeError("step broke")
+
+        monkeypatch.setattr(engine, "_post_process", failing)       # every request of a step fails
+        whole = post(http, "completions", {"prompt": [5, 6], "max_tokens": 2})
+        assert whole.status_code == 500 and whole.json()["error"]["code"] == "request_failed"
+        assert "RuntimeError: step broke" in whole.json()["error"]["message"]
+        with http.stream("POST", "/v1/completions", content=json.dumps(
+                {"prompt": [5, 6], "max_tokens": 2, "stream": True})) as streamed:
+            chunks = [json.loads(line[6:]) for line in streamed.iter_lines()
+                      if line.startswith("data: {")]
+        last = chunks[-1]["choices"][0]
+        assert last["finish_reason"] == "error" and "step broke" in last["error_reason"]
+        monkeypatch.setattr(engine, "_post_process", post_process)
         assert post(http, "completions", _regex("[ab]+")).status_code == 200
 
 

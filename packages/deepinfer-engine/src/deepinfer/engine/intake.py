@@ -199,12 +199,17 @@ class RequestIntake:
             req = self._awaiting_grammar.pop(done.request_id, None)
             if req is None or req.finished:          # aborted while compiling
                 continue
-            if done.error is not None:
-                req.ignore(f"{GRAMMAR_FAILED}: {done.error}")
+            error = done.error
+            if error is None:
+                try:
+                    for sample in req.samples:
+                        sample.grammar = self.grammars.backend.new_state(done.compiled)
+                except Exception as err:         # the request fails alone, not the step it is pumped in
+                    error = f"its grammar could not start: {type(err).__name__}: {err}"
+            if error is not None:
+                req.ignore(f"{GRAMMAR_FAILED}: {error}")
                 self._finished_between_steps.append(req)
             else:
-                for sample in req.samples:
-                    sample.grammar = self.grammars.backend.new_state(done.compiled)
                 # Never recomputed (docs/design.md §3.3): a preemption finishes it.
                 self.scheduler.add_seq(req.request_id, req.samples[0].token_ids, req.max_tokens, recomputable=False,
                                        share_list=True)

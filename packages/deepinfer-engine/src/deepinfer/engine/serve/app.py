@@ -38,7 +38,7 @@ from ..chat_messages import InvalidChatRequest, parse_messages
 from ..chat_template import ChatTemplate, ChatTemplateError, load_chat_template
 from ..grammar_backend import StructuredOutputUnavailable
 from ..intake import GRAMMAR_FAILED
-from ..outputs import FINISH_IGNORED, RequestOutput
+from ..outputs import FINISH_ERROR, FINISH_IGNORED, RequestOutput
 from ..sampling_params import InvalidSamplingParams
 from ..text_checks import check_prompt_length, find_lone_surrogate
 from ..tokenizer import require_tokenizer
@@ -177,7 +177,11 @@ class _Server:
             return Response(status_code=499)    # nginx's "client closed request"; nobody reads it
         if isinstance(whole.exception(), EngineDead):
             raise APIError(500, str(whole.exception()), code="engine_dead")
-        return JSONResponse(writer.full(whole.result()))
+        last = whole.result()
+        if all(c.finish_reason == FINISH_ERROR for c in last.outputs):    # nothing of it is an answer
+            raise APIError(500, f"the engine failed the request: {last.outputs[0].error_reason}",
+                           code="request_failed")
+        return JSONResponse(writer.full(last))
 
     def _chat_prompt(self, req: GenerateRequest) -> dict[str, Any]:
         """The rendered chat prompt and its token ids; a text too long for max_model_len tokens is

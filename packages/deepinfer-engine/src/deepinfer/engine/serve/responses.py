@@ -116,6 +116,8 @@ class ResponseWriter:
             if finished:
                 self._finished.add(index)
                 choice["stop_reason"] = completion.stop_reason
+                if completion.error_reason is not None:      # finish_reason "error": say why
+                    choice["error_reason"] = completion.error_reason
             yield sse(self._chunk(choice))
 
     def end(self, num_prompt_tokens: int, num_output_tokens: int) -> Iterator[str]:
@@ -140,6 +142,8 @@ class ResponseWriter:
             calls = bool(choice.get("message", {}).get("tool_calls"))
             choice.update(logprobs=self._logprobs(completion),
                           finish_reason=finish_reason(completion, tool_calls=calls), stop_reason=completion.stop_reason)
+            if completion.error_reason is not None:          # finish_reason "error": say why
+                choice["error_reason"] = completion.error_reason
             if last.prompt_logprobs is not None:
                 choice["prompt_logprobs"] = _prompt_logprobs(last)
             choices.append(choice)
