@@ -19,15 +19,13 @@ import uuid
 from collections.abc import AsyncGenerator, Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Protocol
+from typing import Protocol
 
 from .intake import PromptInput
 from .outputs import CompletionOutput, RequestOutput, running_output
 from .sampling_params import SamplingParams
+from .stats import EngineStats, ParallelStats
 from .tokenizer import Tokenizer
-
-if TYPE_CHECKING:
-    from .parallel.messages import ParallelStats
 
 DEFAULT_MAX_NUM_WAITING = 1024
 
@@ -42,29 +40,6 @@ class EngineStopped(RuntimeError):
 
 class EngineDead(EngineStopped):
     """The engine behind the front failed (a DP rank died); the message says which and how."""
-
-
-@dataclass(frozen=True, slots=True)
-class EngineStats:
-    """A snapshot of one engine (or the sum over DP ranks) after its latest step.
-
-    Attributes:
-        num_running: sequences decoding (or about to), per the scheduler.
-        num_waiting: requests accepted but not running: in the inbox, compiling a grammar or
-            waiting for prefill.
-        num_free_kv_blocks: free paged KV blocks (block 0, reserved, not counted).
-        num_kv_blocks: usable paged KV blocks (block 0 excluded).
-    """
-
-    num_running: int
-    num_waiting: int
-    num_free_kv_blocks: int
-    num_kv_blocks: int
-
-    @property
-    def kv_cache_usage(self) -> float:
-        """Fraction of the usable KV blocks in use, in [0, 1]."""
-        return 1.0 - self.num_free_kv_blocks / self.num_kv_blocks if self.num_kv_blocks else 0.0
 
 
 @dataclass(frozen=True, slots=True)

@@ -29,7 +29,6 @@ import torch.multiprocessing as mp
 
 from ..async_front import (
     DEFAULT_MAX_NUM_WAITING,
-    EngineStats,
     OutputStream,
     ProcessFront,
     ServedModel,
@@ -41,12 +40,11 @@ from ..intake import PromptInput
 from ..llm_engine import resolve_model_dir
 from ..outputs import RequestOutput
 from ..sampling_params import SamplingParams
+from ..stats import EngineStats, ParallelStats, RebalanceStats
 from ..tokenizer import load_tokenizer
-from .eplb_live import RebalanceStats
 from .launcher import free_port
 from .messages import (
     Abort,
-    ParallelStats,
     RankError,
     RankLoad,
     RankReady,

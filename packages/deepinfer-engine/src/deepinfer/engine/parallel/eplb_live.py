@@ -10,8 +10,6 @@ weights are sent rank to rank (`deepinfer.model.move_experts`) and swapped in be
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import numpy as np
 import torch
 import torch.distributed as dist
@@ -29,29 +27,9 @@ from deepinfer.eplb import (
 from deepinfer.model import ExpertMoves, ExpertSlots, moe_layers, move_experts, take_expert_counts
 
 from ..engine_args import EngineArgs
+from ..stats import RebalanceStats
 
 PRESETS = {"prefill": PREFILL_EPLB_CONFIG, "decode": DECODE_EPLB_CONFIG}
-
-
-@dataclass(frozen=True, slots=True)
-class RebalanceStats:
-    """One adopted re-placement, as the engine reports it.
-
-    Attributes:
-        step: forward steps counted when it was decided.
-        layer_ids: MoE layer indices (forward order) it re-placed.
-        max_mean_before: per layer of `layer_ids`: max / mean rank load over the window, old placement.
-        max_mean_after: the same under the new placement.
-        num_moves: expert copies made; num_remote_moves of them travelled between ranks.
-        num_remote_moves: see num_moves.
-    """
-
-    step: int
-    layer_ids: tuple[int, ...]
-    max_mean_before: tuple[float, ...]
-    max_mean_after: tuple[float, ...]
-    num_moves: int
-    num_remote_moves: int
 
 
 def eplb_config(args: EngineArgs, ep_size: int) -> EplbConfig:

@@ -33,7 +33,8 @@ from ..intake import PromptInput
 from ..llm_engine import ExpertParallelSetup, LLMEngine, resolve_model_dir
 from ..outputs import OutputKind, RequestOutput
 from ..sampling_params import SamplingParams
-from .eplb_live import LiveBalancer, RebalanceStats, eplb_config, initial_slots
+from ..stats import RebalanceStats
+from .eplb_live import LiveBalancer, eplb_config, initial_slots
 
 _EMPTY_STEPS = (StepKind.EMPTY_PROMPT, StepKind.EMPTY_DECODE)
 

@@ -27,7 +27,7 @@ import json
 import re
 
 from ..chat_deepseek_v4 import DSML
-from .tool_parsers import ParsedCall, ParsedOutput, held_back
+from .parsed_calls import ParsedCall, ParsedOutput, held_back
 
 START = f"<{DSML}tool_calls>"
 END = f"</{DSML}tool_calls>"
