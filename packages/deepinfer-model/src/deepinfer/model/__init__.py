@@ -30,15 +30,9 @@ from .config_v41 import DeepseekV41Config
 from .dspark import DraftProposal, DSparkDraft, num_stages_in
 from .dummy import dummy_model
 from .embedded import embedded_model_dir
-from .layers.moe_ep import (
-    ExpertParallel,
-    ExpertSlots,
-    apply_expert_parallel,
-    moe_layers,
-    run_ep_dummy_forward,
-    take_expert_counts,
-)
+from .layers.moe_ep import ExpertParallel, ExpertSlots
 from .layers.moe_ep_moves import ExpertMoves, move_experts
+from .layers.moe_ep_setup import apply_expert_parallel, moe_layers, run_ep_dummy_forward, take_expert_counts
 from .model import DeepseekV4ForCausalLM
 from .model_v41 import DeepseekV41ForCausalLM
 from .weights import LOAD_FORMATS, WeightError, load_model

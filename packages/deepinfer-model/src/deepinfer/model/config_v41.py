@@ -19,7 +19,7 @@ from typing import Any
 
 from deepinfer.kernels.reference import YarnScaling
 
-from .config_checks import SIZE_FIELDS, SLIDING, ConfigError, boolean, integer, number
+from .config_checks import SIZE_FIELDS, SLIDING, ConfigError, boolean, integer, number, quant_config, rope_fields
 
 __all__ = ["CSA2", "DeepseekV41Config", "parse_v41"]
 
@@ -154,8 +154,6 @@ class DeepseekV41Config:
 
 def parse_v41(raw: dict[str, Any]) -> dict[str, Any]:
     """DeepseekV41Config keyword arguments from a config.json mapping (see the module docstring)."""
-    from .config import _quant, _rope  # shared with V4 (same spellings)
-
     raw = dict(raw)
     model_type = raw.get("model_type")
     quant_raw = raw.get("quantization_config")
@@ -206,7 +204,7 @@ def parse_v41(raw: dict[str, Any]) -> dict[str, Any]:
     if "engram_num_embeddings" not in raw or raw["engram_num_embeddings"] is None:
         out["engram_num_embeddings"] = (0,) * len(out["engram_layer_ids"])
     rope = {k: raw[k] for k in ("rope_parameters", "rope_scaling", "max_position_embeddings") if k in raw}
-    out.update(_rope(rope))
+    out.update(rope_fields(rope))  # shared with V4 (same spellings)
     eos = raw.get("eos_token_id", 1)
     out["eos_token_id"] = tuple(eos) if isinstance(eos, list | tuple) else (() if eos is None else (eos,))
     expert_dtype = raw.get("expert_dtype")
@@ -214,7 +212,7 @@ def parse_v41(raw: dict[str, Any]) -> dict[str, Any]:
         quant_raw = dict(_object(quant_raw, "quantization_config"))
         if expert_dtype is not None and "expert_dtype" not in quant_raw:
             quant_raw["expert_dtype"] = expert_dtype
-    out["quant"] = _quant({"quantization_config": quant_raw} if quant_raw else {})
+    out["quant"] = quant_config({"quantization_config": quant_raw} if quant_raw else {})
     return out
 
 

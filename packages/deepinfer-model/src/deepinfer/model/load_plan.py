@@ -49,7 +49,7 @@ class Placement:
     expert: int | None = None     # one expert of a stacked target; None with `stacked` = all of them
     row_start: int = 0            # first row of that expert's matrix this source fills (w3 after w1)
     stacked: bool = False         # target is a stacked [experts, rows, cols] expert tensor
-    # An EP rank's shard of a stacked target (`moe_ep.shard_experts`): for one expert's source, the
+    # An EP rank's shard of a stacked target (`moe_ep_setup.shard_experts`): for one expert's source, the
     # target slots it fills (a redundant expert fills several); for a source of all experts, the
     # expert each target slot takes. None: target row = expert id.
     slots: tuple[int, ...] | None = None
@@ -65,7 +65,7 @@ def plan_load(stored: dict[str, StoredTensor], expected: dict[str, Tensor], cfg:
     """Placements in reading order (file, then offset); raises WeightError for any missing,
     unexpected, duplicate, mis-shaped or mis-typed tensor. `expected`: the model's state dict (meta);
     `model_dir`: named in messages about tensors the checkpoint lacks; `expert_shards`: an EP rank's
-    experts (`moe_ep.shard_experts`' result): other experts' tensors are left unread (still checked)."""
+    experts (`moe_ep_setup.shard_experts`' result): other experts' tensors are left unread (still checked)."""
     scale_of = {key: _scale_key(key, stored) for key in stored}
     scales = {s for s in scale_of.values() if s is not None}
     placements, unexpected = [], []

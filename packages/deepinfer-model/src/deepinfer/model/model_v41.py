@@ -11,8 +11,6 @@ rings, the ratio-2 compressor rings and the Engram token history.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 from torch import Tensor, nn
 
@@ -21,17 +19,17 @@ from deepinfer.kernels.reference import rope_inv_freq
 
 from .batch import ForwardBatch
 from .cache import CacheSpec, ModelCache, PagedStreamSpec, StateSpec
+from .causal_lm import DraftHead
 from .ced import DEFAULT_KEEP_TOKENS, Frozen, Truncation, TruncationPlan, check_truncation, first_consumer_layer
 from .config_checks import ConfigError
 from .config_v41 import DeepseekV41Config
 from .layers import csa2_decode
 from .layers.common import RMSNorm, add_hc_site_params, matmul_t
-from .layers.csa2 import Attention, Codecs, Published
+from .layers.csa2 import Attention
+from .layers.csa2_decode import Published
 from .layers.engram import HISTORY, Engram, EngramHasher, table_rows
 from .layers.moe import Experts, SharedExpert
-
-if TYPE_CHECKING:
-    from .dspark import DSparkDraft
+from .layers.v41_codecs import Codecs
 
 
 class Gate(nn.Module):
@@ -147,9 +145,9 @@ class DeepseekV41ForCausalLM(nn.Module):
         if token_map is not None:
             self.bind_token_map(token_map)
         self.draft_weights: dict[str, Tensor] = {}   # mtp.* tensors (DSpark stages), for deepinfer-spec
-        self.__dict__["draft"] = None     # an attached DSparkDraft (not a submodule: names stay the checkpoint's)
+        self.__dict__["draft"] = None     # an attached DraftHead (not a submodule: names stay the checkpoint's)
 
-    def attach_draft(self, draft: DSparkDraft | None) -> None:
+    def attach_draft(self, draft: DraftHead | None) -> None:
         """Attach a DSpark draft head (or detach with None): every forward then captures the streams
         entering `dspark_target_layer_ids` and writes the draft stages' window rings, and `cache_spec`
         declares those rings. Without a draft the forward captures nothing."""

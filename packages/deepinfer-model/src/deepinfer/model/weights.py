@@ -34,7 +34,7 @@ from .config_v41 import DeepseekV41Config
 from .dummy import dummy_model
 from .engram_vocab import compressed_token_map
 from .layers.moe import quantise_expert_matrix
-from .layers.moe_ep import shard_experts
+from .layers.moe_ep_setup import shard_experts
 from .load_plan import COPY, DRAFT, ENGRAM_TABLE, KEEP, PACKED_FP4, TABLE, Placement, plan_load
 from .model import DeepseekV4ForCausalLM, build_model
 from .model_v41 import DeepseekV41ForCausalLM, build_model_v41

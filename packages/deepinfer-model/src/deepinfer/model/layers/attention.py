@@ -9,7 +9,7 @@ rope dims are rotated back at the query position before the grouped low-rank out
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING, NamedTuple
+from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor, nn
@@ -26,23 +26,10 @@ if TYPE_CHECKING:
 from . import batched_decode
 from .common import RMSNorm, hadamard, linear, matmul_t, stacked_weight
 from .compressor import Compressor
+from .projections import Projections
 
 RowPost = Callable[[Tensor, KernelSet], Tensor]   # quantisation applied to freshly compressed rows
 
-
-class Projections(NamedTuple):
-    """A layer's projections of its input tokens (num_tokens = t):
-    q [t, heads, head_dim] and kv [t, head_dim] (RMSNorm + RoPE applied, KV-quantised when asked);
-    index_q [t, index heads, index dim] and index_w [t, index heads] float32 (CSA only); the
-    compressors' (kv, gate) inputs [t, mult·width] in the model dtype (column views of one GEMM
-    output), for the layer's compressor and the indexer's (None where absent)."""
-
-    q: Tensor
-    kv: Tensor
-    index_q: Tensor | None
-    index_w: Tensor | None
-    comp: tuple[Tensor, Tensor] | None
-    index_comp: tuple[Tensor, Tensor] | None
 
 # Prefill queries the indexer scores at once, against the entries the block's last query sees: bounds
 # the [queries, entries] float32 scores, and skips the entries no query of a block can pick (at one

@@ -30,8 +30,6 @@ closed entries) before any token reads them.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 from torch import Tensor
 
@@ -40,9 +38,7 @@ from deepinfer.kernels.reference.paged import store_closed_rows
 
 from ..batch import ForwardBatch
 from ..cache import ModelCache
-
-if TYPE_CHECKING:
-    from .attention import Projections
+from .projections import Projections
 
 
 def _compress(comp, inputs: tuple[Tensor, Tensor], prefix: str, paged: Tensor, batch: ForwardBatch,

@@ -22,8 +22,6 @@ prefill gives. With no index source before it, a layer attends to its window onl
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
 import torch
 from torch import Tensor, nn
 
@@ -36,38 +34,11 @@ from ..config_v41 import DeepseekV41Config
 from . import csa2_decode
 from .attention import init_projections
 from .common import RMSNorm, linear
-from .v41_codecs import RowCodec
+from .csa2_decode import Published
+from .v41_codecs import Codecs
 
 PREFILL_QUERY_BLOCK = 1024     # queries gathered at once (their rows are the prefill's largest transient)
 INDEX_QUERY_BLOCK = 128        # queries scored at once by an indexer ([queries, heads, keys] float32)
-
-
-@dataclass
-class Published:
-    """What index sources hand to the layers after them during one forward: per sequence (`picks`,
-    `candidates`), or for a whole decode batch at once (`batched_*`, see `csa2_decode`)."""
-
-    picks: list[Tensor | None] = field(default_factory=list)        # [q, k] entry ids, −1 none
-    candidates: list[Tensor | None] = field(default_factory=list)   # [q, entries] bool
-    batched_picks: Tensor | None = None                              # [num_seqs, k]
-    batched_candidates: Tensor | None = None                         # [num_seqs, entries]
-
-
-@dataclass(frozen=True, slots=True)
-class Codecs:
-    """The row formats of a V4.1 model's caches."""
-
-    window: RowCodec
-    kv: RowCodec
-    index: RowCodec
-
-    @classmethod
-    def for_model(cls, cfg: DeepseekV41Config, dtype: torch.dtype, ops: KernelSet | None = None) -> Codecs:
-        """The formats for `cfg`; `ops` quantises and dequantises (default: the reference ops)."""
-        kw = {} if ops is None else {"ops": ops}
-        return cls(RowCodec.choose("mxfp8", cfg.head_dim, dtype, **kw),
-                   RowCodec.choose("fp4_e4m3", cfg.head_dim, dtype, **kw),
-                   RowCodec.choose("fp4_ue8m0", cfg.index_head_dim, dtype, **kw))
 
 
 class Compressor(nn.Module):

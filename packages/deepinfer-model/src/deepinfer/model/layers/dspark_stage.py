@@ -14,6 +14,7 @@ from deepinfer.kernels import KernelSet
 
 from ..config import DeepseekV4Config
 from ..config_v41 import DeepseekV41Config
+from ..model_v41 import MoE as MoEV41
 from .attention import init_projections
 from .common import RMSNorm, linear
 from .moe import MoE
@@ -118,7 +119,6 @@ class DraftStage(nn.Module):
         self.ffn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.attn = DraftAttention(cfg, codec)
         if self.v41:
-            from ..model_v41 import MoE as MoEV41
             draft_moe = dataclasses.replace(cfg, n_routed_experts=cfg.dspark_n_routed_experts,
                                             num_experts_per_tok=cfg.dspark_num_experts_per_tok)
             self.ffn = MoEV41(draft_moe, expert_dtype)

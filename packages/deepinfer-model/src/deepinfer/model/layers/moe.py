@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 from torch import Tensor, nn
 
@@ -12,9 +10,7 @@ from deepinfer.kernels.reference import quant_fp8_block, quant_mxfp4
 
 from ..config import ConfigError, DeepseekV4Config
 from .common import linear, stacked_weight
-
-if TYPE_CHECKING:
-    from .moe_ep import ExpertParallel
+from .moe_ep import ExpertParallel
 
 
 class Gate(nn.Module):
@@ -128,7 +124,7 @@ class SharedExpert(nn.Module):
 class MoE(nn.Module):
     """`gate`, `experts`, `shared_experts` (official names).
 
-    `ep` (set by `moe_ep.apply_expert_parallel`, None otherwise): the routed experts run expert
+    `ep` (set by `moe_ep_setup.apply_expert_parallel`, None otherwise): the routed experts run expert
     parallel — `experts` holds this rank's slots and tokens travel by all-to-all (variable splits in
     prefill, fixed-capacity buffers in decode steps).
     """
