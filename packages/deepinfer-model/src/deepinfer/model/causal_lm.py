@@ -6,7 +6,7 @@ the draft head import neither this module's users nor each other."""
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Protocol
+from typing import Protocol, runtime_checkable
 
 import torch
 from torch import Tensor, nn
@@ -19,6 +19,7 @@ from .config import DeepseekV4Config
 from .config_v41 import DeepseekV41Config
 
 
+@runtime_checkable
 class DraftHead(Protocol):
     """A draft head riding on a target model's forward (`DSparkDraft`)."""
 
@@ -31,6 +32,7 @@ class DraftHead(Protocol):
         ...
 
 
+@runtime_checkable
 class CausalLM(Protocol):
     """A DeepSeek-V4 or V4.1 model as the engine drives it.
 

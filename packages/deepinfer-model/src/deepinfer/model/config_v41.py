@@ -203,7 +203,8 @@ def parse_v41(raw: dict[str, Any]) -> dict[str, Any]:
         out[key] = tuple(_ints(raw.get(key) or [], key))
     if "engram_num_embeddings" not in raw or raw["engram_num_embeddings"] is None:
         out["engram_num_embeddings"] = (0,) * len(out["engram_layer_ids"])
-    rope = {k: raw[k] for k in ("rope_parameters", "rope_scaling", "max_position_embeddings") if k in raw}
+    rope: dict[str, Any] = {k: raw[k] for k in ("rope_parameters", "rope_scaling", "max_position_embeddings")
+                            if k in raw}
     out.update(rope_fields(rope))  # shared with V4 (same spellings)
     eos = raw.get("eos_token_id", 1)
     out["eos_token_id"] = tuple(eos) if isinstance(eos, list | tuple) else (() if eos is None else (eos,))

@@ -18,7 +18,10 @@ from torch import Tensor
 
 from .checkpoint import StoredTensor, WeightError
 from .config import DeepseekV4Config
+from .config_v41 import DeepseekV41Config
 from .names import expert_part, is_draft_key, to_official
+
+ModelConfig = DeepseekV4Config | DeepseekV41Config
 
 FLOATS = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 INTEGERS = (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8)
@@ -59,7 +62,7 @@ class Placement:
         return self.source.nbytes + (self.scale.nbytes if self.scale else 0)
 
 
-def plan_load(stored: dict[str, StoredTensor], expected: dict[str, Tensor], cfg: DeepseekV4Config,
+def plan_load(stored: dict[str, StoredTensor], expected: dict[str, Tensor], cfg: ModelConfig,
               expert_dtype: str | None, model_dir: Path,
               expert_shards: dict[str, tuple[int, ...]] | None = None) -> list[Placement]:
     """Placements in reading order (file, then offset); raises WeightError for any missing,
@@ -73,7 +76,7 @@ def plan_load(stored: dict[str, StoredTensor], expected: dict[str, Tensor], cfg:
     for key, tensor in stored.items():
         if key in scales or (v41 and _V41_SKIPPED.search(to_official(key))):
             continue
-        scale = stored[scale_of[key]] if scale_of[key] else None
+        scale = stored[scale_key] if (scale_key := scale_of[key]) else None
         placement = _place(tensor, scale, expected, expert_dtype)
         if placement is None:
             unexpected.append(tensor)
@@ -145,7 +148,7 @@ def _mode(tensor: StoredTensor, scale: StoredTensor | None, expert_dtype: str | 
     return QUANTISE
 
 
-def _check_coverage(placements: list[Placement], expected: dict[str, Tensor], cfg: DeepseekV4Config,
+def _check_coverage(placements: list[Placement], expected: dict[str, Tensor], cfg: ModelConfig,
                     model_dir: Path, shards: dict[str, tuple[int, ...]]) -> None:
     """Each parameter filled exactly once (each expert's w1, w3 and w2 too, of a sharded target the
     experts of its slots); scales of quantised experts are filled with their weights."""
@@ -178,7 +181,7 @@ def _check_coverage(placements: list[Placement], expected: dict[str, Tensor], cf
                                       f"or the stacked {name!r}) in {model_dir}")
 
 
-def _float_shape(p: Placement, expected: dict[str, Tensor], cfg: DeepseekV4Config) -> tuple[int, ...]:
+def _float_shape(p: Placement, expected: dict[str, Tensor], cfg: ModelConfig) -> tuple[int, ...]:
     """The shape of the values `p` provides, in float (unpacked, dequantised) terms."""
     if not p.stacked:
         return tuple(expected[p.target].shape)
@@ -189,7 +192,7 @@ def _float_shape(p: Placement, expected: dict[str, Tensor], cfg: DeepseekV4Confi
     return (cfg.n_routed_experts, 2 * matrix[0] if p.target.endswith(".w13") else matrix[0], matrix[1])
 
 
-def _check(p: Placement, expected: dict[str, Tensor], cfg: DeepseekV4Config, expert_dtype: str | None,
+def _check(p: Placement, expected: dict[str, Tensor], cfg: ModelConfig, expert_dtype: str | None,
            block: int) -> None:
     src, scale = p.source, p.scale
     if p.expert is not None and p.expert >= cfg.n_routed_experts:

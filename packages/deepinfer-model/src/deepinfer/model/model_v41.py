@@ -53,8 +53,8 @@ class MoE(nn.Module):
         super().__init__()
         self.cfg = cfg
         self.gate = Gate(cfg)
-        self.experts = Experts(cfg, expert_dtype)       # type: ignore[arg-type]  (reads the shared fields)
-        self.shared_experts = SharedExpert(cfg)             # type: ignore[arg-type]
+        self.experts = Experts(cfg, expert_dtype)
+        self.shared_experts = SharedExpert(cfg)
         self.limit = cfg.swiglu_limit or float("inf")
 
     def forward(self, x: Tensor, ops: KernelSet) -> Tensor:
@@ -96,6 +96,7 @@ class Block(nn.Module):
         writes, from their state at the first consumer layer (see `ced`)."""
         eps = self.cfg.rms_norm_eps
         if self.engram is not None:
+            assert hash_ids is not None, "an Engram layer needs the step's hash ids"
             h = self.engram(h, hash_ids[:, self.engram.index], ops)
         attn_pre, post, comb = self._mixes(h, "attn", ops)
         x = ops.rms_norm(ops.hc_collapse(h, pre_mix), self.attn_norm.weight, eps)
@@ -234,7 +235,9 @@ class DeepseekV41ForCausalLM(nn.Module):
             raise ValueError(f"max_backtracking={max_backtracking} must be >= 0")
         ring = cfg.sliding_window + max_backtracking
         encoder = cfg.num_encoder_layers
-        stored, dropped, streams = [], [], []
+        stored: list[StateSpec] = []
+        dropped: list[StateSpec] = []
+        streams: list[PagedStreamSpec] = []
         for i in range(cfg.num_hidden_layers):
             region = StateSpec(f"layers.{i}.window", (ring, codecs.window.row_dim), codecs.window.dtype, i < encoder)
             (stored if i < encoder else dropped).append(region)
@@ -295,7 +298,7 @@ class DeepseekV41ForCausalLM(nn.Module):
         draft, features, feature_batch = self.draft, {}, batch
         for layer, block in enumerate(self.layers):
             inv_freq = self.main_inv_freq if cfg.compress_ratios[layer] == 0 else self.compress_inv_freq
-            if layer == start_truncation:
+            if plan is not None and layer == start_truncation:
                 if self.truncation.mode == "compact":
                     batch, h, pre_mix, frozen = plan.compact(batch, h, pre_mix, published)
                 else:
@@ -303,7 +306,7 @@ class DeepseekV41ForCausalLM(nn.Module):
             if draft is not None and layer in cfg.dspark_target_layer_ids:
                 features[layer], feature_batch = h.mean(dim=1), batch   # V4.1 DSpark: streams entering the layer
             h, pre_mix = block(h, pre_mix, hash_ids, batch, cache, ops, inv_freq, codecs, published, frozen)
-            if kept is not None:          # mask mode: rows outside the tails stay as they entered layer S
+            if kept is not None and plan is not None:   # mask mode: rows outside the tails keep their layer-S state
                 h = torch.where(plan.in_tail[:, None, None], h, kept[0])
                 pre_mix = torch.where(plan.in_tail[:, None], pre_mix, kept[1])
         if draft is not None:             # targets lie on one side of a truncation: one batch for all

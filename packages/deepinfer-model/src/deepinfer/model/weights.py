@@ -193,12 +193,14 @@ def _place(p: Placement, reader: TensorReader, state: dict[str, Tensor], ctx: _C
     elif p.mode == COPY:
         _copy(p, source, scale, state, ctx)
     elif p.mode == TABLE:
+        assert scale is not None, "an FP8 table comes with its scales (load plan)"
         _checked(p, _table_rows(source, scale))
         state[p.target].copy_(source)
         state[p.target[:-len("weight")] + "scale"].copy_(scale.view(torch.uint8))
     else:
         for expert, (part, part_scale) in _units(p, source, scale):
             values = _checked(p, _dequantised(p, part, part_scale, ctx.block))
+            assert ctx.expert_dtype is not None, "QUANTISE placements exist only for an expert_dtype"
             weight, weight_scale = quantise_expert_matrix(values, ctx.expert_dtype, ctx.block)
             _slot(p, state, expert).copy_(weight)
             _scale_slot(p, state, expert, ctx).copy_(weight_scale)
@@ -309,6 +311,7 @@ def _checked(p: Placement, values: Tensor) -> Tensor:
 
 def _keep(p: Placement, weight: Tensor, scale: Tensor, state: dict[str, Tensor], expert: int, ctx: _Context) -> None:
     """Stored FP8 / MXFP4 expert bytes and their scale, as they are (after checking for NaN codes)."""
+    assert p.scale is not None, "KEEP placements carry their scale (load plan)"
     if ctx.expert_dtype == "fp8":
         nan_codes = int(((weight.view(torch.uint8) & 0x7F) == 0x7F).sum())       # e4m3fn NaN: S.1111.111
         if nan_codes:

@@ -193,11 +193,12 @@ class Attention(nn.Module):
         """Advance the layer's compressors over rows a … b − 1 (one sequence's chunk): the paged KV
         stream, and on CSA layers the index keys of every entry so far [entries, index_head_dim]."""
         layer = self.layer
+        assert self.compressor is not None and p.comp is not None, "called on compressed layers only"
         pos = torch.arange(start, start + b - a, device=p.kv.device)
         paged = self._compress_chunk(self.compressor, f"layers.{layer}.kv", f"layers.{layer}.compressor",
                                      (p.comp[0][a:b], p.comp[1][a:b]), pos, start, slot, table, cache, ops, inv_freq,
                                      self._quant_kv if kv_quant else None)
-        if self.indexer is None:
+        if self.indexer is None or p.index_comp is None:
             return paged, None
         index_paged = self._compress_chunk(self.indexer.compressor, f"layers.{layer}.index_k",
                                            f"layers.{layer}.indexer", (p.index_comp[0][a:b], p.index_comp[1][a:b]),
@@ -218,6 +219,7 @@ class Attention(nn.Module):
             ids = torch.arange((start + b - a) // r, device=pos.device)[None, :]
             return torch.where(ids < visible[:, None], ids, -1)
         ix = self.indexer
+        assert keys is not None and p.index_q is not None and p.index_w is not None, "CSA layers project these"
         picks = None
         for lo in range(0, b - a, PREFILL_QUERY_BLOCK):
             hi = min(b - a, lo + PREFILL_QUERY_BLOCK)

@@ -86,7 +86,7 @@ def attention(attn, p: Projections, batch: ForwardBatch, cache: ModelCache, ops:
                          f"cache_spec(max_backtracking >= {batch.max_query_len - 1}))")
     ring[slots, pos % ring.shape[1]] = kv.to(ring.dtype)
     sink, scale = attn.attn_sink, cfg.head_dim**-0.5
-    if attn.compressor is None:
+    if attn.compressor is None or p.comp is None:     # both or neither (`Projections`)
         return ops.paged_decode_attention(q, ring, slots, pos, cfg.sliding_window, sink, scale)
     eps = cfg.rms_norm_eps
     paged_kv = cache.paged[f"layers.{layer}.kv"]
@@ -95,7 +95,7 @@ def attention(attn, p: Projections, batch: ForwardBatch, cache: ModelCache, ops:
               quant)
     num_entries = max(batch.max_context_len // r, 1)
     visible = (pos + 1) // r
-    if attn.indexer is None:
+    if attn.indexer is None or p.index_comp is None:
         ids = torch.arange(num_entries, device=q.device)[None, :]
         picks = torch.where(ids < visible[:, None], ids, -1)
     else:

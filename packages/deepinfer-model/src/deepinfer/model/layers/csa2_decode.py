@@ -122,6 +122,7 @@ def _compress(attn: DecodeLayer, comp: tuple[Tensor, Tensor | None], batch: Forw
               ops: KernelSet, inv_freq: Tensor, codecs: Codecs) -> None:
     """Advance the KV source's compressor by one token per sequence; closed groups land in its streams."""
     cfg, r, pos, slots = attn.cfg, attn.ratio, batch.positions, batch.state_slots
+    assert attn.compressor is not None, "called on KV sources only"
     kv, gate = comp
     if gate is None:
         latents, closes = kv, torch.ones_like(pos, dtype=torch.bool)
@@ -152,6 +153,7 @@ def _select(attn: DecodeLayer, index_q: Tensor, index_w: Tensor, batch: ForwardB
     """Every sequence's top-k over the first max_context_len // ratio index keys of its key source."""
     cfg, pos = attn.cfg, batch.positions
     src = cfg.key_source_of(attn.layer)
+    assert src is not None and attn.indexer is not None, "called on index sources only"
     r_src = cfg.compress_ratios[src]
     num_keys = batch.max_context_len // r_src
     if num_keys == 0:
