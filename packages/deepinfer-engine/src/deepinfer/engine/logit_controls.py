@@ -69,8 +69,8 @@ class TokenHistory:
 
     def reset(self, row: int, prompt_token_ids: Sequence[int], output_token_ids: Sequence[int]) -> None:
         """Rewrite a row from the host's tokens (queued after any earlier device work on it)."""
-        ids = np.fromiter(itertools.chain(prompt_token_ids, output_token_ids), dtype=np.int64)
-        ids = to_device(ids, self.device) if ids.size else None     # in range: the engine checked them
+        host_ids = np.fromiter(itertools.chain(prompt_token_ids, output_token_ids), dtype=np.int64)
+        ids = to_device(host_ids, self.device) if host_ids.size else None     # in range: the engine checked them
         num_prompt = len(prompt_token_ids)
         self.prompt_mask[row] = False
         self.counts[row] = 0

@@ -166,8 +166,8 @@ class DPAsyncLLM(ProcessFront):
                 return prompt, 0
             ids = tokenizer.encode(prompt)
             return {"prompt_token_ids": ids, "prompt": prompt}, len(ids)
-        ids = prompt.get("prompt_token_ids") if isinstance(prompt, dict) else prompt
-        return prompt, len(ids) if isinstance(ids, list | tuple) else 0
+        given = prompt.get("prompt_token_ids") if isinstance(prompt, dict) else prompt
+        return prompt, len(given) if isinstance(given, list | tuple) else 0
 
     def _send_counted(self, make: Any) -> None:
         """Send `make(seq, rank)` to every rank under the next sequence number (lock held)."""
