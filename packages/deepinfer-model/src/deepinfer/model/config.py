@@ -167,21 +167,8 @@ def _normalise(raw: dict[str, Any]) -> dict[str, Any]:
     if not isinstance(raw, dict):
         raise ConfigError(f"the config must be a JSON object, got {type(raw).__name__}")
     raw = dict(raw)
-    model_type = raw.get("model_type", "deepseek_v4")
-    if model_type != "deepseek_v4":
-        raise ConfigError(f"model_type={model_type!r} is not supported (only 'deepseek_v4', "
-                          f"'deepseek_v41' or 'deepseek_v41_text')")
-    if "text_config" in raw or "vision_config" in raw:
-        raise ConfigError("text_config/vision_config: composite (V4.1) configs are not supported")
     own = {f.name for f in fields(DeepseekV4Config)} - {"attention_types", "yarn", "quant", "extra"}
-    unknown = sorted(k for k in raw if k not in own and k not in _IGNORED_KEYS and not k.startswith("dspark_"))
-    if unknown:
-        raise ConfigError(f"unsupported config field(s): {', '.join(unknown)}")
-    for key, want in (("num_key_value_heads", 1), ("attention_bias", False), ("mlp_bias", False)):
-        if key in raw and raw[key] != want:
-            raise ConfigError(f"{key}={raw[key]!r} is not supported (must be {want!r})")
-    if raw.get("hidden_act", "silu") != "silu":
-        raise ConfigError(f"hidden_act={raw['hidden_act']!r} is not supported (must be 'silu')")
+    _check_supported(raw, own)
     out: dict[str, Any] = {k: v for k, v in raw.items() if k in own}
     n = integer(raw.get("num_hidden_layers", 43), "num_hidden_layers")
     out["attention_types"], out["compress_ratios"] = _layer_schedule(raw, n)
@@ -202,6 +189,25 @@ def _normalise(raw: dict[str, Any]) -> dict[str, Any]:
     if out["extra"]:
         raise ConfigError(f"unsupported config field(s): {', '.join(sorted(out['extra']))}")
     return out
+
+
+def _check_supported(raw: dict[str, Any], own: set[str]) -> None:
+    """Refuse another model type, a composite config, unknown fields and the architecture options V4
+    does not have."""
+    model_type = raw.get("model_type", "deepseek_v4")
+    if model_type != "deepseek_v4":
+        raise ConfigError(f"model_type={model_type!r} is not supported (only 'deepseek_v4', "
+                          f"'deepseek_v41' or 'deepseek_v41_text')")
+    if "text_config" in raw or "vision_config" in raw:
+        raise ConfigError("text_config/vision_config: composite (V4.1) configs are not supported")
+    unknown = sorted(k for k in raw if k not in own and k not in _IGNORED_KEYS and not k.startswith("dspark_"))
+    if unknown:
+        raise ConfigError(f"unsupported config field(s): {', '.join(unknown)}")
+    for key, want in (("num_key_value_heads", 1), ("attention_bias", False), ("mlp_bias", False)):
+        if key in raw and raw[key] != want:
+            raise ConfigError(f"{key}={raw[key]!r} is not supported (must be {want!r})")
+    if raw.get("hidden_act", "silu") != "silu":
+        raise ConfigError(f"hidden_act={raw['hidden_act']!r} is not supported (must be 'silu')")
 
 
 def _list(value: Any, name: str) -> list[Any]:
