@@ -343,7 +343,7 @@ def _check_checkpoints(checkpoints: object) -> None:
     if not isinstance(checkpoints, tuple):
         _fail("chunk_checkpoints", f"chunk_checkpoints={checkpoints!r} must be a tuple of token positions")
     previous = 0
-    for index, position in enumerate(checkpoints):  # type: ignore[arg-type]
+    for index, position in enumerate(checkpoints):
         if isinstance(position, bool) or not isinstance(position, int) or not 1 <= position <= MAX_INT32:
             _fail("chunk_checkpoints", f"chunk_checkpoints[{index}]={position!r} must be an integer in "
                   f"[1, {MAX_INT32}]")

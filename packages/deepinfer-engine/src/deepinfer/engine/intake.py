@@ -131,7 +131,7 @@ class RequestIntake:
 
     @staticmethod
     def _check_token_ids(params: SamplingParams, vocab: int) -> None:
-        for name, ids in (("logit_bias", [t for t, _ in params.logit_bias or ()]),
+        for name, ids in (("logit_bias", [t for t, _ in params.logit_bias_pairs]),
                           ("allowed_token_ids", params.allowed_token_ids or ())):
             bad = [t for t in ids if t >= vocab]
             if bad:

@@ -193,7 +193,7 @@ def build_logit_controls(params: Sequence[SamplingParams], history_slots: Sequen
         if p.allowed_token_ids is not None:
             lists.allow(row, [t for t in p.allowed_token_ids if t < vocab_size])
         if p.logit_bias:
-            lists.bias(row, [(t, b) for t, b in p.logit_bias if t < vocab_size])
+            lists.bias(row, [(t, b) for t, b in p.logit_bias_pairs if t < vocab_size])
         if slot is not None:
             lists.tracked.append(row)
             lists.slots.append(slot)

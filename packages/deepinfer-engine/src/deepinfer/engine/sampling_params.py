@@ -7,7 +7,7 @@ import math
 import numbers
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import NoReturn
+from typing import NoReturn, cast
 
 # Below this temperature a row is sampled greedily: dividing float32 logits by such a value no longer
 # gives a meaningful distribution (and for tiny values overflows), so argmax is the honest answer.
@@ -86,7 +86,7 @@ class StructuredOutput:
         if self.choice is not None:
             object.__setattr__(self, "choice", _normalise_choice(self.choice))
         kind = self.kind
-        size = sum(map(len, self.choice)) if kind == "choice" else len(getattr(self, kind))
+        size = sum(map(len, self.choice)) if self.choice is not None else len(getattr(self, kind))
         if size > MAX_STRUCTURED_CHARS:
             what = "strings hold" if kind == "choice" else "is"
             _fail(f"structured.{kind} {what} {size} characters; at most {MAX_STRUCTURED_CHARS} are allowed")
@@ -183,8 +183,8 @@ class SamplingParams:
     min_p: float = 0.0
     max_tokens: int | None = 16
     min_tokens: int = 0
-    stop: str | Sequence[str] | None = ()
-    stop_token_ids: Sequence[int] | None = ()
+    stop: str | Sequence[str] = ()                  # None is taken as () too
+    stop_token_ids: Sequence[int] = ()              # None is taken as () too
     ignore_eos: bool = False
     seed: int | None = None
     logprobs: int | None = None
@@ -277,6 +277,11 @@ class SamplingParams:
         return self.top_k >= 1
 
     @property
+    def logit_bias_pairs(self) -> tuple[tuple[int, float], ...]:
+        """`logit_bias` as normalised: (token id, bias) pairs, ascending id; () when None."""
+        return cast("tuple[tuple[int, float], ...]", self.logit_bias or ())
+
+    @property
     def uses_penalties(self) -> bool:
         """True when a penalty is on: the sampler needs the request's token counts."""
         return self.presence_penalty != 0 or self.frequency_penalty != 0 or self.repetition_penalty != 1
@@ -289,13 +294,13 @@ def _fail(message: str) -> NoReturn:
 def _int(name: str, value: object) -> int:
     if isinstance(value, bool) or not isinstance(value, numbers.Integral):
         _fail(f"{name}={value!r} must be an int")
-    return int(value)  # type: ignore[call-overload]
+    return int(value)
 
 
 def _real(name: str, value: object) -> float:
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
         _fail(f"{name}={value!r} must be a float")
-    result = float(value)  # type: ignore[arg-type]
+    result = float(value)
     if not math.isfinite(result):
         _fail(f"{name}={value!r} must be finite")
     return result
@@ -314,7 +319,7 @@ def _normalise_stop(stop: object) -> tuple[str, ...]:
         _fail(f"stop={stop!r} must be a str or a sequence of str")
     if len(items) > MAX_STOP_STRINGS:
         _fail(f"stop has {len(items)} strings: at most {MAX_STOP_STRINGS} are allowed")
-    result = tuple(items)  # type: ignore[arg-type]
+    result = tuple(items)
     for i, item in enumerate(result):
         if not isinstance(item, str):
             _fail(f"stop[{i}]={item!r} must be a str")
@@ -332,17 +337,17 @@ def _normalise_stop_token_ids(ids: object) -> tuple[int, ...]:
         _fail(f"stop_token_ids={ids!r} must be a sequence of int")
     if len(ids) > MAX_STOP_TOKEN_IDS:
         _fail(f"stop_token_ids has {len(ids)} ids: at most {MAX_STOP_TOKEN_IDS} are allowed")
-    result = tuple(ids)  # type: ignore[arg-type]
+    result = tuple(ids)
     for i, item in enumerate(result):
-        if isinstance(item, bool) or not isinstance(item, numbers.Integral) or not 0 <= item <= MAX_TOKEN_ID:
+        if isinstance(item, bool) or not isinstance(item, numbers.Integral) or not 0 <= int(item) <= MAX_TOKEN_ID:
             _fail(f"stop_token_ids[{i}]={item!r} must be an int >= 0 and <= {MAX_TOKEN_ID}")
     return tuple(int(item) for item in result)
 
 
 def _token_id(name: str, value: object) -> int:
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or not 0 <= value <= MAX_TOKEN_ID:
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or not 0 <= int(value) <= MAX_TOKEN_ID:
         _fail(f"{name}={value!r} must be an int >= 0 and <= {MAX_TOKEN_ID}")
-    return int(value)  # type: ignore[call-overload]
+    return int(value)
 
 
 def _normalise_logit_bias(bias: object) -> tuple[tuple[int, float], ...] | None:
@@ -412,7 +417,7 @@ def _normalise_schema(schema: object) -> str:
 def _normalise_choice(choice: object) -> tuple[str, ...]:
     if isinstance(choice, str | bytes) or not isinstance(choice, Sequence) or not choice:
         _fail(f"structured.choice={choice!r} must be a non-empty sequence of str")
-    result = tuple(choice)  # type: ignore[arg-type]
+    result = tuple(choice)
     if len(result) > MAX_CHOICES:
         _fail(f"structured.choice holds {len(result)} strings; at most {MAX_CHOICES} are allowed")
     for i, item in enumerate(result):
