@@ -1,5 +1,6 @@
-"""tools/code_checks.py: no import cycle between the packages' modules, and the check finds one
-wherever it hides (a TYPE_CHECKING block, a function body, a package's __init__)."""
+"""tools/code_checks.py: no import cycle between the packages' modules (the check finds one wherever
+it hides: a TYPE_CHECKING block, a function body, a package's __init__) and no function over radon
+complexity 20 outside the named exemptions."""
 
 from __future__ import annotations
 
@@ -67,3 +68,16 @@ def test_a_cycle_message_names_each_closing_import(tmp_path: Path) -> None:
     assert problems == ["import cycle between 2 modules:\n"
                         "    packages/deepinfer-x/src/deepinfer/x/a.py:2 imports deepinfer.x.b\n"
                         "    packages/deepinfer-x/src/deepinfer/x/b.py:1 imports deepinfer.x.a"]
+
+
+def test_a_function_over_complexity_20_is_reported(tmp_path: Path) -> None:
+    branches = "".join(f"    if x == {i}:\n        return {i}\n" for i in range(20))    # 20 ifs: complexity 21
+    root = _tree(tmp_path, {"__init__.py": "", "big.py": f"def pick(x):\n{branches}    return -1\n",
+                            "small.py": "def pick(x):\n    return x\n"})
+    problems = [p for p in code_checks.check_complexity(root) if p.startswith("packages/deepinfer-x")]
+    assert problems == ["packages/deepinfer-x/src/deepinfer/x/big.py:1: pick has cyclomatic complexity 21 "
+                        "(at most 20): split it"]
+
+
+def test_the_packages_have_no_function_over_complexity_20() -> None:
+    assert code_checks.check_complexity() == []
