@@ -37,10 +37,6 @@ EXEMPT_COMPLEXITY: Mapping[str, str] = {
     "packages/deepinfer-engine/src/deepinfer/engine/llm_engine.py": "branch d30s (issue #30: the Step protocol)",
     "packages/deepinfer-engine/src/deepinfer/engine/model_runner.py": "branch d30s (issue #30: the Step protocol)",
     "packages/deepinfer-engine/src/deepinfer/engine/sampling_stage.py": "branch d30s (issue #30: the Step protocol)",
-    # Split once branches a36 / b35, which edit these files, have landed (issue #30).
-    "packages/deepinfer-engine/src/deepinfer/engine/sampling_params.py": "after a36: SamplingParams.__post_init__",
-    "packages/deepinfer-engine/src/deepinfer/engine/engine_args.py": "after b35: EngineArgs.__post_init__",
-    "packages/deepinfer-model/src/deepinfer/model/load_plan.py": "after b35: load_plan._check",
 }
 
 

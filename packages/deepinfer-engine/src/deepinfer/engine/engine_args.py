@@ -201,6 +201,19 @@ class EngineArgs:
         if not isinstance(self.load_format, str) or self.load_format not in LOAD_FORMATS:
             _fail("load_format", f"load_format={self.load_format!r} must be one of "
                   f"{', '.join(map(repr, LOAD_FORMATS))}")
+        self._check_device()
+        for name, (low, high) in INT_RANGES.items():
+            value = getattr(self, name)
+            if value is not None or name not in OPTIONAL_FIELDS:
+                _int(name, value, low, high)
+        self._check_memory()
+        _check_checkpoints(self.chunk_checkpoints)
+        self._check_choices()
+        self._check_parallel()
+        self._check_speculative()
+
+    def _check_device(self) -> None:
+        """device and dtype."""
         if not isinstance(self.device, str):
             _fail("device", f"device={self.device!r} must be 'auto', 'cpu' or 'cuda[:N]' (a str)")
         if self.device != AUTO:
@@ -212,10 +225,8 @@ class EngineArgs:
                 _fail("device", f"device={self.device!r} must be 'auto', 'cpu' or 'cuda[:N]'")
         if not isinstance(self.dtype, str) or (self.dtype not in DTYPES and self.dtype != AUTO):
             _fail("dtype", f"dtype={self.dtype!r} must be 'auto' or one of {sorted(DTYPES)}")
-        for name, (low, high) in INT_RANGES.items():
-            value = getattr(self, name)
-            if value is not None or name not in OPTIONAL_FIELDS:
-                _int(name, value, low, high)
+
+    def _check_memory(self) -> None:
         mb = self.kv_cache_memory_mb
         if mb is not None and (isinstance(mb, bool) or not isinstance(mb, int | float)
                                or not 0 < mb <= MAX_KV_CACHE_MEMORY_MB):
@@ -224,7 +235,9 @@ class EngineArgs:
         util = self.gpu_memory_utilization
         if util is not None and (isinstance(util, bool) or not isinstance(util, int | float) or not 0 < util < 1):
             _fail("gpu_memory_utilization", f"gpu_memory_utilization={util!r} must be in (0, 1)")
-        _check_checkpoints(self.chunk_checkpoints)
+
+    def _check_choices(self) -> None:
+        """The fields that take one of a few values: modes, dtypes, flags, the engine type."""
         if self.yoco_prefill_truncation_mode not in TRUNCATION_MODES:
             _fail("yoco_prefill_truncation_mode", f"yoco_prefill_truncation_mode={self.yoco_prefill_truncation_mode!r} "
                   f"must be one of {', '.join(map(repr, TRUNCATION_MODES))}")
@@ -239,8 +252,6 @@ class EngineArgs:
         if not isinstance(self.engine_type, EngineType):
             _fail("engine_type", f"engine_type={self.engine_type!r} must be an EngineType (NORMAL, PROMPT or "
                   "COMPLETION)")
-        self._check_parallel()
-        self._check_speculative()
 
     def _check_parallel(self) -> None:
         timeout = self.distributed_timeout_s

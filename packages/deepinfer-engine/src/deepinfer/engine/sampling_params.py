@@ -202,35 +202,7 @@ class SamplingParams:
     logprob_entries: bool = False
 
     def __post_init__(self) -> None:
-        temperature = _real("temperature", self.temperature)
-        if not 0 <= temperature <= MAX_TEMPERATURE:
-            _fail(f"temperature={temperature} must be >= 0 and <= {MAX_TEMPERATURE:g} "
-                  f"(0, or anything below {GREEDY_TEMPERATURE:g}, = greedy)")
-        top_k = _int("top_k", self.top_k)
-        if not -1 <= top_k <= MAX_NUM_TOKENS:
-            _fail(f"top_k={top_k} must be -1 or 0 (off) or >= 1 (at most {MAX_NUM_TOKENS})")
-        top_p = _real("top_p", self.top_p)
-        if not MIN_PROBABILITY_CUT <= top_p <= 1:
-            _fail(f"top_p={top_p} must be in (0, 1], and >= {MIN_PROBABILITY_CUT:g} (a smaller cut is 0 or "
-                  "a denormal in the sampler's float32)")
-        min_p = _real("min_p", self.min_p)
-        if not (0 <= min_p <= 1 and (min_p == 0 or min_p >= MIN_PROBABILITY_CUT)):
-            _fail(f"min_p={min_p} must be in [0, 1], and 0 or >= {MIN_PROBABILITY_CUT:g} (a smaller cut is 0 "
-                  "or a denormal in the sampler's float32)")
-        max_tokens = None if self.max_tokens is None else _int("max_tokens", self.max_tokens)
-        if max_tokens is not None and not 1 <= max_tokens <= MAX_NUM_TOKENS:
-            _fail(f"max_tokens={max_tokens} must be >= 1 (or None = until max_model_len) and <= {MAX_NUM_TOKENS}")
-        min_tokens = _int("min_tokens", self.min_tokens)
-        if not 0 <= min_tokens <= MAX_NUM_TOKENS:
-            _fail(f"min_tokens={min_tokens} must be >= 0 and <= {MAX_NUM_TOKENS}")
-        if max_tokens is not None and min_tokens > max_tokens:
-            _fail(f"min_tokens={min_tokens} must be <= max_tokens={max_tokens}")
-        seed = None if self.seed is None else _int("seed", self.seed)
-        if seed is not None and not 0 <= seed <= MAX_SEED:
-            _fail(f"seed={seed} must be None or in [0, 2**64 - 1]")
-        logprobs = None if self.logprobs is None else _int("logprobs", self.logprobs)
-        if logprobs is not None and not 0 <= logprobs <= MAX_LOGPROBS:
-            _fail(f"logprobs={logprobs} must be None or in [0, {MAX_LOGPROBS}]")
+        normalised: dict[str, object] = {**_cuts(self), **_counts(self)}
         _check_bool("ignore_eos", self.ignore_eos)
         _check_bool("include_stop_str_in_output", self.include_stop_str_in_output)
         if self.structured is not None and not isinstance(self.structured, StructuredOutput):
@@ -240,13 +212,7 @@ class SamplingParams:
         num_samples = _int("n", self.n)
         if not 1 <= num_samples <= MAX_N:
             _fail(f"n={num_samples} must be >= 1 and <= {MAX_N}")
-        penalties = {name: _real(name, getattr(self, name))
-                     for name in ("presence_penalty", "frequency_penalty", "repetition_penalty")}
-        for name in ("presence_penalty", "frequency_penalty"):
-            if not -MAX_PENALTY <= penalties[name] <= MAX_PENALTY:
-                _fail(f"{name}={penalties[name]} must be in [-{MAX_PENALTY:g}, {MAX_PENALTY:g}] (0 = off)")
-        if not 0 < penalties["repetition_penalty"] <= MAX_PENALTY:
-            _fail(f"repetition_penalty={penalties['repetition_penalty']} must be in (0, {MAX_PENALTY:g}] (1 = off)")
+        penalties = _penalties(self)
         prompt_logprobs = None if self.prompt_logprobs is None else _int("prompt_logprobs", self.prompt_logprobs)
         if prompt_logprobs is not None and not 0 <= prompt_logprobs <= MAX_LOGPROBS:
             _fail(f"prompt_logprobs={prompt_logprobs} must be None or in [0, {MAX_LOGPROBS}]")
@@ -254,16 +220,14 @@ class SamplingParams:
         _check_bool("logprob_entries", self.logprob_entries)
         if self.logprob_entries and self.logprobs is None:
             _fail("logprob_entries=True needs logprobs set (an int in [0, 20])")
-        normalised = {
+        normalised.update({
             "n": num_samples, "prompt_logprobs": prompt_logprobs, **penalties,
             "logit_bias": _normalise_logit_bias(self.logit_bias),
             "allowed_token_ids": _normalise_allowed(self.allowed_token_ids),
             "bad_words": _normalise_bad_words(self.bad_words),
-            "temperature": temperature, "top_k": top_k, "top_p": top_p, "min_p": min_p,
-            "max_tokens": max_tokens, "min_tokens": min_tokens, "seed": seed, "logprobs": logprobs,
             "stop": _normalise_stop(self.stop),
             "stop_token_ids": _normalise_stop_token_ids(self.stop_token_ids),
-        }
+        })
         for name, value in normalised.items():
             object.__setattr__(self, name, value)
 
@@ -285,6 +249,56 @@ class SamplingParams:
     def uses_penalties(self) -> bool:
         """True when a penalty is on: the sampler needs the request's token counts."""
         return self.presence_penalty != 0 or self.frequency_penalty != 0 or self.repetition_penalty != 1
+
+
+def _cuts(params: SamplingParams) -> dict[str, float | int]:
+    """temperature, top_k, top_p and min_p, checked."""
+    temperature = _real("temperature", params.temperature)
+    if not 0 <= temperature <= MAX_TEMPERATURE:
+        _fail(f"temperature={temperature} must be >= 0 and <= {MAX_TEMPERATURE:g} "
+              f"(0, or anything below {GREEDY_TEMPERATURE:g}, = greedy)")
+    top_k = _int("top_k", params.top_k)
+    if not -1 <= top_k <= MAX_NUM_TOKENS:
+        _fail(f"top_k={top_k} must be -1 or 0 (off) or >= 1 (at most {MAX_NUM_TOKENS})")
+    top_p = _real("top_p", params.top_p)
+    if not MIN_PROBABILITY_CUT <= top_p <= 1:
+        _fail(f"top_p={top_p} must be in (0, 1], and >= {MIN_PROBABILITY_CUT:g} (a smaller cut is 0 or "
+              "a denormal in the sampler's float32)")
+    min_p = _real("min_p", params.min_p)
+    if not (0 <= min_p <= 1 and (min_p == 0 or min_p >= MIN_PROBABILITY_CUT)):
+        _fail(f"min_p={min_p} must be in [0, 1], and 0 or >= {MIN_PROBABILITY_CUT:g} (a smaller cut is 0 "
+              "or a denormal in the sampler's float32)")
+    return {"temperature": temperature, "top_k": top_k, "top_p": top_p, "min_p": min_p}
+
+
+def _counts(params: SamplingParams) -> dict[str, int | None]:
+    """max_tokens, min_tokens, seed and logprobs, checked."""
+    max_tokens = None if params.max_tokens is None else _int("max_tokens", params.max_tokens)
+    if max_tokens is not None and not 1 <= max_tokens <= MAX_NUM_TOKENS:
+        _fail(f"max_tokens={max_tokens} must be >= 1 (or None = until max_model_len) and <= {MAX_NUM_TOKENS}")
+    min_tokens = _int("min_tokens", params.min_tokens)
+    if not 0 <= min_tokens <= MAX_NUM_TOKENS:
+        _fail(f"min_tokens={min_tokens} must be >= 0 and <= {MAX_NUM_TOKENS}")
+    if max_tokens is not None and min_tokens > max_tokens:
+        _fail(f"min_tokens={min_tokens} must be <= max_tokens={max_tokens}")
+    seed = None if params.seed is None else _int("seed", params.seed)
+    if seed is not None and not 0 <= seed <= MAX_SEED:
+        _fail(f"seed={seed} must be None or in [0, 2**64 - 1]")
+    logprobs = None if params.logprobs is None else _int("logprobs", params.logprobs)
+    if logprobs is not None and not 0 <= logprobs <= MAX_LOGPROBS:
+        _fail(f"logprobs={logprobs} must be None or in [0, {MAX_LOGPROBS}]")
+    return {"max_tokens": max_tokens, "min_tokens": min_tokens, "seed": seed, "logprobs": logprobs}
+
+
+def _penalties(params: SamplingParams) -> dict[str, float]:
+    penalties = {name: _real(name, getattr(params, name))
+                 for name in ("presence_penalty", "frequency_penalty", "repetition_penalty")}
+    for name in ("presence_penalty", "frequency_penalty"):
+        if not -MAX_PENALTY <= penalties[name] <= MAX_PENALTY:
+            _fail(f"{name}={penalties[name]} must be in [-{MAX_PENALTY:g}, {MAX_PENALTY:g}] (0 = off)")
+    if not 0 < penalties["repetition_penalty"] <= MAX_PENALTY:
+        _fail(f"repetition_penalty={penalties['repetition_penalty']} must be in (0, {MAX_PENALTY:g}] (1 = off)")
+    return penalties
 
 
 def _fail(message: str) -> NoReturn:

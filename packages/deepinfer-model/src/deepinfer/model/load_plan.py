@@ -205,17 +205,35 @@ def _check(p: Placement, expected: dict[str, Tensor], cfg: ModelConfig, expert_d
                         + (f" for {p.target!r}" if p.target != to_official(src.key) else ""))
     integer_target = p.mode != DRAFT and not p.stacked and expected[p.target].dtype in INTEGERS
     if scale is None:
-        if src.dtype == torch.float8_e4m3fn:
-            raise src.error("FP8 weight without a scale tensor (….scale or ….weight_scale_inv)")
-        if integer_target and src.dtype not in INTEGERS:
-            raise src.error(f"dtype {src.dtype} where integer data is expected "
-                            f"({', '.join(map(str, INTEGERS))})")
-        if not integer_target and src.dtype not in FLOATS and not (p.mode == DRAFT and src.dtype in INTEGERS):
-            raise src.error(f"dtype {src.dtype} where float data is expected "
-                            f"({', '.join(map(str, FLOATS))}, or FP8 / MXFP4 with a scale)")
+        _check_unscaled(p, integer_target)
         return
     if integer_target:
         raise src.error(f"has a scale tensor ({scale.key!r}) but {p.target!r} holds integers")
+    allowed, want = _scale_format(p, shape, block)
+    if scale.dtype not in allowed:
+        raise scale.error(f"scale dtype {scale.dtype} for a {src.dtype} weight must be one of "
+                          f"{', '.join(map(str, allowed))}")
+    if scale.shape != want:
+        raise scale.error(f"scale shape {scale.shape} != expected {want} for weight shape "
+                          f"{src.shape}" + (f" (FP8 block {block})" if src.dtype == torch.float8_e4m3fn else ""))
+
+
+def _check_unscaled(p: Placement, integer_target: bool) -> None:
+    """A stored tensor without a scale: plain integer or float data (FP8 needs its scale)."""
+    src = p.source
+    if src.dtype == torch.float8_e4m3fn:
+        raise src.error("FP8 weight without a scale tensor (….scale or ….weight_scale_inv)")
+    if integer_target and src.dtype not in INTEGERS:
+        raise src.error(f"dtype {src.dtype} where integer data is expected "
+                        f"({', '.join(map(str, INTEGERS))})")
+    if not integer_target and src.dtype not in FLOATS and not (p.mode == DRAFT and src.dtype in INTEGERS):
+        raise src.error(f"dtype {src.dtype} where float data is expected "
+                        f"({', '.join(map(str, FLOATS))}, or FP8 / MXFP4 with a scale)")
+
+
+def _scale_format(p: Placement, shape: tuple[int, ...], block: int) -> tuple[tuple[torch.dtype, ...], tuple[int, ...]]:
+    """(the scale dtypes allowed, the scale shape expected) of a scaled stored tensor of `shape` values."""
+    src = p.source
     if src.dtype == torch.float8_e4m3fn and p.target.endswith(ENGRAM_TABLE):
         allowed, want = FP4_SCALES, shape[:-1] + (shape[-1] // 32,)        # one e8m0 per row and 32 channels
     elif src.dtype == torch.float8_e4m3fn:
@@ -227,12 +245,7 @@ def _check(p: Placement, expected: dict[str, Tensor], cfg: ModelConfig, expert_d
     else:
         raise src.error(f"has a scale tensor but dtype {src.dtype} is neither FP8 (e4m3) "
                         f"nor packed FP4 (int8 / uint8)")
-    if scale.dtype not in allowed:
-        raise scale.error(f"scale dtype {scale.dtype} for a {src.dtype} weight must be one of "
-                          f"{', '.join(map(str, allowed))}")
-    if scale.shape != want:
-        raise scale.error(f"scale shape {scale.shape} != expected {want} for weight shape "
-                          f"{src.shape}" + (f" (FP8 block {block})" if src.dtype == torch.float8_e4m3fn else ""))
+    return allowed, want
 
 
 def _blocks(shape: tuple[int, ...], block: int) -> tuple[int, ...]:
