@@ -102,6 +102,10 @@ class EngineArgs:
             anywhere).
         stop_preempted_request: finish a preempted request as "preempted" (True) or put it back in
             the queue to be recomputed (False).
+        max_cache_usage_for_prefill: a waiting request is prefilled only while the KV blocks in use
+            are at most this fraction of the cache (with requests running or not; the rest of a prompt
+            already mid-prefill goes on while nothing runs), so that running requests keep room to
+            decode (docs/design.md §3.1).
         engine_type: NORMAL, PROMPT (prefill only, disaggregated) or COMPLETION (decode only).
         kv_quant: official FP8/FP4 fake-quantisation of cached KV (off = transformers' numerics).
         expert_dtype: keep the routed experts quantised in memory: "fp8" (e4m3 with float32 block
@@ -121,7 +125,8 @@ class EngineArgs:
         yoco_prefill_keep_tokens: rows per prompt that truncated prefill computes in full (the window of
             128 plus a backtracking margin by default).
         batch_invariant: batch-invariant kernels (docs/batch_invariance.md): a request's outputs do not
-            depend on the other requests of its batch; slower.
+            depend on the other requests of its batch; slower. Refused with speculative decoding's
+            varlen_verify=True (its verify lengths follow the batch).
         zero_overhead_scheduling: ZOS (docs/design.md §6): the host schedules and launches decode step N + 1
             before it reads step N's sampled tokens, which feed step N + 1 on the device, so host work
             overlaps the GPU; a request's end is then seen one step late (its extra token is dropped).
@@ -130,7 +135,8 @@ class EngineArgs:
         data_parallel_size: attention data-parallel ranks, one process each (docs/design.md §9): `LLM` spawns
             them (or, under torchrun, this process is rank RANK of WORLD_SIZE); each runs its own engine,
             requests go to the least-loaded rank and every rank runs the same kind of step. 1 = one
-            process. Only `LLM` runs more than one rank so far: the `deepinfer` commands refuse it.
+            process. `deepinfer serve` runs N engine processes behind one server; `deepinfer generate`
+            and `deepinfer bench` drive one engine and refuse N > 1.
         expert_parallel: shard the routed experts over the data-parallel ranks (EP size = DP size), tokens
             dispatched and combined by all-to-all; needs data_parallel_size >= 2. Decode steps exchange
             fixed-capacity buffers (max_num_seqs × top-k rows per peer, no host read), so ZOS stays on;
@@ -176,6 +182,7 @@ class EngineArgs:
     prefill_max_sum_seqlen_k: int | None = None
     chunk_checkpoints: tuple[int, ...] = ()
     stop_preempted_request: bool = True
+    max_cache_usage_for_prefill: float = 0.9
     engine_type: EngineType = EngineType.NORMAL
     kv_quant: bool = False
     expert_dtype: str | None = None
@@ -235,6 +242,9 @@ class EngineArgs:
         util = self.gpu_memory_utilization
         if util is not None and (isinstance(util, bool) or not isinstance(util, int | float) or not 0 < util < 1):
             _fail("gpu_memory_utilization", f"gpu_memory_utilization={util!r} must be in (0, 1)")
+        usage = self.max_cache_usage_for_prefill
+        if isinstance(usage, bool) or not isinstance(usage, int | float) or not 0 <= usage <= 1:
+            _fail("max_cache_usage_for_prefill", f"max_cache_usage_for_prefill={usage!r} must be in [0, 1]")
 
     def _check_choices(self) -> None:
         """The fields that take one of a few values: modes, dtypes, flags, the engine type."""
@@ -280,6 +290,10 @@ class EngineArgs:
         if self.engine_type is EngineType.PROMPT:
             _fail("num_speculative_tokens", f"num_speculative_tokens={k} needs a NORMAL or COMPLETION engine (a "
                   "PROMPT engine never decodes)")
+        if self.batch_invariant and self.varlen_verify:
+            _fail("varlen_verify", f"varlen_verify=True with num_speculative_tokens={k} picks each request's verify "
+                  "length from its batch, which batch_invariant=True promises it does not depend on: pass "
+                  "varlen_verify=False (--no-varlen-verify: every draft verified) or batch_invariant=False")
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -350,6 +364,7 @@ def allowed_values(name: str) -> str:
         "gpu_memory_utilization": "float in (0, 1), or None",
         "chunk_checkpoints": f"ints in [1, {MAX_INT32}], strictly increasing",
         "stop_preempted_request": "bool",
+        "max_cache_usage_for_prefill": "float in [0, 1]",
         "engine_type": ", ".join(member.name for member in EngineType),
         "kv_quant": "bool",
         "expert_dtype": ", ".join(EXPERT_DTYPES) + ", or None",

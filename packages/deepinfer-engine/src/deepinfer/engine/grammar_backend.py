@@ -131,7 +131,8 @@ class XGrammarBackend:
                  max_threads: int = 1) -> None:
         if not xgrammar_installed():
             raise StructuredOutputUnavailable(
-                "SamplingParams.structured needs the xgrammar package: pip install 'deepinfer-engine[structured]'"
+                "SamplingParams.structured needs the xgrammar package (a dependency of deepinfer-engine, missing "
+                "from this environment): pip install 'xgrammar>=0.2.8,<0.3'"
             )
         if not stop_token_ids:
             raise StructuredOutputUnavailable("structured output needs an EOS token id; the model defines none")

@@ -25,10 +25,12 @@ from .outputs import OutputKind
 from .request import ParallelRequest, Request
 from .sampling_params import InvalidSamplingParams, SamplingParams
 from .sampling_stage import SamplingStage
+from .text_checks import check_unicode
 from .tokenizer import Tokenizer, require_tokenizer
 
 PromptInput = str | dict[str, Any]
 MAX_REQUEST_ID_LEN = 256
+GRAMMAR_FAILED = "grammar compile failed"     # how the ignored_reason of a request whose grammar failed starts
 
 def _checked_request_id(request_id: object) -> str:
     if not isinstance(request_id, str) or not request_id or len(request_id) > MAX_REQUEST_ID_LEN:
@@ -75,7 +77,8 @@ class RequestIntake:
         Raises:
             ValueError: a bad or duplicate id, text without a tokenizer, token ids outside the
                 vocabulary, or a COMPLETION engine (it only takes requests handed over by a PROMPT
-                engine). A refused request leaves nothing behind.
+                engine). InvalidSamplingParams (a ValueError): params.max_tokens above what the
+                prompt leaves of max_model_len. A refused request leaves nothing behind.
             StructuredOutputUnavailable: params.structured without xgrammar, a tokenizer or an EOS id.
             An empty prompt or one longer than max_model_len is not an error: the request finishes
             as "ignored" with its reason at the next step; so does a grammar that fails to compile.
@@ -106,6 +109,7 @@ class RequestIntake:
         bad = [t for t in token_ids if not 0 <= t < vocab]
         if bad:
             raise ValueError(f"prompt_token_ids contain {bad[:3]}: ids must be in [0, {vocab})")
+        _check_room(params, len(token_ids), self.max_model_len)
         if params.stop and self.tokenizer is None:
             raise ValueError("SamplingParams.stop needs a tokenizer; this model folder has no tokenizer.json")
         if params.structured is not None:
@@ -198,7 +202,7 @@ class RequestIntake:
             if req is None or req.finished:          # aborted while compiling
                 continue
             if done.error is not None:
-                req.ignore(f"grammar compile failed: {done.error}")
+                req.ignore(f"{GRAMMAR_FAILED}: {done.error}")
                 self._finished_between_steps.append(req)
             else:
                 for sample in req.samples:
@@ -211,9 +215,11 @@ class RequestIntake:
         """(prompt text or None, prompt token ids) of a prompt in any accepted form.
 
         Raises:
-            ValueError: malformed token ids; NoTokenizerError: text without a tokenizer.
+            ValueError: malformed token ids, text with a lone surrogate; NoTokenizerError: text
+                without a tokenizer.
         """
         if isinstance(prompt, str):
+            check_unicode(prompt, "prompt")
             return prompt, require_tokenizer(self.tokenizer, self.model_dir).encode(prompt)
         if isinstance(prompt, dict):
             if "prompt_token_ids" not in prompt:
@@ -238,6 +244,8 @@ class RequestIntake:
                 for sample in req.samples:
                     if not sample.finished:
                         self._forget_seq(sample.seq_id)
+            elif self.grammars is not None:
+                self.grammars.cancel(request_id)        # nobody else waiting: the compile is dropped
             req.abort()
             self._finished_between_steps.append(req)
 
@@ -247,3 +255,13 @@ class RequestIntake:
             self.scheduler.abort_seq(seq_id)
         except KeyError:
             pass
+
+
+def _check_room(params: SamplingParams, prompt_len: int, max_model_len: int) -> None:
+    """Refuse max_tokens beyond what the prompt leaves of max_model_len (at least one token: the one
+    sampled at the end of the prefill). A prompt longer than max_model_len is left to the scheduler,
+    which finishes it as ignored."""
+    room = max(1, max_model_len - prompt_len)
+    if params.max_tokens is not None and prompt_len <= max_model_len and params.max_tokens > room:
+        raise InvalidSamplingParams(f"max_tokens={params.max_tokens} exceeds the {room} tokens this request has "
+                                    f"room for: max_model_len={max_model_len} minus its {prompt_len} prompt tokens")

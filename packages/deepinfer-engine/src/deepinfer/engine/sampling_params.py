@@ -5,9 +5,12 @@ from __future__ import annotations
 import json
 import math
 import numbers
+import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import NoReturn, cast
+
+from .text_checks import lone_surrogate_at
 
 # Below this temperature a row is sampled greedily: dividing float32 logits by such a value no longer
 # gives a meaningful distribution (and for tiny values overflows), so argmax is the honest answer.
@@ -28,6 +31,8 @@ MAX_STOP_STRING_LEN = 1024      # characters per stop string
 MAX_STOP_TOKEN_IDS = 1024
 MAX_STRUCTURED_CHARS = 2**20   # a schema (compact JSON), regex or grammar; all choices together
 MAX_CHOICES = 4096
+MAX_SCHEMA_DEPTH = 100         # JSON nesting of a schema (objects and arrays); xgrammar's compile recurses on it
+MAX_REPETITION = 1000           # a {m,n} count in a regex, a grammar or a schema's pattern (compile time grows fast)
 MAX_N = 128                     # parallel samples of one request
 MAX_PENALTY = 2.0               # presence / frequency penalties in [-2, 2]; repetition in (0, 2]
 MAX_LOGIT_BIAS = 100.0          # a logit_bias value in [-100, 100]
@@ -61,7 +66,12 @@ class StructuredOutput:
 
     Sizes are capped (compiling a grammar costs time and memory in proportion): the compact JSON
     schema, the regex and the grammar are at most MAX_STRUCTURED_CHARS (2**20) characters each; choice
-    holds at most MAX_CHOICES (4096) strings of at most MAX_STRUCTURED_CHARS characters in all.
+    holds at most MAX_CHOICES (4096) strings of at most MAX_STRUCTURED_CHARS characters in all. A
+    schema nests at most MAX_SCHEMA_DEPTH (100) objects and arrays deep, and a
+    repetition count `{m,n}` in the regex, the grammar or a schema's "pattern" is at most
+    MAX_REPETITION (1000): xgrammar's compile time grows faster than linearly in it (a schema pattern
+    `[a-z]{1,10000}` compiles for over a minute). The compile itself is time-bounded too
+    (`grammar_compiler`).
 
     Raises:
         InvalidSamplingParams: not exactly one field set, or a field of the wrong type or empty;
@@ -83,6 +93,9 @@ class StructuredOutput:
             value = getattr(self, name)
             if value is not None and (not isinstance(value, str) or not value):
                 _fail(f"structured.{name}={value!r} must be a non-empty str")
+            if value is not None:
+                _check_text(f"structured.{name}", value)
+                _check_repetitions(f"structured.{name}", value)
         if self.choice is not None:
             object.__setattr__(self, "choice", _normalise_choice(self.choice))
         kind = self.kind
@@ -305,6 +318,13 @@ def _fail(message: str) -> NoReturn:
     raise InvalidSamplingParams(message)
 
 
+def _check_text(name: str, text: str) -> None:
+    """A str field must be Unicode text: a lone surrogate (`text_checks`) is refused, naming the field."""
+    at = lone_surrogate_at(text)
+    if at is not None:
+        _fail(f"{name} holds a lone surrogate at index {at}: not valid Unicode text")
+
+
 def _int(name: str, value: object) -> int:
     if isinstance(value, bool) or not isinstance(value, numbers.Integral):
         _fail(f"{name}={value!r} must be an int")
@@ -341,6 +361,7 @@ def _normalise_stop(stop: object) -> tuple[str, ...]:
             _fail(f"stop[{i}]='' must be a non-empty str")
         if len(item) > MAX_STOP_STRING_LEN:
             _fail(f"stop[{i}] has {len(item)} characters: at most {MAX_STOP_STRING_LEN} are allowed")
+        _check_text(f"stop[{i}]", item)
     return result
 
 
@@ -411,6 +432,7 @@ def _normalise_bad_words(words: object) -> tuple[str, ...]:
             _fail(f"bad_words[{i}]={word!r} must be a non-empty str")
         if len(word) > MAX_STOP_STRING_LEN:
             _fail(f"bad_words[{i}] has {len(word)} characters: at most {MAX_STOP_STRING_LEN} are allowed")
+        _check_text(f"bad_words[{i}]", word)
     return tuple(words)
 
 
@@ -420,12 +442,65 @@ def _normalise_schema(schema: object) -> str:
             schema = json.loads(schema)
         except json.JSONDecodeError as error:
             _fail(f"structured.json is not valid JSON text: {error}")
+        except RecursionError:
+            _fail(f"structured.json is nested more than {MAX_SCHEMA_DEPTH} levels deep (objects and arrays)")
     if not isinstance(schema, dict | bool):
         _fail(f"structured.json must be a JSON schema (an object or a boolean), got {type(schema).__name__}")
+    depth = _depth(schema)
+    if depth > MAX_SCHEMA_DEPTH:
+        _fail(f"structured.json is nested more than {MAX_SCHEMA_DEPTH} levels deep (objects and arrays); at most "
+              f"{MAX_SCHEMA_DEPTH} are allowed")
+    for where, pattern in _schema_patterns(schema):
+        _check_repetitions(f"structured.json{where}", pattern)
     try:
-        return json.dumps(schema, separators=(",", ":"), ensure_ascii=False, allow_nan=False)
+        text = json.dumps(schema, separators=(",", ":"), ensure_ascii=False, allow_nan=False)
     except (TypeError, ValueError) as error:
         _fail(f"structured.json cannot be written as JSON: {error}")
+    _check_text("structured.json", text)
+    return text
+
+
+_REPETITION = re.compile(r"(?<!\\)\{\s*(\d+)\s*(?:,\s*(\d*)\s*)?\}")
+
+
+def _check_repetitions(name: str, pattern: str) -> None:
+    """Refuse a `{m}` / `{m,n}` count above MAX_REPETITION (an escaped `\\{` is a literal brace)."""
+    for found in _REPETITION.finditer(pattern):
+        counts = [c for c in found.groups() if c]
+        if any(len(c) > 9 or int(c) > MAX_REPETITION for c in counts):
+            _fail(f"{name}: the repetition {found.group(0)[:40]} exceeds {MAX_REPETITION} (compiling it would take "
+                  "too long); use a smaller count, or maxLength / maxItems in a JSON schema")
+
+
+def _depth(value: object, limit: int = MAX_SCHEMA_DEPTH) -> int:
+    """How deeply JSON objects and arrays nest in `value` (0 for a scalar), counted up to limit + 1
+    (a Python value that contains itself stops there); iterative."""
+    deepest, stack = 0, [(value, 1)]
+    while stack:
+        node, level = stack.pop()
+        children = node.values() if isinstance(node, dict) else node if isinstance(node, list) else None
+        if children is not None:
+            deepest = max(deepest, level)
+            if level <= limit:
+                stack.extend((child, level + 1) for child in children)
+    return deepest
+
+
+def _schema_patterns(schema: object) -> list[tuple[str, str]]:
+    """(where, regex) of every "pattern" value and "patternProperties" key of a JSON schema."""
+    found, stack = [], [(schema, "")]
+    while stack:
+        node, where = stack.pop()
+        if isinstance(node, dict):
+            for key, value in node.items():
+                if key == "pattern" and isinstance(value, str):
+                    found.append((f"{where}.pattern", value))
+                if key == "patternProperties" and isinstance(value, dict):
+                    found.extend((f"{where}.patternProperties", k) for k in value if isinstance(k, str))
+                stack.append((value, f"{where}.{key}"))
+        elif isinstance(node, list):
+            stack.extend((item, f"{where}[{i}]") for i, item in enumerate(node))
+    return found
 
 
 def _normalise_choice(choice: object) -> tuple[str, ...]:
@@ -437,4 +512,5 @@ def _normalise_choice(choice: object) -> tuple[str, ...]:
     for i, item in enumerate(result):
         if not isinstance(item, str) or not item:
             _fail(f"structured.choice[{i}]={item!r} must be a non-empty str")
+        _check_text(f"structured.choice[{i}]", item)
     return result

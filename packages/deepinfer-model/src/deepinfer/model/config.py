@@ -8,7 +8,10 @@ and unsupported values raise `ConfigError` naming the key; nothing from the fold
 
 from __future__ import annotations
 
+import errno
 import json
+import os
+import stat
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
@@ -23,6 +26,7 @@ from .config_checks import (
     ConfigError,
     QuantConfig,
     boolean,
+    check_bounds,
     integer,
     json_dict,
     number,
@@ -135,13 +139,38 @@ class DeepseekV4Config:
             raise ConfigError(f"{path}: {err}") from None
 
 
+def file_problem(path: Path) -> str | None:
+    """Why `path` cannot be read as a regular file ("does not exist", "is a symlink loop", "is a
+    directory", "is a FIFO", ...), or None when it can. Checked before opening: opening a FIFO
+    would block until something writes to it."""
+    try:
+        mode = path.stat().st_mode                    # follows symlinks
+    except OSError as err:
+        if err.errno == errno.ELOOP:
+            return "is a symlink loop"
+        if err.errno == errno.ENAMETOOLONG:
+            return "has a name too long for the file system"
+        if err.errno in (errno.ENOENT, errno.ENOTDIR):
+            return f"is a symlink to {os.readlink(path)!r}, which does not exist" if path.is_symlink() \
+                else "does not exist"
+        return f"cannot be read: {err.strerror or err}"
+    if stat.S_ISDIR(mode):
+        return "is a directory, not a file"
+    if stat.S_ISFIFO(mode):
+        return "is a FIFO (named pipe), not a file"
+    if not stat.S_ISREG(mode):
+        return "is not a regular file (a socket or a device)"
+    return None
+
+
 def read_json_object(path: Path, error: type[Exception], *, what: str) -> dict[str, Any]:
     """The JSON object in `path`; `error` naming the path and the fault otherwise (`what` says why the
     file is needed, for a missing one)."""
-    if not path.exists():
+    problem = file_problem(path)
+    if problem == "does not exist":
         raise error(f"{path} does not exist: {what}")
-    if not path.is_file():
-        raise error(f"{path} is not a regular file")
+    if problem is not None:
+        raise error(f"{path} {problem}")
     try:
         text = path.read_bytes().decode("utf-8")
     except OSError as err:
@@ -268,6 +297,7 @@ def validate(cfg: DeepseekV4Config) -> None:
         integer(getattr(cfg, name), name)
     for name in _POSITIVE_REALS:
         number(getattr(cfg, name), name)
+    check_bounds(cfg)
     n, vocab = cfg.num_hidden_layers, cfg.vocab_size
     integer(cfg.num_experts_per_tok, "num_experts_per_tok", 1, cfg.n_routed_experts)
     integer(cfg.n_shared_experts, "n_shared_experts", 0, 1)

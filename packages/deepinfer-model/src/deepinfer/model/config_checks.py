@@ -49,6 +49,21 @@ SIZE_FIELDS = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_
                "o_groups", "o_lora_rank", "sliding_window", "index_n_heads", "index_head_dim", "index_topk",
                "n_routed_experts", "moe_intermediate_size", "hc_mult", "hc_sinkhorn_iters",
                "max_position_embeddings")
+# Upper bounds of fields whose absurd values load but then hang or silently ruin generation: each
+# Sinkhorn iteration runs in every layer of every step (the reference uses 20), and an RMSNorm epsilon
+# past 1 dwarfs unit-scale activations (1e308 makes every hidden state ~0: empty output).
+MAX_SINKHORN_ITERS = 1000
+MAX_NORM_EPS = 1.0
+# Token ids are int32 throughout, and an embedding row per id is allocated before any weight is read:
+# a vocabulary past 2**24 (over 100 times DeepSeek's 129,280) is a typo, not a model.
+MAX_VOCAB_SIZE = 2**24
+
+
+def check_bounds(cfg: Any) -> None:
+    """The fields both versions bound from above (V4 and V4.1 configs)."""
+    integer(cfg.hc_sinkhorn_iters, "hc_sinkhorn_iters", 1, MAX_SINKHORN_ITERS)
+    integer(cfg.vocab_size, "vocab_size", 1, MAX_VOCAB_SIZE)
+    number(cfg.rms_norm_eps, "rms_norm_eps", at_most=MAX_NORM_EPS)
 
 
 @dataclass(frozen=True, slots=True)

@@ -19,7 +19,17 @@ from typing import Any
 
 from deepinfer.kernels.reference import YarnScaling
 
-from .config_checks import SIZE_FIELDS, SLIDING, ConfigError, boolean, integer, number, quant_config, rope_fields
+from .config_checks import (
+    SIZE_FIELDS,
+    SLIDING,
+    ConfigError,
+    boolean,
+    check_bounds,
+    integer,
+    number,
+    quant_config,
+    rope_fields,
+)
 
 __all__ = ["CSA2", "DeepseekV41Config", "parse_v41"]
 
@@ -315,6 +325,7 @@ def _validate(cfg: DeepseekV41Config) -> None:
         integer(getattr(cfg, name), name)
     for name in _POSITIVE_REALS:
         number(getattr(cfg, name), name)
+    check_bounds(cfg)
     n, vocab = cfg.num_hidden_layers, cfg.vocab_size
     integer(cfg.num_experts_per_tok, "num_experts_per_tok", 1, cfg.n_routed_experts)
     integer(cfg.n_shared_experts, "n_shared_experts", 0, 1)     # V4.1 always has its one shared expert

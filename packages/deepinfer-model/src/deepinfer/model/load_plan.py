@@ -17,7 +17,7 @@ import torch
 from torch import Tensor
 
 from .checkpoint import StoredTensor, WeightError
-from .config import DeepseekV4Config
+from .config import DeepseekV4Config, file_problem, read_json_object
 from .config_v41 import DeepseekV41Config
 from .names import expert_part, is_draft_key, to_official
 
@@ -25,9 +25,11 @@ ModelConfig = DeepseekV4Config | DeepseekV41Config
 
 FLOATS = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 INTEGERS = (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8)
+HALF_FLOATS = {"float16": torch.float16, "bfloat16": torch.bfloat16}
 PACKED_FP4 = (torch.int8, torch.uint8)              # two e2m1 codes per byte
 FP8_SCALES = (torch.float8_e8m0fnu, torch.float32)
 FP4_SCALES = (torch.float8_e8m0fnu, torch.uint8)    # uint8 = e8m0 bits
+TABLE_SCALES = FP4_SCALES + (torch.float32,)        # float32 (save_pretrained's weight_scale_inv): powers of two
 COPY, KEEP, QUANTISE, DRAFT, TABLE = "copy", "keep", "quantise", "draft", "table"
 # DeepSeek-V4.1 checkpoint parts this text-only engine does not serve (the vision tower, its aligner
 # and the image delimiter embeddings), skipped when planning a V4.1 load.
@@ -42,7 +44,8 @@ class Placement:
     mode: COPY (float or integer values, dequantised first if scaled, converted to the target's
     dtype), KEEP (quantised expert bytes and scale as stored), QUANTISE (float values → the
     model's `expert_dtype`), DRAFT (kept aside, dequantised, on CPU), TABLE (a V4.1 Engram table's
-    FP8 rows and e8m0 scales as stored, into `….embed.weight` / `….embed.scale`).
+    FP8 rows and e8m0 scales, into `….embed.weight` / `….embed.scale`; float32 scales must be powers
+    of two). A float Engram table's scale is not read (`save_pretrained` writes one of ones).
     """
 
     source: StoredTensor
@@ -90,9 +93,41 @@ def plan_load(stored: dict[str, StoredTensor], expected: dict[str, Tensor], cfg:
     block = cfg.quant.fp8_block if cfg.quant else 128
     for p in placements:
         _check(p, expected, cfg, expert_dtype, block)
+    _check_half_floats([p.source for p in placements], _declared_half_float(model_dir))
     if shards:
         placements = [local for p in placements if (local := _to_shard(p, shards)) is not None]
     return sorted(placements, key=lambda p: (str(p.source.path), p.source.order))
+
+
+def _declared_half_float(model_dir: Path) -> torch.dtype | None:
+    """config.json's torch_dtype (or dtype) when it names a 16-bit float type, else None."""
+    path = model_dir / "config.json"
+    if file_problem(path) is not None:
+        return None
+    raw = read_json_object(path, WeightError, what="")
+    value = raw.get("torch_dtype", raw.get("dtype"))
+    return HALF_FLOATS.get(value) if isinstance(value, str) else None
+
+
+def _check_half_floats(tensors: list[StoredTensor], declared: torch.dtype | None) -> None:
+    """Every float16 / bfloat16 tensor has the checkpoint's 16-bit type: config.json's torch_dtype when
+    it names one, else the type most of them have. The two have the same size, so a header that
+    mislabels one as the other loads without any other error, as wrong values."""
+    halves = [t for t in tensors if t.dtype in HALF_FLOATS.values()]
+    if declared is not None:
+        basis = f"config.json torch_dtype is {declared}"
+    else:
+        counts: dict[torch.dtype, int] = {}
+        for t in halves:
+            counts[t.dtype] = counts.get(t.dtype, 0) + 1
+        if len(counts) < 2:
+            return
+        declared = max(counts, key=counts.__getitem__)
+        basis = f"{counts[declared]} of its {len(halves)} 16-bit float tensors are {declared}"
+    odd = next((t for t in halves if t.dtype != declared), None)
+    if odd is not None:
+        raise odd.error(f"dtype {odd.dtype} in a checkpoint whose 16-bit floats are {declared} ({basis}): a "
+                        "mislabelled header would load as wrong values; store it as " + str(declared))
 
 
 def _to_shard(p: Placement, shards: dict[str, tuple[int, ...]]) -> Placement | None:
@@ -133,10 +168,22 @@ def _place(tensor: StoredTensor, scale: StoredTensor | None, expected: dict[str,
         return Placement(tensor, scale, target, _mode(tensor, scale, expert_dtype), expert, rows, stacked=True)
     if name not in expected:
         return None
-    if name.endswith(ENGRAM_TABLE) and scale is not None and name[:-len("weight")] + "scale" in expected:
-        return Placement(tensor, scale, name, TABLE)
+    if name.endswith(ENGRAM_TABLE) and scale is not None:
+        if tensor.dtype != torch.float8_e4m3fn:
+            _check_unused_table_scale(tensor, scale)
+            return Placement(tensor, None, name, COPY)
+        if name[:-len("weight")] + "scale" in expected:
+            return Placement(tensor, scale, name, TABLE)
     stacked = name.endswith((".experts.w13", ".experts.w2"))
     return Placement(tensor, scale, name, _mode(tensor, scale, expert_dtype) if stacked else COPY, stacked=stacked)
+
+
+def _check_unused_table_scale(table: StoredTensor, scale: StoredTensor) -> None:
+    """A float Engram table's scale (transformers' `save_pretrained` writes one beside every table,
+    all ones; its model, like ours, reads it only for FP8 rows): checked for shape, then left unread."""
+    want = table.shape[:-1] + (table.shape[-1] // 32,) if table.shape else ()
+    if scale.shape != want:
+        raise scale.error(f"scale shape {scale.shape} != expected {want} for Engram table shape {table.shape}")
 
 
 def _mode(tensor: StoredTensor, scale: StoredTensor | None, expert_dtype: str | None) -> str:
@@ -234,8 +281,9 @@ def _check_unscaled(p: Placement, integer_target: bool) -> None:
 def _scale_format(p: Placement, shape: tuple[int, ...], block: int) -> tuple[tuple[torch.dtype, ...], tuple[int, ...]]:
     """(the scale dtypes allowed, the scale shape expected) of a scaled stored tensor of `shape` values."""
     src = p.source
+    allowed: tuple[torch.dtype, ...]
     if src.dtype == torch.float8_e4m3fn and p.target.endswith(ENGRAM_TABLE):
-        allowed, want = FP4_SCALES, shape[:-1] + (shape[-1] // 32,)        # one e8m0 per row and 32 channels
+        allowed, want = TABLE_SCALES, shape[:-1] + (shape[-1] // 32,)       # one e8m0 per row and 32 channels
     elif src.dtype == torch.float8_e4m3fn:
         allowed, want = FP8_SCALES, _blocks(shape, block)
     elif src.dtype in PACKED_FP4:

@@ -194,9 +194,10 @@ def _place(p: Placement, reader: TensorReader, state: dict[str, Tensor], ctx: _C
         _copy(p, source, scale, state, ctx)
     elif p.mode == TABLE:
         assert scale is not None, "an FP8 table comes with its scales (load plan)"
-        _checked(p, _table_rows(source, scale))
+        codes = _e8m0_codes(p, scale)
+        _checked(p, _table_rows(source, codes))
         state[p.target].copy_(source)
-        state[p.target[:-len("weight")] + "scale"].copy_(scale.view(torch.uint8))
+        state[p.target[:-len("weight")] + "scale"].copy_(codes)
     else:
         for expert, (part, part_scale) in _units(p, source, scale):
             values = _checked(p, _dequantised(p, part, part_scale, ctx.block))
@@ -242,6 +243,21 @@ def _scale_slot(p: Placement, state: dict[str, Tensor], expert: int, ctx: _Conte
         return scales
     grain = ctx.block if ctx.expert_dtype == "fp8" else 1        # FP8: one scale row per block of rows
     return scales[p.row_start // grain:(p.row_start + ctx.cfg.moe_intermediate_size) // grain]
+
+
+def _e8m0_codes(p: Placement, scale: Tensor) -> Tensor:
+    """An Engram table's scales as e8m0 bytes (uint8); float32 ones (transformers' `weight_scale_inv`)
+    must be powers of two in e8m0's range, or WeightError naming the scale tensor."""
+    assert p.scale is not None, "TABLE placements carry their scale (load plan)"
+    if scale.dtype != torch.float32:
+        return scale.view(torch.uint8)
+    codes = scale.to(torch.float8_e8m0fnu).view(torch.uint8)
+    exact = scale_to_float(codes) == scale
+    if not bool(exact.all()):
+        bad = float(scale[~exact][0])
+        raise p.scale.error(f"{int((~exact).sum())} scale value(s) are not powers of two (e.g. {bad}); "
+                            "an FP8 Engram table's scales must be e8m0")
+    return codes
 
 
 def _table_rows(source: Tensor, scale: Tensor) -> Tensor:

@@ -109,7 +109,7 @@ class DPAsyncLLM(ProcessFront):
             proc.start()
         max_model_len = self._wait_ready()
         model_dir = resolve_model_dir(args.resolved().model)
-        self.model = ServedModel(model_dir, load_tokenizer(model_dir), max_model_len, args.model is None)
+        self._model = ServedModel(model_dir, load_tokenizer(model_dir), max_model_len, args.model is None)
         self._reader = threading.Thread(target=self._read, name="deepinfer-dp-reader", daemon=True)
         self._reader.start()
 
