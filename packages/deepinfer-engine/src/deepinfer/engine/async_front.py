@@ -19,16 +19,14 @@ import uuid
 from collections.abc import AsyncGenerator, Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Protocol
+from typing import Protocol
 
 from .intake import PromptInput
 from .outputs import CompletionOutput, RequestOutput, running_output
 from .sampling_params import SamplingParams
+from .stats import EngineStats, ParallelStats
 from .text_checks import check_prompt_length, check_unicode
 from .tokenizer import Tokenizer
-
-if TYPE_CHECKING:
-    from .parallel.messages import ParallelStats
 
 DEFAULT_MAX_NUM_WAITING = 1024
 MAX_PENDING_DELTAS = 64      # outputs a DeltaStream queues for its consumer before joining them into one
@@ -44,29 +42,6 @@ class EngineStopped(RuntimeError):
 
 class EngineDead(EngineStopped):
     """The engine behind the front failed (a DP rank died); the message says which and how."""
-
-
-@dataclass(frozen=True, slots=True)
-class EngineStats:
-    """A snapshot of one engine (or the sum over DP ranks) after its latest step.
-
-    Attributes:
-        num_running: sequences decoding (or about to), per the scheduler.
-        num_waiting: requests accepted but not running: in the inbox, compiling a grammar or
-            waiting for prefill.
-        num_free_kv_blocks: free paged KV blocks (block 0, reserved, not counted).
-        num_kv_blocks: usable paged KV blocks (block 0 excluded).
-    """
-
-    num_running: int
-    num_waiting: int
-    num_free_kv_blocks: int
-    num_kv_blocks: int
-
-    @property
-    def kv_cache_usage(self) -> float:
-        """Fraction of the usable KV blocks in use, in [0, 1]."""
-        return 1.0 - self.num_free_kv_blocks / self.num_kv_blocks if self.num_kv_blocks else 0.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -222,8 +197,16 @@ class StreamingFront(abc.ABC):
     """`generate` over `OutputStream`s; a subclass queues requests (`_submit`) and aborts them (`abort`)."""
 
     _streams: dict[str, OutputStream]
-    model: ServedModel
-    is_running: bool
+
+    @property
+    @abc.abstractmethod
+    def model(self) -> ServedModel:
+        """The served model's folder, tokenizer and length limit."""
+
+    @property
+    @abc.abstractmethod
+    def is_running(self) -> bool:
+        """The front takes requests (not shut down, not failed)."""
 
     @abc.abstractmethod
     def _submit(self, prompt: PromptInput | Sequence[int], params: SamplingParams,
@@ -310,12 +293,18 @@ class ProcessFront(StreamingFront):
     """What the fronts over engine processes share (`async_process.AsyncLLMProcess`,
     `parallel.DPAsyncLLM`): the shut-down / failed state, the checks a request passes before it is
     queued, and failing every stream when an engine process fails. A subclass sets `_stopping`,
-    `_failure`, `_reader` (its thread reading the processes' reports) and `max_num_waiting`."""
+    `_failure`, `_reader` (its thread reading the processes' reports), `_model` and `max_num_waiting`."""
 
     _stopping: bool
     _failure: str | None
     _reader: threading.Thread
+    _model: ServedModel
     max_num_waiting: int
+
+    @property
+    def model(self) -> ServedModel:
+        """The served model, as the engine processes reported it when ready."""
+        return self._model
 
     @property
     def is_running(self) -> bool:

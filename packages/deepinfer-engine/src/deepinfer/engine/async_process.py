@@ -102,7 +102,7 @@ class AsyncLLMProcess(ProcessFront):
         self._from_engine, self._to_engine = from_engine, to_engine
         self.ready = self._wait_ready()
         self._load = self.ready.load
-        self.model = ServedModel(self.ready.model_dir, load_tokenizer(self.ready.model_dir), self.ready.max_model_len,
+        self._model = ServedModel(self.ready.model_dir, load_tokenizer(self.ready.model_dir), self.ready.max_model_len,
                                  args.model is None)
         self._reader = threading.Thread(target=self._read, name="deepinfer-engine-reader", daemon=True)
         self._reader.start()

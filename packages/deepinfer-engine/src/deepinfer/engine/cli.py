@@ -418,7 +418,7 @@ def _check_device(args: EngineArgs) -> None:
         raise _CommandError(f"device={args.device!r} needs CUDA, which this torch ({torch.__version__}) cannot use")
 
 
-def _one_line(error: BaseException) -> str:
+def _one_line(error: BaseException | str) -> str:
     return " ".join(str(error).split()) or type(error).__name__
 
 

@@ -208,6 +208,19 @@ class EngineArgs:
         if not isinstance(self.load_format, str) or self.load_format not in LOAD_FORMATS:
             _fail("load_format", f"load_format={self.load_format!r} must be one of "
                   f"{', '.join(map(repr, LOAD_FORMATS))}")
+        self._check_device()
+        for name, (low, high) in INT_RANGES.items():
+            value = getattr(self, name)
+            if value is not None or name not in OPTIONAL_FIELDS:
+                _int(name, value, low, high)
+        self._check_memory()
+        _check_checkpoints(self.chunk_checkpoints)
+        self._check_choices()
+        self._check_parallel()
+        self._check_speculative()
+
+    def _check_device(self) -> None:
+        """device and dtype."""
         if not isinstance(self.device, str):
             _fail("device", f"device={self.device!r} must be 'auto', 'cpu' or 'cuda[:N]' (a str)")
         if self.device != AUTO:
@@ -219,10 +232,8 @@ class EngineArgs:
                 _fail("device", f"device={self.device!r} must be 'auto', 'cpu' or 'cuda[:N]'")
         if not isinstance(self.dtype, str) or (self.dtype not in DTYPES and self.dtype != AUTO):
             _fail("dtype", f"dtype={self.dtype!r} must be 'auto' or one of {sorted(DTYPES)}")
-        for name, (low, high) in INT_RANGES.items():
-            value = getattr(self, name)
-            if value is not None or name not in OPTIONAL_FIELDS:
-                _int(name, value, low, high)
+
+    def _check_memory(self) -> None:
         mb = self.kv_cache_memory_mb
         if mb is not None and (isinstance(mb, bool) or not isinstance(mb, int | float)
                                or not 0 < mb <= MAX_KV_CACHE_MEMORY_MB):
@@ -234,7 +245,9 @@ class EngineArgs:
         usage = self.max_cache_usage_for_prefill
         if isinstance(usage, bool) or not isinstance(usage, int | float) or not 0 <= usage <= 1:
             _fail("max_cache_usage_for_prefill", f"max_cache_usage_for_prefill={usage!r} must be in [0, 1]")
-        _check_checkpoints(self.chunk_checkpoints)
+
+    def _check_choices(self) -> None:
+        """The fields that take one of a few values: modes, dtypes, flags, the engine type."""
         if self.yoco_prefill_truncation_mode not in TRUNCATION_MODES:
             _fail("yoco_prefill_truncation_mode", f"yoco_prefill_truncation_mode={self.yoco_prefill_truncation_mode!r} "
                   f"must be one of {', '.join(map(repr, TRUNCATION_MODES))}")
@@ -249,8 +262,6 @@ class EngineArgs:
         if not isinstance(self.engine_type, EngineType):
             _fail("engine_type", f"engine_type={self.engine_type!r} must be an EngineType (NORMAL, PROMPT or "
                   "COMPLETION)")
-        self._check_parallel()
-        self._check_speculative()
 
     def _check_parallel(self) -> None:
         timeout = self.distributed_timeout_s
@@ -378,7 +389,7 @@ def _check_checkpoints(checkpoints: object) -> None:
     if not isinstance(checkpoints, tuple):
         _fail("chunk_checkpoints", f"chunk_checkpoints={checkpoints!r} must be a tuple of token positions")
     previous = 0
-    for index, position in enumerate(checkpoints):  # type: ignore[arg-type]
+    for index, position in enumerate(checkpoints):
         if isinstance(position, bool) or not isinstance(position, int) or not 1 <= position <= MAX_INT32:
             _fail("chunk_checkpoints", f"chunk_checkpoints[{index}]={position!r} must be an integer in "
                   f"[1, {MAX_INT32}]")

@@ -172,7 +172,7 @@ class XGrammarBackend:
             reason = _SOURCE_PREFIX.sub("", str(error)).strip() or type(error).__name__
             raise GrammarCompileError(f"invalid structured.{kind}: {reason}") from error
 
-    def new_state(self, compiled: object) -> GrammarState:
+    def new_state(self, compiled: Any) -> GrammarState:   # an xgrammar.CompiledGrammar from `compile`
         import xgrammar
 
         return GrammarState(xgrammar.GrammarMatcher(compiled))

@@ -14,7 +14,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from deepinfer.model import DeepseekV4ForCausalLM
+from deepinfer.model import CausalLM
 from deepinfer.sched import EngineType, Scheduler
 
 from .engine_args import EngineArgs
@@ -24,6 +24,7 @@ from .logit_controls import tokenize_bad_words
 from .outputs import OutputKind
 from .request import ParallelRequest, Request
 from .sampling_params import InvalidSamplingParams, SamplingParams
+from .sampling_stage import SamplingStage
 from .text_checks import check_unicode
 from .tokenizer import Tokenizer, require_tokenizer
 
@@ -45,13 +46,14 @@ class RequestIntake:
     """add_request / prepare_request / enqueue / abort_request and their checks (a base of `LLMEngine`)."""
 
     args: EngineArgs
-    model: DeepseekV4ForCausalLM
+    model: CausalLM
     model_dir: Path
     tokenizer: Tokenizer | None
     eos_token_ids: tuple[int, ...]
     max_model_len: int
     scheduler: Scheduler
     grammars: GrammarCompilePool | None
+    sampling: SamplingStage
     _lock: threading.RLock
     _ids: itertools.count
     _requests: dict[str, Request | ParallelRequest]
@@ -133,7 +135,7 @@ class RequestIntake:
 
     @staticmethod
     def _check_token_ids(params: SamplingParams, vocab: int) -> None:
-        for name, ids in (("logit_bias", [t for t, _ in params.logit_bias or ()]),
+        for name, ids in (("logit_bias", [t for t, _ in params.logit_bias_pairs]),
                           ("allowed_token_ids", params.allowed_token_ids or ())):
             bad = [t for t in ids if t >= vocab]
             if bad:
@@ -174,7 +176,7 @@ class RequestIntake:
         self._requests.pop(req.request_id, None)
         for sample in req.samples:
             self._seqs.pop(sample.seq_id, None)
-            if sample.history_slot is not None:
+            if sample.history_slot is not None and self.sampling.history is not None:
                 self.sampling.history.release(sample.history_slot)
                 sample.history_slot = None
 

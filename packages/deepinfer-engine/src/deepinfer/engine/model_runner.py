@@ -22,7 +22,7 @@ from torch import Tensor
 
 from deepinfer.cache import PagedStream, StateRegion, plan_paged_layout, plan_state_layout
 from deepinfer.kernels import kernels_for
-from deepinfer.model import DeepseekV4ForCausalLM, ForwardBatch, ModelCache
+from deepinfer.model import CausalLM, ForwardBatch, ModelCache
 from deepinfer.sched import DecodeBatch, SchedulerOutput, StepKind
 
 from .block_tables import RowBlockTables
@@ -57,7 +57,7 @@ class StepBatch:
                                         # static inputs (`DecodeGraphs.stage`); `batch` is None
 
 
-def default_block_size(model: DeepseekV4ForCausalLM) -> int:
+def default_block_size(model: CausalLM) -> int:
     """The smallest multiple of every compress ratio that is ≥ 64 tokens."""
     grain = lcm(*[r for r in model.cfg.compress_ratios if r] or [1])
     return grain * max(1, -(-64 // grain))
@@ -84,7 +84,7 @@ class ModelRunner:
 
     def __init__(
         self,
-        model: DeepseekV4ForCausalLM,
+        model: CausalLM,
         *,
         block_size: int,
         num_kv_blocks: int | None,

@@ -8,7 +8,7 @@ import numbers
 import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import NoReturn
+from typing import NoReturn, cast
 
 from .text_checks import lone_surrogate_at
 
@@ -101,7 +101,7 @@ class StructuredOutput:
         if self.choice is not None:
             object.__setattr__(self, "choice", _normalise_choice(self.choice))
         kind = self.kind
-        size = sum(map(len, self.choice)) if kind == "choice" else len(getattr(self, kind))
+        size = sum(map(len, self.choice)) if self.choice is not None else len(getattr(self, kind))
         if size > MAX_STRUCTURED_CHARS:
             what = "strings hold" if kind == "choice" else "is"
             _fail(f"structured.{kind} {what} {size} characters; at most {MAX_STRUCTURED_CHARS} are allowed")
@@ -198,8 +198,8 @@ class SamplingParams:
     min_p: float = 0.0
     max_tokens: int | None = 16
     min_tokens: int = 0
-    stop: str | Sequence[str] | None = ()
-    stop_token_ids: Sequence[int] | None = ()
+    stop: str | Sequence[str] = ()                  # None is taken as () too
+    stop_token_ids: Sequence[int] = ()              # None is taken as () too
     ignore_eos: bool = False
     seed: int | None = None
     logprobs: int | None = None
@@ -217,35 +217,7 @@ class SamplingParams:
     logprob_entries: bool = False
 
     def __post_init__(self) -> None:
-        temperature = _real("temperature", self.temperature)
-        if not 0 <= temperature <= MAX_TEMPERATURE:
-            _fail(f"temperature={temperature} must be >= 0 and <= {MAX_TEMPERATURE:g} "
-                  f"(0, or anything below {GREEDY_TEMPERATURE:g}, = greedy)")
-        top_k = _int("top_k", self.top_k)
-        if not -1 <= top_k <= MAX_NUM_TOKENS:
-            _fail(f"top_k={top_k} must be -1 or 0 (off) or >= 1 (at most {MAX_NUM_TOKENS})")
-        top_p = _real("top_p", self.top_p)
-        if not MIN_PROBABILITY_CUT <= top_p <= 1:
-            _fail(f"top_p={top_p} must be in (0, 1], and >= {MIN_PROBABILITY_CUT:g} (a smaller cut is 0 or "
-                  "a denormal in the sampler's float32)")
-        min_p = _real("min_p", self.min_p)
-        if not (0 <= min_p <= 1 and (min_p == 0 or min_p >= MIN_PROBABILITY_CUT)):
-            _fail(f"min_p={min_p} must be in [0, 1], and 0 or >= {MIN_PROBABILITY_CUT:g} (a smaller cut is 0 "
-                  "or a denormal in the sampler's float32)")
-        max_tokens = None if self.max_tokens is None else _int("max_tokens", self.max_tokens)
-        if max_tokens is not None and not 1 <= max_tokens <= MAX_NUM_TOKENS:
-            _fail(f"max_tokens={max_tokens} must be >= 1 (or None = until max_model_len) and <= {MAX_NUM_TOKENS}")
-        min_tokens = _int("min_tokens", self.min_tokens)
-        if not 0 <= min_tokens <= MAX_NUM_TOKENS:
-            _fail(f"min_tokens={min_tokens} must be >= 0 and <= {MAX_NUM_TOKENS}")
-        if max_tokens is not None and min_tokens > max_tokens:
-            _fail(f"min_tokens={min_tokens} must be <= max_tokens={max_tokens}")
-        seed = None if self.seed is None else _int("seed", self.seed)
-        if seed is not None and not 0 <= seed <= MAX_SEED:
-            _fail(f"seed={seed} must be None or in [0, 2**64 - 1]")
-        logprobs = None if self.logprobs is None else _int("logprobs", self.logprobs)
-        if logprobs is not None and not 0 <= logprobs <= MAX_LOGPROBS:
-            _fail(f"logprobs={logprobs} must be None or in [0, {MAX_LOGPROBS}]")
+        normalised: dict[str, object] = {**_cuts(self), **_counts(self)}
         _check_bool("ignore_eos", self.ignore_eos)
         _check_bool("include_stop_str_in_output", self.include_stop_str_in_output)
         if self.structured is not None and not isinstance(self.structured, StructuredOutput):
@@ -255,13 +227,7 @@ class SamplingParams:
         num_samples = _int("n", self.n)
         if not 1 <= num_samples <= MAX_N:
             _fail(f"n={num_samples} must be >= 1 and <= {MAX_N}")
-        penalties = {name: _real(name, getattr(self, name))
-                     for name in ("presence_penalty", "frequency_penalty", "repetition_penalty")}
-        for name in ("presence_penalty", "frequency_penalty"):
-            if not -MAX_PENALTY <= penalties[name] <= MAX_PENALTY:
-                _fail(f"{name}={penalties[name]} must be in [-{MAX_PENALTY:g}, {MAX_PENALTY:g}] (0 = off)")
-        if not 0 < penalties["repetition_penalty"] <= MAX_PENALTY:
-            _fail(f"repetition_penalty={penalties['repetition_penalty']} must be in (0, {MAX_PENALTY:g}] (1 = off)")
+        penalties = _penalties(self)
         prompt_logprobs = None if self.prompt_logprobs is None else _int("prompt_logprobs", self.prompt_logprobs)
         if prompt_logprobs is not None and not 0 <= prompt_logprobs <= MAX_LOGPROBS:
             _fail(f"prompt_logprobs={prompt_logprobs} must be None or in [0, {MAX_LOGPROBS}]")
@@ -269,16 +235,14 @@ class SamplingParams:
         _check_bool("logprob_entries", self.logprob_entries)
         if self.logprob_entries and self.logprobs is None:
             _fail("logprob_entries=True needs logprobs set (an int in [0, 20])")
-        normalised = {
+        normalised.update({
             "n": num_samples, "prompt_logprobs": prompt_logprobs, **penalties,
             "logit_bias": _normalise_logit_bias(self.logit_bias),
             "allowed_token_ids": _normalise_allowed(self.allowed_token_ids),
             "bad_words": _normalise_bad_words(self.bad_words),
-            "temperature": temperature, "top_k": top_k, "top_p": top_p, "min_p": min_p,
-            "max_tokens": max_tokens, "min_tokens": min_tokens, "seed": seed, "logprobs": logprobs,
             "stop": _normalise_stop(self.stop),
             "stop_token_ids": _normalise_stop_token_ids(self.stop_token_ids),
-        }
+        })
         for name, value in normalised.items():
             object.__setattr__(self, name, value)
 
@@ -292,9 +256,64 @@ class SamplingParams:
         return self.top_k >= 1
 
     @property
+    def logit_bias_pairs(self) -> tuple[tuple[int, float], ...]:
+        """`logit_bias` as normalised: (token id, bias) pairs, ascending id; () when None."""
+        return cast("tuple[tuple[int, float], ...]", self.logit_bias or ())
+
+    @property
     def uses_penalties(self) -> bool:
         """True when a penalty is on: the sampler needs the request's token counts."""
         return self.presence_penalty != 0 or self.frequency_penalty != 0 or self.repetition_penalty != 1
+
+
+def _cuts(params: SamplingParams) -> dict[str, float | int]:
+    """temperature, top_k, top_p and min_p, checked."""
+    temperature = _real("temperature", params.temperature)
+    if not 0 <= temperature <= MAX_TEMPERATURE:
+        _fail(f"temperature={temperature} must be >= 0 and <= {MAX_TEMPERATURE:g} "
+              f"(0, or anything below {GREEDY_TEMPERATURE:g}, = greedy)")
+    top_k = _int("top_k", params.top_k)
+    if not -1 <= top_k <= MAX_NUM_TOKENS:
+        _fail(f"top_k={top_k} must be -1 or 0 (off) or >= 1 (at most {MAX_NUM_TOKENS})")
+    top_p = _real("top_p", params.top_p)
+    if not MIN_PROBABILITY_CUT <= top_p <= 1:
+        _fail(f"top_p={top_p} must be in (0, 1], and >= {MIN_PROBABILITY_CUT:g} (a smaller cut is 0 or "
+              "a denormal in the sampler's float32)")
+    min_p = _real("min_p", params.min_p)
+    if not (0 <= min_p <= 1 and (min_p == 0 or min_p >= MIN_PROBABILITY_CUT)):
+        _fail(f"min_p={min_p} must be in [0, 1], and 0 or >= {MIN_PROBABILITY_CUT:g} (a smaller cut is 0 "
+              "or a denormal in the sampler's float32)")
+    return {"temperature": temperature, "top_k": top_k, "top_p": top_p, "min_p": min_p}
+
+
+def _counts(params: SamplingParams) -> dict[str, int | None]:
+    """max_tokens, min_tokens, seed and logprobs, checked."""
+    max_tokens = None if params.max_tokens is None else _int("max_tokens", params.max_tokens)
+    if max_tokens is not None and not 1 <= max_tokens <= MAX_NUM_TOKENS:
+        _fail(f"max_tokens={max_tokens} must be >= 1 (or None = until max_model_len) and <= {MAX_NUM_TOKENS}")
+    min_tokens = _int("min_tokens", params.min_tokens)
+    if not 0 <= min_tokens <= MAX_NUM_TOKENS:
+        _fail(f"min_tokens={min_tokens} must be >= 0 and <= {MAX_NUM_TOKENS}")
+    if max_tokens is not None and min_tokens > max_tokens:
+        _fail(f"min_tokens={min_tokens} must be <= max_tokens={max_tokens}")
+    seed = None if params.seed is None else _int("seed", params.seed)
+    if seed is not None and not 0 <= seed <= MAX_SEED:
+        _fail(f"seed={seed} must be None or in [0, 2**64 - 1]")
+    logprobs = None if params.logprobs is None else _int("logprobs", params.logprobs)
+    if logprobs is not None and not 0 <= logprobs <= MAX_LOGPROBS:
+        _fail(f"logprobs={logprobs} must be None or in [0, {MAX_LOGPROBS}]")
+    return {"max_tokens": max_tokens, "min_tokens": min_tokens, "seed": seed, "logprobs": logprobs}
+
+
+def _penalties(params: SamplingParams) -> dict[str, float]:
+    penalties = {name: _real(name, getattr(params, name))
+                 for name in ("presence_penalty", "frequency_penalty", "repetition_penalty")}
+    for name in ("presence_penalty", "frequency_penalty"):
+        if not -MAX_PENALTY <= penalties[name] <= MAX_PENALTY:
+            _fail(f"{name}={penalties[name]} must be in [-{MAX_PENALTY:g}, {MAX_PENALTY:g}] (0 = off)")
+    if not 0 < penalties["repetition_penalty"] <= MAX_PENALTY:
+        _fail(f"repetition_penalty={penalties['repetition_penalty']} must be in (0, {MAX_PENALTY:g}] (1 = off)")
+    return penalties
 
 
 def _fail(message: str) -> NoReturn:
@@ -311,13 +330,13 @@ def _check_text(name: str, text: str) -> None:
 def _int(name: str, value: object) -> int:
     if isinstance(value, bool) or not isinstance(value, numbers.Integral):
         _fail(f"{name}={value!r} must be an int")
-    return int(value)  # type: ignore[call-overload]
+    return int(value)
 
 
 def _real(name: str, value: object) -> float:
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
         _fail(f"{name}={value!r} must be a float")
-    result = float(value)  # type: ignore[arg-type]
+    result = float(value)
     if not math.isfinite(result):
         _fail(f"{name}={value!r} must be finite")
     return result
@@ -336,7 +355,7 @@ def _normalise_stop(stop: object) -> tuple[str, ...]:
         _fail(f"stop={stop!r} must be a str or a sequence of str")
     if len(items) > MAX_STOP_STRINGS:
         _fail(f"stop has {len(items)} strings: at most {MAX_STOP_STRINGS} are allowed")
-    result = tuple(items)  # type: ignore[arg-type]
+    result = tuple(items)
     for i, item in enumerate(result):
         if not isinstance(item, str):
             _fail(f"stop[{i}]={item!r} must be a str")
@@ -355,17 +374,17 @@ def _normalise_stop_token_ids(ids: object) -> tuple[int, ...]:
         _fail(f"stop_token_ids={ids!r} must be a sequence of int")
     if len(ids) > MAX_STOP_TOKEN_IDS:
         _fail(f"stop_token_ids has {len(ids)} ids: at most {MAX_STOP_TOKEN_IDS} are allowed")
-    result = tuple(ids)  # type: ignore[arg-type]
+    result = tuple(ids)
     for i, item in enumerate(result):
-        if isinstance(item, bool) or not isinstance(item, numbers.Integral) or not 0 <= item <= MAX_TOKEN_ID:
+        if isinstance(item, bool) or not isinstance(item, numbers.Integral) or not 0 <= int(item) <= MAX_TOKEN_ID:
             _fail(f"stop_token_ids[{i}]={item!r} must be an int >= 0 and <= {MAX_TOKEN_ID}")
     return tuple(int(item) for item in result)
 
 
 def _token_id(name: str, value: object) -> int:
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or not 0 <= value <= MAX_TOKEN_ID:
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or not 0 <= int(value) <= MAX_TOKEN_ID:
         _fail(f"{name}={value!r} must be an int >= 0 and <= {MAX_TOKEN_ID}")
-    return int(value)  # type: ignore[call-overload]
+    return int(value)
 
 
 def _normalise_logit_bias(bias: object) -> tuple[tuple[int, float], ...] | None:
@@ -504,7 +523,7 @@ def _schema_patterns(schema: object) -> list[tuple[str, str]]:
 def _normalise_choice(choice: object) -> tuple[str, ...]:
     if isinstance(choice, str | bytes) or not isinstance(choice, Sequence) or not choice:
         _fail(f"structured.choice={choice!r} must be a non-empty sequence of str")
-    result = tuple(choice)  # type: ignore[arg-type]
+    result = tuple(choice)
     if len(result) > MAX_CHOICES:
         _fail(f"structured.choice holds {len(result)} strings; at most {MAX_CHOICES} are allowed")
     for i, item in enumerate(result):

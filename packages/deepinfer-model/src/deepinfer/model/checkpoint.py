@@ -13,6 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
+from typing import Any
 
 import torch
 from safetensors import SafetensorError, safe_open
@@ -126,7 +127,7 @@ class TensorReader:
     `REMAP_BYTES` window of each file mapped; use as a context manager."""
 
     def __init__(self) -> None:
-        self._handles: dict[Path, object] = {}
+        self._handles: dict[Path, Any] = {}   # safetensors' safe_open handles
         self._read_bytes: dict[Path, int] = {}
 
     def read(self, tensor: StoredTensor) -> Tensor:

@@ -18,7 +18,10 @@ from torch import Tensor
 
 from .checkpoint import StoredTensor, WeightError
 from .config import DeepseekV4Config, file_problem, read_json_object
+from .config_v41 import DeepseekV41Config
 from .names import expert_part, is_draft_key, to_official
+
+ModelConfig = DeepseekV4Config | DeepseekV41Config
 
 FLOATS = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 INTEGERS = (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8)
@@ -52,7 +55,7 @@ class Placement:
     expert: int | None = None     # one expert of a stacked target; None with `stacked` = all of them
     row_start: int = 0            # first row of that expert's matrix this source fills (w3 after w1)
     stacked: bool = False         # target is a stacked [experts, rows, cols] expert tensor
-    # An EP rank's shard of a stacked target (`moe_ep.shard_experts`): for one expert's source, the
+    # An EP rank's shard of a stacked target (`moe_ep_setup.shard_experts`): for one expert's source, the
     # target slots it fills (a redundant expert fills several); for a source of all experts, the
     # expert each target slot takes. None: target row = expert id.
     slots: tuple[int, ...] | None = None
@@ -62,13 +65,13 @@ class Placement:
         return self.source.nbytes + (self.scale.nbytes if self.scale else 0)
 
 
-def plan_load(stored: dict[str, StoredTensor], expected: dict[str, Tensor], cfg: DeepseekV4Config,
+def plan_load(stored: dict[str, StoredTensor], expected: dict[str, Tensor], cfg: ModelConfig,
               expert_dtype: str | None, model_dir: Path,
               expert_shards: dict[str, tuple[int, ...]] | None = None) -> list[Placement]:
     """Placements in reading order (file, then offset); raises WeightError for any missing,
     unexpected, duplicate, mis-shaped or mis-typed tensor. `expected`: the model's state dict (meta);
     `model_dir`: named in messages about tensors the checkpoint lacks; `expert_shards`: an EP rank's
-    experts (`moe_ep.shard_experts`' result): other experts' tensors are left unread (still checked)."""
+    experts (`moe_ep_setup.shard_experts`' result): other experts' tensors are left unread (still checked)."""
     scale_of = {key: _scale_key(key, stored) for key in stored}
     scales = {s for s in scale_of.values() if s is not None}
     placements, unexpected = [], []
@@ -76,7 +79,7 @@ def plan_load(stored: dict[str, StoredTensor], expected: dict[str, Tensor], cfg:
     for key, tensor in stored.items():
         if key in scales or (v41 and _V41_SKIPPED.search(to_official(key))):
             continue
-        scale = stored[scale_of[key]] if scale_of[key] else None
+        scale = stored[scale_key] if (scale_key := scale_of[key]) else None
         placement = _place(tensor, scale, expected, expert_dtype)
         if placement is None:
             unexpected.append(tensor)
@@ -192,7 +195,7 @@ def _mode(tensor: StoredTensor, scale: StoredTensor | None, expert_dtype: str | 
     return QUANTISE
 
 
-def _check_coverage(placements: list[Placement], expected: dict[str, Tensor], cfg: DeepseekV4Config,
+def _check_coverage(placements: list[Placement], expected: dict[str, Tensor], cfg: ModelConfig,
                     model_dir: Path, shards: dict[str, tuple[int, ...]]) -> None:
     """Each parameter filled exactly once (each expert's w1, w3 and w2 too, of a sharded target the
     experts of its slots); scales of quantised experts are filled with their weights."""
@@ -225,7 +228,7 @@ def _check_coverage(placements: list[Placement], expected: dict[str, Tensor], cf
                                       f"or the stacked {name!r}) in {model_dir}")
 
 
-def _float_shape(p: Placement, expected: dict[str, Tensor], cfg: DeepseekV4Config) -> tuple[int, ...]:
+def _float_shape(p: Placement, expected: dict[str, Tensor], cfg: ModelConfig) -> tuple[int, ...]:
     """The shape of the values `p` provides, in float (unpacked, dequantised) terms."""
     if not p.stacked:
         return tuple(expected[p.target].shape)
@@ -236,7 +239,7 @@ def _float_shape(p: Placement, expected: dict[str, Tensor], cfg: DeepseekV4Confi
     return (cfg.n_routed_experts, 2 * matrix[0] if p.target.endswith(".w13") else matrix[0], matrix[1])
 
 
-def _check(p: Placement, expected: dict[str, Tensor], cfg: DeepseekV4Config, expert_dtype: str | None,
+def _check(p: Placement, expected: dict[str, Tensor], cfg: ModelConfig, expert_dtype: str | None,
            block: int) -> None:
     src, scale = p.source, p.scale
     if p.expert is not None and p.expert >= cfg.n_routed_experts:
@@ -249,17 +252,36 @@ def _check(p: Placement, expected: dict[str, Tensor], cfg: DeepseekV4Config, exp
                         + (f" for {p.target!r}" if p.target != to_official(src.key) else ""))
     integer_target = p.mode != DRAFT and not p.stacked and expected[p.target].dtype in INTEGERS
     if scale is None:
-        if src.dtype == torch.float8_e4m3fn:
-            raise src.error("FP8 weight without a scale tensor (….scale or ….weight_scale_inv)")
-        if integer_target and src.dtype not in INTEGERS:
-            raise src.error(f"dtype {src.dtype} where integer data is expected "
-                            f"({', '.join(map(str, INTEGERS))})")
-        if not integer_target and src.dtype not in FLOATS and not (p.mode == DRAFT and src.dtype in INTEGERS):
-            raise src.error(f"dtype {src.dtype} where float data is expected "
-                            f"({', '.join(map(str, FLOATS))}, or FP8 / MXFP4 with a scale)")
+        _check_unscaled(p, integer_target)
         return
     if integer_target:
         raise src.error(f"has a scale tensor ({scale.key!r}) but {p.target!r} holds integers")
+    allowed, want = _scale_format(p, shape, block)
+    if scale.dtype not in allowed:
+        raise scale.error(f"scale dtype {scale.dtype} for a {src.dtype} weight must be one of "
+                          f"{', '.join(map(str, allowed))}")
+    if scale.shape != want:
+        raise scale.error(f"scale shape {scale.shape} != expected {want} for weight shape "
+                          f"{src.shape}" + (f" (FP8 block {block})" if src.dtype == torch.float8_e4m3fn else ""))
+
+
+def _check_unscaled(p: Placement, integer_target: bool) -> None:
+    """A stored tensor without a scale: plain integer or float data (FP8 needs its scale)."""
+    src = p.source
+    if src.dtype == torch.float8_e4m3fn:
+        raise src.error("FP8 weight without a scale tensor (….scale or ….weight_scale_inv)")
+    if integer_target and src.dtype not in INTEGERS:
+        raise src.error(f"dtype {src.dtype} where integer data is expected "
+                        f"({', '.join(map(str, INTEGERS))})")
+    if not integer_target and src.dtype not in FLOATS and not (p.mode == DRAFT and src.dtype in INTEGERS):
+        raise src.error(f"dtype {src.dtype} where float data is expected "
+                        f"({', '.join(map(str, FLOATS))}, or FP8 / MXFP4 with a scale)")
+
+
+def _scale_format(p: Placement, shape: tuple[int, ...], block: int) -> tuple[tuple[torch.dtype, ...], tuple[int, ...]]:
+    """(the scale dtypes allowed, the scale shape expected) of a scaled stored tensor of `shape` values."""
+    src = p.source
+    allowed: tuple[torch.dtype, ...]
     if src.dtype == torch.float8_e4m3fn and p.target.endswith(ENGRAM_TABLE):
         allowed, want = TABLE_SCALES, shape[:-1] + (shape[-1] // 32,)       # one e8m0 per row and 32 channels
     elif src.dtype == torch.float8_e4m3fn:
@@ -271,12 +293,7 @@ def _check(p: Placement, expected: dict[str, Tensor], cfg: DeepseekV4Config, exp
     else:
         raise src.error(f"has a scale tensor but dtype {src.dtype} is neither FP8 (e4m3) "
                         f"nor packed FP4 (int8 / uint8)")
-    if scale.dtype not in allowed:
-        raise scale.error(f"scale dtype {scale.dtype} for a {src.dtype} weight must be one of "
-                          f"{', '.join(map(str, allowed))}")
-    if scale.shape != want:
-        raise scale.error(f"scale shape {scale.shape} != expected {want} for weight shape "
-                          f"{src.shape}" + (f" (FP8 block {block})" if src.dtype == torch.float8_e4m3fn else ""))
+    return allowed, want
 
 
 def _blocks(shape: tuple[int, ...], block: int) -> tuple[int, ...]:

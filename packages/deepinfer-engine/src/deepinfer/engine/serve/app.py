@@ -129,31 +129,13 @@ class _Server:
         field = "messages" if chat else "prompt"
         parsers = self.output_parsers(req) if chat else None
         if chat:
-            try:
-                prompt: Any = await asyncio.to_thread(self._chat_prompt, req)     # off the event loop
-            except InvalidChatRequest as error:
-                raise bad_request(str(error), error.field) from None
-            except (ChatTemplateError, ValueError) as error:
-                raise bad_request(str(error), field) from None
+            prompt: Any = await self._rendered_chat(req)
         else:
             prompt = req.prompt if isinstance(req.prompt, str) else {"prompt_token_ids": req.prompt}
         request_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         tracker = self.metrics.track()
         outputs = self.llm.generate(prompt, req.params, request_id, delta=req.stream)
-        try:
-            first = await anext(outputs)
-        except EngineQueueFull as error:
-            raise APIError(503, str(error), code="queue_full") from None
-        except EngineDead as error:
-            raise APIError(500, str(error), code="engine_dead") from None
-        except EngineStopped as error:
-            raise APIError(503, str(error), code="shutting_down") from None
-        except StructuredOutputUnavailable as error:
-            raise bad_request(str(error), req.structured_field) from None
-        except InvalidSamplingParams as error:          # checked against the model: logit_bias ids, ...
-            raise from_sampling_error(error, req.structured_field) from None
-        except ValueError as error:
-            raise bad_request(str(error), field) from None
+        first = await _first_output(outputs, req, field)
         completion = first.outputs[0]
         if completion.finish_reason == FINISH_IGNORED:
             await outputs.aclose()              # its stream leaves the front now, not when collected
@@ -164,6 +146,20 @@ class _Server:
         writer = ResponseWriter(request_id, self.name, chat, req, self.llm.model.tokenizer, parsers)
         if req.stream:
             return StreamingResponse(self._stream(writer, first, outputs, tracker), media_type="text/event-stream")
+        return await self._whole_response(http, writer, first, outputs, tracker)
+
+    async def _rendered_chat(self, req: GenerateRequest) -> dict[str, Any]:
+        """`_chat_prompt` off the event loop, its errors as 400s."""
+        try:
+            return await asyncio.to_thread(self._chat_prompt, req)
+        except InvalidChatRequest as error:
+            raise bad_request(str(error), error.field) from None
+        except (ChatTemplateError, ValueError) as error:
+            raise bad_request(str(error), "messages") from None
+
+    async def _whole_response(self, http: Request, writer: ResponseWriter, first: RequestOutput,
+                              outputs: AsyncGenerator[RequestOutput, None], tracker: RequestTracker) -> Response:
+        """The non-streamed body once the request finishes; the request is aborted if the client leaves."""
         whole = asyncio.ensure_future(self._whole(first, outputs, tracker))
         gone = asyncio.ensure_future(_disconnected(http))
         try:
@@ -346,6 +342,25 @@ def _bearer_matches(header: str | None, api_key: str) -> bool:
     compared in constant time."""
     scheme, _, key = (header or "").strip().partition(" ")
     return scheme.lower() == "bearer" and hmac.compare_digest(key.strip().encode(), api_key.encode())
+
+
+async def _first_output(outputs: AsyncGenerator[RequestOutput, None], req: GenerateRequest,
+                        field: str) -> RequestOutput:
+    """The request's first output; the front's and the engine's refusals as API errors."""
+    try:
+        return await anext(outputs)
+    except EngineQueueFull as error:
+        raise APIError(503, str(error), code="queue_full") from None
+    except EngineDead as error:
+        raise APIError(500, str(error), code="engine_dead") from None
+    except EngineStopped as error:
+        raise APIError(503, str(error), code="shutting_down") from None
+    except StructuredOutputUnavailable as error:
+        raise bad_request(str(error), req.structured_field) from None
+    except InvalidSamplingParams as error:          # checked against the model: logit_bias ids, ...
+        raise from_sampling_error(error, req.structured_field) from None
+    except ValueError as error:
+        raise bad_request(str(error), field) from None
 
 
 def _num_tokens(out: RequestOutput) -> int:

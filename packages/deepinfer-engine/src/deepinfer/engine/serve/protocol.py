@@ -132,7 +132,7 @@ def _check_fields(body: dict[str, Any], endpoint_fields: Mapping[str, Callable[[
             raise bad_request(f"{name}={value!r} is not supported yet", name)
 
 
-def _common(body: dict[str, Any], *, default_max_tokens: int | None, logprobs: object,
+def _common(body: dict[str, Any], *, default_max_tokens: int | None, logprobs: Any,
             structured: StructuredOutput | None = None) -> dict[str, Any]:
     """The fields both endpoints share; `structured` (a forced tool choice) replaces response_format."""
     model = body.get("model")

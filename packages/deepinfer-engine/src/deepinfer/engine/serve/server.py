@@ -15,8 +15,9 @@ import asyncio
 import contextlib
 import signal
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from typing import Any
 
 import uvicorn
 from uvicorn.protocols.http.h11_impl import H11Protocol
@@ -92,7 +93,7 @@ def serve_client(llm: EngineClient, options: ServeOptions) -> str | None:
     return llm.failure
 
 
-def uvicorn_config(app: object, *, host: str = "127.0.0.1", port: int = 0, log_level: str = "info",
+def uvicorn_config(app: Callable[..., Any], *, host: str = "127.0.0.1", port: int = 0, log_level: str = "info",
                    access_log: bool = False, header_timeout_s: float = HEADER_TIMEOUT_S,
                    keep_alive_timeout_s: float = KEEP_ALIVE_TIMEOUT_S) -> uvicorn.Config:
     """How `deepinfer serve` runs uvicorn: HTTP/1.1 through h11 (`_H11WithHeaderTimeout`), an access log
@@ -102,7 +103,7 @@ def uvicorn_config(app: object, *, host: str = "127.0.0.1", port: int = 0, log_l
     response) is closed."""
     protocol = type("H11Protocol", (_H11WithHeaderTimeout,), {"header_timeout_s": header_timeout_s})
     return uvicorn.Config(app, host=host, port=port, log_level=log_level, access_log=access_log, http=protocol,
-                          timeout_keep_alive=keep_alive_timeout_s)  # type: ignore[arg-type]
+                          timeout_keep_alive=keep_alive_timeout_s)  # type: ignore[arg-type]  # typed int, a float delay
 
 
 class _H11WithHeaderTimeout(H11Protocol):

@@ -14,17 +14,27 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Awaitable, Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from fastapi import FastAPI, Request
 
+from ..async_front import EngineClient
 from ..chat_messages import InvalidChatRequest
-from ..chat_template import ChatTemplateError, chat_prompt
+from ..chat_template import ChatTemplate, ChatTemplateError, chat_prompt
 from ..tokenizer import Tokenizer, require_tokenizer
 from .errors import APIError, bad_request
 
-if TYPE_CHECKING:
-    from .app import _Server
+
+class ServedState(Protocol):
+    """What these routes read of the server's state (`app._Server`, which registers them)."""
+
+    llm: EngineClient
+    name: str
+    created: int
+
+    def template(self) -> ChatTemplate: ...
+
+    def check_model(self, model: str | None) -> None: ...
 
 _TOKENIZE_PROMPT = frozenset({"model", "prompt", "add_special_tokens"})
 _TOKENIZE_CHAT = frozenset({"model", "messages", "add_generation_prompt", "chat_template_kwargs"})
@@ -36,7 +46,7 @@ def model_card(name: str, created: int, max_model_len: int) -> dict[str, Any]:
     return {"id": name, "object": "model", "created": created, "owned_by": "deepinfer", "max_model_len": max_model_len}
 
 
-def add_utility_routes(app: FastAPI, server: _Server, check_key: Callable[[Request], None],
+def add_utility_routes(app: FastAPI, server: ServedState, check_key: Callable[[Request], None],
                        json_body: Callable[[Request], Awaitable[Any]]) -> None:
     """Add /tokenize, /detokenize and /v1/models/{model_id} to `app`, over `server`'s engine."""
 
@@ -97,7 +107,7 @@ def _optional(body: dict[str, Any], name: str, kind: type) -> Any:
     return value
 
 
-def _tokenizer(server: _Server) -> Tokenizer:
+def _tokenizer(server: ServedState) -> Tokenizer:
     model = server.llm.model
     try:
         return require_tokenizer(model.tokenizer, model.model_dir)
@@ -105,7 +115,7 @@ def _tokenizer(server: _Server) -> Tokenizer:
         raise APIError(400, str(error)) from None
 
 
-def _chat_tokens(server: _Server, tokenizer: Tokenizer, body: dict[str, Any]) -> list[int]:
+def _chat_tokens(server: ServedState, tokenizer: Tokenizer, body: dict[str, Any]) -> list[int]:
     add_generation_prompt = _optional(body, "add_generation_prompt", bool)
     options = _optional(body, "chat_template_kwargs", dict)
     try:
