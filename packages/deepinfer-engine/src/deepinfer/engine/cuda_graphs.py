@@ -1,4 +1,4 @@
-"""Decode CUDA graphs keyed by the number of query tokens (DESIGN.md §6).
+"""Decode CUDA graphs keyed by the number of query tokens (docs/design.md §7.4).
 
 Sizes 1, 2, 4, … up to `interval`, then every `interval` up to the maximum. A step of n sequences
 replays the smallest graph ≥ n; padding rows feed token 0 at position 0 with an all-zero block table
@@ -17,7 +17,7 @@ import torch
 from torch import Tensor
 
 from deepinfer.kernels import KernelSet
-from deepinfer.model import DeepseekV4ForCausalLM, ForwardBatch, ModelCache
+from deepinfer.model import CausalLM, ForwardBatch, ModelCache
 from deepinfer.spec import cuda_graph_key, cuda_graph_sizes
 
 from .block_tables import RowBlockTables
@@ -50,14 +50,14 @@ class DecodeGraphs:
             every graph gathers compressed entries for (the engine's max_model_len).
         interval: `DEEPINFER_CUDAGRAPH_BATCH_SIZE_INTERVAL`.
         ops: the kernels the graphs capture (None: the model's default for its device); the runner
-            passes the batch-invariant set under DEEPINFER_BATCH_INVARIANT=1.
+            passes the batch-invariant set with `EngineArgs.batch_invariant`.
         max_query_len: 1 = one query token per sequence; k + 1 under speculative decoding: the
             graphs then run multi-token decode batches (`ForwardBatch.multi_decode`: max_seqs counts
             query tokens, one virtual sequence each) and are keyed by total query tokens through
             `deepinfer.spec.cuda_graph_key`, the function the varlen policy sizes its steps with.
     """
 
-    def __init__(self, model: DeepseekV4ForCausalLM, cache: ModelCache, *, max_seqs: int, max_blocks: int,
+    def __init__(self, model: CausalLM, cache: ModelCache, *, max_seqs: int, max_blocks: int,
                  max_context_len: int, interval: int = 8, ops: KernelSet | None = None,
                  max_query_len: int = 1) -> None:
         device = model.embed.weight.device
@@ -162,6 +162,8 @@ class DecodeGraphs:
         the graph's output, valid until the next replay (work queued after it on the stream, such
         as sampling, reads it in time)."""
         size = self.bucket(n)
+        if size is None:
+            raise ValueError(f"no decode graph holds a step of {n} (the largest holds {self.sizes[-1]})")
         self.graphs[size].replay()
         return self.outputs[size][:n]
 

@@ -19,7 +19,7 @@ from .env import read_torchrun_env
 from .intake import PromptInput
 from .llm_engine import LLMEngine, resolve_model_dir
 from .outputs import OutputKind, RequestOutput
-from .request import Request
+from .request import ParallelRequest, Request
 from .sampling_params import SamplingParams
 from .tokenizer import Tokenizer, load_tokenizer, require_tokenizer
 
@@ -107,12 +107,13 @@ class LLM:
         with self._lock:
             if self.parallel is not None:
                 return self.parallel.generate(items, params)
-            requests = []
+            engine = self._single_engine()
+            requests: list[Request | ParallelRequest] = []
             for i, (item, p) in enumerate(zip(items, params)):
                 if not isinstance(item, str | dict):
                     raise ValueError(f"prompts[{i}] must be a str or a {{'prompt_token_ids': [...]}} dict")
                 try:
-                    requests.append(self.engine.prepare_request(None, item, p, output_kind=OutputKind.FINAL_ONLY))
+                    requests.append(engine.prepare_request(None, item, p, output_kind=OutputKind.FINAL_ONLY))
                 except ValueError as err:
                     err.args = (f"prompts[{i}]: {err}", *err.args[1:])   # same type, says which prompt
                     raise
@@ -164,8 +165,14 @@ class LLM:
                                                                 override=override)
         return self._chat_templates[override]
 
-    def _run(self, requests: list[Request], use_tqdm: bool) -> list[RequestOutput]:
-        engine = self.engine
+    def _single_engine(self) -> LLMEngine:
+        """This process's engine (every LLM has one, but one that spawned its DP ranks)."""
+        if self.engine is None:
+            raise RuntimeError("this LLM runs its data-parallel ranks in other processes: it has no engine here")
+        return self.engine
+
+    def _run(self, requests: list[Request | ParallelRequest], use_tqdm: bool) -> list[RequestOutput]:
+        engine = self._single_engine()
         try:
             for req in requests:
                 engine.enqueue(req)
@@ -185,7 +192,7 @@ class _OfflineBatch:
     """The `core_loop.Transport` of one `LLM.generate` call: its requests are queued up front; the
     loop steps until each has its finished output."""
 
-    def __init__(self, engine: LLMEngine, requests: list[Request], bar: tqdm) -> None:
+    def __init__(self, engine: LLMEngine, requests: list[Request | ParallelRequest], bar: tqdm) -> None:
         self._engine, self._bar = engine, bar
         self._order = {req.request_id: i for i, req in enumerate(requests)}
         self._results: list[RequestOutput | None] = [None] * len(requests)

@@ -1,12 +1,12 @@
 """LLMEngine: requests in, one scheduler step + one model step per `step()`, outputs out.
 
-One step (DESIGN.md §3), read top to bottom in `step()`: schedule → the scheduler's news (ignored
+One step (docs/design.md §2), read top to bottom in `step()`: schedule → the scheduler's news (ignored
 and preempted sequences) → the cache ops → `steps.Step`'s phases: (1) launch the forward of step N,
 (2) commit the steps still in flight, (3) launch N's sampling, (4) pre_sampler_sync (grammar pump),
 then commit N at once, or keep it in flight. Plain steps are `plain_step.PlainStep`'s, speculative
 decode steps `spec_step.SpeculativeDecoder`'s.
 
-ZOS (DESIGN.md §7, `EngineArgs.zero_overhead_scheduling`) is the depth of the queue of launched steps
+ZOS (docs/design.md §6, `EngineArgs.zero_overhead_scheduling`) is the depth of the queue of launched steps
 (`steps.InFlightQueue`): with depth 1 the host schedules and launches decode step N + 1 before it has
 read step N's tokens; the runner feeds N's sampled tokens to N + 1 on the device. A request's end
 (EOS, stop string, max_tokens) is therefore seen one step late: its row of step N + 1 runs, and its
@@ -27,11 +27,12 @@ dropped once it ends, like any request's; the request is reported finished when 
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import logging
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -110,20 +111,29 @@ def resolve_model_dir(model: str | None) -> Path:
                                     "deepinfer-model has not shipped; pass model=<folder>") from None
         return Path(embedded_model_dir())
     path = Path(model)
-    if not path.is_dir():
-        raise InvalidEngineArgs(f"model={model!r} is not a folder (expected config.json + model.safetensors)")
+    try:
+        is_dir = path.is_dir()
+    except OSError as error:          # a name too long for the file system, a permission fault, ...
+        raise InvalidEngineArgs(f"model={_shortened(model)} cannot be a folder: {error.strerror}") from None
+    if not is_dir:
+        raise InvalidEngineArgs(f"model={_shortened(model)} is not a folder (expected config.json + model.safetensors)")
     return path
 
 
-def _check_v41_options(cfg: object, args: EngineArgs, env: EngineEnv) -> None:
+def _shortened(text: str, limit: int = 200) -> str:
+    """repr(text), cut to about `limit` characters with its length said when longer."""
+    return repr(text) if len(text) <= limit else f"{text[:limit]!r}... ({len(text)} characters)"
+
+
+def _check_v41_options(cfg: object, args: EngineArgs) -> None:
     """Refuse the DeepSeek-V4.1-only options for a model without the layers they act on."""
     if args.engram_on_host and not getattr(cfg, "engram_layer_ids", ()):
         raise InvalidEngineArgs("engram_on_host=True needs a model with Engram layers (DeepSeek-V4.1); this "
                                 "model has none", "engram_on_host")
-    if env.yoco_prefill_truncation_mode != "off" and not isinstance(cfg, DeepseekV41Config):
-        raise InvalidEngineArgs(f"DEEPINFER_YOCO_PREFILL_TRUNCATION_MODE={env.yoco_prefill_truncation_mode} "
-                                "needs a DeepSeek-V4.1 model (its KV-source / consumer layers); unset it or set "
-                                "it to off for this model")
+    if args.yoco_prefill_truncation_mode != "off" and not isinstance(cfg, DeepseekV41Config):
+        raise InvalidEngineArgs(f"yoco_prefill_truncation_mode={args.yoco_prefill_truncation_mode!r} needs a "
+                                "DeepSeek-V4.1 model (its KV-source / consumer layers); use 'off' for this model",
+                                "yoco_prefill_truncation_mode")
 
 
 class LLMEngine(RequestIntake):
@@ -155,7 +165,7 @@ class LLMEngine(RequestIntake):
         self.env = env or read_env()
         self.model_dir = resolve_model_dir(args.model)
         cfg = DeepseekV4Config.from_model_dir(self.model_dir)
-        _check_v41_options(cfg, args, self.env)
+        _check_v41_options(cfg, args)
         draft = self._load_model(cfg, expert_parallel)
         self.tokenizer: Tokenizer | None = load_tokenizer(self.model_dir)
         self.eos_token_ids = tuple(self.tokenizer.eos_token_ids) if self.tokenizer and \
@@ -167,13 +177,13 @@ class LLMEngine(RequestIntake):
         self._sched_cfg, self._vote_group = self._scheduler_config(draft), vote_group
         self.runner = self._model_runner(draft)
         self.sampling = SamplingStage(Sampler(seed=args.seed, force_top_k=self.env.sampler_force_topk,
-                                              batch_invariant=self.env.batch_invariant),
+                                              batch_invariant=args.batch_invariant),
                                       self.eos_token_ids, cfg.vocab_size, sync_guard=not self.env.disable_sync_guard,
                                       history=TokenHistory(cfg.vocab_size, self.runner.device))
         self._requests: dict[str, Request | ParallelRequest] = {}   # by request id: what is reported
         self._seqs: dict[str, Request] = {}        # by scheduler sequence id (canonical_id): one per sample
         self._ids = itertools.count()
-        # Structured output (DESIGN.md §8): requests wait here, outside the scheduler, until the
+        # Structured output (docs/design.md §11): requests wait here, outside the scheduler, until the
         # pool has compiled their grammar; `_pump_grammars` (pre_sampler_sync) hands them over.
         self.grammars: GrammarCompilePool | None = None     # made at the first constrained request
         self._awaiting_grammar: dict[str, Request | ParallelRequest] = {}
@@ -184,6 +194,7 @@ class LLMEngine(RequestIntake):
         self.scheduler = self._new_scheduler()
         # One caller at a time: add_request / abort_request / step / has_unfinished_requests take it.
         self._lock = threading.RLock()
+        self._in_step = False          # a step() is running (re-entry from it is refused)
         self.zos = args.zos and (draft is None or _zos_with_drafts(args))
         self._in_flight = InFlightQueue(depth=1 if self.zos else 0)    # launched steps not committed yet
         self.last_step_kind: StepKind | None = None      # the kind of step the last step() scheduled
@@ -204,8 +215,8 @@ class LLMEngine(RequestIntake):
         if ep is not None:      # before the graphs are captured: they hold the EP decode exchange
             apply_expert_parallel(self.model, ep.group, ep.slots, loaded_sharded=self.experts_sharded,
                                   max_decode_tokens=args.max_num_seqs)
-        if env.yoco_prefill_truncation_mode != "off":
-            self.model.set_prefill_truncation(env.yoco_prefill_truncation_mode, env.yoco_prefill_keep_tokens)
+        if args.yoco_prefill_truncation_mode != "off":
+            self.model.set_prefill_truncation(args.yoco_prefill_truncation_mode, args.yoco_prefill_keep_tokens)
         draft = attach_draft_head(self.model, args, env) if args.num_speculative_tokens else None
         self.load_seconds = time.perf_counter() - started            # wall time of load_model
         self.weight_bytes = sum(t.numel() * t.element_size() for t in self.model.state_dict().values())
@@ -222,6 +233,7 @@ class LLMEngine(RequestIntake):
             nextn=0 if draft is None else draft.block_size, chunk_checkpoints=args.chunk_checkpoints,
             stop_preempted_request=args.stop_preempted_request, prefill_attempt_interval=env.prefill_attempt_interval,
             prefill_any_attempt_interval=env.prefill_any_attempt_interval, engine_type=args.engine_type,
+            max_cache_usage_for_prefill=args.max_cache_usage_for_prefill,
         )
 
     def _model_runner(self, draft: DSparkDraft | None) -> ModelRunner:
@@ -237,7 +249,7 @@ class LLMEngine(RequestIntake):
             graph_max_seqs=None if args.enforce_eager else args.max_num_seqs * query_len,
             graph_max_query_len=query_len, max_blocks_per_seq=cfg.max_blocks_per_seq,
             max_model_len=cfg.max_blocks_per_seq * cfg.block_size,
-            graph_interval=env.cudagraph_batch_size_interval, batch_invariant=env.batch_invariant,
+            graph_interval=env.cudagraph_batch_size_interval, batch_invariant=args.batch_invariant,
         )
 
     def _new_scheduler(self) -> Scheduler:
@@ -289,8 +301,12 @@ class LLMEngine(RequestIntake):
         A fault inside the step (an exception from the model, the sampler or the bookkeeping) never
         escapes: the requests of that step finish with reason "error" (error_reason names the
         exception), their blocks and slots are freed, and the engine goes on serving the others.
+
+        Raises:
+            RuntimeError: called from inside a step of this engine (a callback it runs, on the same
+                thread): the inner step would corrupt the outer one's requests; nothing is done.
         """
-        with self._lock:
+        with self._lock, self._not_reentered():
             self._wait_for_grammars_when_idle()
             changed: Changed = {}
             out = self._schedule(changed)
@@ -298,6 +314,19 @@ class LLMEngine(RequestIntake):
                 self._take_scheduler_news(out, changed)
                 self._run(out, changed)
             return self._report(changed)
+
+    @contextlib.contextmanager
+    def _not_reentered(self) -> Iterator[None]:
+        """Marks a step in progress; raises RuntimeError when one already is (with the lock held,
+        only this thread can be in it: a re-entrant call)."""
+        if self._in_step:
+            raise RuntimeError("LLMEngine.step() was called from inside a step of the same engine (e.g. from a "
+                               "tokenizer or logits callback); a step cannot run inside another")
+        self._in_step = True
+        try:
+            yield
+        finally:
+            self._in_step = False
 
     def _run(self, out: SchedulerOutput, changed: Changed) -> None:
         """The phases of one step (module docstring); a failure fails the step's rows and those of the
@@ -407,7 +436,7 @@ class LLMEngine(RequestIntake):
 
     # ------------------------------------------------------------------ disaggregation hooks
     # No-ops in NORMAL engines. A prefill/decode-disaggregated deployment overrides them
-    # (DESIGN.md §8): PROMPT engines save KV after prefill, COMPLETION engines load it.
+    # (docs/design.md §3.5): PROMPT engines save KV after prefill, COMPLETION engines load it.
 
     def init_pd_split(self) -> None:
         """Set up the prefill/decode transfer channels (no-op)."""

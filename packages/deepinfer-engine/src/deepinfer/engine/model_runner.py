@@ -1,7 +1,7 @@
 """ModelRunner: owns the model, its cache memory and the per-row device state of decode steps; turns
 scheduler steps into model batches.
 
-Per-row state (ZOS, DESIGN.md §7): `row_tokens[row]` holds, on the device, the token last sampled for
+Per-row state (ZOS, docs/design.md §6): `row_tokens[row]` holds, on the device, the token last sampled for
 the sequence at scheduler row `row` (`DecodeBatch.rows`, stable while the sequence lives). A decode step
 whose sequences have a step in flight (`DecodeBatch.in_flight`) takes their input tokens from there, so
 the host never waits for a sampled token before launching the next forward; only rows whose last token
@@ -23,7 +23,7 @@ from torch import Tensor
 
 from deepinfer.cache import PagedStream, StateRegion, plan_paged_layout, plan_state_layout
 from deepinfer.kernels import kernels_for
-from deepinfer.model import DeepseekV4ForCausalLM, ForwardBatch, ModelCache
+from deepinfer.model import CausalLM, ForwardBatch, ModelCache
 from deepinfer.sched import DecodeBatch, SchedulerOutput, StepKind
 
 from .block_tables import RowBlockTables
@@ -60,7 +60,7 @@ class StepBatch:
                                         # static inputs (`DecodeGraphs.stage`); `batch` is None
 
 
-def default_block_size(model: DeepseekV4ForCausalLM) -> int:
+def default_block_size(model: CausalLM) -> int:
     """The smallest multiple of every compress ratio that is ≥ 64 tokens."""
     grain = lcm(*[r for r in model.cfg.compress_ratios if r] or [1])
     return grain * max(1, -(-64 // grain))
@@ -81,13 +81,13 @@ class ModelRunner:
         graph_interval: spacing of graph sizes past the first powers of two.
         graph_max_query_len: k + 1 under speculative decoding: the graphs run verify steps
             (`verify_forward`), keyed by total query tokens, and graph_max_seqs counts query tokens.
-        batch_invariant: run the batch-invariant kernels (`DEEPINFER_BATCH_INVARIANT`): each sequence's
+        batch_invariant: run the batch-invariant kernels (`EngineArgs.batch_invariant`): each sequence's
             logits are then bitwise the same whatever else is in its step (docs/batch_invariance.md).
     """
 
     def __init__(
         self,
-        model: DeepseekV4ForCausalLM,
+        model: CausalLM,
         *,
         block_size: int,
         num_kv_blocks: int | None,

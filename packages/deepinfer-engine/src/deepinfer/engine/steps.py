@@ -1,7 +1,7 @@
 """The Step protocol: how `LLMEngine` runs one scheduled step, and the queue of launched steps.
 
 A step implementation turns a `SchedulerOutput` into device work and, later, its results into
-tokens on the requests. The engine's loop (`LLMEngine.step`, DESIGN.md §3) drives it in four
+tokens on the requests. The engine's loop (`LLMEngine.step`, docs/design.md §2) drives it in four
 phases:
 
     handle = step.launch(out, guarded=...)   (1) the forward of step N is queued on the device
@@ -17,7 +17,7 @@ Implementations: `plain_step.PlainStep` (prefill steps, and decode steps of one 
 prefill-only engine (EngineType.PROMPT) runs `PlainStep` and hands the prefilled requests over
 at its commit; a future prefill-only or disaggregated step plugs in as a third implementation.
 
-Overlap (ZOS, DESIGN.md §7) is the depth of `InFlightQueue`: with depth 1 a decode step's handle
+Overlap (ZOS, docs/design.md §6) is the depth of `InFlightQueue`: with depth 1 a decode step's handle
 stays in the queue when `step()` returns, and is committed by the next `step()` in phase (2), after
 the next forward is queued; with depth 0 every handle is committed in the `step()` that launched
 it. A handle launched to stay in flight is launched `guarded` (under `forbid_cuda_sync`): nothing in

@@ -1,15 +1,16 @@
 """`Scheduler.check_integrity`: every bookkeeping invariant, checked the slow, obvious way
-(STYLE rule 7: run while idle and by the tests)."""
+(run while idle and by the tests)."""
 
 from __future__ import annotations
 
 from collections import Counter
+from typing import NoReturn
 
 from .sequence import SeqStatus
 from .state import SchedState
 
 
-def _fail(message: str) -> None:
+def _fail(message: str) -> NoReturn:
     raise RuntimeError(f"scheduler integrity: {message}")
 
 
@@ -33,14 +34,7 @@ def _check_queues(st: SchedState) -> None:
     duplicates = [key for key, count in Counter(queued).items() if count > 1]
     if duplicates or sorted(queued) != sorted(st.seqs):
         _fail(f"queues hold {sorted(queued)}, live sequences are {sorted(st.seqs)}")
-    for key, seq in st.waiting.items():
-        if seq.status is not SeqStatus.WAITING or seq.row >= 0:
-            _fail(f"waiting {key!r} has status {seq.status.name}, row {seq.row}")
-    for key, seq in st.prompted.items():
-        if seq.status is not SeqStatus.PROMPTED:
-            _fail(f"prompted {key!r} has status {seq.status.name}")
-    if st.prefilling is not None and st.prefilling.status is not SeqStatus.PREFILLING:
-        _fail(f"prefilling {st.prefilling!r} has the wrong status")
+    _check_queue_states(st)
     owned = sum(not seq.shared_list for seq in st.seqs.values())
     if owned != st.num_owned_lists:
         _fail(f"num_owned_lists={st.num_owned_lists}, {owned} live sequences own their token list")
@@ -49,13 +43,25 @@ def _check_queues(st: SchedState) -> None:
         _fail(f"num_uncopied={st.num_uncopied}, {len(uncopied)} uncopied branches live")
 
 
+def _check_queue_states(st: SchedState) -> None:
+    for key, seq in st.waiting.items():
+        if seq.status is not SeqStatus.WAITING or seq.row >= 0:
+            _fail(f"waiting {key!r} has status {seq.status.name}, row {seq.row}")
+    for key, seq in st.prompted.items():
+        if seq.status is not SeqStatus.PROMPTED:
+            _fail(f"prompted {key!r} has status {seq.status.name}")
+    if st.prefilling is not None and st.prefilling.status is not SeqStatus.PREFILLING:
+        _fail(f"prefilling {st.prefilling!r} has the wrong status")
+
+
 def _check_rows(st: SchedState) -> None:
     table = st.table
     config = st.config
     holders = [seq for seq in st.seqs.values() if seq.row >= 0]
     if len(holders) != table.num_used:
         _fail(f"{len(holders)} sequences hold rows, the table has {table.num_used} in use")
-    branches = Counter(seq.parent.row for seq in st.seqs.values() if seq.uncopied and seq.parent.row >= 0)
+    branches = Counter(seq.parent.row for seq in st.seqs.values()
+                       if seq.uncopied and seq.parent is not None and seq.parent.row >= 0)
     for seq in holders:
         row = seq.row
         if table.seqs[row] is not seq or table.ids[row] != seq.seq_id:

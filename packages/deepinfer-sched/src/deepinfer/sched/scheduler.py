@@ -1,4 +1,4 @@
-"""The step scheduler of one DP rank (DESIGN.md §4). `schedule()` reads like the design:
+"""The step scheduler of one DP rank (docs/design.md §3). `schedule()` reads like the design:
 
     vote on the step kind -> prefill (FIFO admission, chunking) or decode (promote, reserve,
     preempt) -> emit one SchedulerOutput
@@ -18,7 +18,7 @@ from .fork import fork_seq
 from .integrity import check_integrity
 from .output import DecodeBatch, PrefillChunk, PrefilledSeq, SchedulerOutput, StepKind
 from .sequence import FinishReason, SeqView, TokenLog
-from .state import SchedState
+from .state import BlockPool, SchedState
 from .verify import VerifyLengthPolicy
 from .vote import SingleRankVoteGroup, StepVoteGroup, attempt_point, cast_vote, confirm_prefill
 
@@ -32,7 +32,7 @@ def load_decode_core(native: bool | None) -> ModuleType:
         from ._pure import decode_core
         return decode_core
     try:
-        from . import _decode_core
+        import deepinfer.sched._decode_core as _decode_core
     except ImportError:
         if native:
             raise
@@ -64,8 +64,8 @@ class Scheduler:
     def __init__(
         self,
         config: SchedulerConfig,
-        kv_blocks: object,
-        state_slots: object,
+        kv_blocks: BlockPool,
+        state_slots: BlockPool,
         *,
         vote_group: StepVoteGroup | None = None,
         verify_policy: VerifyLengthPolicy | None = None,
@@ -106,7 +106,7 @@ class Scheduler:
             prompt_token_ids: token ids, each in [0, 2**31).
             max_tokens: output limit, >= 1 (the engine enforces it; kept for `get_seq`).
             recomputable: False = a preemption always finishes it, even with
-                stop_preempted_request=False (structured-output requests, DESIGN.md §4).
+                stop_preempted_request=False (structured-output requests, docs/design.md §3.3).
             share_list: False (default) = the scheduler keeps its own copy of the tokens and
                 `append_*` extend it. True = `prompt_token_ids` must be a `TokenLog` of ints, which
                 becomes the sequence's token history in place (no copy): the scheduler reads it

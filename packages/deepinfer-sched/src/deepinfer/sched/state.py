@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Iterable
+from typing import Protocol
 
 import numpy as np
 
@@ -10,6 +12,28 @@ from .config import SchedulerConfig
 from .output import EMPTY_PAIRS, EMPTY_SLOTS, IgnoredSeq
 from .seq_table import SeqTable
 from .sequence import SeqStatus, Sequence, canonical_id
+
+
+class BlockPool(Protocol):
+    """What the scheduler uses of a `deepinfer.cache.BlockManager` (paged KV blocks or state slots;
+    id 0 reserved), declared here so that the scheduler needs no import of deepinfer.cache."""
+
+    @property
+    def num_blocks(self) -> int: ...
+
+    @property
+    def num_free(self) -> int: ...
+
+    @property
+    def usage(self) -> float: ...
+
+    def ref_count(self, block_id: int) -> int: ...
+
+    def allocate(self, num: int) -> np.ndarray: ...
+
+    def free(self, block_ids: Iterable[int] | np.ndarray) -> int: ...
+
+    def pin(self, block_ids: Iterable[int] | np.ndarray) -> None: ...
 
 
 class SchedState:
@@ -20,7 +44,7 @@ class SchedState:
     `running_rows` (rows of running sequences, kept sorted by KV length descending).
     """
 
-    def __init__(self, config: SchedulerConfig, kv_blocks: object, state_slots: object) -> None:
+    def __init__(self, config: SchedulerConfig, kv_blocks: BlockPool, state_slots: BlockPool) -> None:
         self.config = config
         self.kv = kv_blocks
         self.slots = state_slots
@@ -29,7 +53,7 @@ class SchedState:
         self.waiting: OrderedDict[str, Sequence] = OrderedDict()
         self.prefilling: Sequence | None = None
         self.prompted: OrderedDict[str, Sequence] = OrderedDict()
-        self.running_rows = np.zeros(0, dtype=np.int32)
+        self.running_rows: np.ndarray = np.zeros(0, dtype=np.int32)
         self.num_uncopied = 0            # fork branches awaiting copy-on-write
         self.num_owned_lists = 0         # live sequences whose token list `append_*` extends (not shared)
         self.num_arrivals = 0

@@ -1,4 +1,4 @@
-"""Verify-length policies (DESIGN.md §6): how many drafts each decode sequence verifies.
+"""Verify-length policies (docs/design.md §7.2): how many drafts each decode sequence verifies.
 
 Both classes satisfy deepinfer.sched's `VerifyLengthPolicy` Protocol structurally
 (`query_lens(seq_ids, seq_lens, max_query_len) -> [num_seqs] ints in [1, max_query_len]`); this
@@ -48,8 +48,8 @@ def choose_query_lens(acceptance: Sequence[Sequence[float]], max_query_len: int,
         return VarlenPlan(0, np.zeros(0, dtype=np.int32), 0.0, 0.0)
     num_drafts = max_query_len - 1
     rates = np.zeros((num_seqs, num_drafts))
-    for i, r in enumerate(acceptance):
-        r = np.clip(np.asarray(r, dtype=np.float64)[:num_drafts], 0.0, 1.0)
+    for i, given in enumerate(acceptance):
+        r = np.clip(np.asarray(given, dtype=np.float64)[:num_drafts], 0.0, 1.0)
         rates[i, :len(r)] = r
     values = np.cumprod(rates, axis=1).ravel()                          # row-major: a request's own in order
     order = np.argsort(-values, kind="stable")
@@ -70,7 +70,7 @@ def choose_query_lens(acceptance: Sequence[Sequence[float]], max_query_len: int,
 
 
 class VarlenVerifyPolicy:
-    """DESIGN.md §6's varlen verify: per-request acceptance estimates in, query lengths out.
+    """docs/design.md §7.2's varlen verify: per-request acceptance estimates in, query lengths out.
 
     The engine reports each request's latest draft confidences with `observe` (under ZOS: those of
     step N − 2 when choosing step N) and drops finished requests with `forget`; a request with no

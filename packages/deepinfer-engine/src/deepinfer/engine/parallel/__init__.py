@@ -1,4 +1,4 @@
-"""Attention data parallel + MoE expert parallel over torch.distributed (DESIGN.md §1, §4, §8).
+"""Attention data parallel + MoE expert parallel over torch.distributed (docs/design.md §9, §3.1, §10).
 
 `LLM(..., data_parallel_size=N, expert_parallel=True)` runs N ranks (spawned, or this process under
 torchrun): `launcher` starts them, `rank.DPRank` is one rank's engine and lockstep loop, and
@@ -7,10 +7,10 @@ torchrun): `launcher` starts them, `rank.DPRank` is one rank's engine and lockst
 rank process runs `serve_rank.RankServer`, and `messages` is what travels between them.
 """
 
+from ..stats import ParallelStats, RebalanceStats
 from .dp_async import DPAsyncLLM
-from .eplb_live import LiveBalancer, RebalanceStats
+from .eplb_live import LiveBalancer
 from .launcher import SpawnedRanks, rank_main, start_ranks
-from .messages import ParallelStats
 from .rank import DPRank, RankFailure, RankSpec, assign_least_loaded
 
 __all__ = [
