@@ -33,11 +33,7 @@ EXEMPT_CYCLES: Mapping[frozenset[str], str] = {
 }
 # Files whose functions may exceed MAX_COMPLEXITY for now, with the branch that splits them. The
 # check fails once such a file is back under the limit, so that its entry is removed.
-EXEMPT_COMPLEXITY: Mapping[str, str] = {
-    "packages/deepinfer-engine/src/deepinfer/engine/llm_engine.py": "branch d30s (issue #30: the Step protocol)",
-    "packages/deepinfer-engine/src/deepinfer/engine/model_runner.py": "branch d30s (issue #30: the Step protocol)",
-    "packages/deepinfer-engine/src/deepinfer/engine/sampling_stage.py": "branch d30s (issue #30: the Step protocol)",
-}
+EXEMPT_COMPLEXITY: Mapping[str, str] = {}
 
 
 @dataclass(frozen=True, slots=True)

@@ -21,7 +21,7 @@ tokens are appended (`_fork`).
 from __future__ import annotations
 
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from itertools import compress
 from typing import Protocol
 
@@ -77,7 +77,7 @@ class PlainLaunched(Launched):
             built for this step).
     """
 
-    batch: StepBatch | None = None
+    batch: StepBatch = field(kw_only=True)
     logits: torch.Tensor | None = None
     guarded: bool = False
     sampling: InFlightSampling | None = None
@@ -141,10 +141,10 @@ class PlainStep:
         batch, logits, out = handle.batch, handle.logits, handle.out
         handle.logits = None
         seq_ids = batch.sample_seq_ids
-        if not seq_ids:
+        if not seq_ids or logits is None:
             return
         decode = out.decode if out.kind is StepKind.DECODE else None
-        reqs = self._requests(seq_ids, decode is not None and self._is_steady(decode.rows_generation))
+        reqs = self._requests(seq_ids, None if decode is None else self._steady_of(decode.rows_generation))
         if out.kind is StepKind.PREFILL and any(r.unforked for r in reqs):
             logits, reqs = self._rows_per_sample(logits, reqs)   # n rows for a prefilled group
             seq_ids = tuple(r.seq_id for r in reqs)
@@ -155,19 +155,27 @@ class PlainStep:
         handle.reqs, handle.sampling = reqs, sampling
         handle.steady_generation = None if self.steady is None else self.steady.generation
 
-    def _is_steady(self, generation: int) -> bool:
-        """Whether decode rows of this generation are the steady rows'."""
-        return self.steady is not None and self.steady.generation == generation
+    def _steady_of(self, generation: int) -> SteadyRows | None:
+        """The steady rows when decode rows of this generation are theirs, else None."""
+        steady = self.steady
+        return steady if steady is not None and steady.generation == generation else None
 
-    def _requests(self, seq_ids: tuple[str, ...], steady: bool) -> list[Request]:
-        """The request of each row."""
-        if steady:
-            return self.steady.reqs
+    def _requests(self, seq_ids: tuple[str, ...], steady: SteadyRows | None) -> list[Request]:
+        """The request of each row (the steady rows' when the step has them)."""
+        if steady is not None:
+            return steady.reqs
         seqs = self._host._seqs
         try:
             return list(map(seqs.__getitem__, seq_ids))     # the common case: no fork branch id
         except KeyError:
-            return [self._host._seq(seq_id) for seq_id in seq_ids]
+            pass
+        reqs: list[Request] = []
+        for seq_id in seq_ids:
+            req = self._host._seq(seq_id)
+            if req is None:
+                raise KeyError(f"no request runs as scheduler sequence {seq_id!r}")
+            reqs.append(req)
+        return reqs
 
     def _rows_per_sample(self, logits: torch.Tensor, reqs: list[Request]) -> tuple[torch.Tensor, list[Request]]:
         """A prefill step's logits with the row of each group's sample 0 repeated for its other samples
@@ -188,8 +196,9 @@ class PlainStep:
         A decode step (`decode_generation`: its rows generation) of the same rows as the last one, none
         constrained or controlled, reuses its parameter lists (and so `SamplingStage` its
         `SamplingBatch`): `SteadyRows`."""
-        if decode_generation is not None and self._is_steady(decode_generation):
-            return self.steady.step_rows()
+        steady = None if decode_generation is None else self._steady_of(decode_generation)
+        if steady is not None:
+            return steady.step_rows()
         self.steady = None
         controlled = any(r.controlled for r in reqs)
         if controlled:
@@ -212,6 +221,8 @@ class PlainStep:
     def _acquire_history_rows(self, reqs: list[Request]) -> None:
         """A TokenHistory row for each live request that needs one and has none yet."""
         history = self._host.sampling.history
+        if history is None:
+            raise RuntimeError("rows with logit controls need the sampling stage's TokenHistory")
         for r in reqs:
             if r.needs_history and r.history_slot is None and not r.finished:
                 r.history_slot = history.acquire(r.prompt_token_ids, r.output_token_ids)
@@ -229,11 +240,12 @@ class PlainStep:
                       rows_unchanged: bool = False) -> None:
         """Take a step's sampled tokens. `rows_unchanged`: the caller knows that no request of this
         (decode) step has ended since it was launched."""
-        steady = self.steady
+        steady, token_array, decode = self.steady, sampled.token_array, handle.out.decode
         if steady is not None and handle.steady_generation == steady.generation:
-            if not (sampled.errors or handle.preempted or handle.recomputed or sampled.token_array is None
+            if not (sampled.errors or handle.preempted or handle.recomputed or token_array is None or decode is None
                     or self._host.args.engine_type is EngineType.PROMPT):
-                self._post_process_steady(handle, sampled, changed, steady, rows_unchanged)
+                self._post_process_steady(handle, sampled, token_array, decode.seq_ids, changed, steady,
+                                          rows_unchanged)
                 return
             self.steady = None           # its output counts would go stale: rebuilt at the next launch
         continuing_ids: list[str] = []
@@ -257,14 +269,15 @@ class PlainStep:
             host.pe_do_save_kvcache(handed)
             host.send_processed_prompts(out)
 
-    def _post_process_steady(self, handle: PlainLaunched, sampled: SampledStep, changed: Changed,
-                             steady: SteadyRows, rows_unchanged: bool) -> None:
-        """A decode step of `steady`'s rows: the tokens that cannot end their request go in, in bulk
-        (`SteadyRows.take_tokens`); the other rows go through `_post_process_rows`."""
-        per_row = steady.take_tokens(sampled.token_array, sampled.token_ids, maybe_ended=not rows_unchanged)
-        seq_ids = handle.out.decode.seq_ids
+    def _post_process_steady(self, handle: PlainLaunched, sampled: SampledStep, token_array: np.ndarray,
+                             seq_ids: tuple[str, ...], changed: Changed, steady: SteadyRows,
+                             rows_unchanged: bool) -> None:
+        """A decode step of `steady`'s rows (`seq_ids`; `token_array` = sampled.token_array): the tokens
+        that cannot end their request go in, in bulk (`SteadyRows.take_tokens`); the other rows go
+        through `_post_process_rows`."""
+        per_row = steady.take_tokens(token_array, sampled.token_ids, maybe_ended=not rows_unchanged)
         if not len(per_row):
-            self._host.scheduler.append_decode_tokens(seq_ids, sampled.token_array[:, None], steady.ones)
+            self._host.scheduler.append_decode_tokens(seq_ids, token_array[:, None], steady.ones)
             return
         continuing_ids: list[str] = []
         continuing_tokens: list[int] = []
@@ -276,7 +289,7 @@ class PlainStep:
         keep = np.ones(len(seq_ids), dtype=np.bool_)
         keep[per_row] = False
         kept_ids = [*compress(seq_ids, keep.tolist()), *continuing_ids]
-        kept_tokens = np.concatenate([sampled.token_array[keep], np.array(continuing_tokens, dtype=np.int64)])
+        kept_tokens = np.concatenate([token_array[keep], np.array(continuing_tokens, dtype=np.int64)])
         self._record_tokens(StepKind.DECODE, kept_ids, kept_tokens.tolist())
 
     def _post_process_rows(self, handle: PlainLaunched, sampled: SampledStep, rows: Iterable[int],
@@ -316,8 +329,9 @@ class PlainStep:
     def _drop_token(self, req: Request) -> None:
         """A row whose request ended (or went to be recomputed) since its step was launched: its token
         is dropped, and taken out of the request's TokenHistory row if it was counted there."""
-        if req.history_slot is not None and not req.finished:
-            self._host.sampling.history.reset(req.history_slot, req.prompt_token_ids, req.output_token_ids)
+        history = self._host.sampling.history
+        if history is not None and req.history_slot is not None and not req.finished:
+            history.reset(req.history_slot, req.prompt_token_ids, req.output_token_ids)
 
     def _fork(self, req: Request) -> None:
         """Fork sample 0's just-prefilled sequence for the group's other samples (each branch reads its

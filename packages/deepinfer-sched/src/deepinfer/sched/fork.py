@@ -11,7 +11,7 @@ from .state import SchedState
 
 
 def fork_seq(
-    st: SchedState, parent: Sequence, num_branches: int, branch_lists: list[list[int]] | None = None
+    st: SchedState, parent: Sequence, num_branches: int, branch_lists: list[TokenLog] | None = None
 ) -> tuple[str, ...]:
     """Makes `num_branches` PROMPTED copies of `parent` sharing its KV; returns their "_" ids.
     `branch_lists`: the branches' shared token lists (each equal to the parent's tokens), or None
@@ -68,7 +68,7 @@ def fork_seq(
     return tuple("_" + key for key in keys)
 
 
-def _check_branch_lists(parent: Sequence, num_branches: int, branch_lists: list[list[int]]) -> None:
+def _check_branch_lists(parent: Sequence, num_branches: int, branch_lists: list[TokenLog]) -> None:
     if len(branch_lists) != num_branches:
         raise ValueError(f"branch_lists must hold one list per branch ({num_branches})")
     if len({id(tokens) for tokens in branch_lists}) != num_branches or \

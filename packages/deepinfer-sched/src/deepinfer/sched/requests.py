@@ -76,6 +76,7 @@ def add_seq(
     for name, flag in (("recomputable", recomputable), ("share_list", share_list)):
         if not isinstance(flag, bool):
             raise ValueError(f"{name}={flag!r} must be a bool")
+    tokens: list[int]
     if share_list:
         tokens = _shared_tokens(prompt_token_ids, "prompt_token_ids")
     else:
@@ -104,6 +105,7 @@ def add_prefilled_seq(
     if not isinstance(share_list, bool):
         raise ValueError(f"share_list={share_list!r} must be a bool")
     (first,) = _as_tokens([first_token_id], "first_token_id")
+    tokens: list[int]
     if share_list:
         tokens = _shared_tokens(prompt_token_ids, "prompt_token_ids")
         if not tokens or tokens[-1] != first:
