@@ -1,6 +1,8 @@
 """Prefill admission (DESIGN.md §4 `_schedule_prefill`): FIFO over the waiting queue under the
 token, prompt-count and sum-of-K-lengths budgets, with blocks and the state slot allocated
-together at a sequence's first scheduling."""
+together at a sequence's first scheduling. With prefix caching (prefix_cache.py) a sequence starts
+from its longest cached prefix, and its last chunk is cut at its last block boundary (a snapshot
+point) — a cut that, unlike a budget cut, lets other sequences join the step."""
 
 from __future__ import annotations
 
@@ -18,11 +20,10 @@ _NO_LIMIT = 2**62
 
 
 def _candidates(st: SchedState, limit: int) -> Iterator[Sequence]:
-    """The sequence mid-prefill first, then the waiting queue in order (at most `limit`)."""
-    if st.prefilling is not None:
-        yield st.prefilling
-        limit -= 1
-    yield from list(islice(st.waiting.values(), limit))
+    """The sequences mid-prefill first, then the waiting queue in order (at most `limit` in all)."""
+    started = list(islice(st.prefilling.values(), limit))
+    yield from started
+    yield from list(islice(st.waiting.values(), limit - len(started)))
 
 
 def _num_computed(st: SchedState, seq: Sequence) -> int:
@@ -35,15 +36,24 @@ def plan_chunk(st: SchedState, seq: Sequence, tokens_left: int, sum_k_left: int,
     first = seq.row < 0
     if first and (st.table.num_used >= config.max_num_seqs or st.slots.num_free < 1):
         return 0
-    num_computed = _num_computed(st, seq)
+    prefix = st.prefix
+    hit = seq.hit = prefix.lookup(seq) if first and prefix is not None else None
+    num_computed = _num_computed(st, seq) if hit is None else hit.num_tokens
     budget = min(tokens_left, sum_k_left - num_computed)
     num_tokens = chunk_len(
         num_computed, seq.num_tokens - num_computed, budget, config.chunk_checkpoints, step_is_empty
     )
     if num_tokens == 0:
         return 0
-    held = int(st.table.num_blocks[seq.row]) if not first else 0
-    if st.blocks_for(num_computed + num_tokens) - held > st.kv.num_free:
+    if prefix is not None:           # end the prompt's last full block in a chunk of its own: a snapshot point
+        boundary = seq.num_tokens // config.block_size * config.block_size
+        if num_computed < boundary < num_computed + num_tokens:
+            num_tokens = boundary - num_computed
+    if hit is not None:
+        held, taken_free = len(hit.block_ids), hit.num_free_blocks
+    else:
+        held, taken_free = (int(st.table.num_blocks[seq.row]) if not first else 0), 0
+    if st.blocks_for(num_computed + num_tokens) - held + taken_free > st.kv.num_free:
         return 0
     return num_tokens
 
@@ -78,19 +88,38 @@ def schedule_prefill(st: SchedState) -> tuple[PrefillChunk, ...]:
         chunks.append(chunk)
         tokens_left -= num_tokens
         sum_k_left -= chunk.end
-        if not chunk.completes_prefill:
-            break   # once a request is chunked, no other request joins the step
+        if not chunk.completes_prefill and not _at_snapshot_point(st, seq, chunk.end):
+            break   # once a request is chunked (by a budget), no other request joins the step
+    if st.prefix is not None:
+        st.prefix.commit()
     return tuple(chunks)
+
+
+def _at_snapshot_point(st: SchedState, seq: Sequence, end: int) -> bool:
+    """Whether a chunk ending at `end` was cut at the prompt's last block boundary (prefix caching)."""
+    size = st.config.block_size
+    return st.prefix is not None and end == seq.num_tokens // size * size
 
 
 def _commit_chunk(st: SchedState, seq: Sequence, num_tokens: int) -> PrefillChunk:
     table = st.table
+    num_cached = 0
     if seq.row < 0:
         row = table.acquire(seq)
         slot = int(st.slots.allocate(1)[0])
         table.state_slot[row] = slot
         table.num_output[row] = seq.num_tokens - seq.num_prompt_tokens   # > 0 after a recompute
-        st.zero_states.append(slot)
+        hit, seq.hit = seq.hit, None
+        if hit is not None:
+            st.prefix.take(hit)
+            table.append_blocks(row, hit.block_ids)
+            table.seq_len[row] = num_cached = hit.num_tokens
+            st.restore_states.append((hit.snapshot, slot))
+        else:
+            st.zero_states.append(slot)
+        if st.prefix is not None:
+            st.prefix.queries += seq.num_tokens
+            st.prefix.hits += num_cached
     row = seq.row
     start = int(table.seq_len[row])
     end = start + num_tokens
@@ -98,6 +127,10 @@ def _commit_chunk(st: SchedState, seq: Sequence, num_tokens: int) -> PrefillChun
     if num_new_blocks > 0:
         table.append_blocks(row, st.kv.allocate(num_new_blocks))
     table.seq_len[row] = end
+    if st.prefix is not None:
+        snapshot = st.prefix.computed(seq, table.block_ids(row), start, end)
+        if snapshot:
+            st.save_states.append((int(table.state_slot[row]), snapshot))
     st.unlink(seq)
     completes = end == seq.num_tokens
     if completes:
@@ -108,7 +141,7 @@ def _commit_chunk(st: SchedState, seq: Sequence, num_tokens: int) -> PrefillChun
         st.prompted[seq.key] = seq
     else:
         seq.status = SeqStatus.PREFILLING
-        st.prefilling = seq
+        st.prefilling[seq.key] = seq
     return PrefillChunk(
         seq_id=seq.seq_id,
         start=start,
@@ -117,4 +150,5 @@ def _commit_chunk(st: SchedState, seq: Sequence, num_tokens: int) -> PrefillChun
         token_ids=np.array(seq.token_ids[start:end], dtype=np.int32),
         block_table=table.block_ids(row).copy(),
         state_slot=int(table.state_slot[row]),
+        num_cached_tokens=num_cached,
     )
