@@ -138,8 +138,8 @@ def test_a_recomputed_sequence_resumes_from_its_own_cached_blocks(make_sched) ->
     sched.append_decode_tokens(out.decode.seq_ids, [[1]], [1])
     sched.finish_seq("b", "stop")
     out = run_prefill(sched)                               # 7 prompt + 2 output tokens: its cached first
-    assert chunks_of(out) == [("a", 4, 8, False, 4)]       # block and the snapshot at 4, cut at 8
-    assert out.prefill[0].block_table.tolist() == [1, 2]
+    assert chunks_of(out) == [("a", 4, 9, True, 4)]        # block and the snapshot at 4 (a recompute is
+    assert out.prefill[0].block_table.tolist() == [1, 2, 4]    # not cut at its last block boundary)
     sched.check_integrity()
 
 

@@ -70,6 +70,7 @@ from .outputs import (
     OutputKind,
     RequestOutput,
 )
+from .prefix_caching import prefix_cache_key, record_cached_tokens
 from .request import ParallelRequest, Request
 from .sampler import Sampler, logprobs_of
 from .sampling_stage import InFlightSampling, SampledStep, SamplingStage, StepRows
@@ -216,6 +217,8 @@ class LLMEngine(RequestIntake):
                                     f"max_position_embeddings={cfg.max_position_embeddings}")
         block_size = args.block_size or default_block_size(self.model)
         num_state_slots = BlockManager.for_state_slots(args.max_num_seqs, self.env.num_state_slots_ratio).num_blocks
+        prefix_caching = args.enable_prefix_caching and args.engine_type is not EngineType.COMPLETION
+        self._num_snapshots = (args.prefix_cache_snapshots or args.max_num_seqs) if prefix_caching else 0
         sched_cfg = SchedulerConfig(
             block_size=block_size, max_model_len=self.max_model_len, max_num_seqs=args.max_num_seqs,
             max_num_batched_tokens=args.max_num_batched_tokens, max_num_prompts=args.max_num_prompts,
@@ -223,6 +226,7 @@ class LLMEngine(RequestIntake):
             chunk_checkpoints=args.chunk_checkpoints, stop_preempted_request=args.stop_preempted_request,
             prefill_attempt_interval=self.env.prefill_attempt_interval,
             prefill_any_attempt_interval=self.env.prefill_any_attempt_interval, engine_type=args.engine_type,
+            enable_prefix_caching=prefix_caching, prefix_cache_key=prefix_cache_key(args, self.env),
         )
         # speculative: verify steps (V4 and V4.1 alike) replay graphs keyed by total query tokens
         query_len = 1 if draft is None else draft.block_size + 1
@@ -234,6 +238,7 @@ class LLMEngine(RequestIntake):
             graph_max_query_len=query_len,
             max_blocks_per_seq=sched_cfg.max_blocks_per_seq, max_model_len=sched_cfg.max_blocks_per_seq * block_size,
             graph_interval=self.env.cudagraph_batch_size_interval, batch_invariant=self.env.batch_invariant,
+            num_snapshot_slots=self._num_snapshots,
         )
         self._sched_cfg, self._vote_group = sched_cfg, vote_group
         self.spec = None if draft is None else SpeculativeDecoder(draft, self.runner, args, self.env, self._seq)
@@ -266,8 +271,15 @@ class LLMEngine(RequestIntake):
         self._steady = None
         # The paged KV pool of the current scheduler; read (num_free, usage) by AsyncLLM's stats.
         self.kv_blocks = BlockManager(self.runner.plan.num_kv_blocks)
+        snapshots = BlockManager(self._num_snapshots + 1) if self._num_snapshots else None
         return Scheduler(self._sched_cfg, self.kv_blocks, slots, vote_group=self._vote_group,
-                         verify_policy=None if self.spec is None else self.spec.gate)
+                         verify_policy=None if self.spec is None else self.spec.gate, snapshot_slots=snapshots)
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached prompt prefix (KV blocks and state snapshots); requests running now keep
+        theirs. Returns False when prefix caching is off."""
+        with self._lock:
+            return self.scheduler.reset_prefix_cache()
 
     def stats(self) -> SpeculativeStats:
         """Speculative decoding counts so far (drafted and accepted tokens; all 0 with it off)."""
@@ -350,6 +362,9 @@ class LLMEngine(RequestIntake):
             logger.warning("KV cache full: %d request(s) finished as 'preempted' (%d queued for recompute); "
                            "a client may retry them, or build the engine with stop_preempted_request=False "
                            "to recompute instead", len(out.preempted_seq_ids) - len(recomputed), len(recomputed))
+        for chunk in out.prefill:
+            if chunk.num_cached_tokens:
+                record_cached_tokens(self._seq(chunk.seq_id), chunk.num_cached_tokens)
         step_ids = [chunk.seq_id for chunk in out.prefill] + list(out.decode.seq_ids if out.decode else ())
         keep_in_flight = self.zos and out.kind is StepKind.DECODE
         guarded = keep_in_flight and self.sampling.sync_guard
@@ -404,6 +419,7 @@ class LLMEngine(RequestIntake):
             failed = len(step_ids) + (len(previous.reqs) if previous is not None else 0)
             logger.exception("step failed; its %d request(s) finish with reason 'error'", failed)
             self._in_flight = None
+            self.scheduler.reset_prefix_cache()    # the step's cached blocks and snapshots may hold no KV
             for seq_id in step_ids:
                 self._fail(seq_id, err, changed)
             for req in previous.reqs if previous is not None else ():

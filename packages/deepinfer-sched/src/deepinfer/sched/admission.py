@@ -37,7 +37,7 @@ def plan_chunk(st: SchedState, seq: Sequence, tokens_left: int, sum_k_left: int,
     if first and (st.table.num_used >= config.max_num_seqs or st.slots.num_free < 1):
         return 0
     prefix = st.prefix
-    hit = seq.hit = prefix.lookup(seq) if first and prefix is not None else None
+    hit = seq.hit = prefix.lookup(seq) if first and prefix is not None and seq.use_prefix_cache else None
     num_computed = _num_computed(st, seq) if hit is None else hit.num_tokens
     budget = min(tokens_left, sum_k_left - num_computed)
     num_tokens = chunk_len(
@@ -45,10 +45,9 @@ def plan_chunk(st: SchedState, seq: Sequence, tokens_left: int, sum_k_left: int,
     )
     if num_tokens == 0:
         return 0
-    if prefix is not None:           # end the prompt's last full block in a chunk of its own: a snapshot point
-        boundary = seq.num_tokens // config.block_size * config.block_size
-        if num_computed < boundary < num_computed + num_tokens:
-            num_tokens = boundary - num_computed
+    boundary = _snapshot_point(st, seq)      # end the prompt's last full block in a chunk of its own
+    if num_computed < boundary < num_computed + num_tokens:
+        num_tokens = boundary - num_computed
     if hit is not None:
         held, taken_free = len(hit.block_ids), hit.num_free_blocks
     else:
@@ -88,17 +87,21 @@ def schedule_prefill(st: SchedState) -> tuple[PrefillChunk, ...]:
         chunks.append(chunk)
         tokens_left -= num_tokens
         sum_k_left -= chunk.end
-        if not chunk.completes_prefill and not _at_snapshot_point(st, seq, chunk.end):
+        if not chunk.completes_prefill and chunk.end != _snapshot_point(st, seq):
             break   # once a request is chunked (by a budget), no other request joins the step
     if st.prefix is not None:
         st.prefix.commit()
     return tuple(chunks)
 
 
-def _at_snapshot_point(st: SchedState, seq: Sequence, end: int) -> bool:
-    """Whether a chunk ending at `end` was cut at the prompt's last block boundary (prefix caching)."""
+def _snapshot_point(st: SchedState, seq: Sequence) -> int:
+    """Prefix caching: the prompt's last block boundary, where its prefill is cut to save a state
+    snapshot; 0 for none (caching off, or a recompute after preemption: the cache is full then, and
+    a sequence cut there would hold its blocks a step longer)."""
+    if st.prefix is None or seq.num_tokens != seq.num_prompt_tokens:
+        return 0
     size = st.config.block_size
-    return st.prefix is not None and end == seq.num_tokens // size * size
+    return seq.num_tokens // size * size
 
 
 def _commit_chunk(st: SchedState, seq: Sequence, num_tokens: int) -> PrefillChunk:

@@ -103,7 +103,7 @@ class Scheduler:
 
     def add_seq(
         self, seq_id: str, prompt_token_ids: Iterable[int], max_tokens: int, *, recomputable: bool = True,
-        share_list: bool = False,
+        share_list: bool = False, use_prefix_cache: bool = True,
     ) -> None:
         """Queues a request for prefill (FIFO).
 
@@ -119,6 +119,8 @@ class Scheduler:
                 (prefill chunks, recompute after preemption, fork) and never writes it; the caller
                 appends each token it hands to `append_tokens` / `append_decode_tokens` (the kept
                 ones only) to that list before the call, so the history is kept once.
+            use_prefix_cache: False = prefill every token even where the prefix cache holds them (a
+                request that wants every prompt position's logits); its blocks are still cached.
 
         An empty prompt, a prompt longer than max_model_len or one needing more KV blocks than
         the cache holds is not queued: the next `schedule()` reports it in `ignored`.
@@ -127,7 +129,7 @@ class Scheduler:
             ValueError: a bad or duplicate seq_id, bad token ids or max_tokens, or a COMPLETION
                 engine (use `add_prefilled_seq`).
         """
-        requests.add_seq(self._st, seq_id, prompt_token_ids, max_tokens, recomputable, share_list)
+        requests.add_seq(self._st, seq_id, prompt_token_ids, max_tokens, recomputable, share_list, use_prefix_cache)
 
     def add_prefilled_seq(
         self, seq_id: str, prompt_token_ids: Iterable[int], first_token_id: int, max_tokens: int, *,

@@ -92,6 +92,7 @@ class Sequence:
         "shared_list",
         "block_hashes",
         "hit",
+        "use_prefix_cache",
     )
 
     def __init__(
@@ -114,6 +115,7 @@ class Sequence:
         self.recomputable = True              # a preemption may queue it for recompute
         self.block_hashes: list[bytes] = []   # prefix caching: chain hashes of its first full blocks
         self.hit = None                       # prefix caching: the cached prefix planned for admission
+        self.use_prefix_cache = True          # False: never starts from a cached prefix
 
     @property
     def seq_id(self) -> str:
