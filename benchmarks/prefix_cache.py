@@ -44,7 +44,7 @@ def run(args: argparse.Namespace, enable: bool) -> dict:
     histories = [list(system) for _ in range(args.conversations)]
     sent: dict[str, float] = {}
     ttft: dict[int, list[float]] = {turn: [] for turn in range(args.turns)}
-    outputs: list[list[int]] = []
+    outputs: dict[str, list[int]] = {}
     cached = 0
 
     def send(chat: int, turn: int) -> None:
@@ -63,7 +63,7 @@ def run(args: argparse.Namespace, enable: bool) -> dict:
                 ttft[turn].append(time.perf_counter() - sent.pop(out.request_id))
             if out.finished:
                 tokens = out.outputs[0].token_ids
-                outputs.append(tokens)
+                outputs[out.request_id] = tokens
                 cached += out.num_cached_tokens
                 histories[chat] += tokens
                 if turn + 1 < args.turns:

@@ -14,9 +14,9 @@ import pytest
 from engine_tiny_v4 import CONFIG as V4_CONFIG
 from engine_tiny_v41 import CONFIG as V41_CONFIG
 from test_speculative_tiny import CONFIG as DRAFT_CONFIG
-from test_speculative_tiny import with_random_head  # noqa: F401  (a fixture)
 
-from deepinfer.engine import EngineArgs, LLMEngine, SamplingParams
+from deepinfer.engine import EngineArgs, LLMEngine, SamplingParams, llm_engine
+from deepinfer.model import DSparkDraft
 from deepinfer.sched import StepKind
 
 # kv_quant needs head_dim - rope a multiple of 64 and a power-of-two index head >= 32
@@ -95,6 +95,8 @@ def test_embedded_model_multi_turn_chats_same_tokens_and_only_the_rest_prefilled
             assert counts[out.request_id] == len(out.prompt_token_ids) - out.num_cached_tokens
     assert all(out.num_cached_tokens == 0 for out in off[1])
     assert engine.scheduler.prefix_cache_stats.hits == sum(o.num_cached_tokens for outs in on for o in outs)
+    system = on[0][0].prompt_token_ids[:70]                # a new chat with the shared system prompt
+    assert _run(engine, {"new": system + [5] * 12}, greedy)["new"].num_cached_tokens == 64
     engine.scheduler.check_integrity()
     assert engine.reset_prefix_cache() and engine.scheduler.prefix_cache_stats.num_cached_blocks == 0
 
@@ -103,19 +105,34 @@ def test_embedded_model_multi_turn_chats_same_tokens_and_only_the_rest_prefilled
 def test_tiny_v4_n_samples_chunked_prefill_and_zos_same_tokens(tmp_path: Path, zos: bool) -> None:
     model = _folder(tmp_path, V4_CONFIG)
     params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, n=2)
-    turns = {}
+    turns, plans = {}, {}
     for on in (True, False):
         engine = LLMEngine(EngineArgs(model=model, **TINY, max_num_batched_tokens=24, zero_overhead_scheduling=zos,
                                       enable_prefix_caching=on))
         turns[on] = _chats(engine, 2, 3, 94, params)
         engine.scheduler.check_integrity()
         assert engine.kv_blocks.num_free == engine.runner.plan.num_kv_blocks - 1
+        plans[on] = engine.runner.plan
     assert _tokens(turns[True]) == _tokens(turns[False])
+    # the snapshots (max_num_seqs of them, each a state slot) come out of the same 8 MiB as the KV blocks
+    slot_bytes = plans[False].state_bytes // plans[False].num_state_slots
+    assert plans[True].num_snapshot_slots == 4 and plans[True].state_bytes == plans[False].state_bytes + 4 * slot_bytes
+    assert plans[True].num_kv_blocks < plans[False].num_kv_blocks
+    assert plans[True].paged_bytes + plans[True].state_bytes <= 8 * 2**20
     assert all(out.num_cached_tokens >= 48 for out in turns[True][2])    # turn 2's prompts are >= 58 tokens
 
 
-@pytest.mark.usefixtures("with_random_head")
-def test_speculative_decoding_same_tokens(tmp_path: Path) -> None:
+def test_speculative_decoding_same_tokens(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    load = llm_engine.load_model
+
+    def load_with_head(*args, **kwargs):      # the dummy model plus a random two-stage draft head
+        model = load(*args, **kwargs)
+        draft = DSparkDraft(model, 2)
+        draft.init_weights(3, std=0.05)
+        model.draft_weights = {key: value.detach().clone() for key, value in draft.state_dict().items()}
+        return model
+
+    monkeypatch.setattr(llm_engine, "load_model", load_with_head)
     model = _folder(tmp_path, DRAFT_CONFIG)
     greedy = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
     turns = {}

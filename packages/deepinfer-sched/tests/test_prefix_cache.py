@@ -66,9 +66,28 @@ def test_the_last_token_is_always_computed(make_sched) -> None:
     sched.add_seq("a", A[:8], 4)                           # two full blocks: no cut, snapshot at 8
     out = run_prefill(sched)
     assert chunks_of(out) == [("a", 0, 8, True, 0)] and out.save_states.tolist() == [[1, 1]]
-    sched.add_seq("same", A[:8], 4)
-    out = run_prefill(sched)
-    assert chunks_of(out) == [("same", 0, 8, True, 0)]     # a hit at 8 would leave nothing to sample
+    sched.add_seq("same", A[:8], 4)                        # a hit at 8 would leave nothing to sample: the
+    out = run_prefill(sched)                               # blocks it may take end at 4, where no snapshot
+    assert chunks_of(out) == [("same", 0, 4, False, 0)]    # is: it saves one there
+    assert out.save_states.tolist() == [[2, 2]]
+    assert chunks_of(run_prefill(sched)) == [("same", 4, 8, True, 0)]
+    sched.add_seq("again", A[:8], 4)
+    assert chunks_of(run_prefill(sched)) == [("again", 4, 8, True, 4)]
+    sched.check_integrity()
+
+
+def test_a_shared_prefix_gets_a_snapshot_where_a_prompt_leaves_it(make_sched) -> None:
+    sched = cached(make_sched)
+    system = [9] * 8
+    sched.add_seq("a", system + [1, 2, 3, 4, 5], 4)
+    assert chunks_of(run_prefill(sched)) == [("a", 0, 12, False, 0)]    # its last block boundary
+    run_prefill(sched)
+    sched.add_seq("b", system + [6, 7, 8, 9, 10], 4)      # shares 2 cached blocks, no snapshot at 8:
+    out = run_prefill(sched)                               # cut there and save one
+    assert chunks_of(out) == [("b", 0, 8, False, 0)] and len(out.save_states) == 1
+    run_prefill(sched), run_prefill(sched)                 # [8, 12) to its last boundary, then [12, 13)
+    sched.add_seq("c", system + [11, 12], 4)
+    assert chunks_of(run_prefill(sched)) == [("c", 8, 10, True, 8)]
     sched.check_integrity()
 
 

@@ -151,8 +151,9 @@ class EngineArgs:
         enable_prefix_caching: reuse the KV blocks and the model state of cached prompt prefixes
             (docs/prefix_cache.md): a prompt starting with the tokens of an earlier prompt (a chat's
             previous turn, a shared system prompt) prefills only the rest, from its last full block
-            that has a state snapshot; outputs are the same as without it. Each prompt's prefill is cut
-            at its last block boundary to save a snapshot there. Ignored by COMPLETION engines.
+            that has a state snapshot; outputs are the same as without it. A prompt's prefill is cut at
+            its last block boundary (and where it leaves a shared cached prefix) to save a snapshot
+            there. Ignored by COMPLETION engines.
         prefix_cache_snapshots: state snapshots the prefix cache keeps (each the size of a state slot,
             paid for out of the cache budget; the least recently used is replaced); None = max_num_seqs.
     """

@@ -1,8 +1,8 @@
 """Prefill admission (DESIGN.md §4 `_schedule_prefill`): FIFO over the waiting queue under the
 token, prompt-count and sum-of-K-lengths budgets, with blocks and the state slot allocated
 together at a sequence's first scheduling. With prefix caching (prefix_cache.py) a sequence starts
-from its longest cached prefix, and its last chunk is cut at its last block boundary (a snapshot
-point) — a cut that, unlike a budget cut, lets other sequences join the step."""
+from its longest cached prefix, and its prefill is cut at its snapshot points (prefix_cache.py) —
+cuts that, unlike a budget cut, let other sequences join the step."""
 
 from __future__ import annotations
 
@@ -37,7 +37,10 @@ def plan_chunk(st: SchedState, seq: Sequence, tokens_left: int, sum_k_left: int,
     if first and (st.table.num_used >= config.max_num_seqs or st.slots.num_free < 1):
         return 0
     prefix = st.prefix
-    hit = seq.hit = prefix.lookup(seq) if first and prefix is not None and seq.use_prefix_cache else None
+    hit = None
+    if first and prefix is not None:
+        hit, seq.snapshot_points = prefix.plan(seq)
+    seq.hit = hit
     num_computed = _num_computed(st, seq) if hit is None else hit.num_tokens
     budget = min(tokens_left, sum_k_left - num_computed)
     num_tokens = chunk_len(
@@ -45,9 +48,10 @@ def plan_chunk(st: SchedState, seq: Sequence, tokens_left: int, sum_k_left: int,
     )
     if num_tokens == 0:
         return 0
-    boundary = _snapshot_point(st, seq)      # end the prompt's last full block in a chunk of its own
-    if num_computed < boundary < num_computed + num_tokens:
-        num_tokens = boundary - num_computed
+    for point in seq.snapshot_points:        # a snapshot point ends a chunk of its own
+        if num_computed < point < num_computed + num_tokens:
+            num_tokens = point - num_computed
+            break
     if hit is not None:
         held, taken_free = len(hit.block_ids), hit.num_free_blocks
     else:
@@ -87,21 +91,11 @@ def schedule_prefill(st: SchedState) -> tuple[PrefillChunk, ...]:
         chunks.append(chunk)
         tokens_left -= num_tokens
         sum_k_left -= chunk.end
-        if not chunk.completes_prefill and chunk.end != _snapshot_point(st, seq):
+        if not chunk.completes_prefill and chunk.end not in seq.snapshot_points:
             break   # once a request is chunked (by a budget), no other request joins the step
     if st.prefix is not None:
         st.prefix.commit()
     return tuple(chunks)
-
-
-def _snapshot_point(st: SchedState, seq: Sequence) -> int:
-    """Prefix caching: the prompt's last block boundary, where its prefill is cut to save a state
-    snapshot; 0 for none (caching off, or a recompute after preemption: the cache is full then, and
-    a sequence cut there would hold its blocks a step longer)."""
-    if st.prefix is None or seq.num_tokens != seq.num_prompt_tokens:
-        return 0
-    size = st.config.block_size
-    return seq.num_tokens // size * size
 
 
 def _commit_chunk(st: SchedState, seq: Sequence, num_tokens: int) -> PrefillChunk:

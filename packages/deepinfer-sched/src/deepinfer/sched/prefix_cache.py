@@ -7,9 +7,12 @@ What is cached, and at which grain:
   A block keeps its hash while free, until the KV pool hands it out again (LRU among free blocks).
 - State snapshots: resuming at token t needs, besides the KV of tokens < t, the per-sequence state
   the model leaves after token t − 1 (sliding-window rings, the compressors' open windows, Engram's
-  look-back, draft rings). Wherever a prefill chunk ends on a block boundary, the sequence's whole
-  state slot is copied into a snapshot slot named by the hash of the block that ends there. With
-  caching on, a prompt's prefill is cut at its last block boundary so that point always gets one.
+  look-back, draft rings). A prompt's prefill is cut at its snapshot points, and after the chunk
+  ending at one the sequence's whole state slot is copied into a snapshot slot named by the hash of
+  the block that ends there. The points: the prompt's last block boundary (the next turn of a chat
+  resends the whole prompt), and where the prompt leaves the cached blocks when that is past its hit
+  (another prompt shares that prefix — a system prompt — but no snapshot was saved there: the next
+  one sharing it will hit). A recompute after preemption has none (the cache is full then).
 - A hit is the longest chain of cached blocks whose last block has a snapshot, at most
   (num_tokens − 1) // block_size blocks (the last token is always computed: its logits are
   sampled): the blocks are taken by reference and the snapshot is copied into the sequence's new
@@ -94,20 +97,26 @@ class PrefixCache:
             known.extend(chain_hashes(seq.token_ids, self.block_size, parent, len(known), num_blocks - len(known)))
         return known[:num_blocks]
 
-    def lookup(self, seq: Sequence) -> Hit | None:
-        """The longest cached prefix of `seq` ending at a snapshot (nothing changes), or None."""
-        limit = (seq.num_tokens - 1) // self.block_size
-        if limit < 1:
-            return None
-        hashes = self.hashes(seq, limit)
-        count = self.kv.match(hashes)
+    def plan(self, seq: Sequence) -> tuple[Hit | None, tuple[int, ...]]:
+        """For a sequence about to be admitted (nothing changes): its hit — the longest cached prefix
+        ending at a snapshot, at most (num_tokens − 1) // block_size blocks (the last token is always
+        computed: its logits are sampled), None without one or with `use_prefix_cache` off — and its
+        snapshot points past the hit, ascending."""
+        size = self.block_size
+        hashes = self.hashes(seq, (seq.num_tokens - 1) // size)
+        num_shared = self.kv.match(hashes)
+        count = num_shared if seq.use_prefix_cache else 0
         while count and not self.snapshots.cached_block(hashes[count - 1]):
             count -= 1
-        if not count:
-            return None
-        block_ids = np.fromiter((self.kv.cached_block(h) for h in hashes[:count]), dtype=np.int32, count=count)
-        num_free = sum(self.kv.ref_count(int(b)) == 0 for b in block_ids)
-        return Hit(count * self.block_size, block_ids, self.snapshots.cached_block(hashes[count - 1]), num_free)
+        hit = None
+        if count:
+            block_ids = np.fromiter((self.kv.cached_block(h) for h in hashes[:count]), dtype=np.int32, count=count)
+            num_free = sum(self.kv.ref_count(int(b)) == 0 for b in block_ids)
+            hit = Hit(count * size, block_ids, self.snapshots.cached_block(hashes[count - 1]), num_free)
+        if seq.num_tokens != seq.num_prompt_tokens:          # a recompute
+            return hit, ()
+        points = {num_shared * size, seq.num_tokens // size * size}
+        return hit, tuple(sorted(p for p in points if p > count * size))
 
     def take(self, hit: Hit) -> None:
         """Takes a hit's blocks by reference and marks its snapshot most recently used."""
@@ -118,14 +127,16 @@ class PrefixCache:
 
     def computed(self, seq: Sequence, block_ids: np.ndarray, start: int, end: int) -> int:
         """Queues the hashes of the blocks a chunk [start, end) completes, and a snapshot where it ends
-        on a block boundary. Returns the snapshot slot to save the state into, or 0 for none."""
+        at one of the sequence's snapshot points. Returns the snapshot slot to save the state into, or
+        0 for none."""
         size = self.block_size
         first, last = start // size, end // size          # full blocks [first, last) are complete now
         if last <= first:
             return 0
         hashes = self.hashes(seq, last)
         self._pending_blocks.extend((int(block_ids[i]), hashes[i]) for i in range(first, last))
-        if end % size or self.snapshots.cached_block(hashes[last - 1]) or not self.snapshots.num_free:
+        if end not in seq.snapshot_points or self.snapshots.cached_block(hashes[last - 1]) \
+                or not self.snapshots.num_free:
             return 0
         if any(h == hashes[last - 1] for _, h in self._pending_snapshots):
             return 0

@@ -93,6 +93,7 @@ class Sequence:
         "block_hashes",
         "hit",
         "use_prefix_cache",
+        "snapshot_points",
     )
 
     def __init__(
@@ -116,6 +117,7 @@ class Sequence:
         self.block_hashes: list[bytes] = []   # prefix caching: chain hashes of its first full blocks
         self.hit = None                       # prefix caching: the cached prefix planned for admission
         self.use_prefix_cache = True          # False: never starts from a cached prefix
+        self.snapshot_points: tuple[int, ...] = ()   # prefix caching: where its prefill saves its state
 
     @property
     def seq_id(self) -> str:
