@@ -1,7 +1,7 @@
 """ModelRunner: owns the model, its cache memory and the per-row device state of decode steps; turns
 scheduler steps into model batches.
 
-Per-row state (ZOS, DESIGN.md §7): `row_tokens[row]` holds, on the device, the token last sampled for
+Per-row state (ZOS, docs/design.md §6): `row_tokens[row]` holds, on the device, the token last sampled for
 the sequence at scheduler row `row` (`DecodeBatch.rows`, stable while the sequence lives). A decode step
 whose sequences have a step in flight (`last_token_ids` = −1) takes their input tokens from there, so
 the host never waits for a sampled token before launching the next forward; only rows whose last token
@@ -85,7 +85,7 @@ class ModelRunner:
         num_snapshot_slots: prefix-cache state snapshots (the scheduler's snapshot ids 1..n), laid out
             after the state slots in the same buffer (snapshot k is slot `snapshot_base + k`) and paid
             for out of budget_bytes like them.
-        batch_invariant: run the batch-invariant kernels (`DEEPINFER_BATCH_INVARIANT`): each sequence's
+        batch_invariant: run the batch-invariant kernels (`EngineArgs.batch_invariant`): each sequence's
             logits are then bitwise the same whatever else is in its step (docs/batch_invariance.md).
     """
 

@@ -17,7 +17,7 @@ def prefix_cache_key(args: EngineArgs, env: EngineEnv) -> bytes:
     key keeps a later shared tier (host memory, disk) from mixing them."""
     parts = (args.model, args.load_format, args.seed if args.load_format == "dummy" else None, args.dtype,
              args.kv_quant, args.expert_dtype, args.num_speculative_tokens, env.max_backtracking_tokens,
-             env.yoco_prefill_truncation_mode)
+             args.yoco_prefill_truncation_mode, args.yoco_prefill_keep_tokens)
     return hashlib.sha256(repr(parts).encode()).digest()
 
 

@@ -1,4 +1,4 @@
-"""Prefill admission (DESIGN.md §4 `_schedule_prefill`): FIFO over the waiting queue under the
+"""Prefill admission (docs/design.md §3.2): FIFO over the waiting queue under the
 token, prompt-count and sum-of-K-lengths budgets, with blocks and the state slot allocated
 together at a sequence's first scheduling. With prefix caching (prefix_cache.py) a sequence starts
 from its longest cached prefix, and its prefill is cut at its snapshot points (prefix_cache.py) —
