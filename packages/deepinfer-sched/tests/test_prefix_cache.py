@@ -183,3 +183,15 @@ def test_config_and_constructor_checks() -> None:
     with pytest.raises(ValueError, match="needs snapshot_slots"):
         Scheduler(SchedulerConfig(block_size=4, max_model_len=8, enable_prefix_caching=True),
                   BlockManager(4), BlockManager(3))
+
+
+def test_a_shared_prefix_is_cut_once_per_step(make_sched) -> None:
+    sched = cached(make_sched)
+    system = [9] * 8
+    sched.add_seq("a", system + [1, 2, 3, 4, 5], 4)
+    run_prefill(sched), run_prefill(sched)
+    sched.add_seq("b", system + [6, 7, 8, 9, 10], 4)
+    sched.add_seq("c", system + [11, 12, 13, 14, 15], 4)
+    out = run_prefill(sched)                               # c would save b's snapshot again: not cut at 8
+    assert chunks_of(out) == [("b", 0, 8, False, 0), ("c", 0, 12, False, 0)]
+    assert out.save_states.tolist() == [[2, 2], [3, 3]]

@@ -115,7 +115,9 @@ class PrefixCache:
             hit = Hit(count * size, block_ids, self.snapshots.cached_block(hashes[count - 1]), num_free)
         if seq.num_tokens != seq.num_prompt_tokens:          # a recompute
             return hit, ()
-        points = {num_shared * size, seq.num_tokens // size * size}
+        points = {seq.num_tokens // size * size}
+        if num_shared and not any(h == hashes[num_shared - 1] for _, h in self._pending_snapshots):
+            points.add(num_shared * size)                     # (not when this step saves it already)
         return hit, tuple(sorted(p for p in points if p > count * size))
 
     def take(self, hit: Hit) -> None:
