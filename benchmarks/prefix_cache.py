@@ -9,9 +9,10 @@ each turn appends a user message of `user-tokens` random ids to the chat's histo
 earlier messages and replies) and asks for `output-tokens` greedy tokens (EOS ignored). Closed loop:
 the chats start together and each sends its next turn as soon as its reply is complete. The same
 workload runs on an engine with prefix caching on and on one with it off (default: the embedded model
-on the CPU), each after a warm-up request. Reported per mode: mean and median TTFT (add_request to the first output carrying a token)
-of turn 1 and of turns >= 2, prefill tokens computed (every chunk of every prefill step), prompt tokens
-served from the cache, wall time; and whether the two modes gave the same tokens.
+on the CPU), each after a warm-up request. Reported per mode: mean and median TTFT (add_request to
+the first output carrying a token) of turn 1 and of turns >= 2, prefill tokens computed (every chunk
+of every prefill step), prompt tokens served from the cache, wall time; and whether the two modes
+gave the same tokens.
 """
 
 from __future__ import annotations
