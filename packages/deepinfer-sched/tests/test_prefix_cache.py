@@ -195,3 +195,19 @@ def test_a_shared_prefix_is_cut_once_per_step(make_sched) -> None:
     out = run_prefill(sched)                               # c would save b's snapshot again: not cut at 8
     assert chunks_of(out) == [("b", 0, 8, False, 0), ("c", 0, 12, False, 0)]
     assert out.save_states.tolist() == [[2, 2], [3, 3]]
+
+
+def test_the_rest_of_a_prompt_cut_at_a_snapshot_point_does_not_wait_for_an_attempt_point(make_sched) -> None:
+    sched = cached(make_sched)
+    sched.add_seq("a", [1, 2, 3], 50)
+    run_prefill(sched)
+    out = sched.schedule()                                 # decode step 0; step 1 is no attempt point
+    sched.append_decode_tokens(out.decode.seq_ids, [[1]], [1])
+    sched.finish_seq("a", "stop")
+    sched.add_seq("c", [4, 5, 6], 50)
+    sched.add_seq("b", A, 4)
+    assert chunks_of(run_prefill(sched)) == [("c", 0, 3, True, 0), ("b", 0, 8, False, 0)]   # nothing ran
+    out = sched.schedule()                                 # c runs now, yet b's rest goes at once
+    assert out.kind is StepKind.PREFILL and chunks_of(out) == [("b", 8, 10, True, 0)]
+    finish_prefill(sched, out)
+    assert sched.schedule().kind is StepKind.DECODE

@@ -72,6 +72,15 @@ def wants_prefill(st: SchedState, has_running: bool) -> bool:
     return plan_chunk(st, head, st.config.max_num_batched_tokens, _sum_k_limit(st), True) > 0
 
 
+def snapshot_tail_pending(st: SchedState) -> bool | None:
+    """Prefix caching: whether a sequence mid-prefill was cut at a snapshot point (its rest should
+    follow at once, not at the next attempt point); None with caching off (the vote is then the
+    three-int one)."""
+    if st.prefix is None:
+        return None
+    return any(int(st.table.seq_len[seq.row]) in seq.snapshot_points for seq in st.prefilling.values())
+
+
 def _sum_k_limit(st: SchedState) -> int:
     limit = st.config.prefill_max_sum_seqlen_k
     return _NO_LIMIT if limit is None else limit

@@ -304,7 +304,7 @@ class Scheduler:
         engine_type = st.config.engine_type
         has_running = engine_type is not EngineType.PROMPT and bool(len(st.running_rows) or st.prompted)
         wants = engine_type is not EngineType.COMPLETION and admission.wants_prefill(st, has_running)
-        vote = cast_vote(self._group, wants, has_running)
+        vote = cast_vote(self._group, wants, has_running, admission.snapshot_tail_pending(st))
         if vote.prefill_chosen(attempt_point(st.config, st.num_decode_steps)):
             chunks = admission.schedule_prefill(st) if wants else ()
             if confirm_prefill(self._group, bool(chunks)):
