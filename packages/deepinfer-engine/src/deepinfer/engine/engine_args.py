@@ -168,7 +168,9 @@ class EngineArgs:
             there. Ignored by COMPLETION engines.
         prefix_cache_snapshots: state snapshots the prefix cache keeps (each the size of a state slot,
             paid for out of the cache budget; the least recently used is replaced); None = 2 ×
-            max_num_seqs (a chat between turns holds one, a shared system prompt one more).
+            max_num_seqs (a chat between turns holds one, a shared system prompt one more), but at most
+            what a quarter of the cache budget left by the state slots holds when the budget sizes the
+            cache (none: prefix caching is off, with a warning).
     """
 
     model: str | None = None

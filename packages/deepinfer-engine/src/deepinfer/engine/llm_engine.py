@@ -64,13 +64,13 @@ from .env import EngineEnv, read_env
 from .grammar_compiler import GrammarCompilePool
 from .intake import RequestIntake
 from .logit_controls import TokenHistory
-from .model_runner import ModelRunner, default_block_size
+from .model_runner import ModelRunner, default_block_size, state_slot_bytes
 from .outputs import (
     FINISH_PREFILLED,
     OutputKind,
     RequestOutput,
 )
-from .prefix_caching import prefix_cache_key, record_cached_tokens
+from .prefix_caching import num_prefix_snapshots, prefix_cache_key, record_cached_tokens
 from .request import ParallelRequest, Request
 from .sampler import Sampler, logprobs_of
 from .sampling_stage import InFlightSampling, SampledStep, SamplingStage, StepRows
@@ -217,8 +217,16 @@ class LLMEngine(RequestIntake):
                                     f"max_position_embeddings={cfg.max_position_embeddings}")
         block_size = args.block_size or default_block_size(self.model)
         num_state_slots = BlockManager.for_state_slots(args.max_num_seqs, self.env.num_state_slots_ratio).num_blocks
-        prefix_caching = args.enable_prefix_caching and args.engine_type is not EngineType.COMPLETION
-        self._num_snapshots = (args.prefix_cache_snapshots or 2 * args.max_num_seqs) if prefix_caching else 0
+        budget_bytes = self._kv_budget_bytes()
+        self._num_snapshots = 0
+        if args.enable_prefix_caching and args.engine_type is not EngineType.COMPLETION:
+            slot_bytes = state_slot_bytes(self.model, block_size, self.env.max_backtracking_tokens)
+            self._num_snapshots = num_prefix_snapshots(args, slot_bytes, num_state_slots, budget_bytes)
+            if not self._num_snapshots:
+                logger.warning("prefix caching is off: a quarter of the %d B cache budget left by the state slots "
+                               "holds no state snapshot (%d B each); set prefix_cache_snapshots to have some anyway",
+                               budget_bytes, slot_bytes)
+        prefix_caching = self._num_snapshots > 0
         sched_cfg = SchedulerConfig(
             block_size=block_size, max_model_len=self.max_model_len, max_num_seqs=args.max_num_seqs,
             max_num_batched_tokens=args.max_num_batched_tokens, max_num_prompts=args.max_num_prompts,
@@ -232,7 +240,7 @@ class LLMEngine(RequestIntake):
         query_len = 1 if draft is None else draft.block_size + 1
         self.runner = ModelRunner(
             self.model, block_size=block_size, num_kv_blocks=args.num_kv_blocks,
-            budget_bytes=self._kv_budget_bytes(), num_state_slots=num_state_slots,
+            budget_bytes=budget_bytes, num_state_slots=num_state_slots,
             max_backtracking=self.env.max_backtracking_tokens,
             graph_max_seqs=None if args.enforce_eager else args.max_num_seqs * query_len,
             graph_max_query_len=query_len,

@@ -61,6 +61,12 @@ class StepBatch:
                                         # static inputs (`DecodeGraphs.stage`); `batch` is None
 
 
+def state_slot_bytes(model: DeepseekV4ForCausalLM, block_size: int, max_backtracking: int) -> int:
+    """Bytes of one state slot as the runner lays it out (a prefix-cache snapshot is one too)."""
+    spec = model.cache_spec(block_size, max_backtracking)
+    return plan_state_layout([StateRegion(r.name, r.num_bytes, r.stored) for r in spec.states], 2).slot_bytes
+
+
 def default_block_size(model: DeepseekV4ForCausalLM) -> int:
     """The smallest multiple of every compress ratio that is ≥ 64 tokens."""
     grain = lcm(*[r for r in model.cfg.compress_ratios if r] or [1])

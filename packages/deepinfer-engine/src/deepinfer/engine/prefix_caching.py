@@ -21,6 +21,19 @@ def prefix_cache_key(args: EngineArgs, env: EngineEnv) -> bytes:
     return hashlib.sha256(repr(parts).encode()).digest()
 
 
+def num_prefix_snapshots(args: EngineArgs, slot_bytes: int, num_state_slots: int, budget_bytes: int) -> int:
+    """State snapshots to keep: `prefix_cache_snapshots`, or by default 2 × max_num_seqs (a chat between
+    turns holds one, a shared system prompt one more) but at most a quarter of what the state slots
+    leave of the cache budget when the budget sizes the cache (num_kv_blocks unset); 0 turns prefix
+    caching off."""
+    if args.prefix_cache_snapshots is not None:
+        return args.prefix_cache_snapshots
+    wanted = 2 * args.max_num_seqs
+    if args.num_kv_blocks is None:
+        wanted = min(wanted, max(0, budget_bytes - num_state_slots * slot_bytes) // 4 // slot_bytes)
+    return wanted
+
+
 def record_cached_tokens(req: Request | None, num_cached_tokens: int) -> None:
     """A request admitted from the waiting queue with `num_cached_tokens` of its prompt from the cache:
     reported by its first admission (a recompute after preemption reports nothing new)."""

@@ -149,9 +149,8 @@ class PrefixCache:
     def commit(self) -> None:
         """Publishes the step's queued hashes (called once the step's admission is done). A snapshot
         slot stays held until here, so nothing in the step can hand it out twice."""
-        for block, block_hash in self._pending_blocks:
-            if self.kv.ref_count(block):                  # still held (a sequence aborted meanwhile: not)
-                self.kv.cache_block(block, block_hash)
+        for block, block_hash in self._pending_blocks:   # held: nothing frees a block during admission
+            self.kv.cache_block(block, block_hash)
         for snapshot, block_hash in self._pending_snapshots:
             self.snapshots.cache_block(snapshot, block_hash)
             self.snapshots.free(np.array([snapshot], dtype=np.int32))
