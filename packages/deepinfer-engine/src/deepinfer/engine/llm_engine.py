@@ -26,11 +26,12 @@ any request's; the request is reported finished when every sample is.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import logging
 import threading
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from itertools import compress
 from pathlib import Path
@@ -142,9 +143,18 @@ def resolve_model_dir(model: str | None) -> Path:
                                     "deepinfer-model has not shipped; pass model=<folder>") from None
         return Path(embedded_model_dir())
     path = Path(model)
-    if not path.is_dir():
-        raise InvalidEngineArgs(f"model={model!r} is not a folder (expected config.json + model.safetensors)")
+    try:
+        is_dir = path.is_dir()
+    except OSError as error:          # a name too long for the file system, a permission fault, ...
+        raise InvalidEngineArgs(f"model={_shortened(model)} cannot be a folder: {error.strerror}") from None
+    if not is_dir:
+        raise InvalidEngineArgs(f"model={_shortened(model)} is not a folder (expected config.json + model.safetensors)")
     return path
+
+
+def _shortened(text: str, limit: int = 200) -> str:
+    """repr(text), cut to about `limit` characters with its length said when longer."""
+    return repr(text) if len(text) <= limit else f"{text[:limit]!r}... ({len(text)} characters)"
 
 
 def _check_v41_options(cfg: object, args: EngineArgs) -> None:
@@ -234,6 +244,7 @@ class LLMEngine(RequestIntake):
             chunk_checkpoints=args.chunk_checkpoints, stop_preempted_request=args.stop_preempted_request,
             prefill_attempt_interval=self.env.prefill_attempt_interval,
             prefill_any_attempt_interval=self.env.prefill_any_attempt_interval, engine_type=args.engine_type,
+            max_cache_usage_for_prefill=args.max_cache_usage_for_prefill,
             enable_prefix_caching=prefix_caching, prefix_cache_key=prefix_cache_key(args, self.env),
         )
         # speculative: verify steps (V4 and V4.1 alike) replay graphs keyed by total query tokens
@@ -253,6 +264,7 @@ class LLMEngine(RequestIntake):
         self.scheduler = self._new_scheduler()
         # One caller at a time: add_request / abort_request / step / has_unfinished_requests take it.
         self._lock = threading.RLock()
+        self._in_step = False          # a step() is running (re-entry from it is refused)
         self.zos = args.zos and (draft is None or _zos_with_drafts(args))
         self.sampling = SamplingStage(Sampler(seed=args.seed, force_top_k=self.env.sampler_force_topk,
                                               batch_invariant=args.batch_invariant),
@@ -323,8 +335,12 @@ class LLMEngine(RequestIntake):
         A fault inside the step (an exception from the model, the sampler or the bookkeeping) never
         escapes: the requests of that step finish with reason "error" (error_reason names the
         exception), their blocks and slots are freed, and the engine goes on serving the others.
+
+        Raises:
+            RuntimeError: called from inside a step of this engine (a callback it runs, on the same
+                thread): the inner step would corrupt the outer one's requests; nothing is done.
         """
-        with self._lock:
+        with self._lock, self._not_reentered():
             if self.grammars is not None and self._awaiting_grammar and not self.scheduler.has_unfinished():
                 self.grammars.wait(IDLE_GRAMMAR_WAIT_S)      # nothing else to run: do not spin
             changed: dict[str, Request] = {}
@@ -346,6 +362,19 @@ class LLMEngine(RequestIntake):
                 if req.finished:
                     self._forget_request(req)
             return outputs
+
+    @contextlib.contextmanager
+    def _not_reentered(self) -> Iterator[None]:
+        """Marks a step in progress; raises RuntimeError when one already is (with the lock held,
+        only this thread can be in it: a re-entrant call)."""
+        if self._in_step:
+            raise RuntimeError("LLMEngine.step() was called from inside a step of the same engine (e.g. from a "
+                               "tokenizer or logits callback); a step cannot run inside another")
+        self._in_step = True
+        try:
+            yield
+        finally:
+            self._in_step = False
 
     def _run_step(self, out: SchedulerOutput, changed: dict[str, Request]) -> None:
         previous, self._in_flight = self._in_flight, None

@@ -22,7 +22,7 @@ from torch import Tensor
 
 from deepinfer.cache import PagedStream, StateRegion, plan_paged_layout, plan_state_layout
 from deepinfer.kernels import kernels_for
-from deepinfer.model import DeepseekV4ForCausalLM, ForwardBatch, ModelCache
+from deepinfer.model import CausalLM, ForwardBatch, ModelCache
 from deepinfer.sched import DecodeBatch, SchedulerOutput, StepKind
 
 from .block_tables import RowBlockTables
@@ -61,13 +61,13 @@ class StepBatch:
                                         # static inputs (`DecodeGraphs.stage`); `batch` is None
 
 
-def state_slot_bytes(model: DeepseekV4ForCausalLM, block_size: int, max_backtracking: int) -> int:
+def state_slot_bytes(model: CausalLM, block_size: int, max_backtracking: int) -> int:
     """Bytes of one state slot as the runner lays it out (a prefix-cache snapshot is one too)."""
     spec = model.cache_spec(block_size, max_backtracking)
     return plan_state_layout([StateRegion(r.name, r.num_bytes, r.stored) for r in spec.states], 2).slot_bytes
 
 
-def default_block_size(model: DeepseekV4ForCausalLM) -> int:
+def default_block_size(model: CausalLM) -> int:
     """The smallest multiple of every compress ratio that is ≥ 64 tokens."""
     grain = lcm(*[r for r in model.cfg.compress_ratios if r] or [1])
     return grain * max(1, -(-64 // grain))
@@ -97,7 +97,7 @@ class ModelRunner:
 
     def __init__(
         self,
-        model: DeepseekV4ForCausalLM,
+        model: CausalLM,
         *,
         block_size: int,
         num_kv_blocks: int | None,

@@ -62,12 +62,15 @@ def plan_chunk(st: SchedState, seq: Sequence, tokens_left: int, sum_k_left: int,
 
 
 def wants_prefill(st: SchedState, has_running: bool) -> bool:
-    """This rank's round-one wish: the head of the queue is schedulable now and, while something
-    is running, KV usage is at most max_cache_usage_for_prefill."""
+    """This rank's round-one wish: the head of the queue is schedulable now and KV usage is at most
+    max_cache_usage_for_prefill — checked with nothing running too (a PROMPT engine's prefilled
+    sequences hold their blocks until handed off), except for the rest of a prompt already mid-prefill
+    when nothing runs (it holds blocks that only its end frees)."""
     head = next(_candidates(st, 1), None)
     if head is None:
         return False
-    if has_running and st.kv.usage > st.config.max_cache_usage_for_prefill:
+    continuing = head.key in st.prefilling and not has_running
+    if not continuing and st.kv.usage > st.config.max_cache_usage_for_prefill:
         return False
     return plan_chunk(st, head, st.config.max_num_batched_tokens, _sum_k_limit(st), True) > 0
 

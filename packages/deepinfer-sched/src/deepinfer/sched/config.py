@@ -67,8 +67,8 @@ class SchedulerConfig:
             every DP rank wants it), >= 1.
         prefill_any_attempt_interval: every this many decode steps is an ANY attempt point (prefill
             if any DP rank wants it), >= 1; it wins where both points coincide.
-        max_cache_usage_for_prefill: a rank with running sequences wants prefill only while its KV
-            block usage is <= this fraction, in [0, 1].
+        max_cache_usage_for_prefill: a rank wants prefill only while its KV block usage is <= this
+            fraction, in [0, 1] (with nothing running, the rest of a prompt mid-prefill goes on anyway).
         engine_type: NORMAL, PROMPT or COMPLETION.
         enable_prefix_caching: reuse the KV blocks and state snapshots of cached prompt prefixes
             (prefix_cache.py); the Scheduler then needs `snapshot_slots`.

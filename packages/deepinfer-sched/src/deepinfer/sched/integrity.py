@@ -4,12 +4,13 @@
 from __future__ import annotations
 
 from collections import Counter
+from typing import NoReturn
 
 from .sequence import SeqStatus
 from .state import SchedState
 
 
-def _fail(message: str) -> None:
+def _fail(message: str) -> NoReturn:
     raise RuntimeError(f"scheduler integrity: {message}")
 
 
@@ -31,6 +32,16 @@ def _check_queues(st: SchedState) -> None:
     duplicates = [key for key, count in Counter(queued).items() if count > 1]
     if duplicates or sorted(queued) != sorted(st.seqs):
         _fail(f"queues hold {sorted(queued)}, live sequences are {sorted(st.seqs)}")
+    _check_queue_states(st)
+    owned = sum(not seq.shared_list for seq in st.seqs.values())
+    if owned != st.num_owned_lists:
+        _fail(f"num_owned_lists={st.num_owned_lists}, {owned} live sequences own their token list")
+    uncopied = [seq for seq in st.seqs.values() if seq.uncopied]
+    if len(uncopied) != st.num_uncopied:
+        _fail(f"num_uncopied={st.num_uncopied}, {len(uncopied)} uncopied branches live")
+
+
+def _check_queue_states(st: SchedState) -> None:
     for key, seq in st.waiting.items():
         if seq.status is not SeqStatus.WAITING or seq.row >= 0:
             _fail(f"waiting {key!r} has status {seq.status.name}, row {seq.row}")
@@ -40,12 +51,6 @@ def _check_queues(st: SchedState) -> None:
     for key, seq in st.prefilling.items():
         if seq.status is not SeqStatus.PREFILLING:
             _fail(f"prefilling {key!r} has status {seq.status.name}")
-    owned = sum(not seq.shared_list for seq in st.seqs.values())
-    if owned != st.num_owned_lists:
-        _fail(f"num_owned_lists={st.num_owned_lists}, {owned} live sequences own their token list")
-    uncopied = [seq for seq in st.seqs.values() if seq.uncopied]
-    if len(uncopied) != st.num_uncopied:
-        _fail(f"num_uncopied={st.num_uncopied}, {len(uncopied)} uncopied branches live")
 
 
 def _check_rows(st: SchedState) -> None:
@@ -54,7 +59,8 @@ def _check_rows(st: SchedState) -> None:
     holders = [seq for seq in st.seqs.values() if seq.row >= 0]
     if len(holders) != table.num_used:
         _fail(f"{len(holders)} sequences hold rows, the table has {table.num_used} in use")
-    branches = Counter(seq.parent.row for seq in st.seqs.values() if seq.uncopied and seq.parent.row >= 0)
+    branches = Counter(seq.parent.row for seq in st.seqs.values()
+                       if seq.uncopied and seq.parent is not None and seq.parent.row >= 0)
     for seq in holders:
         row = seq.row
         if table.seqs[row] is not seq or table.ids[row] != seq.seq_id:

@@ -19,7 +19,7 @@ from .integrity import check_integrity
 from .output import DecodeBatch, PrefillChunk, PrefilledSeq, SchedulerOutput, StepKind
 from .prefix_cache import PrefixCacheStats
 from .sequence import FinishReason, SeqView
-from .state import SchedState
+from .state import BlockPool, SchedState
 from .verify import VerifyLengthPolicy
 from .vote import SingleRankVoteGroup, StepVoteGroup, attempt_point, cast_vote, confirm_prefill
 
@@ -33,7 +33,7 @@ def load_decode_core(native: bool | None) -> ModuleType:
         from ._pure import decode_core
         return decode_core
     try:
-        from . import _decode_core
+        import deepinfer.sched._decode_core as _decode_core
     except ImportError:
         if native:
             raise
@@ -69,8 +69,8 @@ class Scheduler:
     def __init__(
         self,
         config: SchedulerConfig,
-        kv_blocks: object,
-        state_slots: object,
+        kv_blocks: BlockPool,
+        state_slots: BlockPool,
         *,
         vote_group: StepVoteGroup | None = None,
         verify_policy: VerifyLengthPolicy | None = None,

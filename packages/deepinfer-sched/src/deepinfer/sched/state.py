@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Iterable
+from typing import Protocol
 
 import numpy as np
 
@@ -11,6 +13,29 @@ from .output import EMPTY_PAIRS, EMPTY_SLOTS, IgnoredSeq
 from .prefix_cache import PrefixCache
 from .seq_table import SeqTable
 from .sequence import SeqStatus, Sequence, canonical_id
+
+
+class BlockPool(Protocol):
+    """What the scheduler uses of a `deepinfer.cache.BlockManager` (paged KV blocks or state slots;
+    id 0 reserved), declared here so that the scheduler takes any pool with these methods (it imports
+    only deepinfer.cache's hash chain, for prefix caching: prefix_cache.py)."""
+
+    @property
+    def num_blocks(self) -> int: ...
+
+    @property
+    def num_free(self) -> int: ...
+
+    @property
+    def usage(self) -> float: ...
+
+    def ref_count(self, block_id: int) -> int: ...
+
+    def allocate(self, num: int) -> np.ndarray: ...
+
+    def free(self, block_ids: Iterable[int] | np.ndarray) -> int: ...
+
+    def pin(self, block_ids: Iterable[int] | np.ndarray) -> None: ...
 
 
 class SchedState:
@@ -23,7 +48,7 @@ class SchedState:
     `prefix` is the prefix cache (None when off).
     """
 
-    def __init__(self, config: SchedulerConfig, kv_blocks: object, state_slots: object,
+    def __init__(self, config: SchedulerConfig, kv_blocks: BlockPool, state_slots: BlockPool,
                  snapshot_slots: object | None = None) -> None:
         self.config = config
         self.kv = kv_blocks
@@ -39,7 +64,7 @@ class SchedState:
         self.waiting: OrderedDict[str, Sequence] = OrderedDict()
         self.prefilling: OrderedDict[str, Sequence] = OrderedDict()
         self.prompted: OrderedDict[str, Sequence] = OrderedDict()
-        self.running_rows = np.zeros(0, dtype=np.int32)
+        self.running_rows: np.ndarray = np.zeros(0, dtype=np.int32)
         self.num_uncopied = 0            # fork branches awaiting copy-on-write
         self.num_owned_lists = 0         # live sequences whose token list `append_*` extends (not shared)
         self.num_arrivals = 0

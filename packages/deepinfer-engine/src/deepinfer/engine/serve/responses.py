@@ -92,31 +92,38 @@ class ResponseWriter:
                 yield f"{self._plain_prefix}{_json(completion.text)}{self._plain_suffix}"
                 return
         for completion in outputs:
-            index = completion.index
-            finished = completion.finished and index not in self._finished
-            if not completion.text and not completion.token_ids and not finished:
-                continue
-            logprobs = self._logprobs(completion)
-            calls = False
-            if self._chat and self._parsers is not None:
-                stream = self._streams.setdefault(index, ChoiceStream(self._parsers))
-                choice: dict[str, Any] = {"index": index,
-                                          "delta": stream.delta(completion.text, final=completion.finished)}
-                calls = stream.has_tool_calls
-                if not choice["delta"] and not finished and logprobs is None:
-                    continue                  # held back: may be the start of a marker
-            elif self._chat:
-                choice = {"index": index, "delta": {"content": completion.text} if completion.text else {}}
-            else:
-                choice = {"index": index, "text": completion.text}
-            choice.update(logprobs=logprobs, finish_reason=finish_reason(completion, tool_calls=calls))
-            if out.prompt_logprobs and index not in self._prompt_logprobs_sent:
-                self._prompt_logprobs_sent.add(index)
-                choice["prompt_logprobs"] = _prompt_logprobs(out)
-            if finished:
-                self._finished.add(index)
-                choice["stop_reason"] = completion.stop_reason
-            yield sse(self._chunk(choice))
+            choice = self._delta_choice(out, completion)
+            if choice is not None:
+                yield sse(self._chunk(choice))
+
+    def _delta_choice(self, out: RequestOutput, completion: CompletionOutput) -> dict[str, Any] | None:
+        """One sample's choice of a delta chunk; None when it has nothing new (or its text is held back)."""
+        index = completion.index
+        finished = completion.finished and index not in self._finished
+        if not completion.text and not completion.token_ids and not finished:
+            return None
+        logprobs = self._logprobs(completion)
+        calls = False
+        if self._chat and self._parsers is not None:
+            stream = self._streams.setdefault(index, ChoiceStream(self._parsers))
+            choice: dict[str, Any] = {"index": index, "delta": stream.delta(completion.text, final=completion.finished)}
+            calls = stream.has_tool_calls
+            if not choice["delta"] and not finished and logprobs is None:
+                return None                   # held back: may be the start of a marker
+        elif self._chat:
+            choice = {"index": index, "delta": {"content": completion.text} if completion.text else {}}
+        else:
+            choice = {"index": index, "text": completion.text}
+        choice.update(logprobs=logprobs, finish_reason=finish_reason(completion, tool_calls=calls))
+        if out.prompt_logprobs and index not in self._prompt_logprobs_sent:
+            self._prompt_logprobs_sent.add(index)
+            choice["prompt_logprobs"] = _prompt_logprobs(out)
+        if finished:
+            self._finished.add(index)
+            choice["stop_reason"] = completion.stop_reason
+            if completion.error_reason is not None:      # finish_reason "error": say why
+                choice["error_reason"] = completion.error_reason
+        return choice
 
     def end(self, num_prompt_tokens: int, num_output_tokens: int, num_cached_tokens: int = 0) -> Iterator[str]:
         """The usage chunk (when asked for) and `data: [DONE]`."""
@@ -141,6 +148,8 @@ class ResponseWriter:
             calls = bool(choice.get("message", {}).get("tool_calls"))
             choice.update(logprobs=self._logprobs(completion),
                           finish_reason=finish_reason(completion, tool_calls=calls), stop_reason=completion.stop_reason)
+            if completion.error_reason is not None:          # finish_reason "error": say why
+                choice["error_reason"] = completion.error_reason
             if last.prompt_logprobs is not None:
                 choice["prompt_logprobs"] = _prompt_logprobs(last)
             choices.append(choice)
