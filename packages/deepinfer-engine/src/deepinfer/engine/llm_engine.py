@@ -65,12 +65,13 @@ from .env import EngineEnv, read_env
 from .grammar_compiler import GrammarCompilePool
 from .intake import RequestIntake
 from .logit_controls import TokenHistory
-from .model_runner import ModelRunner, default_block_size
+from .model_runner import ModelRunner, default_block_size, state_slot_bytes
 from .outputs import (
     FINISH_PREFILLED,
     OutputKind,
     RequestOutput,
 )
+from .prefix_caching import num_prefix_snapshots, prefix_cache_key, record_cached_tokens
 from .request import ParallelRequest, Request
 from .sampler import Sampler, logprobs_of
 from .sampling_stage import InFlightSampling, SampledStep, SamplingStage, StepRows
@@ -226,6 +227,16 @@ class LLMEngine(RequestIntake):
                                     f"max_position_embeddings={cfg.max_position_embeddings}")
         block_size = args.block_size or default_block_size(self.model)
         num_state_slots = BlockManager.for_state_slots(args.max_num_seqs, self.env.num_state_slots_ratio).num_blocks
+        budget_bytes = self._kv_budget_bytes()
+        self._num_snapshots = 0
+        if args.enable_prefix_caching and args.engine_type is not EngineType.COMPLETION:
+            slot_bytes = state_slot_bytes(self.model, block_size, self.env.max_backtracking_tokens)
+            self._num_snapshots = num_prefix_snapshots(args, slot_bytes, num_state_slots, budget_bytes)
+            if not self._num_snapshots:
+                logger.warning("prefix caching is off: a quarter of the %d B cache budget left by the state slots "
+                               "holds no state snapshot (%d B each); set prefix_cache_snapshots to have some anyway",
+                               budget_bytes, slot_bytes)
+        prefix_caching = self._num_snapshots > 0
         sched_cfg = SchedulerConfig(
             block_size=block_size, max_model_len=self.max_model_len, max_num_seqs=args.max_num_seqs,
             max_num_batched_tokens=args.max_num_batched_tokens, max_num_prompts=args.max_num_prompts,
@@ -234,17 +245,19 @@ class LLMEngine(RequestIntake):
             prefill_attempt_interval=self.env.prefill_attempt_interval,
             prefill_any_attempt_interval=self.env.prefill_any_attempt_interval, engine_type=args.engine_type,
             max_cache_usage_for_prefill=args.max_cache_usage_for_prefill,
+            enable_prefix_caching=prefix_caching, prefix_cache_key=prefix_cache_key(args, self.env),
         )
         # speculative: verify steps (V4 and V4.1 alike) replay graphs keyed by total query tokens
         query_len = 1 if draft is None else draft.block_size + 1
         self.runner = ModelRunner(
             self.model, block_size=block_size, num_kv_blocks=args.num_kv_blocks,
-            budget_bytes=self._kv_budget_bytes(), num_state_slots=num_state_slots,
+            budget_bytes=budget_bytes, num_state_slots=num_state_slots,
             max_backtracking=self.env.max_backtracking_tokens,
             graph_max_seqs=None if args.enforce_eager else args.max_num_seqs * query_len,
             graph_max_query_len=query_len,
             max_blocks_per_seq=sched_cfg.max_blocks_per_seq, max_model_len=sched_cfg.max_blocks_per_seq * block_size,
             graph_interval=self.env.cudagraph_batch_size_interval, batch_invariant=args.batch_invariant,
+            num_snapshot_slots=self._num_snapshots,
         )
         self._sched_cfg, self._vote_group = sched_cfg, vote_group
         self.spec = None if draft is None else SpeculativeDecoder(draft, self.runner, args, self.env, self._seq)
@@ -278,8 +291,15 @@ class LLMEngine(RequestIntake):
         self._steady = None
         # The paged KV pool of the current scheduler; read (num_free, usage) by AsyncLLM's stats.
         self.kv_blocks = BlockManager(self.runner.plan.num_kv_blocks)
+        snapshots = BlockManager(self._num_snapshots + 1) if self._num_snapshots else None
         return Scheduler(self._sched_cfg, self.kv_blocks, slots, vote_group=self._vote_group,
-                         verify_policy=None if self.spec is None else self.spec.gate)
+                         verify_policy=None if self.spec is None else self.spec.gate, snapshot_slots=snapshots)
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached prompt prefix (KV blocks and state snapshots); requests running now keep
+        theirs. Returns False when prefix caching is off."""
+        with self._lock:
+            return self.scheduler.reset_prefix_cache()
 
     def stats(self) -> SpeculativeStats:
         """Speculative decoding counts so far (drafted and accepted tokens; all 0 with it off)."""
@@ -379,6 +399,9 @@ class LLMEngine(RequestIntake):
             logger.warning("KV cache full: %d request(s) finished as 'preempted' (%d queued for recompute); "
                            "a client may retry them, or build the engine with stop_preempted_request=False "
                            "to recompute instead", len(out.preempted_seq_ids) - len(recomputed), len(recomputed))
+        for chunk in out.prefill:
+            if chunk.num_cached_tokens:
+                record_cached_tokens(self._seq(chunk.seq_id), chunk.num_cached_tokens)
         step_ids = [chunk.seq_id for chunk in out.prefill] + list(out.decode.seq_ids if out.decode else ())
         keep_in_flight = self.zos and out.kind is StepKind.DECODE
         guarded = keep_in_flight and self.sampling.sync_guard
@@ -433,6 +456,7 @@ class LLMEngine(RequestIntake):
             failed = len(step_ids) + (len(previous.reqs) if previous is not None else 0)
             logger.exception("step failed; its %d request(s) finish with reason 'error'", failed)
             self._in_flight = None
+            self.scheduler.reset_prefix_cache()    # the step's cached blocks and snapshots may hold no KV
             for seq_id in step_ids:
                 self._fail(seq_id, err, changed)
             for req in previous.reqs if previous is not None else ():
