@@ -365,7 +365,7 @@ def _delta(out: RequestOutput, reported: list[tuple[int, int]]) -> RequestOutput
     if not out.finished and len(cut) == 1:
         _, text, token_ids, logprobs, entries = cut[0]
         return running_output(out.request_id, out.prompt, out.prompt_token_ids, text, token_ids, logprobs, entries,
-                              out.prompt_logprobs)
+                              out.prompt_logprobs, out.num_cached_tokens)
     return dataclasses.replace(out, outputs=[dataclasses.replace(c, text=text, token_ids=ids, logprobs=logprobs,
                                                                  logprob_entries=entries)
                                              for c, text, ids, logprobs, entries in cut])
@@ -378,11 +378,12 @@ def accumulate(previous: RequestOutput | None, delta: RequestOutput) -> RequestO
     if previous is None:
         return delta
     prompt_logprobs = delta.prompt_logprobs or previous.prompt_logprobs
+    num_cached_tokens = max(previous.num_cached_tokens, delta.num_cached_tokens)
     if not delta.finished and len(delta.outputs) == 1:
         old, new = previous.outputs[0], delta.outputs[0]
         return running_output(previous.request_id, previous.prompt, previous.prompt_token_ids, old.text + new.text,
                               old.token_ids + new.token_ids, _joined(old.logprobs, new.logprobs),
-                              _joined(old.logprob_entries, new.logprob_entries), prompt_logprobs)
+                              _joined(old.logprob_entries, new.logprob_entries), prompt_logprobs, num_cached_tokens)
     samples = [CompletionOutput(index=new.index, text=old.text + new.text, token_ids=old.token_ids + new.token_ids,
                                 finish_reason=new.finish_reason, logprobs=_joined(old.logprobs, new.logprobs),
                                 stop_reason=new.stop_reason, ignored_reason=new.ignored_reason,
@@ -390,7 +391,7 @@ def accumulate(previous: RequestOutput | None, delta: RequestOutput) -> RequestO
                                 logprob_entries=_joined(old.logprob_entries, new.logprob_entries))
                for old, new in zip(previous.outputs, delta.outputs)]
     return RequestOutput(previous.request_id, previous.prompt, previous.prompt_token_ids, samples, delta.finished,
-                         prompt_logprobs)
+                         prompt_logprobs, num_cached_tokens)
 
 
 def _joined(old: list | None, new: list | None) -> list | None:

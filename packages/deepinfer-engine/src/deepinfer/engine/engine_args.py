@@ -45,6 +45,7 @@ INT_RANGES: dict[str, tuple[int, int]] = {
     "eplb_interval_steps": (1, MAX_INT32),
     "num_speculative_tokens": (0, 64),           # 0 = off; else deepinfer.sched's nextn range
     "yoco_prefill_keep_tokens": (1, MAX_INT32),
+    "prefix_cache_snapshots": (1, 2**20),
 }
 EPLB_PRESETS = ("prefill", "decode")          # docs/design.md §10; deepinfer.eplb's PREFILL / DECODE_EPLB_CONFIG
 TRUNCATION_MODES = ("off", "compact", "mask")  # deepinfer.model's ced.TRUNCATION_MODES (not imported, as above)
@@ -52,9 +53,10 @@ MAX_DISTRIBUTED_TIMEOUT_S = 86400.0
 OPTIONAL_FIELDS = frozenset({"model", "max_model_len", "block_size", "num_kv_blocks", "gpu_memory_utilization",
                              "kv_cache_memory_mb",
                              "max_num_prompts", "prefill_max_sum_seqlen_k", "expert_dtype", "eplb",
-                             "eplb_redundant_experts_per_rank", "eplb_window_steps", "eplb_interval_steps"})
+                             "eplb_redundant_experts_per_rank", "eplb_window_steps", "eplb_interval_steps",
+                             "prefix_cache_snapshots"})
 BOOL_FIELDS = ("stop_preempted_request", "kv_quant", "enforce_eager", "engram_on_host", "batch_invariant",
-               "expert_parallel", "varlen_verify")
+               "expert_parallel", "varlen_verify", "enable_prefix_caching")
 
 
 class InvalidEngineArgs(ValueError):
@@ -164,6 +166,17 @@ class EngineArgs:
             start-up (kept in DEEPINFER_VARLEN_PROFILE_CACHE for the next start of the same config) and
             the draft head's confidences (a request's tokens then depend on its batch, even seeded
             ones); False = all k.
+        enable_prefix_caching: reuse the KV blocks and the model state of cached prompt prefixes
+            (docs/prefix_cache.md): a prompt starting with the tokens of an earlier prompt (a chat's
+            previous turn, a shared system prompt) prefills only the rest, from its last full block
+            that has a state snapshot; outputs are the same as without it. A prompt's prefill is cut at
+            its last block boundary (and where it leaves a shared cached prefix) to save a snapshot
+            there. Ignored by COMPLETION engines.
+        prefix_cache_snapshots: state snapshots the prefix cache keeps (each the size of a state slot,
+            paid for out of the cache budget; the least recently used is replaced); None = 2 ×
+            max_num_seqs (a chat between turns holds one, a shared system prompt one more), but at most
+            what a quarter of the cache budget left by the state slots holds when the budget sizes the
+            cache (none: prefix caching is off, with a warning).
     """
 
     model: str | None = None
@@ -201,6 +214,8 @@ class EngineArgs:
     distributed_timeout_s: float = 120.0
     num_speculative_tokens: int = 0
     varlen_verify: bool = True
+    enable_prefix_caching: bool = True
+    prefix_cache_snapshots: int | None = None
 
     def __post_init__(self) -> None:
         if self.model is not None and not isinstance(self.model, str):
@@ -262,6 +277,9 @@ class EngineArgs:
         if not isinstance(self.engine_type, EngineType):
             _fail("engine_type", f"engine_type={self.engine_type!r} must be an EngineType (NORMAL, PROMPT or "
                   "COMPLETION)")
+        if self.prefix_cache_snapshots is not None and not self.enable_prefix_caching:
+            _fail("prefix_cache_snapshots", f"prefix_cache_snapshots={self.prefix_cache_snapshots} needs "
+                  "enable_prefix_caching=True")
 
     def _check_parallel(self) -> None:
         timeout = self.distributed_timeout_s
@@ -377,6 +395,7 @@ def allowed_values(name: str) -> str:
         "eplb": ", ".join(EPLB_PRESETS) + ", or None",
         "distributed_timeout_s": f"float in (0, {MAX_DISTRIBUTED_TIMEOUT_S}]",
         "varlen_verify": "bool",
+        "enable_prefix_caching": "bool",
     }[name]
 
 

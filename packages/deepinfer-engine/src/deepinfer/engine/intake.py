@@ -165,7 +165,7 @@ class RequestIntake:
                 else:
                     # sample 0's token list is the sequence's history (kept once: `Request`)
                     self.scheduler.add_seq(req.request_id, req.samples[0].token_ids, req.max_tokens,
-                                           share_list=True)
+                                           share_list=True, use_prefix_cache=req.params.prompt_logprobs is None)
             except BaseException:
                 self._forget_request(req)
                 self._awaiting_grammar.pop(req.request_id, None)
@@ -214,7 +214,7 @@ class RequestIntake:
             else:
                 # Never recomputed (docs/design.md §3.3): a preemption finishes it.
                 self.scheduler.add_seq(req.request_id, req.samples[0].token_ids, req.max_tokens, recomputable=False,
-                                       share_list=True)
+                                       share_list=True, use_prefix_cache=req.params.prompt_logprobs is None)
 
     def tokenize_prompt(self, prompt: PromptInput | Sequence[int]) -> tuple[str | None, list[int]]:
         """(prompt text or None, prompt token ids) of a prompt in any accepted form.

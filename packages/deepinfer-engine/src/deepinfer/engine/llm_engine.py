@@ -51,6 +51,7 @@ from deepinfer.model import (
     load_model,
 )
 from deepinfer.sched import (
+    EngineType,
     Scheduler,
     SchedulerConfig,
     SchedulerOutput,
@@ -63,9 +64,10 @@ from .env import EngineEnv, read_env
 from .grammar_compiler import GrammarCompilePool
 from .intake import RequestIntake
 from .logit_controls import TokenHistory
-from .model_runner import ModelRunner, default_block_size
+from .model_runner import ModelRunner, default_block_size, state_slot_bytes
 from .outputs import OutputKind, RequestOutput
 from .plain_step import PlainStep
+from .prefix_caching import num_prefix_snapshots, prefix_cache_key, record_cached_tokens
 from .request import ParallelRequest, Request
 from .sampler import Sampler
 from .sampling_stage import SamplingStage
@@ -174,8 +176,10 @@ class LLMEngine(RequestIntake):
         if self.max_model_len > cfg.max_position_embeddings:
             raise InvalidEngineArgs(f"max_model_len={self.max_model_len} must be <= the model's "
                                     f"max_position_embeddings={cfg.max_position_embeddings}")
+        budget_bytes = self._kv_budget_bytes()
+        self._num_snapshots = self._prefix_snapshots(budget_bytes)
         self._sched_cfg, self._vote_group = self._scheduler_config(draft), vote_group
-        self.runner = self._model_runner(draft)
+        self.runner = self._model_runner(draft, budget_bytes)
         self.sampling = SamplingStage(Sampler(seed=args.seed, force_top_k=self.env.sampler_force_topk,
                                               batch_invariant=args.batch_invariant),
                                       self.eos_token_ids, cfg.vocab_size, sync_guard=not self.env.disable_sync_guard,
@@ -224,6 +228,21 @@ class LLMEngine(RequestIntake):
                     self.weight_bytes / 2**20, args.device)
         return draft
 
+    def _prefix_snapshots(self, budget_bytes: int) -> int:
+        """Prefix-cache state snapshots to keep (`num_prefix_snapshots`); 0 = prefix caching off."""
+        args, env = self.args, self.env
+        if not args.enable_prefix_caching or args.engine_type is EngineType.COMPLETION:
+            return 0
+        block_size = args.block_size or default_block_size(self.model)
+        num_state_slots = BlockManager.for_state_slots(args.max_num_seqs, env.num_state_slots_ratio).num_blocks
+        slot_bytes = state_slot_bytes(self.model, block_size, env.max_backtracking_tokens)
+        num = num_prefix_snapshots(args, slot_bytes, num_state_slots, budget_bytes)
+        if not num:
+            logger.warning("prefix caching is off: a quarter of the %d B cache budget left by the state slots "
+                           "holds no state snapshot (%d B each); set prefix_cache_snapshots to have some anyway",
+                           budget_bytes, slot_bytes)
+        return num
+
     def _scheduler_config(self, draft: DSparkDraft | None) -> SchedulerConfig:
         args, env = self.args, self.env
         return SchedulerConfig(
@@ -234,22 +253,24 @@ class LLMEngine(RequestIntake):
             stop_preempted_request=args.stop_preempted_request, prefill_attempt_interval=env.prefill_attempt_interval,
             prefill_any_attempt_interval=env.prefill_any_attempt_interval, engine_type=args.engine_type,
             max_cache_usage_for_prefill=args.max_cache_usage_for_prefill,
+            enable_prefix_caching=self._num_snapshots > 0, prefix_cache_key=prefix_cache_key(args, env),
         )
 
-    def _model_runner(self, draft: DSparkDraft | None) -> ModelRunner:
+    def _model_runner(self, draft: DSparkDraft | None, budget_bytes: int) -> ModelRunner:
         """The runner and its cache memory; speculative verify steps (V4 and V4.1 alike) replay graphs
         keyed by total query tokens."""
         args, env, cfg = self.args, self.env, self._sched_cfg
         query_len = 1 if draft is None else draft.block_size + 1
         return ModelRunner(
             self.model, block_size=cfg.block_size, num_kv_blocks=args.num_kv_blocks,
-            budget_bytes=self._kv_budget_bytes(),
+            budget_bytes=budget_bytes,
             num_state_slots=BlockManager.for_state_slots(args.max_num_seqs, env.num_state_slots_ratio).num_blocks,
             max_backtracking=env.max_backtracking_tokens,
             graph_max_seqs=None if args.enforce_eager else args.max_num_seqs * query_len,
             graph_max_query_len=query_len, max_blocks_per_seq=cfg.max_blocks_per_seq,
             max_model_len=cfg.max_blocks_per_seq * cfg.block_size,
             graph_interval=env.cudagraph_batch_size_interval, batch_invariant=args.batch_invariant,
+            num_snapshot_slots=self._num_snapshots,
         )
 
     def _new_scheduler(self) -> Scheduler:
@@ -259,8 +280,15 @@ class LLMEngine(RequestIntake):
         self.plain_step.forget_rows()
         # The paged KV pool of the current scheduler; read (num_free, usage) by AsyncLLM's stats.
         self.kv_blocks = BlockManager(self.runner.plan.num_kv_blocks)
+        snapshots = BlockManager(self._num_snapshots + 1) if self._num_snapshots else None
         return Scheduler(self._sched_cfg, self.kv_blocks, slots, vote_group=self._vote_group,
-                         verify_policy=None if self.spec is None else self.spec.gate)
+                         verify_policy=None if self.spec is None else self.spec.gate, snapshot_slots=snapshots)
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached prompt prefix (KV blocks and state snapshots); requests running now keep
+        theirs. Returns False when prefix caching is off."""
+        with self._lock:
+            return self.scheduler.reset_prefix_cache()
 
     def stats(self) -> SpeculativeStats:
         """Speculative decoding counts so far (drafted and accepted tokens; all 0 with it off)."""
@@ -381,6 +409,9 @@ class LLMEngine(RequestIntake):
                 changed[req.request_id] = req.owner
 
         self._in_flight.mark_preempted(out, preempt_now)
+        for chunk in out.prefill:
+            if chunk.num_cached_tokens:
+                record_cached_tokens(self._seq(chunk.seq_id), chunk.num_cached_tokens)
         num_recomputed = len(out.recomputed_seq_ids)
         if len(out.preempted_seq_ids) > num_recomputed:
             logger.warning("KV cache full: %d request(s) finished as 'preempted' (%d queued for recompute); "
@@ -405,6 +436,7 @@ class LLMEngine(RequestIntake):
     def _fail_step(self, out: SchedulerOutput, err: Exception, changed: Changed) -> None:
         """A fault in a step: its rows and those of the steps still in flight finish as "error"."""
         in_flight = self._in_flight.clear()
+        self.scheduler.reset_prefix_cache()    # the step's cached blocks and snapshots may hold no KV
         step_ids = [chunk.seq_id for chunk in out.prefill] + list(out.decode.seq_ids if out.decode else ())
         failed = len(step_ids) + sum(len(handle.reqs) for handle in in_flight)
         logger.exception("step failed; its %d request(s) finish with reason 'error'", failed)

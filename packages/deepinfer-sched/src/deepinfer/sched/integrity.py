@@ -28,9 +28,7 @@ def _check_queues(st: SchedState) -> None:
         if seq is None or seq.status is not SeqStatus.RUNNING:
             _fail(f"running row {row} holds {seq!r}")
         running_keys.append(seq.key)
-    queued = running_keys + list(st.waiting) + list(st.prompted)
-    if st.prefilling is not None:
-        queued.append(st.prefilling.key)
+    queued = running_keys + list(st.waiting) + list(st.prompted) + list(st.prefilling)
     duplicates = [key for key, count in Counter(queued).items() if count > 1]
     if duplicates or sorted(queued) != sorted(st.seqs):
         _fail(f"queues hold {sorted(queued)}, live sequences are {sorted(st.seqs)}")
@@ -50,8 +48,9 @@ def _check_queue_states(st: SchedState) -> None:
     for key, seq in st.prompted.items():
         if seq.status is not SeqStatus.PROMPTED:
             _fail(f"prompted {key!r} has status {seq.status.name}")
-    if st.prefilling is not None and st.prefilling.status is not SeqStatus.PREFILLING:
-        _fail(f"prefilling {st.prefilling!r} has the wrong status")
+    for key, seq in st.prefilling.items():
+        if seq.status is not SeqStatus.PREFILLING:
+            _fail(f"prefilling {key!r} has status {seq.status.name}")
 
 
 def _check_rows(st: SchedState) -> None:
@@ -100,3 +99,8 @@ def _check_references(st: SchedState) -> None:
                       f"{refs.get(block_id, 0)} holders")
         if manager.num_free != manager.num_blocks - 1 - len(refs):
             _fail(f"{manager.num_free} free {name}s, {len(refs)} in use of {manager.num_blocks - 1}")
+    if st.prefix is not None:
+        snapshots = st.prefix.snapshots
+        if snapshots.num_free != snapshots.num_blocks - 1:     # held only within one schedule()
+            _fail(f"{snapshots.num_blocks - 1 - snapshots.num_free} snapshot slots held between steps")
+        snapshots.check_integrity()

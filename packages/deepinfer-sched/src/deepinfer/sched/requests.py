@@ -68,12 +68,13 @@ def _check_new(st: SchedState, seq_id: object, max_tokens: object) -> None:
 
 def add_seq(
     st: SchedState, seq_id: str, prompt_token_ids: Iterable[int], max_tokens: int, recomputable: bool = True,
-    share_list: bool = False,
+    share_list: bool = False, use_prefix_cache: bool = True,
 ) -> None:
     if st.config.engine_type is EngineType.COMPLETION:
         raise ValueError("engine_type=COMPLETION cannot prefill; admit sequences with add_prefilled_seq")
     _check_new(st, seq_id, max_tokens)
-    for name, flag in (("recomputable", recomputable), ("share_list", share_list)):
+    for name, flag in (("recomputable", recomputable), ("share_list", share_list),
+                       ("use_prefix_cache", use_prefix_cache)):
         if not isinstance(flag, bool):
             raise ValueError(f"{name}={flag!r} must be a bool")
     tokens: list[int]
@@ -93,6 +94,7 @@ def add_seq(
         return
     seq = Sequence(seq_id, tokens, max_tokens, st.next_arrival(), share_list)
     seq.recomputable = recomputable
+    seq.use_prefix_cache = use_prefix_cache
     st.register(seq)
     st.waiting[seq_id] = seq
 

@@ -201,18 +201,20 @@ class _Server:
                 num_tokens = _num_tokens(last)
         finally:
             await outputs.aclose()            # aborts the request unless it finished
-            tracker.finish(last.outputs[0].finish_reason or "abort", len(last.prompt_token_ids), num_tokens)
+            tracker.finish(last.outputs[0].finish_reason or "abort", len(last.prompt_token_ids), num_tokens,
+                           last.num_cached_tokens)
         return last
 
     async def _stream(self, writer: ResponseWriter, first: RequestOutput, outputs: AsyncGenerator[RequestOutput, None],
                       tracker: RequestTracker) -> AsyncIterator[str]:
-        out, num_tokens, reason = first, 0, "abort"
+        out, num_tokens, reason, num_cached = first, 0, "abort", 0
         try:
             for chunk in writer.start():
                 yield chunk
             while True:
                 tracker.on_tokens(_num_tokens(out))
                 num_tokens += _num_tokens(out)
+                num_cached = max(num_cached, out.num_cached_tokens)
                 for chunk in writer.delta(out):
                     yield chunk
                 if out.finished:
@@ -223,11 +225,11 @@ class _Server:
                 except EngineDead as error:        # the headers are sent: the error goes as the last event
                     yield f"data: {json.dumps(APIError(500, str(error), code='engine_dead').body())}\n\n"
                     return
-            for chunk in writer.end(len(first.prompt_token_ids), num_tokens):
+            for chunk in writer.end(len(first.prompt_token_ids), num_tokens, num_cached):
                 yield chunk
         finally:
             await outputs.aclose()            # aborts the request unless it finished
-            tracker.finish(reason, len(first.prompt_token_ids), num_tokens)
+            tracker.finish(reason, len(first.prompt_token_ids), num_tokens, num_cached)
 
 
 def build_app(llm: EngineClient, *, served_model_name: str, api_key: str | None = None,

@@ -125,10 +125,11 @@ class ResponseWriter:
                 choice["error_reason"] = completion.error_reason
         return choice
 
-    def end(self, num_prompt_tokens: int, num_output_tokens: int) -> Iterator[str]:
+    def end(self, num_prompt_tokens: int, num_output_tokens: int, num_cached_tokens: int = 0) -> Iterator[str]:
         """The usage chunk (when asked for) and `data: [DONE]`."""
         if self._req.include_usage:
-            yield sse({**self._chunk(None), "choices": [], "usage": _usage(num_prompt_tokens, num_output_tokens)})
+            usage = _usage(num_prompt_tokens, num_output_tokens, num_cached_tokens)
+            yield sse({**self._chunk(None), "choices": [], "usage": usage})
         yield DONE
 
     # ------------------------------------------------------------------ whole
@@ -154,7 +155,8 @@ class ResponseWriter:
             choices.append(choice)
         return {"id": self._id, "object": "chat.completion" if self._chat else "text_completion",
                 "created": self._created, "model": self._model, "choices": choices,
-                "usage": _usage(len(last.prompt_token_ids), sum(len(c.token_ids) for c in last.outputs))}
+                "usage": _usage(len(last.prompt_token_ids), sum(len(c.token_ids) for c in last.outputs),
+                                last.num_cached_tokens)}
 
     # ------------------------------------------------------------------ pieces
 
@@ -194,6 +196,7 @@ def _prompt_logprobs(out: RequestOutput) -> list[dict[str, dict[str, Any]] | Non
             for entry in out.prompt_logprobs or ()]
 
 
-def _usage(num_prompt_tokens: int, num_output_tokens: int) -> dict[str, int]:
+def _usage(num_prompt_tokens: int, num_output_tokens: int, num_cached_tokens: int) -> dict[str, Any]:
     return {"prompt_tokens": num_prompt_tokens, "completion_tokens": num_output_tokens,
-            "total_tokens": num_prompt_tokens + num_output_tokens}
+            "total_tokens": num_prompt_tokens + num_output_tokens,
+            "prompt_tokens_details": {"cached_tokens": num_cached_tokens}}
