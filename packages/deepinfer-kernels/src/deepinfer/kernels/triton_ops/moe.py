@@ -177,11 +177,13 @@ def _e2m1(code):
 
 
 @triton.jit
-def _weight_tile(w_rows, s_rows, k0, k_in, nm, dtype, FORMAT: tl.constexpr, BLOCK_K: tl.constexpr):
+def _weight_tile(w_rows, s_rows, k0, k_in, nm, dtype, FORMAT: tl.constexpr, BLOCK_K: tl.constexpr,
+                 EVEN_K: tl.constexpr = False):
     """Columns k0 … k0 + BLOCK_K of the weight rows at `w_rows` ([BLOCK_N, 1] pointers) in `dtype`:
-    as stored (FP8 converted; its block scale is the caller's), or MXFP4 codes decoded and scaled."""
+    as stored (FP8 converted; its block scale is the caller's), or MXFP4 codes decoded and scaled.
+    EVEN_K: BLOCK_K divides k_in (no column mask; MXFP4: scale rows 4-byte aligned, `mxfp4._scales`)."""
     if FORMAT == 2:
-        packed, scale = mxfp4_tile(w_rows, s_rows, k0, k_in, nm, BLOCK_K)
+        packed, scale = mxfp4_tile(w_rows, s_rows, k0, k_in, nm, BLOCK_K, EVEN_K)
         values = tl.interleave(_e2m1(packed & 0xF), _e2m1(packed >> 4))
         scale = tl.exp2(scale.to(tl.float32) - 127.0)
         rows: tl.constexpr = values.shape[0]
@@ -189,7 +191,8 @@ def _weight_tile(w_rows, s_rows, k0, k_in, nm, dtype, FORMAT: tl.constexpr, BLOC
         return values.to(dtype)
     else:
         k = k0 + tl.arange(0, BLOCK_K)
-        return tl.load(w_rows + k[None, :], mask=nm[:, None] & (k < k_in)[None, :], other=0.0).to(dtype)
+        live = nm[:, None] if EVEN_K else nm[:, None] & (k < k_in)[None, :]
+        return tl.load(w_rows + k[None, :], mask=live, other=0.0).to(dtype)
 
 
 @triton.jit
@@ -215,16 +218,17 @@ def _rows_first(acc, WORDS: tl.constexpr):
 
 @triton.jit
 def _dot_tile(a, acc, w_rows, s_rows, k0, k_in, nm, block_scale, FORMAT: tl.constexpr, BLOCK_K: tl.constexpr,
-              PRECISION: tl.constexpr, DECODE: tl.constexpr, BF16_MATH: tl.constexpr):
+              PRECISION: tl.constexpr, DECODE: tl.constexpr, BF16_MATH: tl.constexpr, EVEN_K: tl.constexpr):
     """acc + a @ (weight columns k0 … k0 + BLOCK_K of the rows at `w_rows`)ᵀ, a [BLOCK_M, BLOCK_K]:
-    FP8 partial products scaled by the tile's `block_scale`; MXFP4 decoded by `DECODE` (`mxfp4`)."""
+    FP8 partial products scaled by the tile's `block_scale`; MXFP4 decoded by `DECODE` (`mxfp4`).
+    EVEN_K as `_weight_tile`."""
     if FORMAT == 2:
-        out = mxfp4_dot(a, acc, w_rows, s_rows, k0, k_in, nm, BLOCK_K, PRECISION, DECODE, BF16_MATH)
+        out = mxfp4_dot(a, acc, w_rows, s_rows, k0, k_in, nm, BLOCK_K, PRECISION, DECODE, BF16_MATH, EVEN_K)
     elif FORMAT == 1:
-        w = tl.trans(_weight_tile(w_rows, s_rows, k0, k_in, nm, a.dtype, FORMAT, BLOCK_K))
+        w = tl.trans(_weight_tile(w_rows, s_rows, k0, k_in, nm, a.dtype, FORMAT, BLOCK_K, EVEN_K))
         out = acc + tl.dot(a, w, input_precision=PRECISION) * block_scale
     else:
-        w = tl.trans(_weight_tile(w_rows, s_rows, k0, k_in, nm, a.dtype, FORMAT, BLOCK_K))
+        w = tl.trans(_weight_tile(w_rows, s_rows, k0, k_in, nm, a.dtype, FORMAT, BLOCK_K, EVEN_K))
         out = tl.dot(a, w, acc, input_precision=PRECISION)
     return out
 
@@ -233,11 +237,12 @@ def _dot_tile(a, acc, w_rows, s_rows, k0, k_in, nm, block_scale, FORMAT: tl.cons
 def _expert_up_kernel(x_ptr, order_ptr, meta_ptr, w13_ptr, s13_ptr, act_ptr, num_slots, hidden, inter, top_k, limit,
                       w_expert, w_row, s_expert, s_row, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                       BLOCK_K: tl.constexpr, PRECISION: tl.constexpr, FORMAT: tl.constexpr, BLOCK_S: tl.constexpr,
-                      DECODE: tl.constexpr, BF16_MATH: tl.constexpr):
+                      DECODE: tl.constexpr, BF16_MATH: tl.constexpr, EVEN_K: tl.constexpr):
     """FORMAT FP8_BLOCK: one float32 scale per BLOCK_S × BLOCK_S block (BLOCK_N, BLOCK_K divide
     BLOCK_S, so each weight tile has one, applied to the tile's partial product); MXFP4: packed rows
     (`w_row` bytes apart) with uint8 e8m0 scales per 32 inputs (`s_row` apart), decoded by `DECODE`
-    (`mxfp4`; MX_GROUP_DOT takes each BLOCK_K in 32-column steps). BF16_MATH: bf16 arithmetic."""
+    (`mxfp4`; MX_GROUP_DOT takes each BLOCK_K in 32-column steps). BF16_MATH: bf16 arithmetic.
+    EVEN_K: BLOCK_K divides hidden and the intermediate size (`_experts` says when)."""
     WORDS: tl.constexpr = FORMAT == 2 and DECODE != 0
     STEP: tl.constexpr = 32 if FORMAT == 2 and DECODE == 2 else BLOCK_K
     expert, start, count = _slot(meta_ptr, num_slots)
@@ -256,14 +261,15 @@ def _expert_up_kernel(x_ptr, order_ptr, meta_ptr, w13_ptr, s13_ptr, act_ptr, num
         up = _zeros(BLOCK_M, BLOCK_N, WORDS)
         for k0 in range(0, hidden, BLOCK_K):
             for ks in tl.static_range(0, BLOCK_K, STEP):
-                xs = load_columns(x_ptr + tokens[:, None] * hidden, k0 + ks, hidden, rm[:, None], STEP, WORDS)
+                xs = load_columns(x_ptr + tokens[:, None] * hidden, k0 + ks, hidden, rm[:, None], STEP, WORDS, EVEN_K)
                 bs1, bs3 = 1.0, 1.0
                 if FORMAT == 1:
                     bs1 = _scale(s13_ptr, expert, n0, k0, s_expert, s_row, BLOCK_S)
                     bs3 = _scale(s13_ptr, expert, inter + n0, k0, s_expert, s_row, BLOCK_S)
                 gate = _dot_tile(xs, gate, w1, s1, k0 + ks, hidden, nm, bs1, FORMAT, STEP, PRECISION, DECODE,
-                                 BF16_MATH)
-                up = _dot_tile(xs, up, w3, s3, k0 + ks, hidden, nm, bs3, FORMAT, STEP, PRECISION, DECODE, BF16_MATH)
+                                 BF16_MATH, EVEN_K)
+                up = _dot_tile(xs, up, w3, s3, k0 + ks, hidden, nm, bs3, FORMAT, STEP, PRECISION, DECODE, BF16_MATH,
+                               EVEN_K)
         act = _rows_first(_clamped_silu_mul(gate, up, limit), WORDS)
         tl.store(act_ptr + r[:, None] * inter + n[None, :], act.to(act_ptr.dtype.element_ty),
                  mask=rm[:, None] & nm[None, :])
@@ -273,7 +279,7 @@ def _expert_up_kernel(x_ptr, order_ptr, meta_ptr, w13_ptr, s13_ptr, act_ptr, num
 def _expert_down_kernel(act_ptr, order_ptr, meta_ptr, weights_ptr, w2_ptr, s2_ptr, y_ptr, num_slots, hidden, inter,
                         w_expert, w_row, s_expert, s_row, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                         BLOCK_K: tl.constexpr, PRECISION: tl.constexpr, FORMAT: tl.constexpr,
-                        BLOCK_S: tl.constexpr, DECODE: tl.constexpr, BF16_MATH: tl.constexpr):
+                        BLOCK_S: tl.constexpr, DECODE: tl.constexpr, BF16_MATH: tl.constexpr, EVEN_K: tl.constexpr):
     WORDS: tl.constexpr = FORMAT == 2 and DECODE != 0
     STEP: tl.constexpr = 32 if FORMAT == 2 and DECODE == 2 else BLOCK_K
     expert, start, count = _slot(meta_ptr, num_slots)
@@ -289,11 +295,12 @@ def _expert_down_kernel(act_ptr, order_ptr, meta_ptr, weights_ptr, w2_ptr, s2_pt
         acc = _zeros(BLOCK_M, BLOCK_N, WORDS)
         for k0 in range(0, inter, BLOCK_K):
             for ks in tl.static_range(0, BLOCK_K, STEP):
-                a = load_columns(act_ptr + r[:, None] * inter, k0 + ks, inter, rm[:, None], STEP, WORDS)
+                a = load_columns(act_ptr + r[:, None] * inter, k0 + ks, inter, rm[:, None], STEP, WORDS, EVEN_K)
                 bs = 1.0
                 if FORMAT == 1:
                     bs = _scale(s2_ptr, expert, n0, k0, s_expert, s_row, BLOCK_S)
-                acc = _dot_tile(a, acc, w2, s2, k0 + ks, inter, nm, bs, FORMAT, STEP, PRECISION, DECODE, BF16_MATH)
+                acc = _dot_tile(a, acc, w2, s2, k0 + ks, inter, nm, bs, FORMAT, STEP, PRECISION, DECODE, BF16_MATH,
+                                EVEN_K)
         acc = _rows_first(acc, WORDS) * tl.load(weights_ptr + pair, mask=rm, other=0.0)[:, None]
         tl.store(y_ptr + pair[:, None] * hidden + n[None, :], acc, mask=rm[:, None] & nm[None, :])
 
@@ -451,6 +458,13 @@ def _tiles(fmt: int, block: int, decode: int = MX_DOT_SCALED) -> dict[str, int]:
     return dict(BLOCK_M=16, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=4, num_stages=3)
 
 
+def _even_k(block_k: int, hidden: int, inter: int, fmt: int, s13: Tensor, s2: Tensor) -> bool:
+    """Whether the expert kernels may drop their column masks (EVEN_K): `block_k` divides hidden and
+    the intermediate size, and for MXFP4 the scale rows start 4-byte aligned (read as 32-bit words)."""
+    even = hidden % block_k == 0 and inter % block_k == 0
+    return even and (fmt != MXFP4 or (s13.data_ptr() % 4 == 0 and s2.data_ptr() % 4 == 0))
+
+
 def _experts(x: Tensor, expert_ids: Tensor, weights: Tensor, w13: Tensor, w2: Tensor, limit: float, fmt: int,
              s13: Tensor, s2: Tensor, block: int, inter: int, *, decode: int | None = None,
              tiles: dict[str, int] | None = None) -> Tensor:
@@ -466,7 +480,7 @@ def _experts(x: Tensor, expert_ids: Tensor, weights: Tensor, w13: Tensor, w2: Te
     decode = runnable_decode(MXFP4_DECODE if decode is None else decode, x) if fmt == MXFP4 else MX_DOT_SCALED
     tiles = _tiles(fmt, block, decode) if tiles is None else tiles
     meta_args = dict(PRECISION=precision(x), FORMAT=fmt, BLOCK_S=block, DECODE=decode, BF16_MATH=x.is_cuda,
-                     **tiles)
+                     EVEN_K=_even_k(tiles["BLOCK_K"], hidden, inter, fmt, s13, s2), **tiles)
     _expert_up_kernel[(slots, triton.cdiv(inter, tiles["BLOCK_N"]))](
         x, order, meta, w13, s13, act, slots, hidden, inter, top_k, limit, w13.stride(0), w13.stride(1),
         s13.stride(0), s13.stride(1), **meta_args,
