@@ -259,13 +259,18 @@ def _expert_up_kernel(x_ptr, order_ptr, meta_ptr, w13_ptr, s13_ptr, act_ptr, num
         tokens = tl.load(order_ptr + r, mask=rm, other=0) // top_k
         gate = _zeros(BLOCK_M, BLOCK_N, WORDS)
         up = _zeros(BLOCK_M, BLOCK_N, WORDS)
+        next1, next3 = 1.0, 1.0            # FP8: the block scales of the coming K step, loaded a step early
+        if FORMAT == 1:
+            next1 = _scale(s13_ptr, expert, n0, 0, s_expert, s_row, BLOCK_S)
+            next3 = _scale(s13_ptr, expert, inter + n0, 0, s_expert, s_row, BLOCK_S)
         for k0 in range(0, hidden, BLOCK_K):
+            bs1, bs3 = next1, next3
+            if FORMAT == 1:
+                k_next = tl.minimum(k0 + BLOCK_K, hidden - 1)
+                next1 = _scale(s13_ptr, expert, n0, k_next, s_expert, s_row, BLOCK_S)
+                next3 = _scale(s13_ptr, expert, inter + n0, k_next, s_expert, s_row, BLOCK_S)
             for ks in tl.static_range(0, BLOCK_K, STEP):
                 xs = load_columns(x_ptr + tokens[:, None] * hidden, k0 + ks, hidden, rm[:, None], STEP, WORDS, EVEN_K)
-                bs1, bs3 = 1.0, 1.0
-                if FORMAT == 1:
-                    bs1 = _scale(s13_ptr, expert, n0, k0, s_expert, s_row, BLOCK_S)
-                    bs3 = _scale(s13_ptr, expert, inter + n0, k0, s_expert, s_row, BLOCK_S)
                 gate = _dot_tile(xs, gate, w1, s1, k0 + ks, hidden, nm, bs1, FORMAT, STEP, PRECISION, DECODE,
                                  BF16_MATH, EVEN_K)
                 up = _dot_tile(xs, up, w3, s3, k0 + ks, hidden, nm, bs3, FORMAT, STEP, PRECISION, DECODE, BF16_MATH,
@@ -293,12 +298,15 @@ def _expert_down_kernel(act_ptr, order_ptr, meta_ptr, weights_ptr, w2_ptr, s2_pt
         rm = m0 + tl.arange(0, BLOCK_M) < count
         pair = tl.load(order_ptr + r, mask=rm, other=0)
         acc = _zeros(BLOCK_M, BLOCK_N, WORDS)
+        next_bs = 1.0                      # FP8: as in the up kernel, a step early
+        if FORMAT == 1:
+            next_bs = _scale(s2_ptr, expert, n0, 0, s_expert, s_row, BLOCK_S)
         for k0 in range(0, inter, BLOCK_K):
+            bs = next_bs
+            if FORMAT == 1:
+                next_bs = _scale(s2_ptr, expert, n0, tl.minimum(k0 + BLOCK_K, inter - 1), s_expert, s_row, BLOCK_S)
             for ks in tl.static_range(0, BLOCK_K, STEP):
                 a = load_columns(act_ptr + r[:, None] * inter, k0 + ks, inter, rm[:, None], STEP, WORDS, EVEN_K)
-                bs = 1.0
-                if FORMAT == 1:
-                    bs = _scale(s2_ptr, expert, n0, k0, s_expert, s_row, BLOCK_S)
                 acc = _dot_tile(a, acc, w2, s2, k0 + ks, inter, nm, bs, FORMAT, STEP, PRECISION, DECODE, BF16_MATH,
                                 EVEN_K)
         acc = _rows_first(acc, WORDS) * tl.load(weights_ptr + pair, mask=rm, other=0.0)[:, None]
