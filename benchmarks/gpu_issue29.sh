@@ -45,7 +45,7 @@ if [ "$phase" = probe ]; then
         packages/deepinfer-kernels/tests/test_triton_ops.py -k "mxfp4 or fp8 or moe"
     grep -hE "^(FAILED|ERROR)" "$out/tests.log" "$out/kernel_tests.log" | cut -c1-220
     step sweep 90 python3 benchmarks/moe_tile_sweep.py --shape v4 --formats fp8,mxfp4 --decodes dot_scaled,asm \
-        --batches 1,8,32,256 --block-n 32,64,128 --block-k 128,256 --warps 4,8 --stages 3 --out "$out/sweep.json"
+        --batches 1,8,32,256 --block-n 64,128 --block-k 128,256 --warps 4,8 --stages 3 --out "$out/sweep.json"
     tail -13 "$out/sweep.log"
     step masked 40 python3 benchmarks/moe_tile_sweep.py --shape v4 --formats fp8,mxfp4 --decodes dot_scaled,asm \
         --batches 1,8,32,256 --block-n 32,64 --block-k 128 --masked --out "$out/masked.json"
