@@ -33,7 +33,7 @@ ROOT = Path(__file__).resolve().parent
 DIST = ROOT / "dist"
 TORCH = "torch==2.13.0"
 
-# Local dependencies of each package, in install order (DESIGN.md §2): what each one's
+# Local dependencies of each package, in install order (docs/design.md §1): what each one's
 # pyproject.toml declares (tools/release.py --check holds those to the imports).
 LOCAL_DEPS: dict[str, tuple[str, ...]] = {
     "kernels": (),

@@ -9,9 +9,9 @@ the packed cache, `--layers` layers scheduled like the release in miniature (win
 1, a ratio-2 half starting with its KV source, a ratio-1 half starting with the ratio-1 KV source),
 with the DSpark target layers (unused here, but checked by the truncation) all after the last KV source.
 Truncation starts at the first consumer layer S (the layer after the last KV source); from there
-only each prompt's last `--keep-tokens` rows (DEEPINFER_YOCO_PREFILL_KEEP_TOKENS, 140 by default) run
+only each prompt's last `--keep-tokens` rows (EngineArgs.yoco_prefill_keep_tokens, 140 by default) run
 the layers, while every layer still writes the window KV of the whole prompt. The mode is set as the
-engine sets it from DEEPINFER_YOCO_PREFILL_TRUNCATION_MODE (`set_prefill_truncation`).
+engine sets it from EngineArgs.yoco_prefill_truncation_mode (`set_prefill_truncation`).
 
 Per mode: one warm-up prompt of the same length (so every kernel is compiled for the shapes before
 the clock runs), then `--repeats` prompts of fresh random tokens, each one eager forward timed on the

@@ -1,4 +1,4 @@
-"""Varlen vs fixed verify on a measured step-time curve: the seed's experiment (DESIGN.md §6), simulated.
+"""Varlen vs fixed verify on a measured step-time curve: the seed's experiment (docs/design.md §7.2), simulated.
 
     .venv/bin/python benchmarks/varlen_sim.py --curve docs/benchmarks/decode_h200_8l_run7.json
     .venv/bin/python benchmarks/varlen_sim.py --curve curve.json --acceptance 0.9,0.85,0.8,0.75,0.7
@@ -43,7 +43,7 @@ from deepinfer.spec import (
     cuda_graph_key,
 )
 
-# DESIGN.md §6: EP64/DP64, 5 drafts, requests per rank -> throughput gain of varlen over fixed, %.
+# docs/design.md §7.2: EP64/DP64, 5 drafts, requests per rank -> throughput gain of varlen over fixed, %.
 SEED_GAIN_PERCENT = {16: -1.5, 32: 1.6, 60: 5.4, 96: 11.0}
 SEED_MEAN_ACCEPTED = 3.2
 # Greedy sampler on the H200 (docs/benchmarks/engine.md, 2026-11-30): sequences -> ms.

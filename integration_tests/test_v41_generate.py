@@ -52,8 +52,8 @@ def test_the_embedded_default_stays_v4() -> None:
     assert type(LLM(seed=0).engine.model).__name__ == "DeepseekV4ForCausalLM"
 
 
-def test_engine_options_of_v41_reach_the_model(tmp_path, monkeypatch) -> None:
-    """engram_on_host and DEEPINFER_YOCO_PREFILL_TRUNCATION_MODE are applied to a V4.1 model (tokens
+def test_engine_options_of_v41_reach_the_model(tmp_path) -> None:
+    """engram_on_host and yoco_prefill_truncation_mode are applied to a V4.1 model (tokens
     unchanged with the tables on the host; compact CED gives the same greedy tokens as none), and
     refused for a V4 one."""
     from deepinfer.engine import InvalidEngineArgs
@@ -66,14 +66,11 @@ def test_engine_options_of_v41_reach_the_model(tmp_path, monkeypatch) -> None:
     on_host = LLM(model=str(folder), seed=0, engram_on_host=True)
     assert on_host.engine.model.engram_on_host
     assert [o.outputs[0].token_ids for o in on_host.generate(prompts, params, use_tqdm=False)] == plain
-    monkeypatch.setenv("DEEPINFER_YOCO_PREFILL_TRUNCATION_MODE", "compact")
-    monkeypatch.setenv("DEEPINFER_YOCO_PREFILL_KEEP_TOKENS", "4")
-    truncated = LLM(model=str(folder), seed=0)
+    truncated = LLM(model=str(folder), seed=0, yoco_prefill_truncation_mode="compact", yoco_prefill_keep_tokens=4)
     assert truncated.engine.model.truncation.mode == "compact" and truncated.engine.model.truncation.keep_tokens == 4
     assert [o.outputs[0].token_ids for o in truncated.generate(prompts, params, use_tqdm=False)] == plain
-    with pytest.raises(InvalidEngineArgs, match="needs a DeepSeek-V4.1 model"):
-        LLM(seed=0)
-    monkeypatch.delenv("DEEPINFER_YOCO_PREFILL_TRUNCATION_MODE")
+    with pytest.raises(InvalidEngineArgs, match="yoco_prefill_truncation_mode='mask' needs a DeepSeek-V4.1 model"):
+        LLM(seed=0, yoco_prefill_truncation_mode="mask")
     with pytest.raises(InvalidEngineArgs, match="engram_on_host=True needs a model with Engram layers"):
         LLM(seed=0, engram_on_host=True)
 

@@ -1,4 +1,4 @@
-"""The planner on DeepSeek-V4.1-Flash's cache (spec §3.2, DESIGN.md §5): four KV sources own the paged
+"""The planner on DeepSeek-V4.1-Flash's cache (spec §3.2, docs/design.md §5): four KV sources own the paged
 bytes (890 per token), consumer layers share their regions, and the stored state region is the 20
 encoder layers' MXFP8 window rings (20 × 134 × 528 B)."""
 

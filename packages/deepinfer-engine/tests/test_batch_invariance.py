@@ -1,4 +1,4 @@
-"""DEEPINFER_BATCH_INVARIANT=1 end to end: one greedy request's logits, at every step, are bitwise the
+"""EngineArgs.batch_invariant end to end: one greedy request's logits, at every step, are bitwise the
 same whether it runs alone or among 1, 7 or 63 other requests of other lengths (their prompts
 prefilled in the same step, their tokens decoded in the same steps), on the embedded tiny model.
 
@@ -17,7 +17,6 @@ import pytest
 import torch
 
 from deepinfer.engine import EngineArgs, LLMEngine, SamplingParams
-from deepinfer.engine.env import EngineEnv
 
 BATCH_SIZES = (2, 8, 64)
 STEPS = 3                          # logits rows per request: the prefill's, then two decode steps
@@ -39,8 +38,8 @@ def one_torch_thread():
 def make_engine(batch_invariant: bool, device: str = "cpu", dtype: str = "float32",
                 enforce_eager: bool = True) -> LLMEngine:
     args = EngineArgs(device=device, dtype=dtype, max_num_seqs=max(BATCH_SIZES), max_model_len=128,
-                      kv_cache_memory_mb=16, enforce_eager=enforce_eager)
-    return LLMEngine(args, env=EngineEnv(batch_invariant=batch_invariant))
+                      kv_cache_memory_mb=16, enforce_eager=enforce_eager, batch_invariant=batch_invariant)
+    return LLMEngine(args)
 
 
 class LogitsRecorder:

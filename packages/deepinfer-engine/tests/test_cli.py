@@ -233,9 +233,9 @@ def test_load_errors_exit_1_with_one_line(capsys: pytest.CaptureFixture[str], tm
     code, out, err = _run(capsys, "bench", "--model", str(tmp_path))
     assert (code, out) == (1, "")
     assert re.fullmatch(r"deepinfer: error: \S+config.json: not valid JSON: [^\n]+\n", err)
-    monkeypatch.setenv("DEEPINFER_USE_NEXTN_DECODE", "-2")
-    assert _run(capsys, "generate", "x") == (1, "", "deepinfer: error: DEEPINFER_USE_NEXTN_DECODE=-2 must be an int "
-                                                    ">= 0\n")
+    monkeypatch.setenv("DEEPINFER_MAX_BACKTRACKING_TOKENS", "-2")
+    assert _run(capsys, "generate", "x") == (1, "", "deepinfer: error: DEEPINFER_MAX_BACKTRACKING_TOKENS=-2 must be an "
+                                                    "int >= 0\n")
 
 
 def test_generate_prints_outputs_logprobs_and_finish_reasons(capsys: pytest.CaptureFixture[str],
@@ -243,15 +243,15 @@ def test_generate_prints_outputs_logprobs_and_finish_reasons(capsys: pytest.Capt
                                                             monkeypatch: pytest.MonkeyPatch) -> None:
     for name in unknown_env_vars():              # the caller's own stray variables would be warned about too
         monkeypatch.delenv(name)
-    monkeypatch.setenv("DEEPINFER_BATCH_INVARANT", "1")
+    monkeypatch.setenv("DEEPINFER_DISABLE_SYNC_GAURD", "1")
     long_prompt = "x " * 40
     with caplog.at_level(logging.WARNING, logger="deepinfer.engine.env"):
         code, out, err = _run(capsys, "generate", "def fibonacci(", long_prompt, "--max-tokens", "4", "--stop", ":",
                               "--logprobs", "2", "--min-p", "0.05", "--max-model-len", "16")
     assert code == 0
     assert [r.getMessage() for r in caplog.records] == [
-        "DEEPINFER_BATCH_INVARANT is not a DeepInfer environment variable; it is ignored "
-        "(did you mean DEEPINFER_BATCH_INVARIANT?)"]
+        "DEEPINFER_DISABLE_SYNC_GAURD is not a DeepInfer environment variable; it is ignored "
+        "(did you mean DEEPINFER_DISABLE_SYNC_GUARD?)"]
     lines = out.splitlines()
     assert lines[0] == "def fibonacci(l)" and lines[3] == long_prompt
     for line in lines[1:3]:                   # the two output tokens, each with its two alternatives

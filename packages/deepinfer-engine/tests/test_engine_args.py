@@ -49,6 +49,11 @@ from deepinfer.sched import EngineType
         (dict(kv_quant=1), "kv_quant", r"kv_quant=1 must be a bool"),
         (dict(engine_type="NORMAL"), "engine_type", r"engine_type='NORMAL' must be an EngineType"),
         (dict(expert_dtype="int4"), "expert_dtype", r"expert_dtype='int4' must be None, 'fp8' or 'fp4'"),
+        (dict(yoco_prefill_truncation_mode="Compact"), "yoco_prefill_truncation_mode",
+         r"yoco_prefill_truncation_mode='Compact' must be one of 'off', 'compact', 'mask'"),
+        (dict(yoco_prefill_keep_tokens=0), "yoco_prefill_keep_tokens",
+         r"yoco_prefill_keep_tokens=0 must be an integer in \[1, "),
+        (dict(batch_invariant="1"), "batch_invariant", r"batch_invariant='1' must be a bool"),
     ],
 )
 def test_out_of_range_fields_are_named(kwargs: dict, field: str, message: str) -> None:

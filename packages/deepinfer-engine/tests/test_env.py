@@ -7,6 +7,7 @@ import os
 import pytest
 
 from deepinfer.engine.env import (
+    MOVED_VARIABLES,
     OTHER_VARIABLES,
     VARIABLES,
     EngineEnv,
@@ -23,8 +24,8 @@ def test_defaults_when_nothing_is_set() -> None:
     assert env == EngineEnv()
     assert (env.prefill_attempt_interval, env.prefill_any_attempt_interval) == (70, 100)
     assert env.num_state_slots_ratio == 1.2 and env.max_backtracking_tokens == 6
-    assert not env.disable_sync_guard and not env.batch_invariant
-    assert env.sampler_force_topk is None and env.use_nextn_decode == 0
+    assert not env.disable_sync_guard
+    assert env.sampler_force_topk is None
     assert env.cudagraph_batch_size_interval == 8
 
 
@@ -35,12 +36,10 @@ def test_every_variable_is_read() -> None:
         "DEEPINFER_NUM_STATE_SLOTS_RATIO": "2.5",
         "DEEPINFER_MAX_BACKTRACKING_TOKENS": "0",
         "DEEPINFER_DISABLE_SYNC_GUARD": "FALSE",
-        "DEEPINFER_BATCH_INVARIANT": "1",
         "DEEPINFER_SAMPLER_FORCE_TOPK": "64",
-        "DEEPINFER_USE_NEXTN_DECODE": "0",
         "DEEPINFER_CUDAGRAPH_BATCH_SIZE_INTERVAL": "16",
     })
-    assert env == EngineEnv(5, 9, 2.5, 0, False, True, 64, 0, 16)
+    assert env == EngineEnv(5, 9, 2.5, 0, False, 64, 16)
 
 
 def test_variables_describe_every_field_in_order() -> None:
@@ -48,16 +47,23 @@ def test_variables_describe_every_field_in_order() -> None:
     assert all(var.description and var.allowed for var in VARIABLES)
 
 
-def test_nextn_decode_is_read_and_checked() -> None:
-    assert read_env({"DEEPINFER_USE_NEXTN_DECODE": "3"}).use_nextn_decode == 3
-    with pytest.raises(InvalidEnvVar, match=r"DEEPINFER_USE_NEXTN_DECODE=-1 must be an int >= 0"):
-        read_env({"DEEPINFER_USE_NEXTN_DECODE": "-1"})
+@pytest.mark.parametrize(("name", "field"), sorted(MOVED_VARIABLES.items()))
+def test_behaviour_switches_moved_to_engine_args_are_refused(name: str, field: str) -> None:
+    from deepinfer.engine import EngineArgs
+
+    assert field in {f.name for f in dataclasses.fields(EngineArgs)}
+    assert field not in {f.name for f in dataclasses.fields(EngineEnv)}
+    flag = "--" + field.replace("_", "-")
+    with pytest.raises(InvalidEnvVar, match=rf"^{name} is no longer read: it is the engine argument {field} "
+                                            rf"\({flag}\) now; unset it$"):
+        read_env({name: "1"})
+    assert read_env({name: " "}) == EngineEnv()       # empty = unset
 
 
 @pytest.mark.parametrize(("raw", "expected"), [("0", False), ("1", True), ("true", True), ("False", False),
                                                ("tRuE", True), ("", False)])
 def test_bool_parsing(raw: str, expected: bool) -> None:
-    assert read_env({"DEEPINFER_BATCH_INVARIANT": raw}).batch_invariant is expected
+    assert read_env({"DEEPINFER_DISABLE_SYNC_GUARD": raw}).disable_sync_guard is expected
 
 
 def test_force_topk_zero_or_empty_means_none() -> None:
@@ -78,9 +84,10 @@ def test_force_topk_zero_or_empty_means_none() -> None:
         ("DEEPINFER_NUM_STATE_SLOTS_RATIO", "x", "DEEPINFER_NUM_STATE_SLOTS_RATIO='x' must be a number"),
         ("DEEPINFER_MAX_BACKTRACKING_TOKENS", "-1", "DEEPINFER_MAX_BACKTRACKING_TOKENS=-1 must be an int >= 0"),
         ("DEEPINFER_DISABLE_SYNC_GUARD", "yes", r"DEEPINFER_DISABLE_SYNC_GUARD='yes' must be one of 0, 1"),
-        ("DEEPINFER_BATCH_INVARIANT", "2", r"DEEPINFER_BATCH_INVARIANT='2' must be one of 0, 1, true, false"),
+        ("DEEPINFER_DISABLE_SYNC_GUARD", "2", r"DEEPINFER_DISABLE_SYNC_GUARD='2' must be one of 0, 1, true, false"),
         ("DEEPINFER_SAMPLER_FORCE_TOPK", "-5", "DEEPINFER_SAMPLER_FORCE_TOPK=-5 must be an int >= 1, or 0"),
-        ("DEEPINFER_USE_NEXTN_DECODE", "1.5", "DEEPINFER_USE_NEXTN_DECODE='1.5' must be an integer"),
+        ("DEEPINFER_CUDAGRAPH_BATCH_SIZE_INTERVAL", "1.5", "DEEPINFER_CUDAGRAPH_BATCH_SIZE_INTERVAL='1.5' must be an "
+         "integer"),
         ("DEEPINFER_CUDAGRAPH_BATCH_SIZE_INTERVAL", "0", "DEEPINFER_CUDAGRAPH_BATCH_SIZE_INTERVAL=0 must be"),
     ],
 )
@@ -90,19 +97,19 @@ def test_bad_values_name_variable_and_range(name: str, raw: str, message: str) -
 
 
 def test_direct_construction_is_validated_too() -> None:
-    with pytest.raises(InvalidEnvVar, match="DEEPINFER_BATCH_INVARIANT=1 must be a bool"):
-        EngineEnv(batch_invariant=1)  # type: ignore[arg-type]
+    with pytest.raises(InvalidEnvVar, match="DEEPINFER_DISABLE_SYNC_GUARD=1 must be a bool"):
+        EngineEnv(disable_sync_guard=1)  # type: ignore[arg-type]
     with pytest.raises(InvalidEnvVar, match="DEEPINFER_MAX_BACKTRACKING_TOKENS=True must be an int >= 0"):
         EngineEnv(max_backtracking_tokens=True)
     with pytest.raises(dataclasses.FrozenInstanceError):
-        EngineEnv().batch_invariant = True  # type: ignore[misc]
+        EngineEnv().disable_sync_guard = True  # type: ignore[misc]
 
 
 def test_unknown_deepinfer_variables_are_reported() -> None:
-    environ = {"DEEPINFER_BATCH_INVARANT": "1", "DEEPINFER_BATCH_INVARIANT": "1", "HOME": "/root",
-               "DEEPINFER_ZZZ": ""}
-    assert unknown_env_vars(environ) == ("DEEPINFER_BATCH_INVARANT", "DEEPINFER_ZZZ")
-    assert env_var_name("use_nextn_decode") == "DEEPINFER_USE_NEXTN_DECODE"
+    environ = {"DEEPINFER_DISABLE_SYNC_GAURD": "1", "DEEPINFER_DISABLE_SYNC_GUARD": "1", "HOME": "/root",
+               "DEEPINFER_ZZZ": "", "DEEPINFER_BATCH_INVARIANT": "1"}     # moved: refused, not unknown
+    assert unknown_env_vars(environ) == ("DEEPINFER_DISABLE_SYNC_GAURD", "DEEPINFER_ZZZ")
+    assert env_var_name("disable_sync_guard") == "DEEPINFER_DISABLE_SYNC_GUARD"
 
 
 def test_variables_read_elsewhere_are_known() -> None:
@@ -111,24 +118,24 @@ def test_variables_read_elsewhere_are_known() -> None:
 
 
 def test_read_env_warns_once_per_unknown_variable_with_a_suggestion(caplog: pytest.LogCaptureFixture) -> None:
-    environ = {"DEEPINFER_BATCH_INVARANT": "1", "DEEPINFER_ZZZ": "1", "DEEPINFER_CACHE_PURE_PYTHON": "1",
-               "DEEPINFER_PREFILL_ATTEMPT_INTERVAL": "5", "DEEPINFER_USE_NEXT_DECODE": "3"}
+    environ = {"DEEPINFER_DISABLE_SYNC_GAURD": "1", "DEEPINFER_ZZZ": "1", "DEEPINFER_CACHE_PURE_PYTHON": "1",
+               "DEEPINFER_PREFILL_ATTEMPT_INTERVAL": "5", "DEEPINFER_SAMPLER_FORCE_TOP_K": "3"}
     with caplog.at_level(logging.WARNING, logger="deepinfer.engine.env"):
         env = read_env(environ)
     assert env == EngineEnv(prefill_attempt_interval=5)
     assert [(r.name, r.levelno) for r in caplog.records] == [("deepinfer.engine.env", logging.WARNING)] * 3
     assert [r.getMessage() for r in caplog.records] == [
-        "DEEPINFER_BATCH_INVARANT is not a DeepInfer environment variable; it is ignored "
-        "(did you mean DEEPINFER_BATCH_INVARIANT?)",
-        "DEEPINFER_USE_NEXT_DECODE is not a DeepInfer environment variable; it is ignored "
-        "(did you mean DEEPINFER_USE_NEXTN_DECODE?)",
+        "DEEPINFER_DISABLE_SYNC_GAURD is not a DeepInfer environment variable; it is ignored "
+        "(did you mean DEEPINFER_DISABLE_SYNC_GUARD?)",
+        "DEEPINFER_SAMPLER_FORCE_TOP_K is not a DeepInfer environment variable; it is ignored "
+        "(did you mean DEEPINFER_SAMPLER_FORCE_TOPK?)",
         "DEEPINFER_ZZZ is not a DeepInfer environment variable; it is ignored",
     ]
 
 
 def test_known_variables_give_no_warning(caplog: pytest.LogCaptureFixture) -> None:
     with caplog.at_level(logging.WARNING, logger="deepinfer.engine.env"):
-        read_env({"DEEPINFER_BATCH_INVARIANT": "1", "DEEPINFER_TORCH_SPEC": "torch==2.13.0", "HOME": "/root"})
+        read_env({"DEEPINFER_DISABLE_SYNC_GUARD": "1", "DEEPINFER_TORCH_SPEC": "torch==2.13.0", "HOME": "/root"})
     assert caplog.records == []
 
 

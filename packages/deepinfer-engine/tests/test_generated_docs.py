@@ -9,7 +9,7 @@ import pytest
 
 from deepinfer.engine import EngineArgs
 from deepinfer.engine.dataclass_flags import flag_name
-from deepinfer.engine.env import OTHER_VARIABLES, VARIABLES
+from deepinfer.engine.env import MOVED_VARIABLES, OTHER_VARIABLES, VARIABLES
 from deepinfer.engine.gen_docs import DOCS, engine_args_markdown, environment_markdown, main
 
 REPO_DOCS = Path(__file__).resolve().parents[3] / "docs"
@@ -26,7 +26,8 @@ def test_tables_have_a_row_per_field_and_variable() -> None:
     args_rows = [line for line in engine_args_markdown().splitlines() if line.startswith("| `--")]
     assert [row.split("`")[1] for row in args_rows] == [flag_name(f.name) for f in dataclasses.fields(EngineArgs)]
     env_rows = [line for line in environment_markdown().splitlines() if line.startswith("| `DEEPINFER_")]
-    assert [row.split("`")[1] for row in env_rows] == [var.name for var in VARIABLES] + sorted(OTHER_VARIABLES)
+    assert [row.split("`")[1] for row in env_rows] == [var.name for var in VARIABLES] + sorted(OTHER_VARIABLES) + \
+        list(MOVED_VARIABLES)
     assert "| `--chunk-checkpoints` | `tuple[int, ...]` | empty | ints in [1, 2147483647], strictly increasing |" \
         in engine_args_markdown()
     assert "| `DEEPINFER_SAMPLER_FORCE_TOPK` | `sampler_force_topk` | an int >= 1, or 0 / unset for none | unset |" \

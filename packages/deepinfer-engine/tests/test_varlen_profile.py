@@ -112,7 +112,7 @@ def test_every_field_of_the_key_changes_it(tmp_path: Path, measured: list[int],
         key(types.SimpleNamespace(**{**dataclasses.asdict(engine.args), "data_parallel_size": 2})),
         key(types.SimpleNamespace(**{**dataclasses.asdict(engine.args), "data_parallel_size": 2,
                                      "expert_parallel": True})),
-        key(env=dataclasses.replace(env, batch_invariant=True)),
+        key(dataclasses.replace(engine.args, batch_invariant=True)),
         key(env=dataclasses.replace(env, cudagraph_batch_size_interval=4)),
         key(sizes=profile_sizes(9, False, 8)),
     ]

@@ -1,5 +1,5 @@
 """The V4.1 cache the model declares, and deepinfer.cache's plan of it, on the released config (spec §3.2,
-DESIGN.md §5): 890 B of paged cache per token, a stored state region of 20 × 134 × 528 B."""
+docs/design.md §5): 890 B of paged cache per token, a stored state region of 20 × 134 × 528 B."""
 
 from __future__ import annotations
 

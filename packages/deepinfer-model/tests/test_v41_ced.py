@@ -1,4 +1,4 @@
-"""CED / YOCO prefill truncation (DESIGN.md §8): compact = mask, off = the full model, constraints."""
+"""CED / YOCO prefill truncation (docs/design.md §8): compact = mask, off = the full model, constraints."""
 
 from __future__ import annotations
 

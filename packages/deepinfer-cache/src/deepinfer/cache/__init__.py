@@ -4,10 +4,10 @@
 per-sequence state slots, from an array-backed doubly linked free list with a refcount per block;
 id 0 is reserved. `plan_paged_layout` / `plan_state_layout` decide where every paged KV stream and
 every per-sequence state region live inside one uint8 buffer each. No torch: the engine allocates
-the buffers. Environment variables read here: DEEPINFER_NUM_STATE_SLOTS_RATIO (by
-`BlockManager.for_state_slots` when given no ratio) and, at import, DEEPINFER_CACHE_PURE_PYTHON=1,
-which lets a source tree whose Cython module was never built (a machine without a compiler or
-without Cython) run the pure-Python twin — same behaviour, slower — instead of failing.
+the buffers. Settings are arguments (the slot ratio of `BlockManager.for_state_slots` included); the
+one environment variable read here is DEEPINFER_CACHE_PURE_PYTHON=1, at import, which lets a source
+tree whose Cython module was never built (a machine without a compiler or without Cython) run the
+pure-Python twin — same behaviour, slower — instead of failing.
 """
 
 import os

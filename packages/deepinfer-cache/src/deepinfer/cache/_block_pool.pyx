@@ -84,13 +84,11 @@ cdef class BlockManager:
 
         Args:
             max_num_seqs: most sequences running at once, >= 1.
-            ratio: slots per sequence, a finite float > 0. None reads the environment variable
-                DEEPINFER_NUM_STATE_SLOTS_RATIO if set (the only env var the cache package reads),
-                else 1.2.
+            ratio: slots per sequence, a finite float > 0; None = 1.2 (the engine passes its
+                DEEPINFER_NUM_STATE_SLOTS_RATIO setting, read by deepinfer.engine.env).
 
         Raises:
-            ValueError: a bad max_num_seqs, ratio or DEEPINFER_NUM_STATE_SLOTS_RATIO, or a product
-                that leaves no usable slot.
+            ValueError: a bad max_num_seqs or ratio, or a product that leaves no usable slot.
         """
         return cls(resolve_state_slots(max_num_seqs, ratio))
 

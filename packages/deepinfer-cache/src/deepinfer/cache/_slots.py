@@ -1,18 +1,15 @@
 """Shared argument checks and the state-slot sizing rule of both BlockManager implementations.
 
-This module holds the ONE place the cache package reads an environment variable:
-`DEEPINFER_NUM_STATE_SLOTS_RATIO`, the number of state slots per admitted sequence, read by
-`BlockManager.for_state_slots` when it is given no explicit ratio.
+The slot ratio is an argument: the engine reads its setting (DEEPINFER_NUM_STATE_SLOTS_RATIO, in
+deepinfer.engine.env) and passes the value in.
 """
 
 from __future__ import annotations
 
 import math
-import os
 
 import numpy as np
 
-STATE_SLOTS_RATIO_ENV = "DEEPINFER_NUM_STATE_SLOTS_RATIO"
 DEFAULT_STATE_SLOTS_RATIO = 1.2
 MAX_NUM_BLOCKS = 2**31 - 1  # ids are int32; block num_blocks - 1 must fit
 
@@ -56,7 +53,7 @@ def as_id_array(ids: object) -> np.ndarray:
 def resolve_state_slots(max_num_seqs: object, ratio: float | None) -> int:
     """Number of state slots, dummy slot 0 included: int(max_num_seqs * ratio) + 1.
 
-    ratio None reads DEEPINFER_NUM_STATE_SLOTS_RATIO if set (a float > 0), else 1.2.
+    ratio None means the default, 1.2.
     """
     if isinstance(max_num_seqs, bool) or not isinstance(max_num_seqs, (int, np.integer)):
         raise ValueError(f"max_num_seqs must be an int, got {type(max_num_seqs).__name__}")
@@ -64,18 +61,8 @@ def resolve_state_slots(max_num_seqs: object, ratio: float | None) -> int:
     if num_seqs < 1:
         raise ValueError(f"max_num_seqs={num_seqs} must be >= 1")
     if ratio is None:
-        raw = os.environ.get(STATE_SLOTS_RATIO_ENV)
-        if raw is None:
-            value = DEFAULT_STATE_SLOTS_RATIO
-            source = "default ratio"
-        else:
-            source = STATE_SLOTS_RATIO_ENV
-            try:
-                value = float(raw)
-            except ValueError:
-                raise ValueError(
-                    f"{STATE_SLOTS_RATIO_ENV}={raw!r} is not a number; it must be a float > 0"
-                ) from None
+        value = DEFAULT_STATE_SLOTS_RATIO
+        source = "default ratio"
     else:
         source = "ratio"
         if isinstance(ratio, bool) or not isinstance(ratio, (int, float, np.integer, np.floating)):

@@ -1,4 +1,4 @@
-"""Decode CUDA graphs keyed by the number of query tokens (DESIGN.md §6).
+"""Decode CUDA graphs keyed by the number of query tokens (docs/design.md §7.4).
 
 Sizes 1, 2, 4, … up to `interval`, then every `interval` up to the maximum. A step of n sequences
 replays the smallest graph ≥ n; padding rows feed token 0 at position 0 with an all-zero block table
@@ -50,7 +50,7 @@ class DecodeGraphs:
             every graph gathers compressed entries for (the engine's max_model_len).
         interval: `DEEPINFER_CUDAGRAPH_BATCH_SIZE_INTERVAL`.
         ops: the kernels the graphs capture (None: the model's default for its device); the runner
-            passes the batch-invariant set under DEEPINFER_BATCH_INVARIANT=1.
+            passes the batch-invariant set with `EngineArgs.batch_invariant`.
         max_query_len: 1 = one query token per sequence; k + 1 under speculative decoding: the
             graphs then run multi-token decode batches (`ForwardBatch.multi_decode`: max_seqs counts
             query tokens, one virtual sequence each) and are keyed by total query tokens through

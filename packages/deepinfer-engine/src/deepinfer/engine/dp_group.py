@@ -1,4 +1,4 @@
-"""The DP step-kind vote over a gloo CPU process group (DESIGN.md §4).
+"""The DP step-kind vote over a gloo CPU process group (docs/design.md §3.1).
 
 `deepinfer.sched.Scheduler` votes through any `deepinfer.sched.StepVoteGroup`; this one runs the
 MIN all-reduce with torch.distributed on CPU tensors over gloo, so the vote never synchronises

@@ -44,15 +44,17 @@ INT_RANGES: dict[str, tuple[int, int]] = {
     "eplb_window_steps": (1, MAX_INT32),
     "eplb_interval_steps": (1, MAX_INT32),
     "num_speculative_tokens": (0, 64),           # 0 = off; else deepinfer.sched's nextn range
+    "yoco_prefill_keep_tokens": (1, MAX_INT32),
 }
-EPLB_PRESETS = ("prefill", "decode")          # DESIGN.md §8; deepinfer.eplb's PREFILL / DECODE_EPLB_CONFIG
+EPLB_PRESETS = ("prefill", "decode")          # docs/design.md §10; deepinfer.eplb's PREFILL / DECODE_EPLB_CONFIG
+TRUNCATION_MODES = ("off", "compact", "mask")  # deepinfer.model's ced.TRUNCATION_MODES (not imported, as above)
 MAX_DISTRIBUTED_TIMEOUT_S = 86400.0
 OPTIONAL_FIELDS = frozenset({"model", "max_model_len", "block_size", "num_kv_blocks", "gpu_memory_utilization",
                              "kv_cache_memory_mb",
                              "max_num_prompts", "prefill_max_sum_seqlen_k", "expert_dtype", "eplb",
                              "eplb_redundant_experts_per_rank", "eplb_window_steps", "eplb_interval_steps"})
-BOOL_FIELDS = ("stop_preempted_request", "kv_quant", "enforce_eager", "engram_on_host", "expert_parallel",
-               "varlen_verify")
+BOOL_FIELDS = ("stop_preempted_request", "kv_quant", "enforce_eager", "engram_on_host", "batch_invariant",
+               "expert_parallel", "varlen_verify")
 
 
 class InvalidEngineArgs(ValueError):
@@ -110,12 +112,22 @@ class EngineArgs:
         engram_on_host: a model with Engram layers (DeepSeek-V4.1): keep its Engram tables in host memory
             (pinned on CUDA; the released tables are about 197B parameters) and copy the rows each step
             needs; False = on the device. Refused for a model without Engram layers.
-        zero_overhead_scheduling: ZOS (DESIGN.md §7): the host schedules and launches decode step N + 1
+        yoco_prefill_truncation_mode: CED / YOCO prefill truncation of a DeepSeek-V4.1 model: "compact"
+            runs the layers from the first KV-consumer layer on for each prompt's last
+            yoco_prefill_keep_tokens rows only (the earlier rows still write their window KV; approximate
+            by design), "mask" computes the same with every row kept (slower; it checks "compact"); "off"
+            = the full model. Refused for a model without KV-consumer layers (DeepSeek-V4), and prompt
+            logprobs of a truncated prompt cannot be asked for.
+        yoco_prefill_keep_tokens: rows per prompt that truncated prefill computes in full (the window of
+            128 plus a backtracking margin by default).
+        batch_invariant: batch-invariant kernels (docs/batch_invariance.md): a request's outputs do not
+            depend on the other requests of its batch; slower.
+        zero_overhead_scheduling: ZOS (docs/design.md §6): the host schedules and launches decode step N + 1
             before it reads step N's sampled tokens, which feed step N + 1 on the device, so host work
             overlaps the GPU; a request's end is then seen one step late (its extra token is dropped).
             None = on for NORMAL and COMPLETION engines, off for PROMPT engines (and, on CUDA, for
             speculative decode steps: see num_speculative_tokens).
-        data_parallel_size: attention data-parallel ranks, one process each (DESIGN.md §1): `LLM` spawns
+        data_parallel_size: attention data-parallel ranks, one process each (docs/design.md §9): `LLM` spawns
             them (or, under torchrun, this process is rank RANK of WORLD_SIZE); each runs its own engine,
             requests go to the least-loaded rank and every rank runs the same kind of step. 1 = one
             process. Only `LLM` runs more than one rank so far: the `deepinfer` commands refuse it.
@@ -126,7 +138,7 @@ class EngineArgs:
             eagerly (NCCL all-to-alls inside the decode CUDA graphs have not run on GPUs yet).
         eplb: re-place experts live from the routed-token counts (needs expert_parallel): "prefill" (4
             redundant experts per rank, 100-step window, every 1,000 steps) or "decode" (1 per rank,
-            1,000, every 10,000), DESIGN.md §8; None = the initial round-robin placement, no redundancy.
+            1,000, every 10,000), docs/design.md §10; None = the initial round-robin placement, no redundancy.
         eplb_redundant_experts_per_rank: floor of redundant experts per rank, rounded up so that the
             slot count divides over the ranks; None = the eplb preset's.
         eplb_window_steps: steps whose expert counts a placement is computed from; None = the preset's.
@@ -135,14 +147,14 @@ class EngineArgs:
             collective (and `LLM` for a rank) before failing with an error naming the rank.
         num_speculative_tokens: speculative decoding with the checkpoint's DSpark draft head (its
             `mtp.*` tensors; refused, naming them, for a checkpoint without them), k drafts per request
-            and step (the released checkpoints' dspark_block_size is 5; DEEPINFER_USE_NEXTN_DECODE > 0
-            replaces k); 0 = off. Each decode step verifies the drafts in one forward and keeps the
-            accepted ones plus one target token (docs/spec.md); greedy output is the same as without it.
+            and step (the released checkpoints' dspark_block_size is 5); 0 = off. Each decode step
+            verifies the drafts in one forward and keeps the accepted ones plus one target token
+            (docs/spec.md); greedy output is the same as without it.
             Its verify forwards replay CUDA graphs keyed by total query tokens (the draft walk runs
             eagerly). ZOS covers speculative steps on the CPU by default; on CUDA only with
             zero_overhead_scheduling=True (that path has not run on a GPU yet).
         varlen_verify: with num_speculative_tokens > 0, how many of the k drafts each request verifies:
-            True = DESIGN.md §6's choice by expected throughput, from a step-time curve measured at
+            True = the choice by expected throughput (docs/design.md §7), from a step-time curve measured at
             start-up (kept in DEEPINFER_VARLEN_PROFILE_CACHE for the next start of the same config) and
             the draft head's confidences (a request's tokens then depend on its batch, even seeded
             ones); False = all k.
@@ -169,6 +181,9 @@ class EngineArgs:
     expert_dtype: str | None = None
     enforce_eager: bool = False
     engram_on_host: bool = False
+    yoco_prefill_truncation_mode: str = "off"
+    yoco_prefill_keep_tokens: int = 140
+    batch_invariant: bool = False
     zero_overhead_scheduling: bool | None = None
     data_parallel_size: int = 1
     expert_parallel: bool = False
@@ -210,6 +225,9 @@ class EngineArgs:
         if util is not None and (isinstance(util, bool) or not isinstance(util, int | float) or not 0 < util < 1):
             _fail("gpu_memory_utilization", f"gpu_memory_utilization={util!r} must be in (0, 1)")
         _check_checkpoints(self.chunk_checkpoints)
+        if self.yoco_prefill_truncation_mode not in TRUNCATION_MODES:
+            _fail("yoco_prefill_truncation_mode", f"yoco_prefill_truncation_mode={self.yoco_prefill_truncation_mode!r} "
+                  f"must be one of {', '.join(map(repr, TRUNCATION_MODES))}")
         if self.expert_dtype is not None and self.expert_dtype not in EXPERT_DTYPES:
             _fail("expert_dtype", f"expert_dtype={self.expert_dtype!r} must be None, 'fp8' or 'fp4'")
         for name in BOOL_FIELDS:
@@ -326,6 +344,8 @@ def allowed_values(name: str) -> str:
         "expert_dtype": ", ".join(EXPERT_DTYPES) + ", or None",
         "enforce_eager": "bool",
         "engram_on_host": "bool",
+        "yoco_prefill_truncation_mode": ", ".join(TRUNCATION_MODES),
+        "batch_invariant": "bool",
         "zero_overhead_scheduling": "bool, or None",
         "expert_parallel": "bool",
         "eplb": ", ".join(EPLB_PRESETS) + ", or None",

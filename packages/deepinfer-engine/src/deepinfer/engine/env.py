@@ -1,9 +1,10 @@
-"""The engine's environment variables: the only module that reads them (STYLE.md rule 6).
+"""The engine's environment variables: the only module that reads them (docs/design.md §13).
 
-`read_env()` reads them once into a frozen `EngineEnv`, which is passed down like any config. An
+They are for tuning and debugging only; every switch that changes what the engine does is an
+`EngineArgs` field (and a CLI flag). `read_env()` reads them once into a frozen `EngineEnv`, which is
+passed down like any config (deepinfer-cache and deepinfer-sched take the values, never the variables). An
 unset or empty variable takes its default. Booleans accept 0/1/true/false (any case), nothing else; a
-"choice" variable one of its listed words (any case); a "path" variable a file path (~ expanded) or
-"off" (any case).
+"path" variable a file path (~ expanded) or "off" (any case).
 
 `VARIABLES` describes each variable (allowed values and meaning); the table in docs/environment.md
 is generated from it by `python -m deepinfer.engine.gen_docs`. A DEEPINFER_* variable that nothing
@@ -39,12 +40,8 @@ class EngineEnv:
     num_state_slots_ratio: float = 1.2
     max_backtracking_tokens: int = 6
     disable_sync_guard: bool = False
-    batch_invariant: bool = False
     sampler_force_topk: int | None = None
-    use_nextn_decode: int = 0
     cudagraph_batch_size_interval: int = 8
-    yoco_prefill_truncation_mode: str = "off"
-    yoco_prefill_keep_tokens: int = 140
     varlen_profile_cache: str | None = None     # None: the user cache folder's file (`varlen_profile_cache_path`)
 
     def __post_init__(self) -> None:
@@ -62,8 +59,8 @@ class EnvVar:
 
     Attributes:
         field: the `EngineEnv` field it sets; the variable is DEEPINFER_<FIELD>.
-        kind: how its text is parsed: "int", "float", "bool", "choice" (a lower-cased word; `check`
-            says which) or "path" (a file path, ~ expanded, or "off").
+        kind: how its text is parsed: "int", "float", "bool" or "path" (a file path, ~ expanded, or
+            "off").
         allowed: the allowed values, in the words of errors and docs.
         description: what it does (docs/environment.md).
         check: True for an allowed (parsed) value.
@@ -101,26 +98,12 @@ VARIABLES: tuple[EnvVar, ...] = (
     EnvVar("disable_sync_guard", "bool", "a bool",
            "turn off the guard that forbids host-device synchronisation while a ZOS decode step is "
            "launched (`forbid_cuda_sync`; debugging)", lambda v: True),
-    EnvVar("batch_invariant", "bool", "a bool",
-           "batch-invariant kernels: a request's outputs do not depend on the other requests of its batch",
-           lambda v: True),
     EnvVar("sampler_force_topk", "int", "an int >= 1, or 0 / unset for none",
            "the sampler considers only this many most likely tokens of each row", lambda v: v is None or v >= 1,
            optional=True),
-    EnvVar("use_nextn_decode", "int", "an int >= 0",
-           "draft tokens per speculative decode step (the DSpark block size k), in place of "
-           "EngineArgs.num_speculative_tokens when speculation is on (num_speculative_tokens > 0); 0 = "
-           "num_speculative_tokens. It does not turn speculation on", lambda v: v >= 0),
     EnvVar("cudagraph_batch_size_interval", "int", "an int >= 1",
            "CUDA-graph batch sizes: 1, 2, 4, ... below it, then every multiple of it up to max_num_seqs",
            lambda v: v >= 1),
-    EnvVar("yoco_prefill_truncation_mode", "choice", "off, compact or mask",
-           "CED / YOCO prefill truncation of DeepSeek-V4.1 models (DESIGN.md §8): compact keeps each "
-           "request's last DEEPINFER_YOCO_PREFILL_KEEP_TOKENS queries from the first KV-consumer layer "
-           "on, mask keeps every query with the window view narrowed; refused for V4 models",
-           lambda v: v in ("off", "compact", "mask")),
-    EnvVar("yoco_prefill_keep_tokens", "int", "an int >= 1",
-           "queries per request kept by compact CED / YOCO prefill truncation", lambda v: v >= 1),
     EnvVar("varlen_profile_cache", "path", "a file path, or off",
            "the JSON file where varlen_verify keeps the step-time curve it measures at engine start, "
            "one entry per hash of the model and parallel config (docs/spec.md): a start that finds its entry "
@@ -139,9 +122,18 @@ OTHER_VARIABLES: dict[str, str] = {
                             "torch==2.13.0, a CPU build)",
 }
 
+# Variables that used to switch a behaviour and are `EngineArgs` fields now (variable -> field): refused
+# when set, naming the field, so a setting that no longer acts never passes silently.
+MOVED_VARIABLES: dict[str, str] = {
+    "DEEPINFER_USE_NEXTN_DECODE": "num_speculative_tokens",
+    "DEEPINFER_BATCH_INVARIANT": "batch_invariant",
+    "DEEPINFER_YOCO_PREFILL_TRUNCATION_MODE": "yoco_prefill_truncation_mode",
+    "DEEPINFER_YOCO_PREFILL_KEEP_TOKENS": "yoco_prefill_keep_tokens",
+}
+
 
 def env_var_name(field_name: str) -> str:
-    """The environment variable behind an `EngineEnv` field, e.g. 'DEEPINFER_BATCH_INVARIANT'."""
+    """The environment variable behind an `EngineEnv` field, e.g. 'DEEPINFER_DISABLE_SYNC_GUARD'."""
     return PREFIX + field_name.upper()
 
 
@@ -152,9 +144,14 @@ def read_env(environ: Mapping[str, str] = os.environ) -> EngineEnv:
     naming the closest known variable when there is one.
 
     Raises:
-        InvalidEnvVar: a variable does not parse or is out of range; the message names the variable,
-            its value and what is allowed.
+        InvalidEnvVar: a variable does not parse or is out of range (the message names the variable,
+            its value and what is allowed), or is one of `MOVED_VARIABLES` (naming its engine argument).
     """
+    for name, field in MOVED_VARIABLES.items():
+        if environ.get(name, "").strip():
+            flag = "--" + field.replace("_", "-")
+            raise InvalidEnvVar(f"{name} is no longer read: it is the engine argument {field} ({flag}) now; "
+                                "unset it")
     for name in unknown_env_vars(environ):
         logger.warning("%s", unknown_env_var_message(name))
     values: dict[str, Any] = {}
@@ -184,7 +181,7 @@ def varlen_profile_cache_path(env: EngineEnv, environ: Mapping[str, str] = os.en
 
 def unknown_env_vars(environ: Mapping[str, str] = os.environ) -> tuple[str, ...]:
     """DEEPINFER_* variables set in `environ` that nothing reads (likely typos), sorted."""
-    known = _known_names()
+    known = _known_names() | set(MOVED_VARIABLES)
     return tuple(sorted(name for name in environ if name.startswith(PREFIX) and name not in known))
 
 
@@ -230,13 +227,9 @@ def _parse_bool(var: EnvVar, raw: str) -> bool:
     raise InvalidEnvVar(f"{var.name}={raw!r} must be one of 0, 1, true, false (any case)")
 
 
-def _parse_choice(var: EnvVar, raw: str) -> str:
-    return raw.lower()        # checked against the allowed words by `_check`
-
-
 _PARSERS: dict[str, Callable[[EnvVar, str], Any]] = {"int": _parse_int, "float": _parse_float, "bool": _parse_bool,
-                                                   "choice": _parse_choice, "path": _parse_path}
-_TYPES: dict[str, tuple[type, ...]] = {"int": (int,), "float": (int, float), "bool": (bool,), "choice": (str,),
+                                                   "path": _parse_path}
+_TYPES: dict[str, tuple[type, ...]] = {"int": (int,), "float": (int, float), "bool": (bool,),
                                        "path": (str,)}
 
 

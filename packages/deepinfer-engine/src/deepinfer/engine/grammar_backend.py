@@ -32,7 +32,7 @@ class StructuredOutputUnavailable(RuntimeError):
 
 class StaleGrammarError(RuntimeError):
     """A token mask was about to be built from a grammar state that has not consumed the request's
-    previous tokens (the overlap bug DESIGN.md §9 warns about)."""
+    previous tokens (the overlap bug docs/design.md §11 rules out)."""
 
 
 class GrammarState:

@@ -1,6 +1,6 @@
 """GrammarCompilePool: compiles constraints off the step loop, caches them by key, queues completions.
 
-DESIGN.md §8: a constrained request waits outside the scheduler while its grammar compiles on a
+docs/design.md §11: a constrained request waits outside the scheduler while its grammar compiles on a
 thread pool owned by the engine; the completion callback (on the pool thread) only puts the result
 in a thread-safe queue, and the engine pumps that queue once per step (`pre_sampler_sync`), where it
 hands the request to the scheduler. One request's slow compile therefore never holds back a step.

@@ -201,7 +201,7 @@ class RequestIntake:
             else:
                 for sample in req.samples:
                     sample.grammar = self.grammars.backend.new_state(done.compiled)
-                # Never recomputed (DESIGN.md §4): a preemption finishes it.
+                # Never recomputed (docs/design.md §3.3): a preemption finishes it.
                 self.scheduler.add_seq(req.request_id, req.samples[0].token_ids, req.max_tokens, recomputable=False,
                                        share_list=True)
 

@@ -1,11 +1,11 @@
 """LLMEngine: requests in, one scheduler step + one model step per `step()`, outputs out.
 
-One step (DESIGN.md §3), owned here: schedule → apply the cache ops → (1) launch the forward of step
+One step (docs/design.md §2), owned here: schedule → apply the cache ops → (1) launch the forward of step
 N → (2) collect and post-process step N − 1 if it is still in flight → (3) launch sampling of step N
 → (4) pre_sampler_sync (grammar pump) → post-process step N at once, or, for a ZOS decode step, keep it
 in flight for the next call.
 
-ZOS (DESIGN.md §7, `EngineArgs.zero_overhead_scheduling`): the host schedules and launches decode step
+ZOS (docs/design.md §6, `EngineArgs.zero_overhead_scheduling`): the host schedules and launches decode step
 N + 1 before it has read step N's tokens; the runner feeds N's sampled tokens to N + 1 on the device.
 A request's end (EOS, stop string, max_tokens) is therefore seen one step late: its row of step N + 1
 runs, and its token is dropped; the scheduler gives back that step's reservation when the request is
@@ -146,15 +146,15 @@ def resolve_model_dir(model: str | None) -> Path:
     return path
 
 
-def _check_v41_options(cfg: object, args: EngineArgs, env: EngineEnv) -> None:
+def _check_v41_options(cfg: object, args: EngineArgs) -> None:
     """Refuse the DeepSeek-V4.1-only options for a model without the layers they act on."""
     if args.engram_on_host and not getattr(cfg, "engram_layer_ids", ()):
         raise InvalidEngineArgs("engram_on_host=True needs a model with Engram layers (DeepSeek-V4.1); this "
                                 "model has none", "engram_on_host")
-    if env.yoco_prefill_truncation_mode != "off" and not isinstance(cfg, DeepseekV41Config):
-        raise InvalidEngineArgs(f"DEEPINFER_YOCO_PREFILL_TRUNCATION_MODE={env.yoco_prefill_truncation_mode} "
-                                "needs a DeepSeek-V4.1 model (its KV-source / consumer layers); unset it or set "
-                                "it to off for this model")
+    if args.yoco_prefill_truncation_mode != "off" and not isinstance(cfg, DeepseekV41Config):
+        raise InvalidEngineArgs(f"yoco_prefill_truncation_mode={args.yoco_prefill_truncation_mode!r} needs a "
+                                "DeepSeek-V4.1 model (its KV-source / consumer layers); use 'off' for this model",
+                                "yoco_prefill_truncation_mode")
 
 
 class LLMEngine(RequestIntake):
@@ -186,7 +186,7 @@ class LLMEngine(RequestIntake):
         self.env = env or read_env()
         self.model_dir = resolve_model_dir(args.model)
         cfg = DeepseekV4Config.from_model_dir(self.model_dir)
-        _check_v41_options(cfg, args, self.env)
+        _check_v41_options(cfg, args)
         started = time.perf_counter()
         # an expert-parallel rank's experts alone, where the loader can (a V4 safetensors checkpoint)
         ep = expert_parallel
@@ -200,8 +200,8 @@ class LLMEngine(RequestIntake):
         if ep is not None:      # before the graphs are captured: they hold the EP decode exchange
             apply_expert_parallel(self.model, ep.group, ep.slots, loaded_sharded=self.experts_sharded,
                                   max_decode_tokens=args.max_num_seqs)
-        if self.env.yoco_prefill_truncation_mode != "off":
-            self.model.set_prefill_truncation(self.env.yoco_prefill_truncation_mode, self.env.yoco_prefill_keep_tokens)
+        if args.yoco_prefill_truncation_mode != "off":
+            self.model.set_prefill_truncation(args.yoco_prefill_truncation_mode, args.yoco_prefill_keep_tokens)
         draft = attach_draft_head(self.model, args, self.env) if args.num_speculative_tokens else None
         self.load_seconds = time.perf_counter() - started            # wall time of load_model
         self.weight_bytes = sum(t.numel() * t.element_size() for t in self.model.state_dict().values())
@@ -233,7 +233,7 @@ class LLMEngine(RequestIntake):
             graph_max_seqs=None if args.enforce_eager else args.max_num_seqs * query_len,
             graph_max_query_len=query_len,
             max_blocks_per_seq=sched_cfg.max_blocks_per_seq, max_model_len=sched_cfg.max_blocks_per_seq * block_size,
-            graph_interval=self.env.cudagraph_batch_size_interval, batch_invariant=self.env.batch_invariant,
+            graph_interval=self.env.cudagraph_batch_size_interval, batch_invariant=args.batch_invariant,
         )
         self._sched_cfg, self._vote_group = sched_cfg, vote_group
         self.spec = None if draft is None else SpeculativeDecoder(draft, self.runner, args, self.env, self._seq)
@@ -242,7 +242,7 @@ class LLMEngine(RequestIntake):
         self._lock = threading.RLock()
         self.zos = args.zos and (draft is None or _zos_with_drafts(args))
         self.sampling = SamplingStage(Sampler(seed=args.seed, force_top_k=self.env.sampler_force_topk,
-                                              batch_invariant=self.env.batch_invariant),
+                                              batch_invariant=args.batch_invariant),
                                       self.eos_token_ids, cfg.vocab_size, sync_guard=not self.env.disable_sync_guard,
                                       history=TokenHistory(cfg.vocab_size, self.runner.device))
         self._in_flight: _InFlightStep | None = None    # a ZOS decode step launched by the last step()
@@ -250,7 +250,7 @@ class LLMEngine(RequestIntake):
         self._requests: dict[str, Request | ParallelRequest] = {}   # by request id: what is reported
         self._seqs: dict[str, Request] = {}        # by scheduler sequence id (no "_"): one per sample
         self._ids = itertools.count()
-        # Structured output (DESIGN.md §8): requests wait here, outside the scheduler, until the
+        # Structured output (docs/design.md §11): requests wait here, outside the scheduler, until the
         # pool has compiled their grammar; `_pump_grammars` (pre_sampler_sync) hands them over.
         self.grammars: GrammarCompilePool | None = None     # made at the first constrained request
         self._awaiting_grammar: dict[str, Request | ParallelRequest] = {}
@@ -628,7 +628,7 @@ class LLMEngine(RequestIntake):
 
     # ------------------------------------------------------------------ disaggregation hooks
     # No-ops in NORMAL engines. A prefill/decode-disaggregated deployment overrides them
-    # (DESIGN.md §8): PROMPT engines save KV after prefill, COMPLETION engines load it.
+    # (docs/design.md §3.5): PROMPT engines save KV after prefill, COMPLETION engines load it.
 
     def init_pd_split(self) -> None:
         """Set up the prefill/decode transfer channels (no-op)."""

@@ -1,7 +1,7 @@
 """ModelRunner: owns the model, its cache memory and the per-row device state of decode steps; turns
 scheduler steps into model batches.
 
-Per-row state (ZOS, DESIGN.md §7): `row_tokens[row]` holds, on the device, the token last sampled for
+Per-row state (ZOS, docs/design.md §6): `row_tokens[row]` holds, on the device, the token last sampled for
 the sequence at scheduler row `row` (`DecodeBatch.rows`, stable while the sequence lives). A decode step
 whose sequences have a step in flight (`last_token_ids` = −1) takes their input tokens from there, so
 the host never waits for a sampled token before launching the next forward; only rows whose last token
@@ -78,7 +78,7 @@ class ModelRunner:
         graph_interval: spacing of graph sizes past the first powers of two.
         graph_max_query_len: k + 1 under speculative decoding: the graphs run verify steps
             (`verify_forward`), keyed by total query tokens, and graph_max_seqs counts query tokens.
-        batch_invariant: run the batch-invariant kernels (`DEEPINFER_BATCH_INVARIANT`): each sequence's
+        batch_invariant: run the batch-invariant kernels (`EngineArgs.batch_invariant`): each sequence's
             logits are then bitwise the same whatever else is in its step (docs/batch_invariance.md).
     """
 

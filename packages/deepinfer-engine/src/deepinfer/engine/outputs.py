@@ -7,7 +7,7 @@ the engine: a str enum, so each equals and prints as its value (the OpenAI vocab
 - ``"length"``: `max_tokens` or the model's max_model_len was reached.
 - ``"abort"``: the user aborted the request.
 - ``"preempted"``: the scheduler ran out of KV blocks and finished the request instead of
-  recomputing it (DESIGN.md §4, ``stop_preempted_request``).
+  recomputing it (docs/design.md §3.3, ``stop_preempted_request``).
 - ``"ignored"``: the request was never run (prompt too long, grammar failed to compile, ...). The
   reason is a separate field, `ignored_reason`, rather than a suffix of the finish reason, so that a
   client can compare finish reasons with ``==`` against the constants below and still read why.

@@ -71,7 +71,7 @@ class Sampler:
         force_top_k: if set (>= 1), random rows only ever consider their `force_top_k` most likely
             tokens (each row's top_k is capped at it; top-p then works on the renormalised
             candidates). Logprobs are unaffected.
-        batch_invariant: sample through the batch-invariant kernel set (DEEPINFER_BATCH_INVARIANT):
+        batch_invariant: sample through the batch-invariant kernel set (`EngineArgs.batch_invariant`):
             on CUDA the same kernel at every batch size, so a row's token never depends on the batch.
     """
 

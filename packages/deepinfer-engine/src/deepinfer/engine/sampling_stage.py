@@ -1,6 +1,6 @@
 """The sampling stage of an engine step: launch sampling over a forward's logits, collect it later.
 
-The engine owns the step (`LLMEngine._run_step`, DESIGN.md §3): it launches the forward of step N,
+The engine owns the step (`LLMEngine._run_step`, docs/design.md §2): it launches the forward of step N,
 collects and post-processes step N − 1, then calls `SamplingStage.launch` for step N. `launch` takes
 every host decision first (grammar masks, the `SamplingBatch`), queues the sampler on the device and
 starts copying the sampled tokens (and any logprobs) back to pinned host memory without waiting;

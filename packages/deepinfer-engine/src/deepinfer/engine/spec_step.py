@@ -1,6 +1,6 @@
-"""Speculative decode steps with the DSpark draft head (DESIGN.md §6, docs/spec.md).
+"""Speculative decode steps with the DSpark draft head (docs/design.md §7, docs/spec.md).
 
-With `EngineArgs.speculative_decoding` the scheduler reserves k + 1 positions per decode row
+With `EngineArgs.num_speculative_tokens` = k > 0 the scheduler reserves k + 1 positions per decode row
 (nextn = k) and asks `DraftGate` how many of them each row feeds. A speculative decode step has the
 engine's three phases (`LLMEngine`: launch the forward, post-process the step before, launch the
 sampling): `launch_forward` (1–2 below), `launch_accept` (3, on the device) and `commit` (4, on the
@@ -99,7 +99,7 @@ def attach_draft_head(model: torch.nn.Module, args: EngineArgs, env: EngineEnv) 
     """Build the checkpoint's DSpark draft head and attach it to `model` (its forward then captures
     the target features and its cache spec gains the draft rings), for args.num_speculative_tokens > 0.
 
-    k = DEEPINFER_USE_NEXTN_DECODE when > 0, else args.num_speculative_tokens.
+    k = args.num_speculative_tokens.
 
     Raises:
         InvalidEngineArgs: the checkpoint has no `mtp.*` tensors or no DSpark config, the draft
@@ -112,7 +112,7 @@ def attach_draft_head(model: torch.nn.Module, args: EngineArgs, env: EngineEnv) 
     if model.cfg.dspark_block_size is None:
         raise InvalidEngineArgs(f"{asked} needs a config with the DSpark fields (dspark_block_size, "
                                 "dspark_noise_token_id, ...)", "num_speculative_tokens")
-    k = env.use_nextn_decode or args.num_speculative_tokens
+    k = args.num_speculative_tokens
     if env.max_backtracking_tokens < k + 1:
         raise InvalidEngineArgs(f"{env_var_name('max_backtracking_tokens')}={env.max_backtracking_tokens} must be "
                                 f">= num_speculative_tokens + 1 = {k + 1} (spare draft ring rows)",
@@ -287,7 +287,7 @@ class SpeculativeDecoder:
         return SpecLaunch(d, reqs, drafting, rows, logits, tokens, verifying, query_lens)
 
     def _split_on_device(self, d: DecodeBatch, v: _Verifying, rows: Tensor, known: Tensor) -> Tensor:
-        """DESIGN.md §6 under ZOS: the drafting rows' total query tokens stay the host's choice (it
+        """docs/design.md §7.5, under ZOS: the drafting rows' total query tokens stay the host's choice (it
         picked the graph, from the confidences of the last step read), split again on the device by
         the confidences of the step in flight (`query_lens_by_confidence`); a row whose last step did
         not draft, or is not in flight, keeps its host estimate. Returns [num_seqs] int64 query lengths

@@ -1,6 +1,6 @@
 """`forbid_cuda_sync`: fail loudly when the launch of a ZOS step would wait for the device.
 
-ZOS (DESIGN.md §7) only overlaps host work with the GPU if launching a decode step never waits for
+ZOS (docs/design.md §6) only overlaps host work with the GPU if launching a decode step never waits for
 the device: one `.item()`, `.tolist()`, `.cpu()`, `nonzero()` or blocking copy on a device tensor
 makes the CPU wait for every kernel queued before it, and the overlap is gone without any error.
 The engine wraps the launch of each ZOS decode step (input update, graph replay, sampling) in this

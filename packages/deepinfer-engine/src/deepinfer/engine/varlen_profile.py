@@ -1,5 +1,5 @@
 """The varlen verify policy's step-time curve at engine start: loaded from the profile cache, else
-measured and stored there (DESIGN.md §6.1, docs/spec.md "Varlen verify").
+measured and stored there (docs/design.md §7.2, docs/spec.md "Varlen verify").
 
 The cache is one JSON file (`deepinfer.spec.ProfileCache`, DEEPINFER_VARLEN_PROFILE_CACHE) with an
 entry per `profile_key` of `profile_fields`: everything the measured times depend on. A cache that
@@ -71,7 +71,7 @@ def profile_fields(draft: DSparkDraft, runner: ModelRunner, args: EngineArgs, en
     parallel = {
         "device": _device_name(device),
         "kernels": dict(runner.ops.sources),
-        "batch_invariant": env.batch_invariant,
+        "batch_invariant": args.batch_invariant,
         "torch": torch.__version__,
         "cuda": torch.version.cuda if device.type == "cuda" else None,
         "sizes": sorted(set(sizes)),

@@ -7,7 +7,7 @@ A backend registers a lazy factory for (op name, device type); the factory runs 
 so heavy imports (TileLang, Triton) only happen when that backend is chosen. Every registered op
 must have the same signature as its `deepinfer.kernels.reference` twin.
 
-The batch-invariant set (`kernels_for(device, batch_invariant=True)`, DESIGN.md §8) resolves each op
+The batch-invariant set (`kernels_for(device, batch_invariant=True)`, docs/design.md §12) resolves each op
 to a kernel registered with `batch_invariant=True` for the device, else its PyTorch twin in
 `deepinfer.kernels.invariant`, else (ops in `invariant.AS_REFERENCE`) the ordinary resolution.
 """

@@ -1,6 +1,6 @@
 """The model's cache: what it declares (CacheSpec) and the tensor views it reads and writes.
 
-Two kinds of memory (DESIGN.md §5):
+Two kinds of memory (docs/design.md §5):
 - paged streams, one row per `tokens_per_row` tokens, addressed through a sequence's block table:
   `layers.{i}.kv` (compressed KV, CSA and HCA layers) and `layers.{i}.index_k` (CSA index keys);
 - per-sequence state in a slot: `layers.{i}.window` (the sliding-window KV ring, stored) and the

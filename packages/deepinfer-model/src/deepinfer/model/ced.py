@@ -1,4 +1,4 @@
-"""CED / YOCO prefill truncation of DeepSeek-V4.1 (DESIGN.md §8, spec §5).
+"""CED / YOCO prefill truncation of DeepSeek-V4.1 (docs/design.md §8, spec §5).
 
 From the first consumer layer S (the layer after the last KV source: every later layer reads its
 global KV from the sources), a prefill row of a sequence matters only through the window KV it gives
@@ -28,7 +28,7 @@ from .config_checks import ConfigError
 from .config_v41 import DeepseekV41Config
 
 TRUNCATION_MODES = ("off", "compact", "mask")
-DEFAULT_KEEP_TOKENS = 140            # window 128 + backtracking margin (DEEPINFER_YOCO_PREFILL_KEEP_TOKENS)
+DEFAULT_KEEP_TOKENS = 140            # window 128 + backtracking margin (EngineArgs.yoco_prefill_keep_tokens)
 
 
 @dataclass(frozen=True, slots=True)
@@ -45,7 +45,7 @@ def first_consumer_layer(cfg: DeepseekV41Config) -> int:
 
 
 def check_truncation(cfg: DeepseekV41Config, truncation: Truncation) -> None:
-    """The model-side constraints of DESIGN.md §8 (prompt logprobs are checked per step).
+    """The model-side constraints of docs/design.md §8 (prompt logprobs are checked per step).
 
     Raises:
         ConfigError: an unknown mode, keep_tokens < 1, no layer after the last KV source, an Engram

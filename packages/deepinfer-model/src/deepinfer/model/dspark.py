@@ -80,8 +80,8 @@ class DSparkDraft(nn.Module):
         num_stages: draft blocks `mtp.0 … mtp.{num_stages − 1}` (count them in the checkpoint:
             `num_stages_in`; V4-0731's config says 1 where the checkpoint has 3).
         expert_dtype: the stages' routed experts kept "fp8" / "fp4" in memory, None = model dtype.
-        block_size: drafts per proposal, k (default `dspark_block_size`; the engine's
-            DEEPINFER_USE_NEXTN_DECODE overrides it).
+        block_size: drafts per proposal, k (default `dspark_block_size`; the engine passes its
+            `num_speculative_tokens`).
     Raises:
         ConfigError: the config lacks a DSpark field, the noise token is outside the vocabulary, or
             num_stages / block_size < 1.

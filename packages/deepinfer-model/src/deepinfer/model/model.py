@@ -164,7 +164,7 @@ class DeepseekV4ForCausalLM(nn.Module):
 
         Args:
             ops: the kernels to run (default: `kernels_for` the batch's device); the engine passes
-                `kernels_for(device, batch_invariant=True)` under DEEPINFER_BATCH_INVARIANT=1, and then
+                `kernels_for(device, batch_invariant=True)` with `EngineArgs.batch_invariant`, and then
                 each sequence's logits are bitwise the same whatever else is in the batch.
 
         Returns:

@@ -165,10 +165,10 @@ class DeepseekV41ForCausalLM(nn.Module):
 
     def set_prefill_truncation(self, mode: str, keep_tokens: int = DEFAULT_KEEP_TOKENS) -> None:
         """CED / YOCO prefill truncation (`ced`): "off", "compact" or "mask" (the engine's
-        DEEPINFER_YOCO_PREFILL_TRUNCATION_MODE / _KEEP_TOKENS).
+        `EngineArgs.yoco_prefill_truncation_mode` / `yoco_prefill_keep_tokens`).
 
         Raises:
-            ConfigError: a bad mode or count, or a model that breaks DESIGN.md §8's constraints (no
+            ConfigError: a bad mode or count, or a model that breaks docs/design.md §8's constraints (no
                 layer after the last KV source, an Engram layer after it, DSpark targets on both sides).
         """
         truncation = Truncation(mode, keep_tokens)

@@ -1,4 +1,4 @@
-"""Prefill admission (DESIGN.md §4 `_schedule_prefill`): FIFO over the waiting queue under the
+"""Prefill admission (docs/design.md §3.2): FIFO over the waiting queue under the
 token, prompt-count and sum-of-K-lengths budgets, with blocks and the state slot allocated
 together at a sequence's first scheduling."""
 

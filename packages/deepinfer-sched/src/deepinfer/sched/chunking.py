@@ -1,4 +1,4 @@
-"""How many tokens of one sequence go into a prefill step (DESIGN.md §4, prefill step 4)."""
+"""How many tokens of one sequence go into a prefill step (docs/design.md §3.2)."""
 
 from __future__ import annotations
 

@@ -20,7 +20,7 @@ class ConfigError(ValueError):
 
 
 class EngineType(enum.Enum):
-    """Which step kinds an engine runs (DESIGN.md §4, §8).
+    """Which step kinds an engine runs (docs/design.md §3.5).
 
     NORMAL prefills and decodes, choosing the step kind by the DP vote; PROMPT only prefills (a
     prefill engine of a disaggregated deployment); COMPLETION only decodes (sequences arrive

@@ -1,4 +1,4 @@
-"""Decode scheduling (DESIGN.md §4 `_schedule_decode`): promote prompted sequences (copy-on-write
+"""Decode scheduling (docs/design.md §3.3): promote prompted sequences (copy-on-write
 for fork branches), reserve nextn + 1 query positions per running sequence, preempt when blocks
 run out, and emit the batch sorted by KV length descending.
 

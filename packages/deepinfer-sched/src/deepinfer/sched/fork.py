@@ -1,4 +1,4 @@
-"""Fork (DESIGN.md §4): branches share the parent's block table and state slot (references
+"""Fork (docs/design.md §3.4): branches share the parent's block table and state slot (references
 pinned); the copy-on-write of the state slot and of the last, partly written block happens when a
 branch is first scheduled. Branch ids carry a "_" prefix until then."""
 

@@ -1,5 +1,5 @@
 """`Scheduler.check_integrity`: every bookkeeping invariant, checked the slow, obvious way
-(STYLE rule 7: run while idle and by the tests)."""
+(run while idle and by the tests)."""
 
 from __future__ import annotations
 

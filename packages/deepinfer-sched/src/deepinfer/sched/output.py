@@ -2,8 +2,8 @@
 
 Numpy arrays in it belong to the output: the scheduler keeps no reference to them, so they stay
 valid after the next `schedule()` (a ZOS engine post-processes step N after scheduling N + 1).
-DESIGN.md §3 only promises "valid until the next schedule()"; measured, fresh arrays cost about a
-microsecond per step, so the stronger promise is kept.
+The original design only promises "valid until the next schedule()" (docs/design.md §2); measured,
+fresh arrays cost about a microsecond per step, so the stronger promise is kept.
 """
 
 from __future__ import annotations

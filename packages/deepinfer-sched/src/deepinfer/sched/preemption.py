@@ -1,4 +1,4 @@
-"""Decode preemption (DESIGN.md §4 `_schedule_decode`): sequences are picked from the short-output
+"""Decode preemption (docs/design.md §3.3): sequences are picked from the short-output
 end (LCFS) and, when blocks run out, victims are taken from the long-output end."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The step scheduler of one DP rank (DESIGN.md §4). `schedule()` reads like the design:
+"""The step scheduler of one DP rank (docs/design.md §3). `schedule()` reads like the design:
 
     vote on the step kind -> prefill (FIFO admission, chunking) or decode (promote, reserve,
     preempt) -> emit one SchedulerOutput
@@ -106,7 +106,7 @@ class Scheduler:
             prompt_token_ids: token ids, each in [0, 2**31).
             max_tokens: output limit, >= 1 (the engine enforces it; kept for `get_seq`).
             recomputable: False = a preemption always finishes it, even with
-                stop_preempted_request=False (structured-output requests, DESIGN.md §4).
+                stop_preempted_request=False (structured-output requests, docs/design.md §3.3).
             share_list: False (default) = the scheduler keeps its own copy of the tokens and
                 `append_*` extend it. True = `prompt_token_ids` must be a list of ints, which
                 becomes the sequence's token history in place (no copy): the scheduler reads it

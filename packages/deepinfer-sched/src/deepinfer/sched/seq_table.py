@@ -1,4 +1,4 @@
-"""Flat per-row arrays of the sequences that hold KV (STYLE rule 10: hot bookkeeping in flat arrays).
+"""Flat per-row arrays of the sequences that hold KV (hot bookkeeping in flat arrays, docs/design.md §3).
 
 A sequence gets a row when it first gets KV blocks and gives it back when it finishes or is freed
 for recompute; rows are reused lowest-first. Arrays grow by doubling.

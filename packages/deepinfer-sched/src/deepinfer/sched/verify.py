@@ -1,4 +1,4 @@
-"""The verify-length hook (DESIGN.md §4, §6): the scheduler asks an injected policy how many query
+"""The verify-length hook (docs/design.md §3.3, §7.2): the scheduler asks an injected policy how many query
 tokens each decode sequence feeds; deepinfer.spec satisfies the Protocol structurally and the
 engine injects it, so this package never imports spec."""
 

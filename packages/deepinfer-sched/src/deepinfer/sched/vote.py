@@ -1,4 +1,4 @@
-"""Step-type vote over the DP group (DESIGN.md §4): attempt points, the MIN all-reduce and the
+"""Step-type vote over the DP group (docs/design.md §3.1): attempt points, the MIN all-reduce and the
 second confirmation round.
 
 Every `schedule()` call of every rank runs round one (one all-reduce of three ints), so the

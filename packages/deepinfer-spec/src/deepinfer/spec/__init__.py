@@ -10,7 +10,7 @@ position) (`keyed_uniform`) so seeded requests do not depend on their batch. `Dr
 matching sampler for the drafter (`deepinfer.model.DSparkDraft.propose`). `cut_accepted_run` cuts an
 accepted run at EOS / stop ids / max_tokens.
 
-Varlen verify (DESIGN.md §6): `profile_step_times` + `ProfileCache` (startup curve per graph size,
+Varlen verify (docs/design.md §7.2): `profile_step_times` + `ProfileCache` (startup curve per graph size,
 cached in JSON keyed by `profile_key`), `ForwardRuntimeEstimator`, `SamplerRuntimeEstimator`,
 `choose_query_lens` / `VarlenVerifyPolicy` and `FixedVerifyPolicy` (both satisfy deepinfer.sched's
 `VerifyLengthPolicy` structurally), `query_lens_by_confidence` (the on-device split), and

@@ -1,4 +1,4 @@
-"""Online step-time estimates for the varlen verify choice (DESIGN.md §6.2)."""
+"""Online step-time estimates for the varlen verify choice (docs/design.md §7.3)."""
 
 from __future__ import annotations
 

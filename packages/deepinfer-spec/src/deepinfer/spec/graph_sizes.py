@@ -1,8 +1,8 @@
-"""Decode CUDA-graph sizes, keyed by total query tokens (DESIGN.md §6).
+"""Decode CUDA-graph sizes, keyed by total query tokens (docs/design.md §7.4).
 
 Sizes are the powers of two below `interval`, then every multiple of `interval`: 1, 2, 4, 8, 16,
 24, … for the default interval 8. The runtime length of a step and the key of the graph it replays
-come from the same function, `cuda_graph_key` (DESIGN.md §9: a drafter whose keys and runtime
+come from the same function, `cuda_graph_key` (docs/design.md §7.4: a drafter whose keys and runtime
 lengths drift apart replays the wrong graph).
 """
 

@@ -1,4 +1,4 @@
-"""Startup profile of the decode step time per graph size, and its JSON cache (DESIGN.md §6.1)."""
+"""Startup profile of the decode step time per graph size, and its JSON cache (docs/design.md §7.2)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Verify-length policies (DESIGN.md §6): how many drafts each decode sequence verifies.
+"""Verify-length policies (docs/design.md §7.2): how many drafts each decode sequence verifies.
 
 Both classes satisfy deepinfer.sched's `VerifyLengthPolicy` Protocol structurally
 (`query_lens(seq_ids, seq_lens, max_query_len) -> [num_seqs] ints in [1, max_query_len]`); this
@@ -70,7 +70,7 @@ def choose_query_lens(acceptance: Sequence[Sequence[float]], max_query_len: int,
 
 
 class VarlenVerifyPolicy:
-    """DESIGN.md §6's varlen verify: per-request acceptance estimates in, query lengths out.
+    """docs/design.md §7.2's varlen verify: per-request acceptance estimates in, query lengths out.
 
     The engine reports each request's latest draft confidences with `observe` (under ZOS: those of
     step N − 2 when choosing step N) and drops finished requests with `forget`; a request with no

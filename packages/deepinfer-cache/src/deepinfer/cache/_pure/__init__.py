@@ -1,1 +1,1 @@
-"""Pure-Python twins of the Cython pools (STYLE.md guideline 10), run on the same tests."""
+"""Pure-Python twins of the Cython pools (docs/design.md §4), run on the same tests."""

@@ -1,4 +1,4 @@
-"""Attention data parallel + MoE expert parallel over torch.distributed (DESIGN.md §1, §4, §8).
+"""Attention data parallel + MoE expert parallel over torch.distributed (docs/design.md §9, §3.1, §10).
 
 `LLM(..., data_parallel_size=N, expert_parallel=True)` runs N ranks (spawned, or this process under
 torchrun): `launcher` starts them, `rank.DPRank` is one rank's engine and lockstep loop, and

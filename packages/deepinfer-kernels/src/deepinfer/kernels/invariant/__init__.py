@@ -1,6 +1,6 @@
 """Batch-invariant twins: ops whose every output row is bitwise the same whatever batch it is in.
 
-`kernels_for(device, batch_invariant=True)` (DESIGN.md §8, `DEEPINFER_BATCH_INVARIANT=1`) resolves
+`kernels_for(device, batch_invariant=True)` (docs/design.md §12, the engine's `batch_invariant=True`) resolves
 each op to, in order: a batch-invariant kernel registered for the device (Triton on CUDA); the
 PyTorch twin of this package (same signature as the reference); the op's ordinary implementation
 when the op is in `AS_REFERENCE`. Every op of `deepinfer.kernels.reference` is in exactly one of
