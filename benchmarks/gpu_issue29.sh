@@ -45,9 +45,6 @@ if [ "$phase" = probe ]; then
     step sweep 90 python3 benchmarks/moe_tile_sweep.py --shape v4 --formats fp8,mxfp4 --decodes dot_scaled,asm \
         --batches 1,8,32,256 --block-n 64,128 --block-k 128,256 --warps 4,8 --stages 3 --out "$out/sweep.json"
     tail -13 "$out/sweep.log"
-    step masked 40 python3 benchmarks/moe_tile_sweep.py --shape v4 --formats fp8,mxfp4 --decodes dot_scaled,asm \
-        --batches 1,8,32,256 --block-n 32,64 --block-k 128 --masked --out "$out/masked.json"
-    tail -13 "$out/masked.log"
     decode fp4
     step kernel_tests 50 python3 -m pytest -q -p no:cacheprovider -p no:warnings --tb=short -m "gpu and not gpu_heavy" \
         packages/deepinfer-kernels/tests/test_triton_ops.py -k "mxfp4 or fp8 or moe"

@@ -244,11 +244,7 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=min(os.cpu_count() or 1, 16), help="compile threads")
     ap.add_argument("--out", default="moe_tile_sweep.json")
     ap.add_argument("--cpu-smoke", action="store_true", help="tiny shapes on the CPU under Triton's interpreter")
-    ap.add_argument("--masked", action="store_true",
-                    help="ablation: column masks and byte-wide scale loads in every K step (EVEN_K off, as before #29)")
     args = ap.parse_args()
-    if args.masked:
-        moe._even_k = lambda *_: False
     smoke = args.cpu_smoke
     device, dtype = ("cpu", torch.float32) if smoke else ("cuda", torch.bfloat16)
     shape = SMOKE if smoke else SHAPES[args.shape]
@@ -265,7 +261,7 @@ def main() -> None:
     rows = sweep(shape, variants, batches, weights, tiles, args.threads, smoke)
     with open(args.out, "w") as f:
         json.dump({"gpu": "cpu (Triton interpreter)" if smoke else torch.cuda.get_device_name(),
-                   "torch": torch.__version__, "triton": triton.__version__, "masked": args.masked,
+                   "torch": torch.__version__, "triton": triton.__version__,
                    "shape": {"name": "smoke" if smoke else args.shape, "experts": shape.experts,
                              "hidden": shape.hidden, "inter": shape.inter, "top_k": TOP_K},
                    "shipped": {"mxfp4_decode": DECODE_NAMES[moe.MXFP4_DECODE],

@@ -19,7 +19,7 @@ pytestmark = pytest.mark.skipif(
 CHUNK = {"vocab": "i32", "stride": "i32", "num_rows": "i32", "num_chunks": "i32"}
 SAMPLING_STATE = {"top_k_ptr": "*i64", "k_state_ptr": "*fp32"}
 EXPERT_STRIDES = {"w_expert": "i32", "w_row": "i32", "s_expert": "i32", "s_row": "i32"}
-EXPERT_META = ("BLOCK_M", "BLOCK_N", "BLOCK_K", "PRECISION", "FORMAT", "BLOCK_S", "DECODE", "BF16_MATH", "EVEN_K")
+EXPERT_META = ("BLOCK_M", "BLOCK_N", "BLOCK_K", "PRECISION", "FORMAT", "BLOCK_S", "DECODE", "BF16_MATH")
 
 
 def compile_for_hopper(fn, signature: dict[str, str], constants: dict):
@@ -69,7 +69,7 @@ def expert_kernels():
     for fmt, weight, scale in formats:
         tiles = moe._tiles(fmt, 128 if fmt == moe.FP8_BLOCK else 32, moe.MXFP4_DECODE)
         meta = dict(zip(EXPERT_META, (tiles["BLOCK_M"], tiles["BLOCK_N"], tiles["BLOCK_K"], "tf32", fmt,
-                                      128 if fmt == moe.FP8_BLOCK else 32, moe.MXFP4_DECODE, True, True), strict=True))
+                                      128 if fmt == moe.FP8_BLOCK else 32, moe.MXFP4_DECODE, True), strict=True))
         yield moe._expert_up_kernel, {
             "x_ptr": "*bf16", "order_ptr": "*i64", "meta_ptr": "*i32", "w13_ptr": weight, "s13_ptr": scale,
             "act_ptr": "*bf16", "num_slots": "i32", "hidden": "i32", "inter": "i32", "top_k": "i32", "limit": "fp32",

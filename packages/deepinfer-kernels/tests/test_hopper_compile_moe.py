@@ -118,21 +118,17 @@ def test_small_batch_mxfp4_kernels_compile_for_hopper(kernel, decode, block_n, b
     """V4-Flash shapes (hidden 4096, intermediate 2048: the sizes and strides the launch specialises
     as divisible by 16). Every decoder must compile for sm_90 without local memory, with the matrix
     instructions on the tensor cores (HGMMA: weights × activationsᵀ puts BLOCK_N ≥ 64 weight rows on
-    a wgmma's M) and pipelined copies; the PTX decoder's prmt / bf16x2 multiplies must be there. With
-    whole K steps (EVEN_K) the scale bytes come in as 32-bit words through the pipelined copies: no
-    byte-wide global load is left (it was synchronous, once per K step), but in MX_GROUP_DOT."""
+    a wgmma's M) and pipelined copies; the PTX decoder's prmt / bf16x2 multiplies must be there."""
     from deepinfer.kernels.triton_ops import moe, mxfp4
 
     fn = moe._expert_up_kernel if kernel == "up" else moe._expert_down_kernel
     sig = SMALL_BATCH_SIGNATURES[kernel]
     constants = dict(BLOCK_M=16, BLOCK_N=block_n, BLOCK_K=block_k, PRECISION="tf32", FORMAT=moe.MXFP4, BLOCK_S=32,
-                     DECODE=decode, BF16_MATH=True, EVEN_K=True)
+                     DECODE=decode, BF16_MATH=True)
     aligned = {"hidden", "inter", "w_expert", "w_row", "s_expert", "s_row"}
     _, sass, usage = compile_sm90(fn, sig, constants, aligned, 4, 3, tmp_path)
     assert re.search(r"\bHGMMA\.", sass), "no HGMMA in the SASS"
     assert "LDGSTS" in sass, "loads not software-pipelined"
     assert "LDL" not in sass and "STL" not in sass and re.search(r"STACK:0\b", usage), "local memory (spills)"
-    if decode != mxfp4.MX_GROUP_DOT:       # its 32-column steps take one scale byte each
-        assert "LDG.E.U8" not in sass, "scale bytes loaded one by one, outside the pipeline"
     if decode == mxfp4.MX_ASM:
         assert "PRMT" in sass and re.search(r"\bHMUL2\.BF16", sass), "the PTX decoder is missing"

@@ -298,7 +298,7 @@ def test_fused_topk_matches_reference(num_rows, num_keys, k) -> None:
     assert torch.equal(got, reference.topk_lowest_index(scores, visible.to(DEVICE), k))
 
 
-MOE_CASES = [(1, 8, 2, 64, 32), (5, 16, 4, 96, 48), (40, 8, 3, 64, 64), (2, 8, 2, 128, 128)] + (
+MOE_CASES = [(1, 8, 2, 64, 32), (5, 16, 4, 96, 48), (40, 8, 3, 64, 64)] + (
     [flash_experts(1, 256, 6, 4096, 2048), flash_experts(32, 256, 6, 4096, 2048)] if BIG else [])
 
 
@@ -362,15 +362,14 @@ def test_fused_fp8_experts_match_reference(num_tokens, num_experts, top_k, hidde
 
 
 @pytest.mark.parametrize(("num_tokens", "num_experts", "top_k", "hidden", "inter"),
-                         [(3, 8, 2, 64, 64), (40, 8, 3, 128, 96), (5, 8, 2, 256, 128)]
+                         [(3, 8, 2, 64, 64), (40, 8, 3, 128, 96)]
                          + ([flash_experts(32, 256, 6, 4096, 2048)] if BIG else []))
 @pytest.mark.parametrize("aligned_by", ["sort kernel", "torch ops"])
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_fused_mxfp4_experts_match_reference(num_tokens, num_experts, top_k, hidden, inter, aligned_by, dtype,
                                              monkeypatch) -> None:
     """MXFP4 experts: the Triton kernels against the reference; bfloat16 activations on a GPU take
-    the microscaling dot, others decode the codes per tile. 256 × 128: whole 128-column K steps (no
-    column masks, scale bytes read as 32-bit words: `mxfp4._scales`)."""
+    the microscaling dot, others decode the codes per tile."""
     from deepinfer.kernels.triton_ops import moe as triton_moe
 
     if aligned_by == "torch ops":

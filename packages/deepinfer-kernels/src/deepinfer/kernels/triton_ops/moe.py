@@ -38,19 +38,13 @@ from .mxfp4 import DECODES, MX_DOT_SCALED, load_columns, mxfp4_dot, mxfp4_tile, 
 
 FUSED_MAX_PAIRS = 2048
 GROUPED_MIN_PAIRS = FUSED_MAX_PAIRS + 1     # from here on the grouped GEMMs of `moe_grouped` (prefill)
-# The FP8 grouped GEMMs are off until they pass on a GPU: their test at V4-Flash shapes
-# (`test_grouped_experts_at_v4_flash_shapes[512-fp8]`) failed on the H200 on 2026-12-02 (error not
-# recorded). Examined on CPU since (issue #22): no kernel defect found, and an unsound check. Under
-# the interpreter, with the 512-token tile structure (256 experts, top-6, ~12 rows an expert:
-# half-height tiles; skewed routing too), the kernels match the twin but for 2-4 one-step e4m3 flips
-# of the re-quantised SwiGLU output. The test compared the output with the twin's elementwise at
-# atol = rtol = 3e-2, which such flips nearly use up on Hopper (its e8m13 FP8 accumulator emulated at
-# the real shape: 0.7% of the codes flip, the worst element takes 0.79 of the tolerance, more under a
-# coarser model of that accumulator). The test now checks stage by stage (`fp8_stages` in
-# tests/test_triton_moe_grouped.py; emulated and source-level indexing bugs fail it). Not run on a GPU
-# yet: rerun the V4-Flash FP8 tests there before turning this on. Tests and benchmarks that exercise
-# the FP8 grouped GEMMs set this to True.
-GROUPED_FP8 = False
+# The FP8 grouped GEMMs (prefill, from GROUPED_MIN_PAIRS pairs). Their GPU test failures (issue #29)
+# were the twin's, not the kernels': torch computes `cuda_tensor / 448` as a multiply by 448's float32
+# reciprocal, one ulp off the kernel's correctly rounded group scales in about half the groups, and
+# the stage-by-stage check (`fp8_stages` in tests/test_triton_moe_grouped.py) requires them bitwise.
+# With the twin dividing, every test of test_triton_moe_grouped.py passed on an H100 on 2026-12-07
+# (the V4-Flash shapes at 512 and 4096 tokens and the injected indexing bugs included): on.
+GROUPED_FP8 = True
 # How the small-batch expert kernels decode MXFP4 weights (`mxfp4.DECODES`; where the choice cannot
 # run, `mxfp4.runnable_decode` says what does), and their (BLOCK_N, BLOCK_K) per decoder.
 MXFP4_DECODE = MX_DOT_SCALED
@@ -177,13 +171,11 @@ def _e2m1(code):
 
 
 @triton.jit
-def _weight_tile(w_rows, s_rows, k0, k_in, nm, dtype, FORMAT: tl.constexpr, BLOCK_K: tl.constexpr,
-                 EVEN_K: tl.constexpr = False):
+def _weight_tile(w_rows, s_rows, k0, k_in, nm, dtype, FORMAT: tl.constexpr, BLOCK_K: tl.constexpr):
     """Columns k0 … k0 + BLOCK_K of the weight rows at `w_rows` ([BLOCK_N, 1] pointers) in `dtype`:
-    as stored (FP8 converted; its block scale is the caller's), or MXFP4 codes decoded and scaled.
-    EVEN_K: BLOCK_K divides k_in (no column mask; MXFP4: scale rows 4-byte aligned, `mxfp4._scales`)."""
+    as stored (FP8 converted; its block scale is the caller's), or MXFP4 codes decoded and scaled."""
     if FORMAT == 2:
-        packed, scale = mxfp4_tile(w_rows, s_rows, k0, k_in, nm, BLOCK_K, EVEN_K)
+        packed, scale = mxfp4_tile(w_rows, s_rows, k0, k_in, nm, BLOCK_K)
         values = tl.interleave(_e2m1(packed & 0xF), _e2m1(packed >> 4))
         scale = tl.exp2(scale.to(tl.float32) - 127.0)
         rows: tl.constexpr = values.shape[0]
@@ -191,8 +183,7 @@ def _weight_tile(w_rows, s_rows, k0, k_in, nm, dtype, FORMAT: tl.constexpr, BLOC
         return values.to(dtype)
     else:
         k = k0 + tl.arange(0, BLOCK_K)
-        live = nm[:, None] if EVEN_K else nm[:, None] & (k < k_in)[None, :]
-        return tl.load(w_rows + k[None, :], mask=live, other=0.0).to(dtype)
+        return tl.load(w_rows + k[None, :], mask=nm[:, None] & (k < k_in)[None, :], other=0.0).to(dtype)
 
 
 @triton.jit
@@ -218,17 +209,16 @@ def _rows_first(acc, WORDS: tl.constexpr):
 
 @triton.jit
 def _dot_tile(a, acc, w_rows, s_rows, k0, k_in, nm, block_scale, FORMAT: tl.constexpr, BLOCK_K: tl.constexpr,
-              PRECISION: tl.constexpr, DECODE: tl.constexpr, BF16_MATH: tl.constexpr, EVEN_K: tl.constexpr):
+              PRECISION: tl.constexpr, DECODE: tl.constexpr, BF16_MATH: tl.constexpr):
     """acc + a @ (weight columns k0 … k0 + BLOCK_K of the rows at `w_rows`)ᵀ, a [BLOCK_M, BLOCK_K]:
-    FP8 partial products scaled by the tile's `block_scale`; MXFP4 decoded by `DECODE` (`mxfp4`).
-    EVEN_K as `_weight_tile`."""
+    FP8 partial products scaled by the tile's `block_scale`; MXFP4 decoded by `DECODE` (`mxfp4`)."""
     if FORMAT == 2:
-        out = mxfp4_dot(a, acc, w_rows, s_rows, k0, k_in, nm, BLOCK_K, PRECISION, DECODE, BF16_MATH, EVEN_K)
+        out = mxfp4_dot(a, acc, w_rows, s_rows, k0, k_in, nm, BLOCK_K, PRECISION, DECODE, BF16_MATH)
     elif FORMAT == 1:
-        w = tl.trans(_weight_tile(w_rows, s_rows, k0, k_in, nm, a.dtype, FORMAT, BLOCK_K, EVEN_K))
+        w = tl.trans(_weight_tile(w_rows, s_rows, k0, k_in, nm, a.dtype, FORMAT, BLOCK_K))
         out = acc + tl.dot(a, w, input_precision=PRECISION) * block_scale
     else:
-        w = tl.trans(_weight_tile(w_rows, s_rows, k0, k_in, nm, a.dtype, FORMAT, BLOCK_K, EVEN_K))
+        w = tl.trans(_weight_tile(w_rows, s_rows, k0, k_in, nm, a.dtype, FORMAT, BLOCK_K))
         out = tl.dot(a, w, acc, input_precision=PRECISION)
     return out
 
@@ -237,12 +227,11 @@ def _dot_tile(a, acc, w_rows, s_rows, k0, k_in, nm, block_scale, FORMAT: tl.cons
 def _expert_up_kernel(x_ptr, order_ptr, meta_ptr, w13_ptr, s13_ptr, act_ptr, num_slots, hidden, inter, top_k, limit,
                       w_expert, w_row, s_expert, s_row, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                       BLOCK_K: tl.constexpr, PRECISION: tl.constexpr, FORMAT: tl.constexpr, BLOCK_S: tl.constexpr,
-                      DECODE: tl.constexpr, BF16_MATH: tl.constexpr, EVEN_K: tl.constexpr):
+                      DECODE: tl.constexpr, BF16_MATH: tl.constexpr):
     """FORMAT FP8_BLOCK: one float32 scale per BLOCK_S × BLOCK_S block (BLOCK_N, BLOCK_K divide
     BLOCK_S, so each weight tile has one, applied to the tile's partial product); MXFP4: packed rows
     (`w_row` bytes apart) with uint8 e8m0 scales per 32 inputs (`s_row` apart), decoded by `DECODE`
-    (`mxfp4`; MX_GROUP_DOT takes each BLOCK_K in 32-column steps). BF16_MATH: bf16 arithmetic.
-    EVEN_K: BLOCK_K divides hidden and the intermediate size (`_experts` says when)."""
+    (`mxfp4`; MX_GROUP_DOT takes each BLOCK_K in 32-column steps). BF16_MATH: bf16 arithmetic."""
     WORDS: tl.constexpr = FORMAT == 2 and DECODE != 0
     STEP: tl.constexpr = 32 if FORMAT == 2 and DECODE == 2 else BLOCK_K
     expert, start, count = _slot(meta_ptr, num_slots)
@@ -270,11 +259,10 @@ def _expert_up_kernel(x_ptr, order_ptr, meta_ptr, w13_ptr, s13_ptr, act_ptr, num
                 next1 = _scale(s13_ptr, expert, n0, k_next, s_expert, s_row, BLOCK_S)
                 next3 = _scale(s13_ptr, expert, inter + n0, k_next, s_expert, s_row, BLOCK_S)
             for ks in tl.static_range(0, BLOCK_K, STEP):
-                xs = load_columns(x_ptr + tokens[:, None] * hidden, k0 + ks, hidden, rm[:, None], STEP, WORDS, EVEN_K)
+                xs = load_columns(x_ptr + tokens[:, None] * hidden, k0 + ks, hidden, rm[:, None], STEP, WORDS)
                 gate = _dot_tile(xs, gate, w1, s1, k0 + ks, hidden, nm, bs1, FORMAT, STEP, PRECISION, DECODE,
-                                 BF16_MATH, EVEN_K)
-                up = _dot_tile(xs, up, w3, s3, k0 + ks, hidden, nm, bs3, FORMAT, STEP, PRECISION, DECODE, BF16_MATH,
-                               EVEN_K)
+                                 BF16_MATH)
+                up = _dot_tile(xs, up, w3, s3, k0 + ks, hidden, nm, bs3, FORMAT, STEP, PRECISION, DECODE, BF16_MATH)
         act = _rows_first(_clamped_silu_mul(gate, up, limit), WORDS)
         tl.store(act_ptr + r[:, None] * inter + n[None, :], act.to(act_ptr.dtype.element_ty),
                  mask=rm[:, None] & nm[None, :])
@@ -284,7 +272,7 @@ def _expert_up_kernel(x_ptr, order_ptr, meta_ptr, w13_ptr, s13_ptr, act_ptr, num
 def _expert_down_kernel(act_ptr, order_ptr, meta_ptr, weights_ptr, w2_ptr, s2_ptr, y_ptr, num_slots, hidden, inter,
                         w_expert, w_row, s_expert, s_row, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                         BLOCK_K: tl.constexpr, PRECISION: tl.constexpr, FORMAT: tl.constexpr,
-                        BLOCK_S: tl.constexpr, DECODE: tl.constexpr, BF16_MATH: tl.constexpr, EVEN_K: tl.constexpr):
+                        BLOCK_S: tl.constexpr, DECODE: tl.constexpr, BF16_MATH: tl.constexpr):
     WORDS: tl.constexpr = FORMAT == 2 and DECODE != 0
     STEP: tl.constexpr = 32 if FORMAT == 2 and DECODE == 2 else BLOCK_K
     expert, start, count = _slot(meta_ptr, num_slots)
@@ -306,9 +294,8 @@ def _expert_down_kernel(act_ptr, order_ptr, meta_ptr, weights_ptr, w2_ptr, s2_pt
             if FORMAT == 1:
                 next_bs = _scale(s2_ptr, expert, n0, tl.minimum(k0 + BLOCK_K, inter - 1), s_expert, s_row, BLOCK_S)
             for ks in tl.static_range(0, BLOCK_K, STEP):
-                a = load_columns(act_ptr + r[:, None] * inter, k0 + ks, inter, rm[:, None], STEP, WORDS, EVEN_K)
-                acc = _dot_tile(a, acc, w2, s2, k0 + ks, inter, nm, bs, FORMAT, STEP, PRECISION, DECODE, BF16_MATH,
-                                EVEN_K)
+                a = load_columns(act_ptr + r[:, None] * inter, k0 + ks, inter, rm[:, None], STEP, WORDS)
+                acc = _dot_tile(a, acc, w2, s2, k0 + ks, inter, nm, bs, FORMAT, STEP, PRECISION, DECODE, BF16_MATH)
         acc = _rows_first(acc, WORDS) * tl.load(weights_ptr + pair, mask=rm, other=0.0)[:, None]
         tl.store(y_ptr + pair[:, None] * hidden + n[None, :], acc, mask=rm[:, None] & nm[None, :])
 
@@ -360,7 +347,7 @@ def moe_experts_fp8_fused(
     activations, as the reference); from there on, the grouped GEMMs of `moe_grouped` on Hopper's FP8 tensor
     cores, the activations quantised per 1 × block group as DeepSeek's FP8 GEMMs do (twin:
     `reference.moe.moe_experts_fp8_w8a8`). Needs block ≥ 16, a power of two, dividing the
-    intermediate size; else the reference. The grouped GEMMs only with `GROUPED_FP8` (off for now)."""
+    intermediate size; else the reference. The grouped GEMMs only with `GROUPED_FP8` (on)."""
     contiguous = all(t.is_contiguous() for t in (x, w13, w13_scale, w2, w2_scale))
     if (GROUPED_FP8 and expert_ids.numel() >= GROUPED_MIN_PAIRS and on_triton(x)
             and _grouped(x, FP8_BLOCK, w2.shape[-1], block) and contiguous):
@@ -466,13 +453,6 @@ def _tiles(fmt: int, block: int, decode: int = MX_DOT_SCALED) -> dict[str, int]:
     return dict(BLOCK_M=16, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=4, num_stages=3)
 
 
-def _even_k(block_k: int, hidden: int, inter: int, fmt: int, s13: Tensor, s2: Tensor) -> bool:
-    """Whether the expert kernels may drop their column masks (EVEN_K): `block_k` divides hidden and
-    the intermediate size, and for MXFP4 the scale rows start 4-byte aligned (read as 32-bit words)."""
-    even = hidden % block_k == 0 and inter % block_k == 0
-    return even and (fmt != MXFP4 or (s13.data_ptr() % 4 == 0 and s2.data_ptr() % 4 == 0))
-
-
 def _experts(x: Tensor, expert_ids: Tensor, weights: Tensor, w13: Tensor, w2: Tensor, limit: float, fmt: int,
              s13: Tensor, s2: Tensor, block: int, inter: int, *, decode: int | None = None,
              tiles: dict[str, int] | None = None) -> Tensor:
@@ -488,7 +468,7 @@ def _experts(x: Tensor, expert_ids: Tensor, weights: Tensor, w13: Tensor, w2: Te
     decode = runnable_decode(MXFP4_DECODE if decode is None else decode, x) if fmt == MXFP4 else MX_DOT_SCALED
     tiles = _tiles(fmt, block, decode) if tiles is None else tiles
     meta_args = dict(PRECISION=precision(x), FORMAT=fmt, BLOCK_S=block, DECODE=decode, BF16_MATH=x.is_cuda,
-                     EVEN_K=_even_k(tiles["BLOCK_K"], hidden, inter, fmt, s13, s2), **tiles)
+                     **tiles)
     _expert_up_kernel[(slots, triton.cdiv(inter, tiles["BLOCK_N"]))](
         x, order, meta, w13, s13, act, slots, hidden, inter, top_k, limit, w13.stride(0), w13.stride(1),
         s13.stride(0), s13.stride(1), **meta_args,

@@ -49,56 +49,33 @@ def runnable_decode(decode: int, x: torch.Tensor) -> int:
 
 
 @triton.jit
-def load_columns(rows, k0, k_in, rm, BLOCK_K: tl.constexpr, WORDS: tl.constexpr, EVEN_K: tl.constexpr = False):
+def load_columns(rows, k0, k_in, rm, BLOCK_K: tl.constexpr, WORDS: tl.constexpr):
     """Columns k0 … k0 + BLOCK_K of the rows at `rows` ([BLOCK_M, 1] pointers, `rm` their [BLOCK_M, 1]
     mask), 0 past k_in: [BLOCK_M, BLOCK_K] in natural order, or for the code-word decoders (WORDS)
     transposed, [BLOCK_K, BLOCK_M], reordered inside each 32 columns: logical column pair 4j + c
-    (16 pairs) is natural pair 4c + j, the j-th byte of code word c. EVEN_K: BLOCK_K divides k_in
-    (no column mask: whole-vector loads)."""
+    (16 pairs) is natural pair 4c + j, the j-th byte of code word c."""
     if WORDS:
         p = tl.arange(0, BLOCK_K // 2)
         pair = k0 // 2 + ((p & ~15) | ((p & 3) << 2) | ((p >> 2) & 3))
         k = 2 * pair[:, None, None] + tl.arange(0, 2)[None, :, None]               # [pairs, 2, 1]
-        live = tl.trans(rm)[None, :, :] if EVEN_K else tl.trans(rm)[None, :, :] & (k < k_in)
-        out = tl.load(tl.trans(rows)[None, :, :] + k, mask=live, other=0.0)
+        out = tl.load(tl.trans(rows)[None, :, :] + k, mask=tl.trans(rm)[None, :, :] & (k < k_in), other=0.0)
         out = tl.reshape(out, (BLOCK_K, out.shape[2]))
     else:
         k = k0 + tl.arange(0, BLOCK_K)
-        out = tl.load(rows + k[None, :], mask=rm if EVEN_K else rm & (k < k_in)[None, :], other=0.0)
+        out = tl.load(rows + k[None, :], mask=rm & (k < k_in)[None, :], other=0.0)
     return out
 
 
 @triton.jit
-def _scales(s_rows, k0, k_in, nm, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr):
-    """The e8m0 scale bytes of columns k0 … k0 + BLOCK_K of the rows at `s_rows` ([BLOCK_N, 1]
-    pointers, one byte per 32 columns): [BLOCK_N, BLOCK_K / 32] int32, 127 past k_in. EVEN_K with
-    BLOCK_K a multiple of 128 (the caller guarantees 4-byte aligned rows): one 32-bit word per four
-    groups, so the load is pipelined with the codes' (byte loads are not: Triton's copy engine path
-    takes 4 bytes and more, and a synchronous load per K step leaves its latency exposed)."""
-    if EVEN_K and BLOCK_K % 128 == 0:
-        v = k0 // 128 + tl.arange(0, BLOCK_K // 128)
-        words = tl.load(s_rows.to(tl.pointer_type(tl.uint32), bitcast=True) + v[None, :], mask=nm[:, None],
-                        other=0x7F7F7F7F)
-        rows: tl.constexpr = words.shape[0]
-        shift = (tl.arange(0, 4) * 8).to(tl.uint32)
-        out = tl.reshape((words[:, :, None] >> shift[None, None, :]) & 0xFF, (rows, BLOCK_K // 32)).to(tl.int32)
-    else:
-        g = k0 // 32 + tl.arange(0, BLOCK_K // 32)
-        live = nm[:, None] & (g < k_in // 32)[None, :]
-        out = tl.load(s_rows + g[None, :], mask=live, other=127).to(tl.int32)
-    return out
-
-
-@triton.jit
-def mxfp4_tile(w_rows, s_rows, k0, k_in, nm, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr = False):
+def mxfp4_tile(w_rows, s_rows, k0, k_in, nm, BLOCK_K: tl.constexpr):
     """Columns k0 … k0 + BLOCK_K of the MXFP4 weight rows at `w_rows` ([BLOCK_N, 1] pointers):
     (packed codes [BLOCK_N, BLOCK_K / 2] uint8, two per byte, low nibble first; their e8m0 group
-    scales [BLOCK_N, BLOCK_K / 32] uint8, read from `s_rows`, one per 32 columns). EVEN_K as
-    `_scales`."""
+    scales [BLOCK_N, BLOCK_K / 32] uint8, read from `s_rows`, one per 32 columns)."""
     kp = k0 // 2 + tl.arange(0, BLOCK_K // 2)
-    live = nm[:, None] if EVEN_K else nm[:, None] & (kp < k_in // 2)[None, :]
-    packed = tl.load(w_rows + kp[None, :], mask=live, other=0)
-    return packed, _scales(s_rows, k0, k_in, nm, BLOCK_K, EVEN_K).to(tl.uint8)
+    packed = tl.load(w_rows + kp[None, :], mask=nm[:, None] & (kp < k_in // 2)[None, :], other=0)
+    g = k0 // 32 + tl.arange(0, BLOCK_K // 32)
+    scale = tl.load(s_rows + g[None, :], mask=nm[:, None] & (g < k_in // 32)[None, :], other=127)
+    return packed, scale
 
 
 @triton.jit
@@ -110,14 +87,15 @@ def _spread(per_group, WIDTH: tl.constexpr):
 
 
 @triton.jit
-def _code_words(w_rows, s_rows, k0, k_in, nm, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr = False):
+def _code_words(w_rows, s_rows, k0, k_in, nm, BLOCK_K: tl.constexpr):
     """(code words [BLOCK_N, BLOCK_K / 8] uint32, 8 codes each, natural order; their groups' scale
-    bytes [BLOCK_N, BLOCK_K / 32] int32). Rows are a multiple of 16 bytes apart: words are aligned.
-    EVEN_K as `_scales`."""
+    bytes [BLOCK_N, BLOCK_K / 32] int32). Rows are a multiple of 16 bytes apart: words are aligned."""
     v = k0 // 8 + tl.arange(0, BLOCK_K // 8)
-    live = nm[:, None] if EVEN_K else nm[:, None] & (v < k_in // 8)[None, :]
-    words = tl.load(w_rows.to(tl.pointer_type(tl.uint32), bitcast=True) + v[None, :], mask=live, other=0)
-    return words, _scales(s_rows, k0, k_in, nm, BLOCK_K, EVEN_K)
+    words = tl.load(w_rows.to(tl.pointer_type(tl.uint32), bitcast=True) + v[None, :],
+                    mask=nm[:, None] & (v < k_in // 8)[None, :], other=0)
+    g = k0 // 32 + tl.arange(0, BLOCK_K // 32)
+    scale = tl.load(s_rows + g[None, :], mask=nm[:, None] & (g < k_in // 32)[None, :], other=127)
+    return words, scale.to(tl.int32)
 
 
 @triton.jit
@@ -320,16 +298,16 @@ def _asm_tile(words, scale, BLOCK_K: tl.constexpr):
 
 @triton.jit
 def mxfp4_dot(a, acc, w_rows, s_rows, k0, k_in, nm, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr,
-              DECODE: tl.constexpr, BF16_MATH: tl.constexpr, EVEN_K: tl.constexpr = False):
+              DECODE: tl.constexpr, BF16_MATH: tl.constexpr):
     """acc + a @ (MXFP4 weight columns k0 … k0 + BLOCK_K of the rows at `w_rows`)ᵀ for
     MX_DOT_SCALED (a [BLOCK_M, BLOCK_K], acc [BLOCK_M, BLOCK_N]); for the code-word decoders acc +
     weights @ a with a from `load_columns` ([BLOCK_K, BLOCK_M], logical order) and acc [BLOCK_N,
-    BLOCK_M]. MX_GROUP_DOT takes BLOCK_K = 32 (one scale group). EVEN_K as `_scales`."""
+    BLOCK_M]. MX_GROUP_DOT takes BLOCK_K = 32 (one scale group)."""
     if DECODE == 0:
-        packed, scale = mxfp4_tile(w_rows, s_rows, k0, k_in, nm, BLOCK_K, EVEN_K)
+        packed, scale = mxfp4_tile(w_rows, s_rows, k0, k_in, nm, BLOCK_K)
         out = tl.dot_scaled(a, None, "bf16", tl.trans(packed), scale, "e2m1", acc=acc)
     else:
-        words, scale = _code_words(w_rows, s_rows, k0, k_in, nm, BLOCK_K, EVEN_K)
+        words, scale = _code_words(w_rows, s_rows, k0, k_in, nm, BLOCK_K)
         if DECODE == 2:
             part = tl.dot(_unscaled(words, BLOCK_K, BF16_MATH).to(a.dtype), a, input_precision=PRECISION)
             out = acc + part * _group_factor(scale)                     # scale [BLOCK_N, 1]: one group
