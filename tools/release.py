@@ -67,6 +67,14 @@ def _project(root: Path, name: str) -> dict:
         return tomllib.load(f)
 
 
+def supported_pythons(name: str, root: Path = ROOT) -> tuple[str, ...]:
+    """The CPython versions ("3.10", ...) that a package's classifiers name: for deepinfer-cache and
+    deepinfer-sched, the interpreters dist/ must hold a wheel for (one each)."""
+    prefix = "Programming Language :: Python :: 3."
+    classifiers = _project(root, name)["project"].get("classifiers", ())
+    return tuple(c.removeprefix("Programming Language :: Python :: ") for c in classifiers if c.startswith(prefix))
+
+
 def current_version(root: Path = ROOT) -> str:
     """The one version every pyproject.toml declares; ReleaseError if they differ."""
     versions = {name: _project(root, name)["project"]["version"] for name in PACKAGES}
@@ -337,7 +345,8 @@ def check_dist(dist: Path, root: Path = ROOT) -> list[str]:
     """What is wrong with the distributions in `dist`, one line each; [] when ready to publish.
 
     dist must hold exactly one sdist and one wheel per package at the current version: wheels
-    `py3-none-any`, except deepinfer-cache and deepinfer-sched (`cp3X-cp3X-manylinux_*_x86_64`);
+    `py3-none-any`, except deepinfer-cache and deepinfer-sched, which have one `cp3X-cp3X-manylinux_*_x86_64`
+    wheel per CPython their classifiers name (`supported_pythons`) and no other;
     their core metadata (Metadata-Version >= 2.4, License-Expression, License-File, classifiers,
     Requires-Dist) must match pyproject.toml and the shipped LICENSE the root one; sdists must carry
     what a build from source needs (the Cython sources and hook, no generated C or objects).
@@ -354,7 +363,13 @@ def check_dist(dist: Path, root: Path = ROOT) -> list[str]:
         else:
             problems += _check_sdist(root, name, version, sdist)
             seen.add(sdist.name)
-        if len(wheels) != 1:
+        if name in COMPILED:
+            tags = sorted(w.name[len(stem) + 1:].split("-")[0] for w in wheels)
+            want = sorted(f"cp{v.replace('.', '')}" for v in supported_pythons(name, root))
+            if tags != want:
+                problems.append(f"expected one wheel {stem}-cp3X-*.whl per classified CPython {want}, found "
+                                f"{[w.name for w in wheels]}")
+        elif len(wheels) != 1:
             problems.append(f"expected one wheel {stem}-*.whl, found {[w.name for w in wheels]}")
         for wheel in wheels:
             problems += _check_wheel(root, name, version, wheel)

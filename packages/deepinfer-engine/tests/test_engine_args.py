@@ -49,6 +49,10 @@ from deepinfer.sched import EngineType
         (dict(kv_quant=1), "kv_quant", r"kv_quant=1 must be a bool"),
         (dict(engine_type="NORMAL"), "engine_type", r"engine_type='NORMAL' must be an EngineType"),
         (dict(expert_dtype="int4"), "expert_dtype", r"expert_dtype='int4' must be None, 'fp8' or 'fp4'"),
+        (dict(max_cache_usage_for_prefill=1.5), "max_cache_usage_for_prefill",
+         r"max_cache_usage_for_prefill=1.5 must be in \[0, 1\]"),
+        (dict(max_cache_usage_for_prefill=math.nan), "max_cache_usage_for_prefill", r"=nan must be in \[0, 1\]"),
+        (dict(max_cache_usage_for_prefill=True), "max_cache_usage_for_prefill", r"=True must be in \[0, 1\]"),
         (dict(yoco_prefill_truncation_mode="Compact"), "yoco_prefill_truncation_mode",
          r"yoco_prefill_truncation_mode='Compact' must be one of 'off', 'compact', 'mask'"),
         (dict(yoco_prefill_keep_tokens=0), "yoco_prefill_keep_tokens",
@@ -86,3 +90,22 @@ def test_llm_engine_refuses_more_than_one_rank():
 
     with pytest.raises(InvalidEngineArgs, match="data_parallel_size"):
         LLMEngine(EngineArgs(model=None, device="cpu", data_parallel_size=2, expert_parallel=True))
+
+
+def test_the_prefill_admission_threshold_reaches_the_scheduler() -> None:
+    from deepinfer.engine import LLMEngine
+
+    engine = LLMEngine(EngineArgs(device="cpu", max_cache_usage_for_prefill=0.25, kv_cache_memory_mb=16))
+    assert engine.scheduler.config.max_cache_usage_for_prefill == 0.25
+    assert EngineArgs().max_cache_usage_for_prefill == 0.9 and EngineArgs(max_cache_usage_for_prefill=0)
+
+
+def test_batch_invariance_refuses_varlen_verify() -> None:
+    """Varlen verify picks each request's verify length from its batch: batch-invariant kernels refuse
+    the pair at construction, naming both and the way out; all k drafts verified is fine."""
+    message = r"varlen_verify=True with num_speculative_tokens=2 .* batch_invariant=True .* varlen_verify=False \(--no"
+    with pytest.raises(InvalidEngineArgs, match=message) as caught:
+        EngineArgs(num_speculative_tokens=2, batch_invariant=True)
+    assert caught.value.field == "varlen_verify"
+    assert EngineArgs(num_speculative_tokens=2, batch_invariant=True, varlen_verify=False).batch_invariant
+    assert EngineArgs(batch_invariant=True).varlen_verify                  # no drafts: nothing to verify

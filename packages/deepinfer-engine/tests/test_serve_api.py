@@ -81,6 +81,21 @@ def test_streamed_completion_equals_the_whole_one(client: openai.OpenAI) -> None
     assert len({c.id for c in chunks}) == 1
 
 
+def test_usage_reports_the_prompt_tokens_served_from_the_prefix_cache(client: openai.OpenAI,
+                                                                      http: httpx.Client) -> None:
+    prompt = list(range(10, 150))            # 140 tokens: cached up to its last 64-token block boundary
+    first = http.post("/v1/completions", json={"prompt": prompt, "max_tokens": 2}).json()
+    assert first["usage"]["prompt_tokens_details"] == {"cached_tokens": 0}
+    again = client.completions.create(model=MODEL, prompt=prompt, max_tokens=2)
+    assert again.usage.prompt_tokens_details.cached_tokens == 128
+    chunks = list(client.completions.create(model=MODEL, prompt=prompt, max_tokens=2, stream=True,
+                                            stream_options={"include_usage": True}))
+    assert chunks[-1].usage.prompt_tokens_details.cached_tokens == 128
+    metrics = http.get("/metrics").text
+    hits = next(line for line in metrics.splitlines() if line.startswith("deepinfer_prefix_cache_hits_total"))
+    assert float(hits.split()[-1]) >= 256
+
+
 def test_token_id_prompt_and_seeded_sampling_are_reproducible(client: openai.OpenAI, http: httpx.Client) -> None:
     text = client.completions.create(model=MODEL, prompt="import os\n", max_tokens=6, temperature=0).choices[0].text
     ids = http.post("/v1/completions", json={"prompt": [3791, 362], "max_tokens": 4}).json()
@@ -145,7 +160,8 @@ def test_models_health_version_metrics(http: httpx.Client) -> None:
     for name in ("deepinfer_request_success_total", "deepinfer_num_requests_running", "deepinfer_num_requests_waiting",
                  "deepinfer_kv_cache_usage_perc", "deepinfer_prompt_tokens_total", "deepinfer_generation_tokens_total",
                  "deepinfer_time_to_first_token_seconds_bucket", "deepinfer_inter_token_latency_seconds_bucket",
-                 "deepinfer_e2e_request_latency_seconds_bucket"):
+                 "deepinfer_e2e_request_latency_seconds_bucket", "deepinfer_prefix_cache_queries_total",
+                 "deepinfer_prefix_cache_hits_total"):
         assert name in text
 
 

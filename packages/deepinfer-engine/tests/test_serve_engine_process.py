@@ -21,7 +21,7 @@ from serve_helpers import (
 )
 
 from deepinfer.engine import EngineArgs, SamplingParams
-from deepinfer.engine.async_front import EngineDead
+from deepinfer.engine.async_front import EngineDead, EngineStopped
 from deepinfer.engine.async_llm import AsyncLLM
 from deepinfer.engine.async_process import AsyncLLMProcess, EngineStartFailed
 from deepinfer.engine.cli import main
@@ -94,7 +94,7 @@ def test_a_killed_engine_process_fails_requests_and_health() -> None:
     llm = AsyncLLMProcess(EngineArgs(seed=0))
     url, server, thread = start_uvicorn(build_app(llm, served_model_name="tiny"))
     try:
-        body = {"prompt": "class B:", "max_tokens": 5000, "ignore_eos": True, "stream": True}
+        body = {"prompt": "class B:", "max_tokens": 4000, "ignore_eos": True, "stream": True}
         events = []
         with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=60) as reply:
             for line in reply.iter_lines():
@@ -133,22 +133,25 @@ def test_sigterm_to_the_engine_process_finishes_its_requests_first() -> None:
     outs = asyncio.run(run())
     assert outs[-1].outputs[0].finish_reason == "length" and sum(len(o.outputs[0].token_ids) for o in outs) == 30
     deadline = time.monotonic() + 30
-    while llm.failure is None:
+    while llm.is_running:
         assert time.monotonic() < deadline
         time.sleep(0.05)
-    assert "exited with code 0 (SIGTERM" in llm.failure and not llm.is_running and _gone(llm.pid)
+    assert llm.failure is None and _gone(llm.pid)          # a clean stop, not a failure
+    with pytest.raises(EngineStopped):                     # and the front takes no more requests
+        asyncio.run(anext(llm.generate("x")))
     asyncio.run(llm.shutdown())
 
 
 def test_sigterm_leaves_no_engine_process() -> None:
-    """`deepinfer serve` (the engine process by default) exits 0 on SIGTERM and takes its engine along."""
+    """`deepinfer serve` (the engine process by default), idle, exits 0 on a SIGTERM to its whole process
+    group (as a service manager sends it) and takes its engine along, saying it stopped cleanly."""
     import subprocess
     import sys
 
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     child = subprocess.Popen([sys.executable, "-m", "deepinfer.engine.cli", "serve", "--port", "0",
                               "--log-level", "warning"], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                             text=True)
+                             text=True, start_new_session=True)
     try:
         assert child.stderr is not None
         line = ""
@@ -160,9 +163,11 @@ def test_sigterm_leaves_no_engine_process() -> None:
         engine_pid = int(line.rsplit("pid ", 1)[1].rstrip(")\n"))
         assert not _gone(engine_pid)
         time.sleep(1.0)                          # uvicorn up (port 0: nothing to poll)
-        child.send_signal(signal.SIGTERM)
+        os.killpg(child.pid, signal.SIGTERM)
         assert child.wait(timeout=60) == 0
         assert _gone(engine_pid)
+        rest = child.stderr.read()
+        assert "deepinfer serve: stopped cleanly" in rest and "fail" not in rest and "Traceback" not in rest
     finally:
         if child.poll() is None:
             child.kill()

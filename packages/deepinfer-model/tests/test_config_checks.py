@@ -148,5 +148,5 @@ def test_config_json_that_is_a_folder_or_missing(tmp_path) -> None:
     with pytest.raises(ConfigError, match=r"config.json does not exist: a model folder needs a config.json"):
         DeepseekV4Config.from_model_dir(tmp_path)
     (tmp_path / "config.json").mkdir()
-    with pytest.raises(ConfigError, match=r"config.json is not a regular file"):
+    with pytest.raises(ConfigError, match=r"config.json is a directory, not a file"):
         DeepseekV4Config.from_model_dir(tmp_path)

@@ -168,9 +168,12 @@ def test_idle_rank_takes_part_and_moves_keep_outputs(results: list[dict]) -> Non
 
 @pytest.mark.parametrize("expert_dtype", [None, "fp8", "fp4"])
 def test_fixed_capacity_decode_exchange_matches_variable_splits(results: list[dict], expert_dtype: str | None) -> None:
+    # quantised experts quantise their activations per row block: a different row order of the exchange can
+    # move a value across an FP8 rounding boundary (1.1e-5 seen on an AMD EPYC CPU)
+    tol = 1e-5 if expert_dtype is None else 5e-5
     for rank in results:
-        assert rank[f"fixed_vs_variable_{expert_dtype}"] < 1e-5
-        assert rank[f"fixed_vs_whole_{expert_dtype}"] < 1e-5
+        assert rank[f"fixed_vs_variable_{expert_dtype}"] < tol
+        assert rank[f"fixed_vs_whole_{expert_dtype}"] < tol
 
 
 def test_fixed_capacity_exchange_with_an_idle_rank_duplicates_and_too_many_tokens(results: list[dict]) -> None:

@@ -3,6 +3,8 @@ names, the Engram vocabulary from tokenizer.json, DSpark stages kept aside."""
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 from v41_checkpoint import folder_model, official_tensors, tokenizer, transformers_tensors, write_folder
@@ -93,3 +95,68 @@ def test_partial_utf8_tokens_key_by_their_vocabulary_string() -> None:
     tok.decoder = decoders.ByteLevel()
     assert "\ufffd" in tok.decode([1]) and tok.decode([3]) == "é"
     assert token_map_of(tok, 6).tolist() == [0, 1, 2, 0, 0, 3]
+
+
+def _as_save_pretrained_tables(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """transformers' `save_pretrained` spelling of the Engram tables: at model level, each with a float32
+    `weight_scale_inv` (all ones beside a float table; the e8m0 scales as float32 beside an FP8 one)."""
+    out = {}
+    for key, t in tensors.items():
+        m = re.fullmatch(r"(?:model\.)?layers\.(\d+)\.engram\.embed\.(weight|scale)", key)
+        if m is None:
+            out[key] = t
+            continue
+        stem = f"model.engram_tables.{m.group(1)}"
+        if m.group(2) == "scale":
+            out[f"{stem}.weight_scale_inv"] = t.float()
+        else:
+            out[f"{stem}.weight"] = t
+            if t.dtype != torch.float8_e4m3fn:
+                out[f"{stem}.weight_scale_inv"] = torch.ones(t.shape[0], t.shape[1] // 32)
+    return out
+
+
+def _greedy(model: DeepseekV41ForCausalLM, num_tokens: int) -> list[int]:
+    tokens = list(TOKENS[:9])
+    for _ in range(num_tokens):
+        tokens.append(int(run_chunks(model, [tokens], [[len(tokens)]])[0][-1].argmax()))
+    return tokens[9:]
+
+
+def test_save_pretrained_engram_tables_float(tmp_path) -> None:
+    """`model.engram_tables.{layer}.weight` is the layer's table; a float table's `weight_scale_inv`
+    is not read (transformers' model reads it only for FP8 rows), even when it is not all ones."""
+    model, raw = folder_model(seed=5)
+    plain = load_model(write_folder(tmp_path / "plain", model, raw, transformers_tensors(model), composite=False))
+    tensors = _as_save_pretrained_tables(transformers_tensors(model))
+    assert {"model.engram_tables.1.weight", "model.engram_tables.5.weight_scale_inv"} <= set(tensors)
+    tensors["model.engram_tables.5.weight_scale_inv"] *= 4
+    aliased = load_model(write_folder(tmp_path / "aliased", model, raw, tensors, composite=False))
+    assert aliased.layers[1].engram.embed.weight.dtype == torch.float32
+    assert torch.equal(run_chunks(aliased, [TOKENS], [[len(TOKENS)]])[0],
+                       run_chunks(plain, [TOKENS], [[len(TOKENS)]])[0])
+    assert _greedy(aliased, 4) == _greedy(plain, 4)
+    tensors["model.engram_tables.1.weight_scale_inv"] = torch.ones(3, 1)
+    with pytest.raises(WeightError, match=r"engram_tables\.1\.weight_scale_inv.*scale shape"):
+        load_model(write_folder(tmp_path / "bad", model, raw, tensors, composite=False))
+
+
+def test_save_pretrained_engram_tables_fp8(tmp_path) -> None:
+    """An FP8 table under the alias keeps its rows FP8, its float32 `weight_scale_inv` becoming e8m0."""
+    model, raw = folder_model(seed=6)
+    official = official_tensors(model, quantised=True)
+    plain = load_model(write_folder(tmp_path / "plain", model, raw, official, composite=True))
+    tensors = _as_save_pretrained_tables(official)
+    assert tensors["model.engram_tables.1.weight"].dtype == torch.float8_e4m3fn
+    assert tensors["model.engram_tables.1.weight_scale_inv"].dtype == torch.float32
+    aliased = load_model(write_folder(tmp_path / "aliased", model, raw, tensors, composite=True))
+    for layer in (1, 5):
+        for name in ("weight", "scale"):
+            assert torch.equal(getattr(aliased.layers[layer].engram.embed, name).view(torch.uint8),
+                               getattr(plain.layers[layer].engram.embed, name).view(torch.uint8))
+    assert torch.equal(run_chunks(aliased, [TOKENS], [[len(TOKENS)]])[0],
+                       run_chunks(plain, [TOKENS], [[len(TOKENS)]])[0])
+    assert _greedy(aliased, 4) == _greedy(plain, 4)
+    tensors["model.engram_tables.5.weight_scale_inv"][2, 0] = 3.0
+    with pytest.raises(WeightError, match=r"engram_tables\.5\.weight_scale_inv.*not powers of two \(e\.g\. 3\.0\)"):
+        load_model(write_folder(tmp_path / "bad", model, raw, tensors, composite=True))

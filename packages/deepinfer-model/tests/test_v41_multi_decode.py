@@ -17,7 +17,7 @@ from v41_helpers import run_chunks, tiny_model
 
 from deepinfer.model import DeepseekV41ForCausalLM, DSparkDraft, ForwardBatch, ModelCache
 
-ATOL = 2e-4          # as test_v41_model: float32, the packed caches re-round alike, summation order differs
+ATOL = 5e-4          # as test_v41_model: summation order differs, a rounding tie of the packed caches may flip
 K = 3                # drafts per row: rows feed 1 … K + 1 query tokens
 BLOCK = 8
 NUM_ROWS = 4

@@ -27,14 +27,15 @@ def native(request: pytest.FixtureRequest) -> bool:
 
 @pytest.fixture
 def make_sched(native: bool):
-    """make_sched(num_blocks=64, num_slots=None, vote_group=None, verify_policy=None, **config):
-    a Scheduler over fresh BlockManagers (num_slots usable state slots; None = max_num_seqs)."""
+    """make_sched(num_blocks=64, num_slots=None, vote_group=None, verify_policy=None, num_snapshots=4,
+    **config): a Scheduler over fresh BlockManagers (num_slots usable state slots; None = max_num_seqs;
+    num_snapshots snapshot slots when config turns prefix caching on)."""
 
     def make(num_blocks: int = 64, num_slots: int | None = None, vote_group=None, verify_policy=None,
-             **config: object) -> Scheduler:
+             num_snapshots: int = 4, **config: object) -> Scheduler:
         cfg = SchedulerConfig(**{**_DEFAULTS, **config})
         slots = BlockManager((cfg.max_num_seqs if num_slots is None else num_slots) + 1)
         return Scheduler(cfg, BlockManager(num_blocks), slots, vote_group=vote_group,
-                         verify_policy=verify_policy, native=native)
+                         verify_policy=verify_policy, native=native, snapshot_slots=BlockManager(num_snapshots + 1))
 
     return make

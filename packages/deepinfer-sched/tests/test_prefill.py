@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from deepinfer.sched import IgnoredSeq, IgnoreReason, StepKind
+from deepinfer.sched import EngineType, IgnoredSeq, IgnoreReason, StepKind
 
 
 def chunks_of(out):
@@ -255,3 +255,20 @@ def test_recomputable_must_be_a_bool(make_sched) -> None:
     with pytest.raises(ValueError, match="recomputable"):
         sched.add_seq("a", [1, 2], 8, recomputable=1)
     assert not sched.has_unfinished()
+
+
+def test_cache_usage_limit_holds_with_nothing_running(make_sched) -> None:
+    """A PROMPT engine runs nothing, but its prefilled sequences hold blocks until handed off: a new
+    prompt waits while usage is above the limit; the rest of a prompt mid-prefill never does."""
+    kinds = {}
+    for limit in (0.5, 0.7):
+        sched = make_sched(num_blocks=11, engine_type=EngineType.PROMPT, max_cache_usage_for_prefill=limit)
+        sched.add_seq("a", [1] * 24, 4)              # 6 of 10 usable blocks: usage 0.6
+        assert sched.schedule().kind is StepKind.PREFILL
+        sched.add_seq("b", [1, 2], 4)
+        kinds[limit] = sched.schedule().kind
+    assert kinds == {0.5: StepKind.IDLE, 0.7: StepKind.PREFILL}
+    sched = make_sched(num_blocks=11, max_num_batched_tokens=16, max_cache_usage_for_prefill=0.1)
+    sched.add_seq("long", [1] * 32, 4)               # 8 blocks in two chunks of 16 tokens
+    assert [c.end for c in sched.schedule().prefill] == [16]
+    assert [c.end for c in sched.schedule().prefill] == [32]     # usage 0.4 > 0.1: goes on anyway

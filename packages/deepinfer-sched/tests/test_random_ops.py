@@ -26,9 +26,10 @@ OPS = st.lists(
 class EngineModel:
     """What an engine does with the scheduler's outputs, including ZOS's one-step lag."""
 
-    def __init__(self, sched: Scheduler, rng: random.Random, max_model_len: int) -> None:
+    def __init__(self, sched: Scheduler, rng: random.Random, max_model_len: int, vocab: int = 1000) -> None:
         self.sched = sched
         self.rng = rng
+        self.vocab = vocab                 # small: prompts share prefixes (prefix caching hits)
         self.max_model_len = max_model_len
         self.in_flight: deque[list[str]] = deque()   # decode steps whose tokens are not appended
         self.next_id = 0
@@ -116,7 +117,10 @@ class EngineModel:
         live = self.live_ids()
         if op == "add":
             self.next_id += 1
-            prompt = [self.rng.randrange(1000) for _ in range(arg)]
+            prompt = [self.rng.randrange(self.vocab) for _ in range(arg)]
+            if self.vocab == 2:            # prefix caching: most prompts start alike
+                shared = self.rng.randrange(arg + 1)
+                prompt[:shared] = [0] * shared
             self.add(f"s{self.next_id}", prompt, 1 + arg % 7)
         elif op == "step":
             self.step(zos=arg % 2 == 1)
@@ -202,21 +206,22 @@ def check_blocks_match_needs(sched: Scheduler, kv: BlockManager) -> None:
     intervals=st.tuples(st.integers(1, 4), st.integers(1, 4)),
     max_num_prompts=st.sampled_from([None, 1, 2]),
     sum_k=st.sampled_from([None, 24, 30]),
+    num_snapshots=st.sampled_from([0, 1, 3]),      # 0: prefix caching off
 )
 def test_random_operations_keep_invariants(
     native, ops, seed, block_size, num_blocks, num_slots, max_num_seqs, nextn,
-    stop_preempted_request, max_num_batched_tokens, checkpoints, intervals, max_num_prompts, sum_k,
+    stop_preempted_request, max_num_batched_tokens, checkpoints, intervals, max_num_prompts, sum_k, num_snapshots,
 ) -> None:
     config = SchedulerConfig(
         block_size=block_size, max_model_len=24, max_num_seqs=max_num_seqs,
         max_num_batched_tokens=max_num_batched_tokens, nextn=nextn, chunk_checkpoints=checkpoints,
         stop_preempted_request=stop_preempted_request, prefill_attempt_interval=intervals[0],
         prefill_any_attempt_interval=intervals[1], max_num_prompts=max_num_prompts,
-        prefill_max_sum_seqlen_k=sum_k,
+        prefill_max_sum_seqlen_k=sum_k, enable_prefix_caching=num_snapshots > 0,
     )
     kv, slots = BlockManager(num_blocks), BlockManager(num_slots + 1)
-    sched = Scheduler(config, kv, slots, native=native)
-    engine = EngineModel(sched, random.Random(seed), config.max_model_len)
+    sched = Scheduler(config, kv, slots, native=native, snapshot_slots=BlockManager(max(num_snapshots, 1) + 1))
+    engine = EngineModel(sched, random.Random(seed), config.max_model_len, vocab=2 if num_snapshots else 1000)
     for op, arg in ops:
         engine.apply(op, arg)
         sched.check_integrity()
@@ -227,6 +232,8 @@ def test_random_operations_keep_invariants(
     assert not sched.has_unfinished()
     assert kv.num_free == num_blocks - 1 and slots.num_free == num_slots
     sched.check_integrity()
+    if sched.prefix_cache_stats.hits:
+        event("prefix cache hit")
 
 
 @settings(max_examples=150, deadline=None, derandomize=True,

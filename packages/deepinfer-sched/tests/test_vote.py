@@ -207,3 +207,22 @@ def test_one_rank_vote_makes_no_collective_call_and_decides_the_same(make_sched)
                     sched.append_tokens(seq_id, [7])
     assert history[0] == history[1]
     assert {kind for kind, _ in history[0]} == {StepKind.PREFILL, StepKind.DECODE}
+
+
+def test_a_rank_with_a_snapshot_tail_pending_makes_the_group_prefill() -> None:
+    class UrgentPeer:                 # the other rank wants prefill, runs sequences, has a tail pending
+        world_size, rank = 2, 0
+
+        def __init__(self) -> None:
+            self.calls: list[tuple[int, ...]] = []
+
+        def all_reduce_min(self, values):
+            self.calls.append(tuple(values))
+            return tuple(min(a, b) for a, b in zip(values, (0, 1, 0, 0)))
+
+    peer = UrgentPeer()
+    result = cast_vote(peer, wants_prefill=False, has_running=True, urgent=False)
+    assert peer.calls == [(1, 0, 0, 1)] and result.urgent and result.any_wants
+    assert result.prefill_chosen(AttemptPoint.NONE)
+    assert not cast_vote(peer, wants_prefill=False, has_running=True).urgent    # caching off: three ints
+    assert peer.calls[-1] == (1, 0, 0)

@@ -2,7 +2,9 @@
 
 `BlockManager` (Cython) hands out paged KV block ids, and through `BlockManager.for_state_slots`
 per-sequence state slots, from an array-backed doubly linked free list with a refcount per block;
-id 0 is reserved. `plan_paged_layout` / `plan_state_layout` decide where every paged KV stream and
+id 0 is reserved. For prefix caching a block may carry a content hash (`chain_hashes`, a sha256
+chain over full blocks of tokens), kept while the block is free until it is handed out again.
+`plan_paged_layout` / `plan_state_layout` decide where every paged KV stream and
 every per-sequence state region live inside one uint8 buffer each. No torch: the engine allocates
 the buffers. Settings are arguments (the slot ratio of `BlockManager.for_state_slots` included); the
 one environment variable read here is DEEPINFER_CACHE_PURE_PYTHON=1, at import, which lets a source
@@ -33,6 +35,7 @@ from .layout import (
     plan_paged_layout,
     plan_state_layout,
 )
+from .prefix import chain_hashes, root_hash
 
 try:
     __version__ = version("deepinfer-cache")
@@ -48,6 +51,8 @@ __all__ = [
     "StateRegion",
     "StreamPlacement",
     "__version__",
+    "chain_hashes",
     "plan_paged_layout",
     "plan_state_layout",
+    "root_hash",
 ]

@@ -3,6 +3,9 @@
 
 Twin: deepinfer/cache/_pure/block_pool.py (same API, ids and errors; both run on the same tests).
 Every mutating call validates the whole request before it commits: a rejected call changes nothing.
+Prefix caching: a block may carry a content hash (`cache_block`); it keeps it while free, until
+`allocate` hands it out again (the free list's head is the least recently freed: LRU eviction), and
+`reuse` takes cached blocks by reference, free or not.
 The list walks run without the GIL; a manager still has one owner thread (it is not locked).
 """
 
@@ -10,17 +13,19 @@ from cpython.mem cimport PyMem_Free, PyMem_Malloc
 from libc.stdint cimport int32_t, int64_t
 
 from ._free_list cimport (
+    INT32_MAX,
     NOT_LINKED,
     FreeList,
     add_refs,
     id_range,
     pop_head,
     release,
+    unlink_block,
 )
 
 import numpy as np
 
-from ._slots import as_id_array, check_count, check_num_blocks, resolve_state_slots
+from ._slots import as_id_array, check_count, check_hash, check_num_blocks, resolve_state_slots
 
 cdef extern from *:
     """
@@ -72,6 +77,8 @@ cdef class BlockManager:
             self._list.next_free[total] = 1
             self._list.prev_free[1] = total
             self._list.num_free = total - 1
+        self._hashes = [None] * total
+        self._by_hash = {}
 
     def __dealloc__(self):
         PyMem_Free(self._list.ref_counts)
@@ -145,6 +152,8 @@ cdef class BlockManager:
         if count:
             with nogil:
                 pop_head(&self._list, &view[0], count)
+            if self._by_hash:
+                self._evict(out)
         return out
 
     def free(self, block_ids):
@@ -202,6 +211,92 @@ cdef class BlockManager:
             times = int((ids == block).sum())
             raise ValueError(f"block {block}: refcount {held} + {times} overflows int32")
 
+    @property
+    def num_cached(self):
+        """Blocks holding a content hash (free or in use)."""
+        return len(self._by_hash)
+
+    def cache_block(self, block_id, block_hash):
+        """Records that allocated block `block_id` holds the content named by `block_hash` (a full
+        block of KV whose tokens, and every token before them, the hash chains over). The block keeps
+        the hash while in use and while free, until `allocate` hands it out again.
+
+        Returns:
+            True if recorded; False when another block already holds this hash (the block stays
+            uncached) or this block already holds it.
+
+        Raises:
+            ValueError: a bad block id, a free block, a block holding another hash, or a hash that is
+                not non-empty bytes; nothing is changed.
+        """
+        block = self._one_id(block_id)
+        check_hash(block_hash)
+        if self._list.ref_counts[block] == 0:
+            raise ValueError(f"block {block} is not allocated (refcount 0); only a held block can be cached")
+        held = self._hashes[block]
+        if held is not None and held != block_hash:
+            raise ValueError(f"block {block} already holds another hash; a cached block's content never changes")
+        if held is not None or block_hash in self._by_hash:
+            return False
+        self._hashes[block] = block_hash
+        self._by_hash[block_hash] = block
+        return True
+
+    def cached_block(self, block_hash):
+        """The block holding `block_hash`, or 0 when none does. Raises ValueError for a bad hash."""
+        return self._by_hash.get(check_hash(block_hash), 0)
+
+    def block_hash(self, block_id):
+        """The content hash block `block_id` holds, or None. Raises ValueError for a bad id."""
+        return self._hashes[self._one_id(block_id)]
+
+    def match(self, block_hashes):
+        """How many of `block_hashes` (a chain, first block first) are cached, counted from the first."""
+        by_hash = self._by_hash
+        cdef Py_ssize_t count = 0
+        for block_hash in block_hashes:
+            if block_hash not in by_hash:
+                break
+            count += 1
+        return count
+
+    def reuse(self, block_ids):
+        """Adds one reference per listed id to cached blocks (a prefix-cache hit): a free one leaves
+        the free list with refcount 1, a held one is shared like `pin`.
+
+        Raises:
+            ValueError: id 0, an id outside [1, num_blocks), a block without a hash, a repeated id or
+                a refcount that would overflow int32; nothing is changed.
+        """
+        ids = self._checked(block_ids)
+        cdef const int32_t[::1] view = ids
+        cdef Py_ssize_t i
+        cdef int32_t block
+        if view.shape[0] == 0:
+            return
+        if len(set(ids.tolist())) != view.shape[0]:
+            raise ValueError("reuse takes each block once; block ids repeat")
+        for i in range(view.shape[0]):
+            block = view[i]
+            if self._hashes[block] is None:
+                raise ValueError(f"block {block} holds no hash; only a cached block can be reused")
+            if self._list.ref_counts[block] == INT32_MAX:
+                raise ValueError(f"block {block}: refcount {INT32_MAX} + 1 overflows int32")
+        with nogil:
+            for i in range(view.shape[0]):
+                block = view[i]
+                if self._list.ref_counts[block] == 0:
+                    unlink_block(&self._list, block)
+                self._list.ref_counts[block] += 1
+
+    def drop_hashes(self):
+        """Forgets every block's hash (the blocks themselves are untouched); returns how many it held."""
+        num_dropped = len(self._by_hash)
+        for block in self._by_hash.values():
+            self._hashes[block] = None
+        self._by_hash.clear()
+        return num_dropped
+
     def free_block_ids(self):
         """[num_free] int32 ids on the free list, head (next handed out) first."""
         out = _np_empty(self._list.num_free, dtype=_np_int32)
@@ -245,9 +340,29 @@ cdef class BlockManager:
                 raise RuntimeError(
                     f"block {block}: refcount {fl.ref_counts[block]}, on free list: {linked}"
                 )
+        num_hashed = sum(h is not None for h in self._hashes)
+        if self._hashes[0] is not None or num_hashed != len(self._by_hash) or any(
+                self._hashes[b] != h for h, b in self._by_hash.items()):
+            raise RuntimeError(f"hash index broken: {num_hashed} hashed blocks, {len(self._by_hash)} indexed")
 
     def __repr__(self):
         return f"BlockManager(num_blocks={self._list.num_blocks}, num_free={self._list.num_free})"
+
+    cdef object _evict(self, object block_ids):
+        """Blocks just handed out by `allocate` lose their hash (their content is about to change)."""
+        hashes = self._hashes
+        for block in block_ids.tolist():
+            held = hashes[block]
+            if held is not None:
+                hashes[block] = None
+                del self._by_hash[held]
+
+    def _one_id(self, block_id):
+        if isinstance(block_id, bool) or not isinstance(block_id, (int, np.integer)):
+            raise ValueError(f"block_id must be an int, got {type(block_id).__name__}")
+        if not 1 <= block_id < self._list.num_blocks:
+            raise ValueError(f"block_id={block_id} out of range [1, {self._list.num_blocks})")
+        return int(block_id)
 
     cdef object _checked(self, object block_ids):
         """Block ids as a contiguous 1-D int32 array, all in [1, num_blocks)."""

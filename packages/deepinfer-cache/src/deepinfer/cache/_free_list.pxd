@@ -46,6 +46,17 @@ cdef inline void push_tail(FreeList* fl, int32_t block) noexcept nogil:
     fl.num_free += 1
 
 
+cdef inline void unlink_block(FreeList* fl, int32_t block) noexcept nogil:
+    # Takes a listed block out of the free list wherever it is (a cached block reused by a hit).
+    cdef int32_t before = fl.prev_free[block]
+    cdef int32_t after = fl.next_free[block]
+    fl.next_free[before] = after
+    fl.prev_free[after] = before
+    fl.next_free[block] = NOT_LINKED
+    fl.prev_free[block] = NOT_LINKED
+    fl.num_free -= 1
+
+
 cdef inline void pop_tail(FreeList* fl) noexcept nogil:
     cdef int32_t sentinel = fl.num_blocks
     cdef int32_t block = fl.prev_free[sentinel]

@@ -35,6 +35,13 @@ def check_count(name: str, count: object) -> int:
     return value
 
 
+def check_hash(block_hash: object) -> bytes:
+    """A block's content hash: non-empty bytes (`deepinfer.cache.prefix` makes 32-byte sha256 digests)."""
+    if type(block_hash) is not bytes or not block_hash:
+        raise ValueError(f"block_hash must be non-empty bytes, got {type(block_hash).__name__}")
+    return block_hash
+
+
 def as_id_array(ids: object) -> np.ndarray:
     """Any 1-D integer sequence -> contiguous int64 array; floats, bools and 2-D input are refused."""
     arr = np.asarray(ids)

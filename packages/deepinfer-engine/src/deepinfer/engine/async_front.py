@@ -19,17 +19,17 @@ import uuid
 from collections.abc import AsyncGenerator, Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Protocol
+from typing import Protocol
 
 from .intake import PromptInput
 from .outputs import CompletionOutput, RequestOutput, running_output
 from .sampling_params import SamplingParams
+from .stats import EngineStats, ParallelStats
+from .text_checks import check_prompt_length, check_unicode
 from .tokenizer import Tokenizer
 
-if TYPE_CHECKING:
-    from .parallel.messages import ParallelStats
-
 DEFAULT_MAX_NUM_WAITING = 1024
+MAX_PENDING_DELTAS = 64      # outputs a DeltaStream queues for its consumer before joining them into one
 
 
 class EngineQueueFull(RuntimeError):
@@ -42,29 +42,6 @@ class EngineStopped(RuntimeError):
 
 class EngineDead(EngineStopped):
     """The engine behind the front failed (a DP rank died); the message says which and how."""
-
-
-@dataclass(frozen=True, slots=True)
-class EngineStats:
-    """A snapshot of one engine (or the sum over DP ranks) after its latest step.
-
-    Attributes:
-        num_running: sequences decoding (or about to), per the scheduler.
-        num_waiting: requests accepted but not running: in the inbox, compiling a grammar or
-            waiting for prefill.
-        num_free_kv_blocks: free paged KV blocks (block 0, reserved, not counted).
-        num_kv_blocks: usable paged KV blocks (block 0 excluded).
-    """
-
-    num_running: int
-    num_waiting: int
-    num_free_kv_blocks: int
-    num_kv_blocks: int
-
-    @property
-    def kv_cache_usage(self) -> float:
-        """Fraction of the usable KV blocks in use, in [0, 1]."""
-        return 1.0 - self.num_free_kv_blocks / self.num_kv_blocks if self.num_kv_blocks else 0.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -173,7 +150,13 @@ class DeltaStream(OutputStream):
         return self.error is not None or self._final
 
     def put(self, out: RequestOutput) -> None:
-        self._pending.append(out)
+        pending = self._pending
+        pending.append(out)
+        if len(pending) > MAX_PENDING_DELTAS:      # a consumer that does not read: one joined delta, not
+            joined = pending[0]                     # one object per step for the rest of the request
+            for more in pending[1:]:
+                joined = accumulate(joined, more)
+            self._pending = [joined]
         self._final = out.finished
         self.event.set()
 
@@ -215,6 +198,16 @@ class StreamingFront(abc.ABC):
 
     _streams: dict[str, OutputStream]
 
+    @property
+    @abc.abstractmethod
+    def model(self) -> ServedModel:
+        """The served model's folder, tokenizer and length limit."""
+
+    @property
+    @abc.abstractmethod
+    def is_running(self) -> bool:
+        """The front takes requests (not shut down, not failed)."""
+
     @abc.abstractmethod
     def _submit(self, prompt: PromptInput | Sequence[int], params: SamplingParams,
                 request_id: str | None) -> tuple[str, OutputStream]:
@@ -238,10 +231,12 @@ class StreamingFront(abc.ABC):
             EngineQueueFull: max_num_waiting requests already wait; nothing was queued.
             EngineStopped: shut down, or the engine failed (`EngineDead`, also after some outputs).
             ValueError / StructuredOutputUnavailable: the engine refused the request (a bad or
-                duplicate id, a bad prompt, ...).
+                duplicate id, a bad prompt, ...), or the text prompt was refused before tokenizing
+                (`_prepare`). A refused request leaves nothing behind.
         Closing or cancelling the iterator before the last output aborts the request, which frees
         its cache blocks at the engine's next step.
         """
+        prompt = await self._prepare(prompt)
         request_id, stream = self._submit(prompt, params or SamplingParams(), request_id)
         finished = False
         try:
@@ -263,6 +258,25 @@ class StreamingFront(abc.ABC):
             if not finished:
                 self.abort(request_id)
 
+    async def _prepare(self, prompt: PromptInput | Sequence[int]) -> PromptInput | Sequence[int]:
+        """A text prompt checked and tokenized off the event loop, before anything is registered:
+        {"prompt_token_ids", "prompt"} (the engine gives both forms the same result). Anything else,
+        or text without a tokenizer, goes as it is (the engine checks it, or refuses it).
+
+        Raises:
+            ValueError: the text holds a lone surrogate, or is longer than max_model_len tokens could
+                hold (`text_checks.check_prompt_length`: refused without tokenizing it).
+        """
+        if not isinstance(prompt, str) or not self.is_running:    # stopped: `_submit` says so, untokenized
+            return prompt
+        model = self.model
+        if model.tokenizer is None:
+            return prompt
+        check_prompt_length(prompt, model.tokenizer.max_token_chars, model.max_model_len)
+        check_unicode(prompt, "prompt")
+        ids = await asyncio.to_thread(model.tokenizer.encode, prompt)
+        return {"prompt_token_ids": ids, "prompt": prompt}
+
     @property
     def num_unfinished(self) -> int:
         """Requests accepted and not yet finished."""
@@ -279,12 +293,18 @@ class ProcessFront(StreamingFront):
     """What the fronts over engine processes share (`async_process.AsyncLLMProcess`,
     `parallel.DPAsyncLLM`): the shut-down / failed state, the checks a request passes before it is
     queued, and failing every stream when an engine process fails. A subclass sets `_stopping`,
-    `_failure`, `_reader` (its thread reading the processes' reports) and `max_num_waiting`."""
+    `_failure`, `_reader` (its thread reading the processes' reports), `_model` and `max_num_waiting`."""
 
     _stopping: bool
     _failure: str | None
     _reader: threading.Thread
+    _model: ServedModel
     max_num_waiting: int
+
+    @property
+    def model(self) -> ServedModel:
+        """The served model, as the engine processes reported it when ready."""
+        return self._model
 
     @property
     def is_running(self) -> bool:
@@ -345,7 +365,7 @@ def _delta(out: RequestOutput, reported: list[tuple[int, int]]) -> RequestOutput
     if not out.finished and len(cut) == 1:
         _, text, token_ids, logprobs, entries = cut[0]
         return running_output(out.request_id, out.prompt, out.prompt_token_ids, text, token_ids, logprobs, entries,
-                              out.prompt_logprobs)
+                              out.prompt_logprobs, out.num_cached_tokens)
     return dataclasses.replace(out, outputs=[dataclasses.replace(c, text=text, token_ids=ids, logprobs=logprobs,
                                                                  logprob_entries=entries)
                                              for c, text, ids, logprobs, entries in cut])
@@ -358,11 +378,12 @@ def accumulate(previous: RequestOutput | None, delta: RequestOutput) -> RequestO
     if previous is None:
         return delta
     prompt_logprobs = delta.prompt_logprobs or previous.prompt_logprobs
+    num_cached_tokens = max(previous.num_cached_tokens, delta.num_cached_tokens)
     if not delta.finished and len(delta.outputs) == 1:
         old, new = previous.outputs[0], delta.outputs[0]
         return running_output(previous.request_id, previous.prompt, previous.prompt_token_ids, old.text + new.text,
                               old.token_ids + new.token_ids, _joined(old.logprobs, new.logprobs),
-                              _joined(old.logprob_entries, new.logprob_entries), prompt_logprobs)
+                              _joined(old.logprob_entries, new.logprob_entries), prompt_logprobs, num_cached_tokens)
     samples = [CompletionOutput(index=new.index, text=old.text + new.text, token_ids=old.token_ids + new.token_ids,
                                 finish_reason=new.finish_reason, logprobs=_joined(old.logprobs, new.logprobs),
                                 stop_reason=new.stop_reason, ignored_reason=new.ignored_reason,
@@ -370,7 +391,7 @@ def accumulate(previous: RequestOutput | None, delta: RequestOutput) -> RequestO
                                 logprob_entries=_joined(old.logprob_entries, new.logprob_entries))
                for old, new in zip(previous.outputs, delta.outputs)]
     return RequestOutput(previous.request_id, previous.prompt, previous.prompt_token_ids, samples, delta.finished,
-                         prompt_logprobs)
+                         prompt_logprobs, num_cached_tokens)
 
 
 def _joined(old: list | None, new: list | None) -> list | None:

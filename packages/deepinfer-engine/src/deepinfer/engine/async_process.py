@@ -7,12 +7,15 @@
     await llm.shutdown()
 
 The engine loop (`engine_process`) steps in a spawned child; this process keeps the event loop, the
-HTTP work and a reader thread. The front tokenizes text prompts itself and writes each request to
+HTTP work and a reader thread. The front tokenizes text prompts itself (on a worker thread, before
+the request is registered: `StreamingFront._prepare`) and writes each request to
 the child's pipe; the reader thread takes one `StepReport` per engine step, turns its columns back
 into `RequestOutput`s (the prompt from the request's first output) and posts them to their
 `DeltaStream`s with one `call_soon_threadsafe` per step and event loop. When the child dies (or
 reports an error) every request in flight fails with `EngineDead`, `failure` says how, and the front
-takes no more requests. `shutdown` stops the child and waits for it: no process is left behind.
+takes no more requests. A child that exits cleanly on SIGTERM (having finished its requests) is a
+stop, not a failure: logged as such, `failure` stays None and the front takes no more requests.
+`shutdown` stops the child and waits for it: no process is left behind.
 
 `AsyncLLM` (an engine in a thread of this process) stays for library use and `deepinfer serve
 --engine-in-thread`.
@@ -85,6 +88,7 @@ class AsyncLLMProcess(ProcessFront):
         self._num_unfinished = 0                        # submitted, not yet finished or refused
         self._load = EngineLoad(0, 0, 0)
         self._stopping = False
+        self._engine_exited = False                     # the process exited cleanly on its own (SIGTERM)
         self._failure: str | None = None
         self._send_lock = threading.Lock()
         ctx = mp.get_context("spawn")
@@ -98,7 +102,7 @@ class AsyncLLMProcess(ProcessFront):
         self._from_engine, self._to_engine = from_engine, to_engine
         self.ready = self._wait_ready()
         self._load = self.ready.load
-        self.model = ServedModel(self.ready.model_dir, load_tokenizer(self.ready.model_dir), self.ready.max_model_len,
+        self._model = ServedModel(self.ready.model_dir, load_tokenizer(self.ready.model_dir), self.ready.max_model_len,
                                  args.model is None)
         self._reader = threading.Thread(target=self._read, name="deepinfer-engine-reader", daemon=True)
         self._reader.start()
@@ -126,20 +130,14 @@ class AsyncLLMProcess(ProcessFront):
 
     def _submit(self, prompt: PromptInput | Sequence[int], params: SamplingParams,
                 request_id: str | None) -> tuple[str, OutputStream]:
+        # Text was tokenized by `_prepare` (off the event loop; a refusal there registers nothing).
+        # Nothing below raises after the request is registered.
         request_id = self._accept(request_id, self._load.num_running, lambda _: False)
         stream = DeltaStream(asyncio.get_running_loop())
         self._streams[request_id] = stream
         self._num_unfinished += 1
-        self._send(SubmitRequest(request_id, self._tokenized(prompt), params))
+        self._send(SubmitRequest(request_id, prompt, params))
         return request_id, stream
-
-    def _tokenized(self, prompt: PromptInput | Sequence[int]) -> PromptInput | Sequence[int]:
-        """Text becomes {"prompt_token_ids", "prompt"} here (the engine gives both forms the same
-        result), so the engine process does not tokenize it; anything else goes as it is."""
-        tokenizer = self.model.tokenizer
-        if isinstance(prompt, str) and tokenizer is not None:
-            return {"prompt_token_ids": tokenizer.encode(prompt), "prompt": prompt}
-        return prompt
 
     def abort(self, request_id: str) -> None:
         """Abort a request (unknown or finished ids are ignored); its stream ends without a last output."""
@@ -157,8 +155,10 @@ class AsyncLLMProcess(ProcessFront):
         """Stop taking requests; with drain, let every accepted request finish (else abort them); the
         engine process then exits and is waited for."""
         if not self._begin_shutdown(drain):
-            return
-        self._send(StopEngine())
+            if not self._engine_exited:
+                return                          # a shutdown in progress waits for the process
+        else:
+            self._send(StopEngine())
         await asyncio.to_thread(self._proc.join)
         await asyncio.to_thread(self._reader.join)
         self._to_engine.close()
@@ -198,9 +198,10 @@ class AsyncLLMProcess(ProcessFront):
                 # fixed bound on a loaded machine; `shutdown` waits too). Else give it 10 s to say how.
                 self._proc.join(timeout=None if self._stopping else 10)
                 code = self._proc.exitcode
-                if not (self._stopping and code == 0):
-                    how = " (SIGTERM: it finished its requests first)" if code == 0 else ""
-                    self._fail(f"the engine process exited with code {code}{how}")
+                if code == 0 and not self._stopping:
+                    self._stopped_by_signal()
+                elif code != 0:
+                    self._fail(f"the engine process exited with code {code}")
                 self._from_engine.close()
                 return
             if isinstance(message, StepReport):
@@ -235,6 +236,21 @@ class AsyncLLMProcess(ProcessFront):
                 stream.fail(refusal.error)
         self._load = report.load
         deliver(posts, self.abort)
+
+    def _stopped_by_signal(self) -> None:
+        """The engine process exited cleanly without being asked by this front: a SIGTERM (a service
+        manager signals every process of the server) made it finish its requests first. The front
+        takes no more requests; one that slipped in after the engine stopped reading fails."""
+        self._engine_exited = True
+        self._stopping = True
+        lost = len(self._streams)
+        if not lost:
+            logger.warning("the engine process stopped cleanly (SIGTERM: exit code 0, no request in flight); "
+                           "the server takes no more requests")
+            return
+        logger.error("the engine process stopped (SIGTERM: exit code 0) with %d request(s) it never received; "
+                     "they fail", lost)
+        self._fail_streams("the engine process stopped on SIGTERM before it received the request")
 
     def _fail(self, reason: str) -> None:
         """The engine process died or failed: fail every stream with EngineDead(reason), take no more

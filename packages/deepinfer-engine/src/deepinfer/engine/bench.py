@@ -215,7 +215,7 @@ def _summary(name: str, seconds: list[float]) -> dict[str, float | None]:
     if not seconds:
         return {f"{key}_{name}_ms": None for key in ("mean", *(f"p{p}" for p in PERCENTILES))}
     ms = np.asarray(seconds, dtype=np.float64) * 1000.0
-    summary = {f"mean_{name}_ms": round(float(ms.mean()), 3)}
+    summary: dict[str, float | None] = {f"mean_{name}_ms": round(float(ms.mean()), 3)}
     for p, value in zip(PERCENTILES, np.percentile(ms, PERCENTILES)):
         summary[f"p{p}_{name}_ms"] = round(float(value), 3)
     return summary

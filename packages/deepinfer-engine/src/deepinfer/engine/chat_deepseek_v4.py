@@ -104,19 +104,30 @@ class DeepseekV4ChatTemplate:
         keep_reasoning = bool(tools)
         if tools:
             turns = _declare_tools(turns, tools)
-        last_user = max((i for i, t in enumerate(turns) if t.role in ("user", "developer")), default=-1)
-        if thinking and not keep_reasoning:
+        if thinking and not keep_reasoning:    # developer turns before the last user turn are dropped
+            last_user = _last_user_turn(turns)
             turns = [t for i, t in enumerate(turns) if t.role != "developer" or i >= last_user]
-            last_user = max((i for i, t in enumerate(turns) if t.role in ("user", "developer")), default=-1)
+        last_user = _last_user_turn(turns)
         parts = [BOS]
         for index, turn in enumerate(turns):
             parts.append(_render_turn(turn, thinking=thinking and (keep_reasoning or index > last_user)))
-            following = turns[index + 1].role if index + 1 < len(turns) else None
-            ends_prompt = following is None and add_generation_prompt
-            if turn.role in ("user", "developer") and (following == "assistant" or ends_prompt):
-                opens = thinking and (keep_reasoning or index == last_user)
-                parts.append(ASSISTANT + (THINK_START if opens else THINK_END))
+            parts.append(_assistant_opening(turns, index, add_generation_prompt,
+                                            thinking=thinking and (keep_reasoning or index == last_user)))
         return "".join(parts)
+
+
+def _last_user_turn(turns: Sequence[_Turn]) -> int:
+    return max((i for i, t in enumerate(turns) if t.role in ("user", "developer")), default=-1)
+
+
+def _assistant_opening(turns: Sequence[_Turn], index: int, add_generation_prompt: bool, *, thinking: bool) -> str:
+    """The assistant header after user / developer turn `index` when an assistant turn (or, with
+    add_generation_prompt, the model's answer) follows it: opening its reasoning when `thinking`."""
+    following = turns[index + 1].role if index + 1 < len(turns) else None
+    ends_prompt = following is None and add_generation_prompt
+    if turns[index].role in ("user", "developer") and (following == "assistant" or ends_prompt):
+        return ASSISTANT + (THINK_START if thinking else THINK_END)
+    return ""
 
 
 def _thinking_option(options: Mapping[str, Any]) -> bool:

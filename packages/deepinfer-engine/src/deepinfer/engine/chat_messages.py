@@ -20,6 +20,8 @@ _TOOL_FIELDS = frozenset({"type", "function"})
 _FUNCTION_FIELDS = frozenset({"name", "description", "parameters", "strict"})
 
 MAX_MESSAGES = 4096
+# OpenAI's chat roles; a chat template may take fewer (deepseek_v4 refuses "function"-style roles).
+ROLES = ("system", "developer", "user", "assistant", "tool")
 
 
 class InvalidChatRequest(ValueError):
@@ -43,7 +45,7 @@ class ChatMessage:
     """One message of a conversation.
 
     Attributes:
-        role: "system", "user", "assistant", "tool", "developer", ... (a template decides which it takes).
+        role: one of `ROLES` ("system", "developer", "user", "assistant", "tool"; a template may take fewer).
         content: the text ("" for None).
         reasoning_content: an assistant turn's reasoning (thinking), or None.
         tool_calls: an assistant turn's function calls.
@@ -81,7 +83,7 @@ def parse_messages(messages: object) -> tuple[ChatMessage, ...]:
 
     Raises:
         InvalidChatRequest: not a non-empty list of at most MAX_MESSAGES messages, or a message with
-            an unknown field, a non-str role, or content that is not text; `field` names it.
+            an unknown field, a role not in `ROLES`, or content that is not text; `field` names it.
     """
     if isinstance(messages, str | bytes | dict) or not isinstance(messages, Sequence) or not messages:
         raise InvalidChatRequest("messages must be a non-empty list of {'role': ..., 'content': ...} objects",
@@ -100,8 +102,8 @@ def _parse_one(index: int, message: object) -> ChatMessage:
     if unknown:
         raise InvalidChatRequest(f"{where}.{unknown[0]} is not supported", f"{where}.{unknown[0]}")
     role = message.get("role")
-    if not isinstance(role, str) or not role:
-        raise InvalidChatRequest(f"{where}.role={role!r} must be a non-empty str", f"{where}.role")
+    if not isinstance(role, str) or role not in ROLES:
+        raise InvalidChatRequest(f"{where}.role={role!r} must be one of {', '.join(ROLES)}", f"{where}.role")
     reasoning = _optional_str(message, "reasoning_content", where)
     return ChatMessage(role, _content(message.get("content"), f"{where}.content"), reasoning,
                        _tool_calls(message.get("tool_calls"), f"{where}.tool_calls"),

@@ -22,7 +22,9 @@ from deepinfer.sched import EngineType
 from .bench import BenchWorkload, InvalidBenchArgs, run_bench
 from .dataclass_flags import add_dataclass_flags, dataclass_kwargs, flag_name
 from .engine_args import AUTO, DTYPES, EXPERT_DTYPES, LOAD_FORMATS, EngineArgs, InvalidEngineArgs, allowed_values
+from .model_source import ModelNotCached, resolve_model_source
 from .sampling_params import InvalidSamplingParams, SamplingParams, StructuredOutput
+from .serve_flags import ENGINE_DEFAULTS_BY_COMMAND, add_serve_flags
 
 if TYPE_CHECKING:
     from .llm_engine import LLMEngine
@@ -73,24 +75,25 @@ def build_parser() -> argparse.ArgumentParser:
                                      "stdout, token count and finish reason on stderr.")
     gen.add_argument("prompts", nargs="+")
     _sampling_flags(gen)
-    _engine_flags(gen, "engine arguments (EngineArgs; a flag left out is not passed, so LLM's own default applies "
-                       "where it has one, see its docstring)")
+    _engine_flags(gen, "generate", "engine arguments (EngineArgs; a flag left out is not passed, so LLM's own "
+                                   "default applies where it has one, see its docstring)")
     gen.set_defaults(run=_generate, parser=gen)
     bench = sub.add_parser("bench", help="throughput, TTFT, TPOT and ITL on a synthetic workload",
                            description="Random-token prompts through an LLMEngine; prints the metrics as JSON.")
     _bench_flags(bench)
-    _engine_flags(bench, "engine arguments (EngineArgs)")
+    _engine_flags(bench, "bench", "engine arguments (EngineArgs)")
     bench.set_defaults(run=_bench, parser=bench)
     serve = sub.add_parser("serve", help="an OpenAI-compatible HTTP server",
                            description="Serve the model over HTTP: /v1/completions, /v1/chat/completions, "
-                                       "/v1/models, /health, /version, /metrics. SIGTERM drains the requests in "
+                                       "/v1/models, /tokenize, /detokenize, /health, /version, /metrics, /docs. "
+                                       "SIGTERM drains the requests in "
                                        "flight, then exits. The engine steps in a process of its own (the HTTP "
                                        "work runs beside it on another core; --engine-in-thread keeps it in a "
                                        "thread of the server's process); --data-parallel-size N runs N engine "
                                        "processes (with --expert-parallel sharding the experts over them).")
-    _serve_flags(serve)
-    _engine_flags(serve, "engine arguments (EngineArgs; a flag left out is not passed; preempted requests are "
-                         "recomputed unless --stop-preempted-request)")
+    add_serve_flags(serve)
+    _engine_flags(serve, "serve", "engine arguments (EngineArgs; a flag left out is not passed; preempted requests "
+                                  "are recomputed unless --stop-preempted-request)")
     serve.set_defaults(run=_serve, parser=serve)
     return parser
 
@@ -110,10 +113,11 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 # ---------------------------------------------------------------------------------------- flags
 
-def _engine_flags(parser: argparse.ArgumentParser, title: str) -> None:
+def _engine_flags(parser: argparse.ArgumentParser, command: str, title: str) -> None:
     add_dataclass_flags(parser.add_argument_group(title), EngineArgs, allowed=allowed_values,
                         choices={"dtype": (AUTO, *DTYPES), "expert_dtype": EXPERT_DTYPES,
-                                 "load_format": LOAD_FORMATS})
+                                 "load_format": LOAD_FORMATS},
+                        shown_defaults=ENGINE_DEFAULTS_BY_COMMAND.get(command))
 
 
 def _sampling_flags(parser: argparse.ArgumentParser) -> None:
@@ -159,33 +163,6 @@ def _bench_flags(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--max-concurrency", type=int, default=defaults["max_concurrency"], metavar="C",
                        help="most requests in the engine at once [default: no limit]")
     group.add_argument("--output-json", metavar="FILE", default=None, help="also write the result to FILE")
-
-
-def _serve_flags(parser: argparse.ArgumentParser) -> None:
-    group = parser.add_argument_group("server")
-    group.add_argument("--host", default="127.0.0.1", help="address to bind; 0.0.0.0 = every interface "
-                       "[default: 127.0.0.1]")
-    group.add_argument("--port", type=int, default=8000, help="TCP port [default: 8000]")
-    group.add_argument("--served-model-name", default=None, metavar="NAME",
-                       help="the model name clients send [default: --model as given, or deepinfer-embedded]")
-    group.add_argument("--api-key", default=None, metavar="KEY",
-                       help="require `Authorization: Bearer KEY` on /v1/* [default: no check]")
-    group.add_argument("--chat-template", default=None, metavar="NAME|FILE",
-                       help="deepseek_v4, plain, or a jinja file [default: the model folder's]")
-    group.add_argument("--max-num-waiting", type=int, default=1024, metavar="N",
-                       help="requests waiting to run before new ones get 503 [default: 1024]")
-    group.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug"),
-                       help="server log level [default: info]")
-    group.add_argument("--tool-call-parser", default=None, metavar="NAME",
-                       help="deepseek_v4 or hermes: finds tool calls in tool_choice=auto output [default: none]")
-    group.add_argument("--enable-auto-tool-choice", action="store_true",
-                       help="accept tool_choice=auto (needs --tool-call-parser)")
-    group.add_argument("--reasoning-parser", default=None, metavar="NAME",
-                       help="deepseek_v4: the thinking goes to reasoning_content [default: none]")
-    group.add_argument("--engine-in-thread", action="store_true",
-                       help="step the engine in a thread of the server's process, as before the engine process "
-                            "(its steps and the per-token HTTP work then share one interpreter lock) [default: a "
-                            "process of its own]; not with --data-parallel-size > 1")
 
 
 # ---------------------------------------------------------------------------------------- generate
@@ -299,34 +276,75 @@ def _bench(ns: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
 # ---------------------------------------------------------------------------------------- serve
 
 def _serve(ns: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
-    engine_kwargs, _ = _engine_args(ns, parser, allow_data_parallel=True)
+    engine_kwargs = dataclass_kwargs(ns, EngineArgs)
+    model_name = _vllm_flags(ns, parser, engine_kwargs)
     if engine_kwargs.get("engine_type", EngineType.NORMAL) is not EngineType.COMPLETION:
         engine_kwargs.setdefault("stop_preempted_request", False)     # as LLM: every request gets its output
-    args = EngineArgs(**engine_kwargs)
+    _, args = _engine_args(ns, parser, allow_data_parallel=True, kwargs=engine_kwargs)
     from .serve import ServeOptions, run_server, serve_client
 
-    name = ns.served_model_name or engine_kwargs.get("model") or "deepinfer-embedded"
+    name = ns.served_model_name or model_name or "deepinfer-embedded"
     try:
         options = ServeOptions(host=ns.host, port=ns.port, served_model_name=name, api_key=ns.api_key,
                                chat_template=ns.chat_template, max_num_waiting=ns.max_num_waiting,
                                log_level=ns.log_level, tool_call_parser=ns.tool_call_parser,
                                enable_auto_tool_choice=ns.enable_auto_tool_choice,
-                               reasoning_parser=ns.reasoning_parser)
+                               reasoning_parser=ns.reasoning_parser, enable_log_requests=ns.enable_log_requests)
     except ValueError as error:
         parser.error(str(error))
     if args.data_parallel_size > 1:
         if ns.engine_in_thread:
             parser.error("argument --engine-in-thread: not with --data-parallel-size > 1 (each rank is a process)")
-        serve_client(_start_ranks(args, options.max_num_waiting), options)
-        return 0
-    if not ns.engine_in_thread:
-        serve_client(_start_engine_process(args, options.max_num_waiting), options)
-        return 0
-    from .llm_engine import LLMEngine
+        failure = serve_client(_start_ranks(args, options.max_num_waiting), options)
+    elif not ns.engine_in_thread:
+        failure = serve_client(_start_engine_process(args, options.max_num_waiting), options)
+    else:
+        from .llm_engine import LLMEngine
 
-    engine = _build(lambda: LLMEngine(args), args)
-    run_server(engine, options)
+        failure = run_server(_build(lambda: LLMEngine(args), args), options)
+    if failure is None:
+        print("deepinfer serve: stopped cleanly (every request finished, the engine exited)", file=sys.stderr)
+    else:
+        print(f"deepinfer serve: stopped; the engine had failed: {_one_line(failure)}", file=sys.stderr)
     return 0
+
+
+def _vllm_flags(ns: argparse.Namespace, parser: argparse.ArgumentParser, engine_kwargs: dict[str, Any]) -> str | None:
+    """Apply serve's vLLM-habit flags to `engine_kwargs` (MODEL, --revision) or refuse them where they
+    do not apply (usage errors naming the flag); returns the model as the user named it."""
+    if ns.model_tag is not None:
+        given = engine_kwargs.get("model")
+        if given is not None and given != ns.model_tag:
+            parser.error(f"argument MODEL: {ns.model_tag!r} and --model {given!r} name different models; give one")
+        engine_kwargs["model"] = ns.model_tag
+    model = engine_kwargs.get("model")
+    if ns.tensor_parallel_size != 1:
+        parser.error(f"argument --tensor-parallel-size: {ns.tensor_parallel_size} is not supported (only 1): "
+                     "DeepInfer spreads a model over GPUs with data-parallel attention and expert-parallel MoE, "
+                     "--data-parallel-size N --expert-parallel")
+    if ns.tokenizer is not None and not _same_model(ns.tokenizer, model):
+        parser.error(f"argument --tokenizer: {ns.tokenizer!r} is not MODEL ({model or 'the embedded model'}): "
+                     "DeepInfer reads the tokenizer from the model folder (tokenizer.json); another tokenizer is "
+                     "not supported yet")
+    if ns.revision is not None:
+        if model is None or Path(model).is_dir():
+            parser.error(f"argument --revision: applies to a Hugging Face repo id in the local cache, not to "
+                         f"{'the embedded model' if model is None else f'the folder {model!r}'}")
+        try:
+            engine_kwargs["model"] = resolve_model_source(model, revision=ns.revision)
+        except ModelNotCached as error:
+            parser.error(f"argument --revision: {error}")
+    if ns.trust_remote_code:
+        print("deepinfer: note: --trust-remote-code has no effect: DeepInfer never runs code from a model folder "
+              "(config.json, tokenizer.json and safetensors are read as data)", file=sys.stderr)
+    return model
+
+
+def _same_model(tokenizer: str, model: str | None) -> bool:
+    if model is None:
+        return False
+    return tokenizer == model or (Path(tokenizer).is_dir() and Path(model).is_dir()
+                                  and Path(tokenizer).resolve() == Path(model).resolve())
 
 
 def _start_engine_process(args: EngineArgs, max_num_waiting: int) -> Any:
@@ -362,11 +380,12 @@ def _start_ranks(args: EngineArgs, max_num_waiting: int) -> Any:
 
 # ---------------------------------------------------------------------------------------- engine
 
-def _engine_args(ns: argparse.Namespace, parser: argparse.ArgumentParser, *,
-                 allow_data_parallel: bool = False) -> tuple[dict[str, Any], EngineArgs]:
-    """The engine flags given (to pass on) and the EngineArgs they make (validated: a bad value is a
-    usage error naming its flag; --data-parallel-size > 1 is one unless allow_data_parallel)."""
-    kwargs = dataclass_kwargs(ns, EngineArgs)
+def _engine_args(ns: argparse.Namespace, parser: argparse.ArgumentParser, *, allow_data_parallel: bool = False,
+                 kwargs: dict[str, Any] | None = None) -> tuple[dict[str, Any], EngineArgs]:
+    """The engine flags given (to pass on; `kwargs` when the command already gathered them) and the
+    EngineArgs they make (validated: a bad value is a usage error naming its flag;
+    --data-parallel-size > 1 is one unless allow_data_parallel)."""
+    kwargs = dataclass_kwargs(ns, EngineArgs) if kwargs is None else kwargs
     try:
         args = EngineArgs(**kwargs)
     except InvalidEngineArgs as error:
@@ -399,7 +418,7 @@ def _check_device(args: EngineArgs) -> None:
         raise _CommandError(f"device={args.device!r} needs CUDA, which this torch ({torch.__version__}) cannot use")
 
 
-def _one_line(error: BaseException) -> str:
+def _one_line(error: BaseException | str) -> str:
     return " ".join(str(error).split()) or type(error).__name__
 
 

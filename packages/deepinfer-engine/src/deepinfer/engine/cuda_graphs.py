@@ -17,7 +17,7 @@ import torch
 from torch import Tensor
 
 from deepinfer.kernels import KernelSet
-from deepinfer.model import DeepseekV4ForCausalLM, ForwardBatch, ModelCache
+from deepinfer.model import CausalLM, ForwardBatch, ModelCache
 from deepinfer.spec import cuda_graph_key, cuda_graph_sizes
 
 from .block_tables import RowBlockTables
@@ -57,7 +57,7 @@ class DecodeGraphs:
             `deepinfer.spec.cuda_graph_key`, the function the varlen policy sizes its steps with.
     """
 
-    def __init__(self, model: DeepseekV4ForCausalLM, cache: ModelCache, *, max_seqs: int, max_blocks: int,
+    def __init__(self, model: CausalLM, cache: ModelCache, *, max_seqs: int, max_blocks: int,
                  max_context_len: int, interval: int = 8, ops: KernelSet | None = None,
                  max_query_len: int = 1) -> None:
         device = model.embed.weight.device
@@ -162,6 +162,8 @@ class DecodeGraphs:
         the graph's output, valid until the next replay (work queued after it on the stream, such
         as sampling, reads it in time)."""
         size = self.bucket(n)
+        if size is None:
+            raise ValueError(f"no decode graph holds a step of {n} (the largest holds {self.sizes[-1]})")
         self.graphs[size].replay()
         return self.outputs[size][:n]
 

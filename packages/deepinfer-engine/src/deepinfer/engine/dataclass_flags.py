@@ -67,12 +67,15 @@ def add_dataclass_flags(
     *,
     choices: Mapping[str, Sequence[str]] | None = None,
     allowed: Callable[[str], str] | None = None,
+    shown_defaults: Mapping[str, str] | None = None,
 ) -> None:
     """Add one flag per field of the dataclass `cls` to `parser`.
 
     Args:
         choices: field -> the only strings it takes (argparse checks them).
         allowed: field -> its allowed values in words, appended to the help.
+        shown_defaults: field -> the default to show instead of the dataclass's (one that the command
+            applies itself when the flag is left out).
     Raises:
         TypeError: a field has a type this helper does not turn into a flag, or no description.
     """
@@ -82,9 +85,9 @@ def add_dataclass_flags(
         name = field.name
         if name not in docs:
             raise TypeError(f"{cls.__name__}.{name} has no entry in the docstring's Attributes: section")
-        default = _field_default(field)
+        default = (shown_defaults or {}).get(name, show_value(_field_default(field)))
         extra = [allowed(name)] if allowed is not None else []
-        help_text = f"{docs[name]} [{'; '.join([*extra, f'default: {show_value(default)}'])}]"
+        help_text = f"{docs[name]} [{'; '.join([*extra, f'default: {default}'])}]"
         kwargs: dict[str, Any] = {"dest": name, "default": argparse.SUPPRESS, "help": help_text.replace("%", "%%")}
         kind = _strip_optional(hints[name])
         if kind is bool:

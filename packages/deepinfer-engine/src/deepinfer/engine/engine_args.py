@@ -45,6 +45,7 @@ INT_RANGES: dict[str, tuple[int, int]] = {
     "eplb_interval_steps": (1, MAX_INT32),
     "num_speculative_tokens": (0, 64),           # 0 = off; else deepinfer.sched's nextn range
     "yoco_prefill_keep_tokens": (1, MAX_INT32),
+    "prefix_cache_snapshots": (1, 2**20),
 }
 EPLB_PRESETS = ("prefill", "decode")          # docs/design.md §10; deepinfer.eplb's PREFILL / DECODE_EPLB_CONFIG
 TRUNCATION_MODES = ("off", "compact", "mask")  # deepinfer.model's ced.TRUNCATION_MODES (not imported, as above)
@@ -52,9 +53,10 @@ MAX_DISTRIBUTED_TIMEOUT_S = 86400.0
 OPTIONAL_FIELDS = frozenset({"model", "max_model_len", "block_size", "num_kv_blocks", "gpu_memory_utilization",
                              "kv_cache_memory_mb",
                              "max_num_prompts", "prefill_max_sum_seqlen_k", "expert_dtype", "eplb",
-                             "eplb_redundant_experts_per_rank", "eplb_window_steps", "eplb_interval_steps"})
+                             "eplb_redundant_experts_per_rank", "eplb_window_steps", "eplb_interval_steps",
+                             "prefix_cache_snapshots"})
 BOOL_FIELDS = ("stop_preempted_request", "kv_quant", "enforce_eager", "engram_on_host", "batch_invariant",
-               "expert_parallel", "varlen_verify")
+               "expert_parallel", "varlen_verify", "enable_prefix_caching")
 
 
 class InvalidEngineArgs(ValueError):
@@ -102,6 +104,10 @@ class EngineArgs:
             anywhere).
         stop_preempted_request: finish a preempted request as "preempted" (True) or put it back in
             the queue to be recomputed (False).
+        max_cache_usage_for_prefill: a waiting request is prefilled only while the KV blocks in use
+            are at most this fraction of the cache (with requests running or not; the rest of a prompt
+            already mid-prefill goes on while nothing runs), so that running requests keep room to
+            decode (docs/design.md §3.1).
         engine_type: NORMAL, PROMPT (prefill only, disaggregated) or COMPLETION (decode only).
         kv_quant: official FP8/FP4 fake-quantisation of cached KV (off = transformers' numerics).
         expert_dtype: keep the routed experts quantised in memory: "fp8" (e4m3 with float32 block
@@ -121,7 +127,8 @@ class EngineArgs:
         yoco_prefill_keep_tokens: rows per prompt that truncated prefill computes in full (the window of
             128 plus a backtracking margin by default).
         batch_invariant: batch-invariant kernels (docs/batch_invariance.md): a request's outputs do not
-            depend on the other requests of its batch; slower.
+            depend on the other requests of its batch; slower. Refused with speculative decoding's
+            varlen_verify=True (its verify lengths follow the batch).
         zero_overhead_scheduling: ZOS (docs/design.md §6): the host schedules and launches decode step N + 1
             before it reads step N's sampled tokens, which feed step N + 1 on the device, so host work
             overlaps the GPU; a request's end is then seen one step late (its extra token is dropped).
@@ -130,7 +137,8 @@ class EngineArgs:
         data_parallel_size: attention data-parallel ranks, one process each (docs/design.md §9): `LLM` spawns
             them (or, under torchrun, this process is rank RANK of WORLD_SIZE); each runs its own engine,
             requests go to the least-loaded rank and every rank runs the same kind of step. 1 = one
-            process. Only `LLM` runs more than one rank so far: the `deepinfer` commands refuse it.
+            process. `deepinfer serve` runs N engine processes behind one server; `deepinfer generate`
+            and `deepinfer bench` drive one engine and refuse N > 1.
         expert_parallel: shard the routed experts over the data-parallel ranks (EP size = DP size), tokens
             dispatched and combined by all-to-all; needs data_parallel_size >= 2. Decode steps exchange
             fixed-capacity buffers (max_num_seqs × top-k rows per peer, no host read), so ZOS stays on;
@@ -158,6 +166,17 @@ class EngineArgs:
             start-up (kept in DEEPINFER_VARLEN_PROFILE_CACHE for the next start of the same config) and
             the draft head's confidences (a request's tokens then depend on its batch, even seeded
             ones); False = all k.
+        enable_prefix_caching: reuse the KV blocks and the model state of cached prompt prefixes
+            (docs/prefix_cache.md): a prompt starting with the tokens of an earlier prompt (a chat's
+            previous turn, a shared system prompt) prefills only the rest, from its last full block
+            that has a state snapshot; outputs are the same as without it. A prompt's prefill is cut at
+            its last block boundary (and where it leaves a shared cached prefix) to save a snapshot
+            there. Ignored by COMPLETION engines.
+        prefix_cache_snapshots: state snapshots the prefix cache keeps (each the size of a state slot,
+            paid for out of the cache budget; the least recently used is replaced); None = 2 ×
+            max_num_seqs (a chat between turns holds one, a shared system prompt one more), but at most
+            what a quarter of the cache budget left by the state slots holds when the budget sizes the
+            cache (none: prefix caching is off, with a warning).
     """
 
     model: str | None = None
@@ -176,6 +195,7 @@ class EngineArgs:
     prefill_max_sum_seqlen_k: int | None = None
     chunk_checkpoints: tuple[int, ...] = ()
     stop_preempted_request: bool = True
+    max_cache_usage_for_prefill: float = 0.9
     engine_type: EngineType = EngineType.NORMAL
     kv_quant: bool = False
     expert_dtype: str | None = None
@@ -194,6 +214,8 @@ class EngineArgs:
     distributed_timeout_s: float = 120.0
     num_speculative_tokens: int = 0
     varlen_verify: bool = True
+    enable_prefix_caching: bool = True
+    prefix_cache_snapshots: int | None = None
 
     def __post_init__(self) -> None:
         if self.model is not None and not isinstance(self.model, str):
@@ -201,6 +223,19 @@ class EngineArgs:
         if not isinstance(self.load_format, str) or self.load_format not in LOAD_FORMATS:
             _fail("load_format", f"load_format={self.load_format!r} must be one of "
                   f"{', '.join(map(repr, LOAD_FORMATS))}")
+        self._check_device()
+        for name, (low, high) in INT_RANGES.items():
+            value = getattr(self, name)
+            if value is not None or name not in OPTIONAL_FIELDS:
+                _int(name, value, low, high)
+        self._check_memory()
+        _check_checkpoints(self.chunk_checkpoints)
+        self._check_choices()
+        self._check_parallel()
+        self._check_speculative()
+
+    def _check_device(self) -> None:
+        """device and dtype."""
         if not isinstance(self.device, str):
             _fail("device", f"device={self.device!r} must be 'auto', 'cpu' or 'cuda[:N]' (a str)")
         if self.device != AUTO:
@@ -212,10 +247,8 @@ class EngineArgs:
                 _fail("device", f"device={self.device!r} must be 'auto', 'cpu' or 'cuda[:N]'")
         if not isinstance(self.dtype, str) or (self.dtype not in DTYPES and self.dtype != AUTO):
             _fail("dtype", f"dtype={self.dtype!r} must be 'auto' or one of {sorted(DTYPES)}")
-        for name, (low, high) in INT_RANGES.items():
-            value = getattr(self, name)
-            if value is not None or name not in OPTIONAL_FIELDS:
-                _int(name, value, low, high)
+
+    def _check_memory(self) -> None:
         mb = self.kv_cache_memory_mb
         if mb is not None and (isinstance(mb, bool) or not isinstance(mb, int | float)
                                or not 0 < mb <= MAX_KV_CACHE_MEMORY_MB):
@@ -224,7 +257,12 @@ class EngineArgs:
         util = self.gpu_memory_utilization
         if util is not None and (isinstance(util, bool) or not isinstance(util, int | float) or not 0 < util < 1):
             _fail("gpu_memory_utilization", f"gpu_memory_utilization={util!r} must be in (0, 1)")
-        _check_checkpoints(self.chunk_checkpoints)
+        usage = self.max_cache_usage_for_prefill
+        if isinstance(usage, bool) or not isinstance(usage, int | float) or not 0 <= usage <= 1:
+            _fail("max_cache_usage_for_prefill", f"max_cache_usage_for_prefill={usage!r} must be in [0, 1]")
+
+    def _check_choices(self) -> None:
+        """The fields that take one of a few values: modes, dtypes, flags, the engine type."""
         if self.yoco_prefill_truncation_mode not in TRUNCATION_MODES:
             _fail("yoco_prefill_truncation_mode", f"yoco_prefill_truncation_mode={self.yoco_prefill_truncation_mode!r} "
                   f"must be one of {', '.join(map(repr, TRUNCATION_MODES))}")
@@ -239,8 +277,9 @@ class EngineArgs:
         if not isinstance(self.engine_type, EngineType):
             _fail("engine_type", f"engine_type={self.engine_type!r} must be an EngineType (NORMAL, PROMPT or "
                   "COMPLETION)")
-        self._check_parallel()
-        self._check_speculative()
+        if self.prefix_cache_snapshots is not None and not self.enable_prefix_caching:
+            _fail("prefix_cache_snapshots", f"prefix_cache_snapshots={self.prefix_cache_snapshots} needs "
+                  "enable_prefix_caching=True")
 
     def _check_parallel(self) -> None:
         timeout = self.distributed_timeout_s
@@ -269,6 +308,10 @@ class EngineArgs:
         if self.engine_type is EngineType.PROMPT:
             _fail("num_speculative_tokens", f"num_speculative_tokens={k} needs a NORMAL or COMPLETION engine (a "
                   "PROMPT engine never decodes)")
+        if self.batch_invariant and self.varlen_verify:
+            _fail("varlen_verify", f"varlen_verify=True with num_speculative_tokens={k} picks each request's verify "
+                  "length from its batch, which batch_invariant=True promises it does not depend on: pass "
+                  "varlen_verify=False (--no-varlen-verify: every draft verified) or batch_invariant=False")
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -339,6 +382,7 @@ def allowed_values(name: str) -> str:
         "gpu_memory_utilization": "float in (0, 1), or None",
         "chunk_checkpoints": f"ints in [1, {MAX_INT32}], strictly increasing",
         "stop_preempted_request": "bool",
+        "max_cache_usage_for_prefill": "float in [0, 1]",
         "engine_type": ", ".join(member.name for member in EngineType),
         "kv_quant": "bool",
         "expert_dtype": ", ".join(EXPERT_DTYPES) + ", or None",
@@ -351,6 +395,7 @@ def allowed_values(name: str) -> str:
         "eplb": ", ".join(EPLB_PRESETS) + ", or None",
         "distributed_timeout_s": f"float in (0, {MAX_DISTRIBUTED_TIMEOUT_S}]",
         "varlen_verify": "bool",
+        "enable_prefix_caching": "bool",
     }[name]
 
 
@@ -363,7 +408,7 @@ def _check_checkpoints(checkpoints: object) -> None:
     if not isinstance(checkpoints, tuple):
         _fail("chunk_checkpoints", f"chunk_checkpoints={checkpoints!r} must be a tuple of token positions")
     previous = 0
-    for index, position in enumerate(checkpoints):  # type: ignore[arg-type]
+    for index, position in enumerate(checkpoints):
         if isinstance(position, bool) or not isinstance(position, int) or not 1 <= position <= MAX_INT32:
             _fail("chunk_checkpoints", f"chunk_checkpoints[{index}]={position!r} must be an integer in "
                   f"[1, {MAX_INT32}]")

@@ -131,7 +131,8 @@ class XGrammarBackend:
                  max_threads: int = 1) -> None:
         if not xgrammar_installed():
             raise StructuredOutputUnavailable(
-                "SamplingParams.structured needs the xgrammar package: pip install 'deepinfer-engine[structured]'"
+                "SamplingParams.structured needs the xgrammar package (a dependency of deepinfer-engine, missing "
+                "from this environment): pip install 'xgrammar>=0.2.8,<0.3'"
             )
         if not stop_token_ids:
             raise StructuredOutputUnavailable("structured output needs an EOS token id; the model defines none")
@@ -171,7 +172,7 @@ class XGrammarBackend:
             reason = _SOURCE_PREFIX.sub("", str(error)).strip() or type(error).__name__
             raise GrammarCompileError(f"invalid structured.{kind}: {reason}") from error
 
-    def new_state(self, compiled: object) -> GrammarState:
+    def new_state(self, compiled: Any) -> GrammarState:   # an xgrammar.CompiledGrammar from `compile`
         import xgrammar
 
         return GrammarState(xgrammar.GrammarMatcher(compiled))

@@ -14,7 +14,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from deepinfer.model import DeepseekV4ForCausalLM
+from deepinfer.model import CausalLM
 from deepinfer.sched import EngineType, Scheduler
 
 from .engine_args import EngineArgs
@@ -24,10 +24,13 @@ from .logit_controls import tokenize_bad_words
 from .outputs import OutputKind
 from .request import ParallelRequest, Request
 from .sampling_params import InvalidSamplingParams, SamplingParams
+from .sampling_stage import SamplingStage
+from .text_checks import check_unicode
 from .tokenizer import Tokenizer, require_tokenizer
 
 PromptInput = str | dict[str, Any]
 MAX_REQUEST_ID_LEN = 256
+GRAMMAR_FAILED = "grammar compile failed"     # how the ignored_reason of a request whose grammar failed starts
 
 def _checked_request_id(request_id: object) -> str:
     if not isinstance(request_id, str) or not request_id or len(request_id) > MAX_REQUEST_ID_LEN:
@@ -43,13 +46,14 @@ class RequestIntake:
     """add_request / prepare_request / enqueue / abort_request and their checks (a base of `LLMEngine`)."""
 
     args: EngineArgs
-    model: DeepseekV4ForCausalLM
+    model: CausalLM
     model_dir: Path
     tokenizer: Tokenizer | None
     eos_token_ids: tuple[int, ...]
     max_model_len: int
     scheduler: Scheduler
     grammars: GrammarCompilePool | None
+    sampling: SamplingStage
     _lock: threading.RLock
     _ids: itertools.count
     _requests: dict[str, Request | ParallelRequest]
@@ -73,7 +77,8 @@ class RequestIntake:
         Raises:
             ValueError: a bad or duplicate id, text without a tokenizer, token ids outside the
                 vocabulary, or a COMPLETION engine (it only takes requests handed over by a PROMPT
-                engine). A refused request leaves nothing behind.
+                engine). InvalidSamplingParams (a ValueError): params.max_tokens above what the
+                prompt leaves of max_model_len. A refused request leaves nothing behind.
             StructuredOutputUnavailable: params.structured without xgrammar, a tokenizer or an EOS id.
             An empty prompt or one longer than max_model_len is not an error: the request finishes
             as "ignored" with its reason at the next step; so does a grammar that fails to compile.
@@ -104,6 +109,7 @@ class RequestIntake:
         bad = [t for t in token_ids if not 0 <= t < vocab]
         if bad:
             raise ValueError(f"prompt_token_ids contain {bad[:3]}: ids must be in [0, {vocab})")
+        _check_room(params, len(token_ids), self.max_model_len)
         if params.stop and self.tokenizer is None:
             raise ValueError("SamplingParams.stop needs a tokenizer; this model folder has no tokenizer.json")
         if params.structured is not None:
@@ -129,7 +135,7 @@ class RequestIntake:
 
     @staticmethod
     def _check_token_ids(params: SamplingParams, vocab: int) -> None:
-        for name, ids in (("logit_bias", [t for t, _ in params.logit_bias or ()]),
+        for name, ids in (("logit_bias", [t for t, _ in params.logit_bias_pairs]),
                           ("allowed_token_ids", params.allowed_token_ids or ())):
             bad = [t for t in ids if t >= vocab]
             if bad:
@@ -159,7 +165,7 @@ class RequestIntake:
                 else:
                     # sample 0's token list is the sequence's history (kept once: `Request`)
                     self.scheduler.add_seq(req.request_id, req.samples[0].token_ids, req.max_tokens,
-                                           share_list=True)
+                                           share_list=True, use_prefix_cache=req.params.prompt_logprobs is None)
             except BaseException:
                 self._forget_request(req)
                 self._awaiting_grammar.pop(req.request_id, None)
@@ -170,7 +176,7 @@ class RequestIntake:
         self._requests.pop(req.request_id, None)
         for sample in req.samples:
             self._seqs.pop(sample.seq_id, None)
-            if sample.history_slot is not None:
+            if sample.history_slot is not None and self.sampling.history is not None:
                 self.sampling.history.release(sample.history_slot)
                 sample.history_slot = None
 
@@ -195,23 +201,30 @@ class RequestIntake:
             req = self._awaiting_grammar.pop(done.request_id, None)
             if req is None or req.finished:          # aborted while compiling
                 continue
-            if done.error is not None:
-                req.ignore(f"grammar compile failed: {done.error}")
+            error = done.error
+            if error is None:
+                try:
+                    for sample in req.samples:
+                        sample.grammar = self.grammars.backend.new_state(done.compiled)
+                except Exception as err:         # the request fails alone, not the step it is pumped in
+                    error = f"its grammar could not start: {type(err).__name__}: {err}"
+            if error is not None:
+                req.ignore(f"{GRAMMAR_FAILED}: {error}")
                 self._finished_between_steps.append(req)
             else:
-                for sample in req.samples:
-                    sample.grammar = self.grammars.backend.new_state(done.compiled)
                 # Never recomputed (docs/design.md §3.3): a preemption finishes it.
                 self.scheduler.add_seq(req.request_id, req.samples[0].token_ids, req.max_tokens, recomputable=False,
-                                       share_list=True)
+                                       share_list=True, use_prefix_cache=req.params.prompt_logprobs is None)
 
     def tokenize_prompt(self, prompt: PromptInput | Sequence[int]) -> tuple[str | None, list[int]]:
         """(prompt text or None, prompt token ids) of a prompt in any accepted form.
 
         Raises:
-            ValueError: malformed token ids; NoTokenizerError: text without a tokenizer.
+            ValueError: malformed token ids, text with a lone surrogate; NoTokenizerError: text
+                without a tokenizer.
         """
         if isinstance(prompt, str):
+            check_unicode(prompt, "prompt")
             return prompt, require_tokenizer(self.tokenizer, self.model_dir).encode(prompt)
         if isinstance(prompt, dict):
             if "prompt_token_ids" not in prompt:
@@ -236,6 +249,8 @@ class RequestIntake:
                 for sample in req.samples:
                     if not sample.finished:
                         self._forget_seq(sample.seq_id)
+            elif self.grammars is not None:
+                self.grammars.cancel(request_id)        # nobody else waiting: the compile is dropped
             req.abort()
             self._finished_between_steps.append(req)
 
@@ -245,3 +260,13 @@ class RequestIntake:
             self.scheduler.abort_seq(seq_id)
         except KeyError:
             pass
+
+
+def _check_room(params: SamplingParams, prompt_len: int, max_model_len: int) -> None:
+    """Refuse max_tokens beyond what the prompt leaves of max_model_len (at least one token: the one
+    sampled at the end of the prefill). A prompt longer than max_model_len is left to the scheduler,
+    which finishes it as ignored."""
+    room = max(1, max_model_len - prompt_len)
+    if params.max_tokens is not None and prompt_len <= max_model_len and params.max_tokens > room:
+        raise InvalidSamplingParams(f"max_tokens={params.max_tokens} exceeds the {room} tokens this request has "
+                                    f"room for: max_model_len={max_model_len} minus its {prompt_len} prompt tokens")

@@ -18,7 +18,7 @@ from .env import read_torchrun_env
 from .intake import PromptInput
 from .llm_engine import LLMEngine, resolve_model_dir
 from .outputs import OutputKind, RequestOutput
-from .request import Request
+from .request import ParallelRequest, Request
 from .sampling_params import SamplingParams
 from .tokenizer import Tokenizer, load_tokenizer, require_tokenizer
 
@@ -106,12 +106,13 @@ class LLM:
         with self._lock:
             if self.parallel is not None:
                 return self.parallel.generate(items, params)
-            requests = []
+            engine = self._single_engine()
+            requests: list[Request | ParallelRequest] = []
             for i, (item, p) in enumerate(zip(items, params)):
                 if not isinstance(item, str | dict):
                     raise ValueError(f"prompts[{i}] must be a str or a {{'prompt_token_ids': [...]}} dict")
                 try:
-                    requests.append(self.engine.prepare_request(None, item, p, output_kind=OutputKind.FINAL_ONLY))
+                    requests.append(engine.prepare_request(None, item, p, output_kind=OutputKind.FINAL_ONLY))
                 except ValueError as err:
                     err.args = (f"prompts[{i}]: {err}", *err.args[1:])   # same type, says which prompt
                     raise
@@ -163,24 +164,31 @@ class LLM:
                                                                 override=override)
         return self._chat_templates[override]
 
-    def _run(self, requests: list[Request], use_tqdm: bool) -> list[RequestOutput]:
+    def _single_engine(self) -> LLMEngine:
+        """This process's engine (every LLM has one, but one that spawned its DP ranks)."""
+        if self.engine is None:
+            raise RuntimeError("this LLM runs its data-parallel ranks in other processes: it has no engine here")
+        return self.engine
+
+    def _run(self, requests: list[Request | ParallelRequest], use_tqdm: bool) -> list[RequestOutput]:
+        engine = self._single_engine()
         order = {req.request_id: i for i, req in enumerate(requests)}
         results: list[RequestOutput | None] = [None] * len(requests)
         try:
             for req in requests:
-                self.engine.enqueue(req)
+                engine.enqueue(req)
             with tqdm(total=len(requests), disable=not use_tqdm, desc="generate", unit="req") as bar:
                 while any(r is None for r in results):
-                    if not self.engine.has_unfinished_requests():
+                    if not engine.has_unfinished_requests():
                         raise RuntimeError("the engine went idle before every request finished")
-                    for out in self.engine.step():
+                    for out in engine.step():
                         if out.finished and out.request_id in order:
                             results[order[out.request_id]] = out
                             bar.update(1)
         except BaseException:
             for req, result in zip(requests, results):
                 if result is None:
-                    self.engine.abort_request(req.request_id)
-            self.engine.step()           # report (and forget) the aborted requests here, not later
+                    engine.abort_request(req.request_id)
+            engine.step()           # report (and forget) the aborted requests here, not later
             raise
         return [r for r in results if r is not None]

@@ -26,11 +26,12 @@ any request's; the request is reported finished when every sample is.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import logging
 import threading
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from itertools import compress
 from pathlib import Path
@@ -64,12 +65,13 @@ from .env import EngineEnv, read_env
 from .grammar_compiler import GrammarCompilePool
 from .intake import RequestIntake
 from .logit_controls import TokenHistory
-from .model_runner import ModelRunner, default_block_size
+from .model_runner import ModelRunner, default_block_size, state_slot_bytes
 from .outputs import (
     FINISH_PREFILLED,
     OutputKind,
     RequestOutput,
 )
+from .prefix_caching import num_prefix_snapshots, prefix_cache_key, record_cached_tokens
 from .request import ParallelRequest, Request
 from .sampler import Sampler, logprobs_of
 from .sampling_stage import InFlightSampling, SampledStep, SamplingStage, StepRows
@@ -141,9 +143,18 @@ def resolve_model_dir(model: str | None) -> Path:
                                     "deepinfer-model has not shipped; pass model=<folder>") from None
         return Path(embedded_model_dir())
     path = Path(model)
-    if not path.is_dir():
-        raise InvalidEngineArgs(f"model={model!r} is not a folder (expected config.json + model.safetensors)")
+    try:
+        is_dir = path.is_dir()
+    except OSError as error:          # a name too long for the file system, a permission fault, ...
+        raise InvalidEngineArgs(f"model={_shortened(model)} cannot be a folder: {error.strerror}") from None
+    if not is_dir:
+        raise InvalidEngineArgs(f"model={_shortened(model)} is not a folder (expected config.json + model.safetensors)")
     return path
+
+
+def _shortened(text: str, limit: int = 200) -> str:
+    """repr(text), cut to about `limit` characters with its length said when longer."""
+    return repr(text) if len(text) <= limit else f"{text[:limit]!r}... ({len(text)} characters)"
 
 
 def _check_v41_options(cfg: object, args: EngineArgs) -> None:
@@ -216,6 +227,16 @@ class LLMEngine(RequestIntake):
                                     f"max_position_embeddings={cfg.max_position_embeddings}")
         block_size = args.block_size or default_block_size(self.model)
         num_state_slots = BlockManager.for_state_slots(args.max_num_seqs, self.env.num_state_slots_ratio).num_blocks
+        budget_bytes = self._kv_budget_bytes()
+        self._num_snapshots = 0
+        if args.enable_prefix_caching and args.engine_type is not EngineType.COMPLETION:
+            slot_bytes = state_slot_bytes(self.model, block_size, self.env.max_backtracking_tokens)
+            self._num_snapshots = num_prefix_snapshots(args, slot_bytes, num_state_slots, budget_bytes)
+            if not self._num_snapshots:
+                logger.warning("prefix caching is off: a quarter of the %d B cache budget left by the state slots "
+                               "holds no state snapshot (%d B each); set prefix_cache_snapshots to have some anyway",
+                               budget_bytes, slot_bytes)
+        prefix_caching = self._num_snapshots > 0
         sched_cfg = SchedulerConfig(
             block_size=block_size, max_model_len=self.max_model_len, max_num_seqs=args.max_num_seqs,
             max_num_batched_tokens=args.max_num_batched_tokens, max_num_prompts=args.max_num_prompts,
@@ -223,23 +244,27 @@ class LLMEngine(RequestIntake):
             chunk_checkpoints=args.chunk_checkpoints, stop_preempted_request=args.stop_preempted_request,
             prefill_attempt_interval=self.env.prefill_attempt_interval,
             prefill_any_attempt_interval=self.env.prefill_any_attempt_interval, engine_type=args.engine_type,
+            max_cache_usage_for_prefill=args.max_cache_usage_for_prefill,
+            enable_prefix_caching=prefix_caching, prefix_cache_key=prefix_cache_key(args, self.env),
         )
         # speculative: verify steps (V4 and V4.1 alike) replay graphs keyed by total query tokens
         query_len = 1 if draft is None else draft.block_size + 1
         self.runner = ModelRunner(
             self.model, block_size=block_size, num_kv_blocks=args.num_kv_blocks,
-            budget_bytes=self._kv_budget_bytes(), num_state_slots=num_state_slots,
+            budget_bytes=budget_bytes, num_state_slots=num_state_slots,
             max_backtracking=self.env.max_backtracking_tokens,
             graph_max_seqs=None if args.enforce_eager else args.max_num_seqs * query_len,
             graph_max_query_len=query_len,
             max_blocks_per_seq=sched_cfg.max_blocks_per_seq, max_model_len=sched_cfg.max_blocks_per_seq * block_size,
             graph_interval=self.env.cudagraph_batch_size_interval, batch_invariant=args.batch_invariant,
+            num_snapshot_slots=self._num_snapshots,
         )
         self._sched_cfg, self._vote_group = sched_cfg, vote_group
         self.spec = None if draft is None else SpeculativeDecoder(draft, self.runner, args, self.env, self._seq)
         self.scheduler = self._new_scheduler()
         # One caller at a time: add_request / abort_request / step / has_unfinished_requests take it.
         self._lock = threading.RLock()
+        self._in_step = False          # a step() is running (re-entry from it is refused)
         self.zos = args.zos and (draft is None or _zos_with_drafts(args))
         self.sampling = SamplingStage(Sampler(seed=args.seed, force_top_k=self.env.sampler_force_topk,
                                               batch_invariant=args.batch_invariant),
@@ -266,8 +291,15 @@ class LLMEngine(RequestIntake):
         self._steady = None
         # The paged KV pool of the current scheduler; read (num_free, usage) by AsyncLLM's stats.
         self.kv_blocks = BlockManager(self.runner.plan.num_kv_blocks)
+        snapshots = BlockManager(self._num_snapshots + 1) if self._num_snapshots else None
         return Scheduler(self._sched_cfg, self.kv_blocks, slots, vote_group=self._vote_group,
-                         verify_policy=None if self.spec is None else self.spec.gate)
+                         verify_policy=None if self.spec is None else self.spec.gate, snapshot_slots=snapshots)
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached prompt prefix (KV blocks and state snapshots); requests running now keep
+        theirs. Returns False when prefix caching is off."""
+        with self._lock:
+            return self.scheduler.reset_prefix_cache()
 
     def stats(self) -> SpeculativeStats:
         """Speculative decoding counts so far (drafted and accepted tokens; all 0 with it off)."""
@@ -303,8 +335,12 @@ class LLMEngine(RequestIntake):
         A fault inside the step (an exception from the model, the sampler or the bookkeeping) never
         escapes: the requests of that step finish with reason "error" (error_reason names the
         exception), their blocks and slots are freed, and the engine goes on serving the others.
+
+        Raises:
+            RuntimeError: called from inside a step of this engine (a callback it runs, on the same
+                thread): the inner step would corrupt the outer one's requests; nothing is done.
         """
-        with self._lock:
+        with self._lock, self._not_reentered():
             if self.grammars is not None and self._awaiting_grammar and not self.scheduler.has_unfinished():
                 self.grammars.wait(IDLE_GRAMMAR_WAIT_S)      # nothing else to run: do not spin
             changed: dict[str, Request] = {}
@@ -326,6 +362,19 @@ class LLMEngine(RequestIntake):
                 if req.finished:
                     self._forget_request(req)
             return outputs
+
+    @contextlib.contextmanager
+    def _not_reentered(self) -> Iterator[None]:
+        """Marks a step in progress; raises RuntimeError when one already is (with the lock held,
+        only this thread can be in it: a re-entrant call)."""
+        if self._in_step:
+            raise RuntimeError("LLMEngine.step() was called from inside a step of the same engine (e.g. from a "
+                               "tokenizer or logits callback); a step cannot run inside another")
+        self._in_step = True
+        try:
+            yield
+        finally:
+            self._in_step = False
 
     def _run_step(self, out: SchedulerOutput, changed: dict[str, Request]) -> None:
         previous, self._in_flight = self._in_flight, None
@@ -350,6 +399,9 @@ class LLMEngine(RequestIntake):
             logger.warning("KV cache full: %d request(s) finished as 'preempted' (%d queued for recompute); "
                            "a client may retry them, or build the engine with stop_preempted_request=False "
                            "to recompute instead", len(out.preempted_seq_ids) - len(recomputed), len(recomputed))
+        for chunk in out.prefill:
+            if chunk.num_cached_tokens:
+                record_cached_tokens(self._seq(chunk.seq_id), chunk.num_cached_tokens)
         step_ids = [chunk.seq_id for chunk in out.prefill] + list(out.decode.seq_ids if out.decode else ())
         keep_in_flight = self.zos and out.kind is StepKind.DECODE
         guarded = keep_in_flight and self.sampling.sync_guard
@@ -404,6 +456,7 @@ class LLMEngine(RequestIntake):
             failed = len(step_ids) + (len(previous.reqs) if previous is not None else 0)
             logger.exception("step failed; its %d request(s) finish with reason 'error'", failed)
             self._in_flight = None
+            self.scheduler.reset_prefix_cache()    # the step's cached blocks and snapshots may hold no KV
             for seq_id in step_ids:
                 self._fail(seq_id, err, changed)
             for req in previous.reqs if previous is not None else ():

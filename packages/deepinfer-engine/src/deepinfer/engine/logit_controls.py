@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -69,8 +69,8 @@ class TokenHistory:
 
     def reset(self, row: int, prompt_token_ids: Sequence[int], output_token_ids: Sequence[int]) -> None:
         """Rewrite a row from the host's tokens (queued after any earlier device work on it)."""
-        ids = np.fromiter(itertools.chain(prompt_token_ids, output_token_ids), dtype=np.int64)
-        ids = to_device(ids, self.device) if ids.size else None     # in range: the engine checked them
+        host_ids = np.fromiter(itertools.chain(prompt_token_ids, output_token_ids), dtype=np.int64)
+        ids = to_device(host_ids, self.device) if host_ids.size else None     # in range: the engine checked them
         num_prompt = len(prompt_token_ids)
         self.prompt_mask[row] = False
         self.counts[row] = 0
@@ -125,6 +125,53 @@ class LogitControls:
     use_repetition: bool     # some tracked row has repetition_penalty != 1
 
 
+@dataclass
+class _ControlLists:
+    """The host lists `build_logit_controls` fills row by row, in `LogitControls` order."""
+
+    allowed_rows: list[int] = field(default_factory=list)
+    allowed_pos: list[int] = field(default_factory=list)
+    allowed_ids: list[int] = field(default_factory=list)
+    ban_rows: list[int] = field(default_factory=list)
+    ban_ids: list[int] = field(default_factory=list)
+    bias_rows: list[int] = field(default_factory=list)
+    bias_ids: list[int] = field(default_factory=list)
+    bias_values: list[float] = field(default_factory=list)
+    tracked: list[int] = field(default_factory=list)
+    slots: list[int] = field(default_factory=list)
+    word_pos: list[int] = field(default_factory=list)
+    word_prefix: list[int] = field(default_factory=list)
+    word_last: list[int] = field(default_factory=list)
+
+    def allow(self, row: int, kept: list[int]) -> None:
+        self.allowed_pos += [len(self.allowed_rows)] * len(kept)
+        self.allowed_ids += kept
+        self.allowed_rows.append(row)
+
+    def bias(self, row: int, pairs: list[tuple[int, float]]) -> None:
+        self.bias_rows += [row] * len(pairs)
+        self.bias_ids += [t for t, _ in pairs]
+        self.bias_values += [b for _, b in pairs]
+
+    def ban_words(self, row: int, words: list[Sequence[int]], slot: int | None) -> None:
+        """One-token words are banned outright; longer ones when the row's history ends in their prefix
+        (the row is tracked: `slot` is its TokenHistory row)."""
+        for word in words:
+            if len(word) == 1:
+                self.ban_rows.append(row)
+                self.ban_ids.append(word[0])
+                continue
+            if slot is None:
+                raise ValueError(f"row {row} has a bad word of {len(word)} tokens but no TokenHistory row")
+            self.word_pos.append(len(self.tracked) - 1)
+            self.word_prefix += [-1] * (HISTORY_WINDOW - len(word) + 1) + list(word[:-1])
+            self.word_last.append(word[-1])
+
+    def int_parts(self) -> tuple[list[int], ...]:
+        return (self.allowed_rows, self.allowed_pos, self.allowed_ids, self.ban_rows, self.ban_ids, self.bias_rows,
+                self.bias_ids, self.tracked, self.slots, self.word_pos, self.word_prefix, self.word_last)
+
+
 def build_logit_controls(params: Sequence[SamplingParams], history_slots: Sequence[int | None],
                          bad_word_ids: Sequence[Sequence[Sequence[int]]], history: TokenHistory | None,
                          vocab_size: int, device: torch.device) -> LogitControls | None:
@@ -140,50 +187,27 @@ def build_logit_controls(params: Sequence[SamplingParams], history_slots: Sequen
             if slot is not None or words or p.logit_bias or p.allowed_token_ids is not None]
     if not rows:
         return None
-    allowed_rows: list[int] = []
-    allowed_pos: list[int] = []
-    allowed_ids: list[int] = []
-    ban_rows: list[int] = []
-    ban_ids: list[int] = []
-    bias_rows: list[int] = []
-    bias_ids: list[int] = []
-    bias_values: list[float] = []
-    tracked: list[int] = []
-    slots: list[int] = []
-    word_pos: list[int] = []
-    word_prefix: list[int] = []
-    word_last: list[int] = []
+    lists = _ControlLists()
     for row in rows:
         p, slot = params[row], history_slots[row]
         if p.allowed_token_ids is not None:
-            kept = [t for t in p.allowed_token_ids if t < vocab_size]
-            allowed_pos += [len(allowed_rows)] * len(kept)
-            allowed_ids += kept
-            allowed_rows.append(row)
+            lists.allow(row, [t for t in p.allowed_token_ids if t < vocab_size])
         if p.logit_bias:
-            pairs = [(t, b) for t, b in p.logit_bias if t < vocab_size]
-            bias_rows += [row] * len(pairs)
-            bias_ids += [t for t, _ in pairs]
-            bias_values += [b for _, b in pairs]
+            lists.bias(row, [(t, b) for t, b in p.logit_bias_pairs if t < vocab_size])
         if slot is not None:
-            tracked.append(row)
-            slots.append(slot)
-        for word in bad_word_ids[row]:
-            if word[-1] >= vocab_size:
-                continue
-            if len(word) == 1:
-                ban_rows.append(row)
-                ban_ids.append(word[0])
-                continue
-            if slot is None:
-                raise ValueError(f"row {row} has a bad word of {len(word)} tokens but no TokenHistory row")
-            word_pos.append(len(tracked) - 1)
-            word_prefix += [-1] * (HISTORY_WINDOW - len(word) + 1) + list(word[:-1])
-            word_last.append(word[-1])
-    if tracked and history is None:
+            lists.tracked.append(row)
+            lists.slots.append(slot)
+        lists.ban_words(row, [word for word in bad_word_ids[row] if word[-1] < vocab_size], slot)
+    if lists.tracked and history is None:
         raise ValueError("rows with a TokenHistory row need the TokenHistory")
-    int_parts = (allowed_rows, allowed_pos, allowed_ids, ban_rows, ban_ids, bias_rows, bias_ids, tracked, slots,
-                 word_pos, word_prefix, word_last)
+    return _on_device(lists, params, history, device)
+
+
+def _on_device(lists: _ControlLists, params: Sequence[SamplingParams], history: TokenHistory | None,
+               device: torch.device) -> LogitControls:
+    """The lists as `LogitControls` tensors: two host-to-device copies (int64 and float32)."""
+    tracked, bias_values = lists.tracked, lists.bias_values
+    int_parts = lists.int_parts()
     ints = to_device(np.fromiter(itertools.chain.from_iterable(int_parts), dtype=np.int64,
                                  count=sum(map(len, int_parts))), device)
     chosen = [params[row] for row in tracked]

@@ -22,7 +22,7 @@ from torch import Tensor
 
 from deepinfer.cache import PagedStream, StateRegion, plan_paged_layout, plan_state_layout
 from deepinfer.kernels import kernels_for
-from deepinfer.model import DeepseekV4ForCausalLM, ForwardBatch, ModelCache
+from deepinfer.model import CausalLM, ForwardBatch, ModelCache
 from deepinfer.sched import DecodeBatch, SchedulerOutput, StepKind
 
 from .block_tables import RowBlockTables
@@ -38,8 +38,9 @@ class CachePlan:
     num_kv_blocks: int
     num_state_slots: int
     paged_bytes: int
-    state_bytes: int
+    state_bytes: int                    # state slots and prefix-cache snapshot slots together
     state_size_to_disk: int
+    num_snapshot_slots: int = 0         # prefix-cache state snapshots, after the state slots
 
 
 @dataclass(frozen=True, slots=True)
@@ -53,11 +54,20 @@ class StepBatch:
     # prefill steps built with every row's logits (`prepare(..., all_logits_for=...)`): per such chunk
     # (seq_id, first logits row, number of rows, position of its first token); else empty
     prompt_spans: tuple[tuple[str, int, int, int], ...] = ()
+    # prefill steps: [k, 2] int64 (state slot, slot of its prefix-cache snapshot) copied once the forward
+    # has run (`SchedulerOutput.save_states`); None = none
+    save_states: Tensor | None = None
     graph_seqs: int = 0                 # > 0: a decode step of this many sequences already in the graphs'
                                         # static inputs (`DecodeGraphs.stage`); `batch` is None
 
 
-def default_block_size(model: DeepseekV4ForCausalLM) -> int:
+def state_slot_bytes(model: CausalLM, block_size: int, max_backtracking: int) -> int:
+    """Bytes of one state slot as the runner lays it out (a prefix-cache snapshot is one too)."""
+    spec = model.cache_spec(block_size, max_backtracking)
+    return plan_state_layout([StateRegion(r.name, r.num_bytes, r.stored) for r in spec.states], 2).slot_bytes
+
+
+def default_block_size(model: CausalLM) -> int:
     """The smallest multiple of every compress ratio that is ≥ 64 tokens."""
     grain = lcm(*[r for r in model.cfg.compress_ratios if r] or [1])
     return grain * max(1, -(-64 // grain))
@@ -78,13 +88,16 @@ class ModelRunner:
         graph_interval: spacing of graph sizes past the first powers of two.
         graph_max_query_len: k + 1 under speculative decoding: the graphs run verify steps
             (`verify_forward`), keyed by total query tokens, and graph_max_seqs counts query tokens.
+        num_snapshot_slots: prefix-cache state snapshots (the scheduler's snapshot ids 1..n), laid out
+            after the state slots in the same buffer (snapshot k is slot `snapshot_base + k`) and paid
+            for out of budget_bytes like them.
         batch_invariant: run the batch-invariant kernels (`EngineArgs.batch_invariant`): each sequence's
             logits are then bitwise the same whatever else is in its step (docs/batch_invariance.md).
     """
 
     def __init__(
         self,
-        model: DeepseekV4ForCausalLM,
+        model: CausalLM,
         *,
         block_size: int,
         num_kv_blocks: int | None,
@@ -97,17 +110,20 @@ class ModelRunner:
         graph_interval: int = 8,
         graph_max_query_len: int = 1,
         batch_invariant: bool = False,
+        num_snapshot_slots: int = 0,
     ) -> None:
         self.model = model
         self.device = model.embed.weight.device
         self.ops = kernels_for(self.device, batch_invariant=batch_invariant)
         spec = model.cache_spec(block_size, max_backtracking)
-        state = plan_state_layout([StateRegion(r.name, r.num_bytes, r.stored) for r in spec.states], num_state_slots)
+        self.snapshot_base = num_state_slots - 1
+        num_slots = num_state_slots + num_snapshot_slots
+        state = plan_state_layout([StateRegion(r.name, r.num_bytes, r.stored) for r in spec.states], num_slots)
         streams = [PagedStream(s.name, s.bytes_per_row, s.tokens_per_row) for s in spec.streams]
         paged_budget = None if num_kv_blocks or budget_bytes is None else budget_bytes - state.total_bytes
         if paged_budget is not None and paged_budget <= 0:
             raise ValueError(f"the cache budget of {budget_bytes} B does not even hold the {num_state_slots} state "
-                             f"slots ({state.total_bytes} B)")
+                             f"slots and {num_snapshot_slots} prefix-cache snapshots ({state.total_bytes} B)")
         if streams:
             paged = plan_paged_layout(streams, block_size, num_blocks=num_kv_blocks, budget_bytes=paged_budget)
             num_blocks, paged_bytes = paged.num_blocks, paged.total_bytes
@@ -120,10 +136,10 @@ class ModelRunner:
         state_buffer = torch.zeros(state.total_bytes, dtype=torch.uint8, device=self.device)
         self.cache = ModelCache.from_buffers(
             spec, paged_buffer, offsets, num_blocks, state_buffer,
-            {name: r.offset for name, r in state.regions.items()}, num_state_slots, state.slot_bytes,
+            {name: r.offset for name, r in state.regions.items()}, num_slots, state.slot_bytes,
         )
         self.plan = CachePlan(block_size, num_blocks, num_state_slots, paged_bytes, state.total_bytes,
-                              state.state_size_to_disk)
+                              state.state_size_to_disk, num_snapshot_slots)
         self.row_tokens = torch.zeros(0, dtype=torch.int64, device=self.device)   # [rows] last sampled token
         self.row_emitted = torch.zeros(0, dtype=torch.int64, device=self.device)  # [rows] tokens of its last step
         self.graphs = None
@@ -141,7 +157,8 @@ class ModelRunner:
             self.block_tables = RowBlockTables(self.block_tables.max_blocks, self.device)
 
     def apply_cache_ops(self, out: SchedulerOutput) -> None:
-        """Copy-on-write clones and zeroing the scheduler asked for (before the forward)."""
+        """Copy-on-write clones, zeroing and prefix-cache restores the scheduler asked for (before the
+        forward; its snapshot saves run after it, in `forward_all`)."""
         if len(out.clone_states):
             pairs = torch.as_tensor(np.asarray(out.clone_states), dtype=torch.int64, device=self.device)
             self.cache.copy_slots(pairs[:, 0], pairs[:, 1])
@@ -150,6 +167,15 @@ class ModelRunner:
             self.cache.copy_blocks(pairs[:, 0], pairs[:, 1])
         if len(out.zero_states):
             self.cache.zero_slots(torch.as_tensor(np.asarray(out.zero_states), dtype=torch.int64, device=self.device))
+        if len(out.restore_states):
+            pairs = self._snapshot_pairs(out.restore_states, snapshot_column=0)
+            self.cache.copy_slots(pairs[:, 0], pairs[:, 1])
+
+    def _snapshot_pairs(self, pairs: np.ndarray, snapshot_column: int) -> Tensor:
+        """[k, 2] scheduler pairs with the snapshot ids in `snapshot_column` turned into state slots."""
+        slots = np.array(pairs, dtype=np.int64)
+        slots[:, snapshot_column] += self.snapshot_base
+        return to_device(slots, self.device)
 
     def prepare(self, out: SchedulerOutput, *, all_logits_for: frozenset[str] = frozenset()) -> StepBatch | None:
         """The model batch of a PREFILL or DECODE step (None for empty / idle steps).
@@ -168,15 +194,16 @@ class ModelRunner:
                 logits="all" if wanted else "last", device=self.device,
             )
             done = [i for i, c in enumerate(chunks) if c.completes_prefill]
+            saves = self._snapshot_pairs(out.save_states, snapshot_column=1) if len(out.save_states) else None
             if not wanted:
                 return StepBatch(batch, tuple(chunks[i].seq_id for i in done),
-                                 torch.tensor(done, dtype=torch.int64, device=self.device))
+                                 torch.tensor(done, dtype=torch.int64, device=self.device), save_states=saves)
             ends = np.cumsum([len(c.token_ids) for c in chunks])
             spans = tuple((chunks[i].seq_id, int(ends[i]) - len(chunks[i].token_ids), len(chunks[i].token_ids),
                            int(chunks[i].start)) for i in wanted)
             return StepBatch(batch, tuple(chunks[i].seq_id for i in done),
                              torch.tensor([int(ends[i]) - 1 for i in done], dtype=torch.int64, device=self.device),
-                             prompt_spans=spans)
+                             prompt_spans=spans, save_states=saves)
         if out.kind is StepKind.DECODE and out.decode is not None and out.decode.num_seqs:
             return self._decode_step(out.decode)
         return None
@@ -357,5 +384,7 @@ class ModelRunner:
             logits = self.graphs.run(batch)
         else:
             logits = self.model(batch, self.cache, self.ops)
+        if step.save_states is not None:           # the state these chunks leave: prefix-cache snapshots
+            self.cache.copy_slots(step.save_states[:, 0], step.save_states[:, 1])
         sampled = logits if step.logits_rows is None else logits[step.logits_rows]
         return sampled, logits if step.prompt_spans else None

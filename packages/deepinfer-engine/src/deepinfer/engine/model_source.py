@@ -16,15 +16,16 @@ class ModelNotCached(ValueError):
     """`model` is neither a folder nor a repo id in the local Hugging Face cache."""
 
 
-def resolve_model_source(model: str) -> str:
+def resolve_model_source(model: str, *, revision: str | None = None) -> str:
     """`model` when it is a folder (or not shaped like a repo id: the engine reports the missing
-    folder); else the local snapshot folder of the Hugging Face repo `model` ("org/name", revision
-    main) found in huggingface_hub's cache (HF_HUB_CACHE / HF_HOME), without any network access.
+    folder); else the local snapshot folder of the Hugging Face repo `model` ("org/name", at
+    `revision`: a branch, tag or commit; None = main) found in huggingface_hub's cache (HF_HUB_CACHE /
+    HF_HOME), without any network access.
 
     Raises:
         ModelNotCached: a repo id that is not in the cache (or huggingface_hub is missing).
     """
-    if Path(model).is_dir() or not _REPO_ID.fullmatch(model) or ".." in model:
+    if not _REPO_ID.fullmatch(model) or ".." in model or _is_dir(model):
         return model
     try:
         from huggingface_hub import constants, snapshot_download
@@ -32,11 +33,20 @@ def resolve_model_source(model: str) -> str:
         raise ModelNotCached(f"model={model!r} is not a folder, and resolving it as a Hugging Face repo id needs "
                              "huggingface_hub") from None
     try:
-        return snapshot_download(model, local_files_only=True)
+        return snapshot_download(model, revision=revision, local_files_only=True)
     except (OSError, ValueError):          # LocalEntryNotFoundError is an OSError
+        at = "" if revision is None else f" at revision {revision!r}"
+        fetch = f"hf download {model}" + ("" if revision is None else f" --revision {revision}")
         raise ModelNotCached(f"model={model!r} is not a folder, nor a Hugging Face repo in the local cache "
-                             f"{constants.HF_HUB_CACHE!r}; DeepInfer does not download: fetch it first "
-                             f"(`hf download {model}`) or pass a folder") from None
+                             f"{constants.HF_HUB_CACHE!r}{at}; DeepInfer does not download: fetch it first "
+                             f"(`{fetch}`) or pass a folder") from None
+
+
+def _is_dir(model: str) -> bool:
+    try:
+        return Path(model).is_dir()
+    except OSError:           # e.g. a name too long for the file system: the engine says so
+        return False
 
 
 def config_dtype(model_dir: str | Path) -> str | None:

@@ -164,6 +164,8 @@ class RequestOutput:
             None for the first, then {token id: Logprob} holding the prompt token (its logprob given
             the tokens before it) and the prompt_logprobs most likely alternatives. Filled once the
             prompt is prefilled (empty before).
+        num_cached_tokens: prompt tokens served from the prefix cache (their prefill skipped), known
+            once the request is admitted (0 before, and with prefix caching off).
     """
 
     request_id: str
@@ -172,6 +174,7 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
+    num_cached_tokens: int = 0
 
     def __post_init__(self) -> None:
         if not self.outputs:
@@ -193,7 +196,8 @@ _set = object.__setattr__
 def running_output(request_id: str, prompt: str | None, prompt_token_ids: list[int], text: str,
                    token_ids: list[int], logprobs: list[dict[int, float]] | None,
                    logprob_entries: list[dict[int, Logprob]] | None = None,
-                   prompt_logprobs: list[dict[int, Logprob] | None] | None = None) -> RequestOutput:
+                   prompt_logprobs: list[dict[int, Logprob] | None] | None = None,
+                   num_cached_tokens: int = 0) -> RequestOutput:
     """The `RequestOutput` of a request that is still running (one sample, no finish reason), built
     without the field checks: they only concern finish reasons, which a running output has none of,
     and the logprobs length, which the engine keeps equal to the token count (`Request.add_token`).
@@ -215,4 +219,5 @@ def running_output(request_id: str, prompt: str | None, prompt_token_ids: list[i
     _set(output, "outputs", [completion])
     _set(output, "finished", False)
     _set(output, "prompt_logprobs", prompt_logprobs)
+    _set(output, "num_cached_tokens", num_cached_tokens)
     return output

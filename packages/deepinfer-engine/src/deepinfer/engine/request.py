@@ -71,6 +71,7 @@ class Request:
         self.prompt = prompt
         self.token_ids: list[int] = list(prompt_token_ids)    # prompt + outputs: the one copy (class doc)
         self.num_prompt_tokens = len(self.token_ids)
+        self.num_cached_tokens = 0          # prompt tokens its first prefill took from the prefix cache
         self.params = params
         self.rng = None if params.seed is None else RequestRng((params.seed + index) & MAX_SEED, device)
         # Logit controls (`logit_controls`): the tokenized bad words, and the TokenHistory row the
@@ -257,10 +258,10 @@ class Request:
             self._prompt_out = self.prompt_token_ids
         if self.finished:
             return RequestOutput(self.request_id, self.prompt, self._prompt_out, [self.completion()], True,
-                                 self.prompt_logprobs_out())
+                                 self.prompt_logprobs_out(), self.num_cached_tokens)
         text, token_ids, logprobs, entries = self._parts()
         return running_output(self.request_id, self.prompt, self._prompt_out, text, token_ids, logprobs, entries,
-                              self.prompt_logprobs_out())
+                              self.prompt_logprobs_out(), self.num_cached_tokens)
 
 
 class ParallelRequest:
@@ -313,4 +314,4 @@ class ParallelRequest:
             self._prompt_out = self.prompt_token_ids
         return RequestOutput(self.request_id, self.prompt, self._prompt_out,
                              [sample.completion() for sample in self.samples], self.finished,
-                             self.samples[0].prompt_logprobs_out())
+                             self.samples[0].prompt_logprobs_out(), self.samples[0].num_cached_tokens)

@@ -168,33 +168,15 @@ def build_sampling_batch(
     """
     device = torch.device(device)
     num_seqs = len(params)
-    if len(rngs) != num_seqs or len(num_output_tokens) != num_seqs:
-        raise InvalidSamplingBatch(
-            f"len(rngs)={len(rngs)} and len(num_output_tokens)={len(num_output_tokens)} must equal "
-            f"len(params)={num_seqs}"
-        )
-    if vocab_size < 1:
-        raise InvalidSamplingBatch(f"vocab_size={vocab_size} must be >= 1")
+    _check_rows(params, rngs, num_output_tokens, vocab_size)
     # A few passes over the rows, each a comprehension: no per-row function call in the common case.
-    mismatched = [row for row, (p, rng) in enumerate(zip(params, rngs)) if (rng is None) != (p.seed is None)]
-    if mismatched:
-        row = mismatched[0]
-        raise InvalidSamplingBatch(f"rngs[{row}] must be a RequestRng exactly when params[{row}].seed is set")
-    greedy = [p.is_greedy for p in params]
-    greedy_rows = [row for row, is_greedy in enumerate(greedy) if is_greedy]
-    random_rows = [row for row, is_greedy in enumerate(greedy) if not is_greedy] if len(greedy_rows) < num_seqs \
-        else []
-    banned_rows: list[int] = []
-    banned_ids: list[int] = []
-    for row in [row for row, (p, num_out) in enumerate(zip(params, num_output_tokens)) if num_out < p.min_tokens]:
-        kept = banned_token_ids(params[row], num_output_tokens[row], eos_token_ids, vocab_size)
-        banned_rows += [row] * len(kept)
-        banned_ids += kept
+    greedy_rows, random_rows = _greedy_and_random_rows(params)
+    banned_rows, banned_ids = _min_tokens_bans(params, num_output_tokens, eos_token_ids, vocab_size)
     chosen = [params[row] for row in random_rows]
     top_k = [p.top_k if 1 <= p.top_k < vocab_size else vocab_size for p in chosen]
     unseeded = [i for i, row in enumerate(random_rows) if rngs[row] is None]
-    every_row_masked = token_bitmask is not None and list(bitmask_rows) == list(range(num_seqs))
-    masked_rows = [] if token_bitmask is None or every_row_masked else list(bitmask_rows)
+    masked = _masked_rows(token_bitmask, bitmask_rows, num_seqs)
+    masked_rows = masked or []
     # Every index and parameter tensor travels in two host-to-device copies (one int64, one float32),
     # staged in pinned memory on CUDA: no copy synchronises, and a step pays two copies, not ten.
     int_parts = (greedy_rows, random_rows, top_k, unseeded, banned_rows, banned_ids, masked_rows)
@@ -224,9 +206,52 @@ def build_sampling_batch(
         max_top_k=max(top_k, default=vocab_size),
         use_top_p=any(p.top_p < 1 for p in chosen),
         token_bitmask=None if token_bitmask is None else to_device(token_bitmask, device),
-        bitmask_rows=None if token_bitmask is None or every_row_masked else masked_rows_t,
+        bitmask_rows=None if masked is None else masked_rows_t,
         controls=controls,
     )
+
+
+def _check_rows(params: Sequence[SamplingParams], rngs: Sequence[RequestRng | None], num_output_tokens: Sequence[int],
+                vocab_size: int) -> None:
+    num_seqs = len(params)
+    if len(rngs) != num_seqs or len(num_output_tokens) != num_seqs:
+        raise InvalidSamplingBatch(
+            f"len(rngs)={len(rngs)} and len(num_output_tokens)={len(num_output_tokens)} must equal "
+            f"len(params)={num_seqs}"
+        )
+    if vocab_size < 1:
+        raise InvalidSamplingBatch(f"vocab_size={vocab_size} must be >= 1")
+    mismatched = [row for row, (p, rng) in enumerate(zip(params, rngs)) if (rng is None) != (p.seed is None)]
+    if mismatched:
+        row = mismatched[0]
+        raise InvalidSamplingBatch(f"rngs[{row}] must be a RequestRng exactly when params[{row}].seed is set")
+
+
+def _masked_rows(token_bitmask: Tensor | None, bitmask_rows: Sequence[int], num_seqs: int) -> list[int] | None:
+    """The rows the bitmask constrains, or None when there is no bitmask or it covers every row in order."""
+    if token_bitmask is None or list(bitmask_rows) == list(range(num_seqs)):
+        return None
+    return list(bitmask_rows)
+
+
+def _greedy_and_random_rows(params: Sequence[SamplingParams]) -> tuple[list[int], list[int]]:
+    greedy = [p.is_greedy for p in params]
+    greedy_rows = [row for row, is_greedy in enumerate(greedy) if is_greedy]
+    if len(greedy_rows) == len(params):
+        return greedy_rows, []
+    return greedy_rows, [row for row, is_greedy in enumerate(greedy) if not is_greedy]
+
+
+def _min_tokens_bans(params: Sequence[SamplingParams], num_output_tokens: Sequence[int], eos_token_ids: Sequence[int],
+                     vocab_size: int) -> tuple[list[int], list[int]]:
+    """(row, token id) pairs banned by min_tokens, as two lists."""
+    banned_rows: list[int] = []
+    banned_ids: list[int] = []
+    for row in [row for row, (p, num_out) in enumerate(zip(params, num_output_tokens)) if num_out < p.min_tokens]:
+        kept = banned_token_ids(params[row], num_output_tokens[row], eos_token_ids, vocab_size)
+        banned_rows += [row] * len(kept)
+        banned_ids += kept
+    return banned_rows, banned_ids
 
 
 def banned_token_ids(

@@ -5,9 +5,12 @@ from __future__ import annotations
 import json
 import math
 import numbers
+import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import NoReturn
+from typing import NoReturn, cast
+
+from .text_checks import lone_surrogate_at
 
 # Below this temperature a row is sampled greedily: dividing float32 logits by such a value no longer
 # gives a meaningful distribution (and for tiny values overflows), so argmax is the honest answer.
@@ -28,6 +31,9 @@ MAX_STOP_STRING_LEN = 1024      # characters per stop string
 MAX_STOP_TOKEN_IDS = 1024
 MAX_STRUCTURED_CHARS = 2**20   # a schema (compact JSON), regex or grammar; all choices together
 MAX_CHOICES = 4096
+MAX_SCHEMA_DEPTH = 100         # JSON nesting of a schema (objects and arrays); xgrammar's compile recurses on it
+MAX_GROUP_DEPTH = 100          # nested parentheses in a regex, a grammar or a schema's pattern
+MAX_REPETITION = 1000           # a {m,n} count in a regex, a grammar or a schema's pattern (compile time grows fast)
 MAX_N = 128                     # parallel samples of one request
 MAX_PENALTY = 2.0               # presence / frequency penalties in [-2, 2]; repetition in (0, 2]
 MAX_LOGIT_BIAS = 100.0          # a logit_bias value in [-100, 100]
@@ -61,7 +67,13 @@ class StructuredOutput:
 
     Sizes are capped (compiling a grammar costs time and memory in proportion): the compact JSON
     schema, the regex and the grammar are at most MAX_STRUCTURED_CHARS (2**20) characters each; choice
-    holds at most MAX_CHOICES (4096) strings of at most MAX_STRUCTURED_CHARS characters in all.
+    holds at most MAX_CHOICES (4096) strings of at most MAX_STRUCTURED_CHARS characters in all. A
+    schema nests at most MAX_SCHEMA_DEPTH (100) objects and arrays deep; parentheses in the regex,
+    the grammar or a schema's "pattern" nest at most MAX_GROUP_DEPTH (100) deep, and a
+    repetition count `{m,n}` in them is at most
+    MAX_REPETITION (1000): xgrammar's compile time grows faster than linearly in it (a schema pattern
+    `[a-z]{1,10000}` compiles for over a minute). The compile itself is time-bounded too
+    (`grammar_compiler`).
 
     Raises:
         InvalidSamplingParams: not exactly one field set, or a field of the wrong type or empty;
@@ -83,10 +95,13 @@ class StructuredOutput:
             value = getattr(self, name)
             if value is not None and (not isinstance(value, str) or not value):
                 _fail(f"structured.{name}={value!r} must be a non-empty str")
+            if value is not None:
+                _check_text(f"structured.{name}", value)
+                _check_repetitions(f"structured.{name}", value)
         if self.choice is not None:
             object.__setattr__(self, "choice", _normalise_choice(self.choice))
         kind = self.kind
-        size = sum(map(len, self.choice)) if kind == "choice" else len(getattr(self, kind))
+        size = sum(map(len, self.choice)) if self.choice is not None else len(getattr(self, kind))
         if size > MAX_STRUCTURED_CHARS:
             what = "strings hold" if kind == "choice" else "is"
             _fail(f"structured.{kind} {what} {size} characters; at most {MAX_STRUCTURED_CHARS} are allowed")
@@ -183,8 +198,8 @@ class SamplingParams:
     min_p: float = 0.0
     max_tokens: int | None = 16
     min_tokens: int = 0
-    stop: str | Sequence[str] | None = ()
-    stop_token_ids: Sequence[int] | None = ()
+    stop: str | Sequence[str] = ()                  # None is taken as () too
+    stop_token_ids: Sequence[int] = ()              # None is taken as () too
     ignore_eos: bool = False
     seed: int | None = None
     logprobs: int | None = None
@@ -202,35 +217,7 @@ class SamplingParams:
     logprob_entries: bool = False
 
     def __post_init__(self) -> None:
-        temperature = _real("temperature", self.temperature)
-        if not 0 <= temperature <= MAX_TEMPERATURE:
-            _fail(f"temperature={temperature} must be >= 0 and <= {MAX_TEMPERATURE:g} "
-                  f"(0, or anything below {GREEDY_TEMPERATURE:g}, = greedy)")
-        top_k = _int("top_k", self.top_k)
-        if not -1 <= top_k <= MAX_NUM_TOKENS:
-            _fail(f"top_k={top_k} must be -1 or 0 (off) or >= 1 (at most {MAX_NUM_TOKENS})")
-        top_p = _real("top_p", self.top_p)
-        if not MIN_PROBABILITY_CUT <= top_p <= 1:
-            _fail(f"top_p={top_p} must be in (0, 1], and >= {MIN_PROBABILITY_CUT:g} (a smaller cut is 0 or "
-                  "a denormal in the sampler's float32)")
-        min_p = _real("min_p", self.min_p)
-        if not (0 <= min_p <= 1 and (min_p == 0 or min_p >= MIN_PROBABILITY_CUT)):
-            _fail(f"min_p={min_p} must be in [0, 1], and 0 or >= {MIN_PROBABILITY_CUT:g} (a smaller cut is 0 "
-                  "or a denormal in the sampler's float32)")
-        max_tokens = None if self.max_tokens is None else _int("max_tokens", self.max_tokens)
-        if max_tokens is not None and not 1 <= max_tokens <= MAX_NUM_TOKENS:
-            _fail(f"max_tokens={max_tokens} must be >= 1 (or None = until max_model_len) and <= {MAX_NUM_TOKENS}")
-        min_tokens = _int("min_tokens", self.min_tokens)
-        if not 0 <= min_tokens <= MAX_NUM_TOKENS:
-            _fail(f"min_tokens={min_tokens} must be >= 0 and <= {MAX_NUM_TOKENS}")
-        if max_tokens is not None and min_tokens > max_tokens:
-            _fail(f"min_tokens={min_tokens} must be <= max_tokens={max_tokens}")
-        seed = None if self.seed is None else _int("seed", self.seed)
-        if seed is not None and not 0 <= seed <= MAX_SEED:
-            _fail(f"seed={seed} must be None or in [0, 2**64 - 1]")
-        logprobs = None if self.logprobs is None else _int("logprobs", self.logprobs)
-        if logprobs is not None and not 0 <= logprobs <= MAX_LOGPROBS:
-            _fail(f"logprobs={logprobs} must be None or in [0, {MAX_LOGPROBS}]")
+        normalised: dict[str, object] = {**_cuts(self), **_counts(self)}
         _check_bool("ignore_eos", self.ignore_eos)
         _check_bool("include_stop_str_in_output", self.include_stop_str_in_output)
         if self.structured is not None and not isinstance(self.structured, StructuredOutput):
@@ -240,13 +227,7 @@ class SamplingParams:
         num_samples = _int("n", self.n)
         if not 1 <= num_samples <= MAX_N:
             _fail(f"n={num_samples} must be >= 1 and <= {MAX_N}")
-        penalties = {name: _real(name, getattr(self, name))
-                     for name in ("presence_penalty", "frequency_penalty", "repetition_penalty")}
-        for name in ("presence_penalty", "frequency_penalty"):
-            if not -MAX_PENALTY <= penalties[name] <= MAX_PENALTY:
-                _fail(f"{name}={penalties[name]} must be in [-{MAX_PENALTY:g}, {MAX_PENALTY:g}] (0 = off)")
-        if not 0 < penalties["repetition_penalty"] <= MAX_PENALTY:
-            _fail(f"repetition_penalty={penalties['repetition_penalty']} must be in (0, {MAX_PENALTY:g}] (1 = off)")
+        penalties = _penalties(self)
         prompt_logprobs = None if self.prompt_logprobs is None else _int("prompt_logprobs", self.prompt_logprobs)
         if prompt_logprobs is not None and not 0 <= prompt_logprobs <= MAX_LOGPROBS:
             _fail(f"prompt_logprobs={prompt_logprobs} must be None or in [0, {MAX_LOGPROBS}]")
@@ -254,16 +235,14 @@ class SamplingParams:
         _check_bool("logprob_entries", self.logprob_entries)
         if self.logprob_entries and self.logprobs is None:
             _fail("logprob_entries=True needs logprobs set (an int in [0, 20])")
-        normalised = {
+        normalised.update({
             "n": num_samples, "prompt_logprobs": prompt_logprobs, **penalties,
             "logit_bias": _normalise_logit_bias(self.logit_bias),
             "allowed_token_ids": _normalise_allowed(self.allowed_token_ids),
             "bad_words": _normalise_bad_words(self.bad_words),
-            "temperature": temperature, "top_k": top_k, "top_p": top_p, "min_p": min_p,
-            "max_tokens": max_tokens, "min_tokens": min_tokens, "seed": seed, "logprobs": logprobs,
             "stop": _normalise_stop(self.stop),
             "stop_token_ids": _normalise_stop_token_ids(self.stop_token_ids),
-        }
+        })
         for name, value in normalised.items():
             object.__setattr__(self, name, value)
 
@@ -277,25 +256,87 @@ class SamplingParams:
         return self.top_k >= 1
 
     @property
+    def logit_bias_pairs(self) -> tuple[tuple[int, float], ...]:
+        """`logit_bias` as normalised: (token id, bias) pairs, ascending id; () when None."""
+        return cast("tuple[tuple[int, float], ...]", self.logit_bias or ())
+
+    @property
     def uses_penalties(self) -> bool:
         """True when a penalty is on: the sampler needs the request's token counts."""
         return self.presence_penalty != 0 or self.frequency_penalty != 0 or self.repetition_penalty != 1
+
+
+def _cuts(params: SamplingParams) -> dict[str, float | int]:
+    """temperature, top_k, top_p and min_p, checked."""
+    temperature = _real("temperature", params.temperature)
+    if not 0 <= temperature <= MAX_TEMPERATURE:
+        _fail(f"temperature={temperature} must be >= 0 and <= {MAX_TEMPERATURE:g} "
+              f"(0, or anything below {GREEDY_TEMPERATURE:g}, = greedy)")
+    top_k = _int("top_k", params.top_k)
+    if not -1 <= top_k <= MAX_NUM_TOKENS:
+        _fail(f"top_k={top_k} must be -1 or 0 (off) or >= 1 (at most {MAX_NUM_TOKENS})")
+    top_p = _real("top_p", params.top_p)
+    if not MIN_PROBABILITY_CUT <= top_p <= 1:
+        _fail(f"top_p={top_p} must be in (0, 1], and >= {MIN_PROBABILITY_CUT:g} (a smaller cut is 0 or "
+              "a denormal in the sampler's float32)")
+    min_p = _real("min_p", params.min_p)
+    if not (0 <= min_p <= 1 and (min_p == 0 or min_p >= MIN_PROBABILITY_CUT)):
+        _fail(f"min_p={min_p} must be in [0, 1], and 0 or >= {MIN_PROBABILITY_CUT:g} (a smaller cut is 0 "
+              "or a denormal in the sampler's float32)")
+    return {"temperature": temperature, "top_k": top_k, "top_p": top_p, "min_p": min_p}
+
+
+def _counts(params: SamplingParams) -> dict[str, int | None]:
+    """max_tokens, min_tokens, seed and logprobs, checked."""
+    max_tokens = None if params.max_tokens is None else _int("max_tokens", params.max_tokens)
+    if max_tokens is not None and not 1 <= max_tokens <= MAX_NUM_TOKENS:
+        _fail(f"max_tokens={max_tokens} must be >= 1 (or None = until max_model_len) and <= {MAX_NUM_TOKENS}")
+    min_tokens = _int("min_tokens", params.min_tokens)
+    if not 0 <= min_tokens <= MAX_NUM_TOKENS:
+        _fail(f"min_tokens={min_tokens} must be >= 0 and <= {MAX_NUM_TOKENS}")
+    if max_tokens is not None and min_tokens > max_tokens:
+        _fail(f"min_tokens={min_tokens} must be <= max_tokens={max_tokens}")
+    seed = None if params.seed is None else _int("seed", params.seed)
+    if seed is not None and not 0 <= seed <= MAX_SEED:
+        _fail(f"seed={seed} must be None or in [0, 2**64 - 1]")
+    logprobs = None if params.logprobs is None else _int("logprobs", params.logprobs)
+    if logprobs is not None and not 0 <= logprobs <= MAX_LOGPROBS:
+        _fail(f"logprobs={logprobs} must be None or in [0, {MAX_LOGPROBS}]")
+    return {"max_tokens": max_tokens, "min_tokens": min_tokens, "seed": seed, "logprobs": logprobs}
+
+
+def _penalties(params: SamplingParams) -> dict[str, float]:
+    penalties = {name: _real(name, getattr(params, name))
+                 for name in ("presence_penalty", "frequency_penalty", "repetition_penalty")}
+    for name in ("presence_penalty", "frequency_penalty"):
+        if not -MAX_PENALTY <= penalties[name] <= MAX_PENALTY:
+            _fail(f"{name}={penalties[name]} must be in [-{MAX_PENALTY:g}, {MAX_PENALTY:g}] (0 = off)")
+    if not 0 < penalties["repetition_penalty"] <= MAX_PENALTY:
+        _fail(f"repetition_penalty={penalties['repetition_penalty']} must be in (0, {MAX_PENALTY:g}] (1 = off)")
+    return penalties
 
 
 def _fail(message: str) -> NoReturn:
     raise InvalidSamplingParams(message)
 
 
+def _check_text(name: str, text: str) -> None:
+    """A str field must be Unicode text: a lone surrogate (`text_checks`) is refused, naming the field."""
+    at = lone_surrogate_at(text)
+    if at is not None:
+        _fail(f"{name} holds a lone surrogate at index {at}: not valid Unicode text")
+
+
 def _int(name: str, value: object) -> int:
     if isinstance(value, bool) or not isinstance(value, numbers.Integral):
         _fail(f"{name}={value!r} must be an int")
-    return int(value)  # type: ignore[call-overload]
+    return int(value)
 
 
 def _real(name: str, value: object) -> float:
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
         _fail(f"{name}={value!r} must be a float")
-    result = float(value)  # type: ignore[arg-type]
+    result = float(value)
     if not math.isfinite(result):
         _fail(f"{name}={value!r} must be finite")
     return result
@@ -314,7 +355,7 @@ def _normalise_stop(stop: object) -> tuple[str, ...]:
         _fail(f"stop={stop!r} must be a str or a sequence of str")
     if len(items) > MAX_STOP_STRINGS:
         _fail(f"stop has {len(items)} strings: at most {MAX_STOP_STRINGS} are allowed")
-    result = tuple(items)  # type: ignore[arg-type]
+    result = tuple(items)
     for i, item in enumerate(result):
         if not isinstance(item, str):
             _fail(f"stop[{i}]={item!r} must be a str")
@@ -322,6 +363,7 @@ def _normalise_stop(stop: object) -> tuple[str, ...]:
             _fail(f"stop[{i}]='' must be a non-empty str")
         if len(item) > MAX_STOP_STRING_LEN:
             _fail(f"stop[{i}] has {len(item)} characters: at most {MAX_STOP_STRING_LEN} are allowed")
+        _check_text(f"stop[{i}]", item)
     return result
 
 
@@ -332,17 +374,17 @@ def _normalise_stop_token_ids(ids: object) -> tuple[int, ...]:
         _fail(f"stop_token_ids={ids!r} must be a sequence of int")
     if len(ids) > MAX_STOP_TOKEN_IDS:
         _fail(f"stop_token_ids has {len(ids)} ids: at most {MAX_STOP_TOKEN_IDS} are allowed")
-    result = tuple(ids)  # type: ignore[arg-type]
+    result = tuple(ids)
     for i, item in enumerate(result):
-        if isinstance(item, bool) or not isinstance(item, numbers.Integral) or not 0 <= item <= MAX_TOKEN_ID:
+        if isinstance(item, bool) or not isinstance(item, numbers.Integral) or not 0 <= int(item) <= MAX_TOKEN_ID:
             _fail(f"stop_token_ids[{i}]={item!r} must be an int >= 0 and <= {MAX_TOKEN_ID}")
     return tuple(int(item) for item in result)
 
 
 def _token_id(name: str, value: object) -> int:
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or not 0 <= value <= MAX_TOKEN_ID:
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or not 0 <= int(value) <= MAX_TOKEN_ID:
         _fail(f"{name}={value!r} must be an int >= 0 and <= {MAX_TOKEN_ID}")
-    return int(value)  # type: ignore[call-overload]
+    return int(value)
 
 
 def _normalise_logit_bias(bias: object) -> tuple[tuple[int, float], ...] | None:
@@ -392,6 +434,7 @@ def _normalise_bad_words(words: object) -> tuple[str, ...]:
             _fail(f"bad_words[{i}]={word!r} must be a non-empty str")
         if len(word) > MAX_STOP_STRING_LEN:
             _fail(f"bad_words[{i}] has {len(word)} characters: at most {MAX_STOP_STRING_LEN} are allowed")
+        _check_text(f"bad_words[{i}]", word)
     return tuple(words)
 
 
@@ -401,21 +444,90 @@ def _normalise_schema(schema: object) -> str:
             schema = json.loads(schema)
         except json.JSONDecodeError as error:
             _fail(f"structured.json is not valid JSON text: {error}")
+        except RecursionError:
+            _fail(f"structured.json is nested more than {MAX_SCHEMA_DEPTH} levels deep (objects and arrays)")
     if not isinstance(schema, dict | bool):
         _fail(f"structured.json must be a JSON schema (an object or a boolean), got {type(schema).__name__}")
+    depth = _depth(schema)
+    if depth > MAX_SCHEMA_DEPTH:
+        _fail(f"structured.json is nested more than {MAX_SCHEMA_DEPTH} levels deep (objects and arrays); at most "
+              f"{MAX_SCHEMA_DEPTH} are allowed")
+    for where, pattern in _schema_patterns(schema):
+        _check_repetitions(f"structured.json{where}", pattern)
     try:
-        return json.dumps(schema, separators=(",", ":"), ensure_ascii=False, allow_nan=False)
+        text = json.dumps(schema, separators=(",", ":"), ensure_ascii=False, allow_nan=False)
     except (TypeError, ValueError) as error:
         _fail(f"structured.json cannot be written as JSON: {error}")
+    _check_text("structured.json", text)
+    return text
+
+
+_REPETITION = re.compile(r"(?<!\\)\{\s*(\d+)\s*(?:,\s*(\d*)\s*)?\}")
+
+
+def _check_repetitions(name: str, pattern: str) -> None:
+    """Refuse a `{m}` / `{m,n}` count above MAX_REPETITION (an escaped `\\{` is a literal brace), and
+    parentheses nested deeper than MAX_GROUP_DEPTH (xgrammar's parsers recurse on them)."""
+    depth = deepest = 0
+    escaped = False
+    for char in pattern:
+        if escaped:
+            escaped = False
+        elif char == "\\":
+            escaped = True
+        elif char == "(":
+            depth += 1
+            deepest = max(deepest, depth)
+        elif char == ")":
+            depth -= 1
+    if deepest > MAX_GROUP_DEPTH:
+        _fail(f"{name}: parentheses nest {deepest} deep; at most {MAX_GROUP_DEPTH} are allowed")
+    for found in _REPETITION.finditer(pattern):
+        counts = [c for c in found.groups() if c]
+        if any(len(c) > 9 or int(c) > MAX_REPETITION for c in counts):
+            _fail(f"{name}: the repetition {found.group(0)[:40]} exceeds {MAX_REPETITION} (compiling it would take "
+                  "too long); use a smaller count, or maxLength / maxItems in a JSON schema")
+
+
+def _depth(value: object, limit: int = MAX_SCHEMA_DEPTH) -> int:
+    """How deeply JSON objects and arrays nest in `value` (0 for a scalar), counted up to limit + 1
+    (a Python value that contains itself stops there); iterative."""
+    deepest, stack = 0, [(value, 1)]
+    while stack:
+        node, level = stack.pop()
+        children = node.values() if isinstance(node, dict) else node if isinstance(node, list) else None
+        if children is not None:
+            deepest = max(deepest, level)
+            if level <= limit:
+                stack.extend((child, level + 1) for child in children)
+    return deepest
+
+
+def _schema_patterns(schema: object) -> list[tuple[str, str]]:
+    """(where, regex) of every "pattern" value and "patternProperties" key of a JSON schema."""
+    found, stack = [], [(schema, "")]
+    while stack:
+        node, where = stack.pop()
+        if isinstance(node, dict):
+            for key, value in node.items():
+                if key == "pattern" and isinstance(value, str):
+                    found.append((f"{where}.pattern", value))
+                if key == "patternProperties" and isinstance(value, dict):
+                    found.extend((f"{where}.patternProperties", k) for k in value if isinstance(k, str))
+                stack.append((value, f"{where}.{key}"))
+        elif isinstance(node, list):
+            stack.extend((item, f"{where}[{i}]") for i, item in enumerate(node))
+    return found
 
 
 def _normalise_choice(choice: object) -> tuple[str, ...]:
     if isinstance(choice, str | bytes) or not isinstance(choice, Sequence) or not choice:
         _fail(f"structured.choice={choice!r} must be a non-empty sequence of str")
-    result = tuple(choice)  # type: ignore[arg-type]
+    result = tuple(choice)
     if len(result) > MAX_CHOICES:
         _fail(f"structured.choice holds {len(result)} strings; at most {MAX_CHOICES} are allowed")
     for i, item in enumerate(result):
         if not isinstance(item, str) or not item:
             _fail(f"structured.choice[{i}]={item!r} must be a non-empty str")
+        _check_text(f"structured.choice[{i}]", item)
     return result

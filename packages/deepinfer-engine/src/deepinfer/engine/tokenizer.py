@@ -21,6 +21,8 @@ from typing import Any
 
 import tokenizers
 
+from .text_checks import check_unicode
+
 
 class TokenizerLoadError(ValueError):
     """tokenizer.json or a config next to it cannot be used; the message names the file and field."""
@@ -59,7 +61,12 @@ class Tokenizer:
         self.add_bos = add_bos and bos_token_id is not None
 
     def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
-        """Text -> token ids (int, each in [0, vocab_size))."""
+        """Text -> token ids (int, each in [0, vocab_size)).
+
+        Raises:
+            ValueError: `text` holds a lone surrogate (not Unicode text; `text_checks`).
+        """
+        check_unicode(text, "text")
         ids: list[int] = self.backend.encode(text, add_special_tokens=add_special_tokens).ids
         if add_special_tokens and self.add_bos and ids[:1] != [self.bos_token_id]:
             ids.insert(0, self.bos_token_id)  # type: ignore[arg-type]
@@ -79,6 +86,17 @@ class Tokenizer:
 
     def token_to_id(self, token: str) -> int | None:
         return self.backend.token_to_id(token)
+
+    @property
+    def max_token_chars(self) -> int:
+        """The most characters of text one token can stand for: the longest vocabulary entry (a
+        byte-level entry holds one character per byte, and a text character is at least one byte)
+        or added token, times 2 as a margin for a normaliser that folds characters together."""
+        cached = self.__dict__.get("_max_token_chars")
+        if cached is None:
+            cached = self.__dict__["_max_token_chars"] = 2 * max(
+                map(len, self.backend.get_vocab(with_added_tokens=True)), default=1)
+        return cached
 
 
 def load_tokenizer(model_dir: str | Path) -> Tokenizer | None:

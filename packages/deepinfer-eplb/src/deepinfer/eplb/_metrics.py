@@ -7,21 +7,12 @@ GPU, so max / mean GPU load is the slowdown over a perfect split (1.0 = perfect)
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 
 from ._inputs import load_array
-
-if TYPE_CHECKING:
-    from ._placement import ExpertPlacement
-
-
-def slot_gpu_loads(phy2log: np.ndarray, logcnt: np.ndarray, loads: np.ndarray, num_gpus: int) -> np.ndarray:
-    """phy2log [L, R], logcnt [L, E] int64, loads [L, E] float64 -> GPU loads [L, num_gpus] float64."""
-    per_replica = loads / logcnt
-    slot_loads = np.take_along_axis(per_replica, phy2log, axis=1)
-    return slot_loads.reshape(phy2log.shape[0], num_gpus, -1).sum(axis=2)
+from ._placement import ExpertPlacement, slot_gpu_loads
 
 
 def _ratio(gpu: np.ndarray) -> np.ndarray:

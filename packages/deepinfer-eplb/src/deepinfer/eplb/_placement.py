@@ -8,7 +8,6 @@ from typing import Any
 import numpy as np
 
 from ._inputs import check_layout, positive_int
-from ._metrics import slot_gpu_loads
 from ._rebalance import (
     Policy,
     logical_to_physical,
@@ -27,6 +26,13 @@ def _frozen_int_array(value: Any, name: str, ndim: int) -> np.ndarray:
     array = np.array(array, dtype=np.int64)
     array.setflags(write=False)
     return array
+
+
+def slot_gpu_loads(phy2log: np.ndarray, logcnt: np.ndarray, loads: np.ndarray, num_gpus: int) -> np.ndarray:
+    """phy2log [L, R], logcnt [L, E] int64, loads [L, E] float64 -> GPU loads [L, num_gpus] float64."""
+    per_replica = loads / logcnt
+    slot_loads = np.take_along_axis(per_replica, phy2log, axis=1)
+    return slot_loads.reshape(phy2log.shape[0], num_gpus, -1).sum(axis=2)
 
 
 def replica_ranks(phy2log: np.ndarray, num_logical: int) -> tuple[np.ndarray, np.ndarray]:

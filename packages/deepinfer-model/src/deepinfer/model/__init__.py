@@ -11,7 +11,9 @@ the embedded default: a tiny V4 trained on Python source, shipped inside this pa
 DeepSeek-V4.1 (`DeepseekV41Config`, `DeepseekV41ForCausalLM`): `DeepseekV4Config.from_dict` /
 `from_model_dir` return a `DeepseekV41Config` for a V4.1 config.json (composite `deepseek_v41` or flat
 `deepseek_v41_text`), and `load_model` builds the V4.1 model from it, with the Engram token map taken
-from the folder's tokenizer.json (`compressed_token_map`).
+from the folder's tokenizer.json (`compressed_token_map`). Neither model class derives from the other:
+both satisfy the `CausalLM` protocol, what the engine drives; `DraftHead` is what a model needs of
+the draft head attached to it (`DSparkDraft`).
 
 Expert parallelism (`apply_expert_parallel`, `ExpertSlots`, `run_ep_dummy_forward`,
 `take_expert_counts`, `move_experts`): the routed experts of every MoE layer sharded over a
@@ -25,20 +27,15 @@ from importlib.metadata import version as _version
 
 from .batch import ForwardBatch
 from .cache import CacheSpec, ModelCache, PagedStreamSpec, StateSpec
+from .causal_lm import CausalLM, DraftHead
 from .config import ConfigError, DeepseekV4Config, QuantConfig
 from .config_v41 import DeepseekV41Config
 from .dspark import DraftProposal, DSparkDraft, num_stages_in
 from .dummy import dummy_model
 from .embedded import embedded_model_dir
-from .layers.moe_ep import (
-    ExpertParallel,
-    ExpertSlots,
-    apply_expert_parallel,
-    moe_layers,
-    run_ep_dummy_forward,
-    take_expert_counts,
-)
+from .layers.moe_ep import ExpertParallel, ExpertSlots
 from .layers.moe_ep_moves import ExpertMoves, move_experts
+from .layers.moe_ep_setup import apply_expert_parallel, moe_layers, run_ep_dummy_forward, take_expert_counts
 from .model import DeepseekV4ForCausalLM
 from .model_v41 import DeepseekV41ForCausalLM
 from .weights import LOAD_FORMATS, WeightError, load_model
@@ -47,11 +44,13 @@ __version__ = _version("deepinfer-model")
 __all__ = [
     "LOAD_FORMATS",
     "CacheSpec",
+    "CausalLM",
     "ConfigError",
     "DeepseekV4Config",
     "DeepseekV4ForCausalLM",
     "DeepseekV41Config",
     "DeepseekV41ForCausalLM",
+    "DraftHead",
     "DraftProposal",
     "DSparkDraft",
     "ExpertMoves",

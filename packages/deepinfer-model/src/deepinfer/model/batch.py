@@ -130,7 +130,7 @@ class ForwardBatch:
         if seq_lens.shape != (n,) or state_slots.shape != (n,) or block_tables.ndim != 2 or len(block_tables) != n:
             raise ValueError(f"token_ids [{n}], seq_lens {list(seq_lens.shape)}, state_slots "
                              f"{list(state_slots.shape)} and block_tables {list(block_tables.shape)} must agree")
-        positions = seq_lens.astype(np.int64) - 1
+        positions: np.ndarray = seq_lens.astype(np.int64) - 1
         if positions.min() < 0:
             raise ValueError(f"seq_lens must be >= 1, got {int(seq_lens.min())}")
         table = block_tables if block_tables.shape[1] else np.zeros((n, 1), dtype=np.int32)

@@ -13,12 +13,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
+from typing import Any
 
 import torch
 from safetensors import SafetensorError, safe_open
 from torch import Tensor
 
-from .config import read_json_object
+from .config import file_problem, read_json_object
 
 REMAP_BYTES = 256 << 20          # reopen a file after this many bytes were read through one handle
 
@@ -64,7 +65,7 @@ def find_checkpoint(model_dir: str | Path) -> tuple[tuple[Path, ...], dict[str, 
     `model.safetensors.index.json` (returned with its weight map, key → file name)."""
     root = Path(model_dir)
     index = root / "model.safetensors.index.json"
-    if index.exists():
+    if index.exists() or index.is_symlink():
         weight_map = read_json_object(index, WeightError, what="").get("weight_map")
         if not isinstance(weight_map, dict) or not weight_map:
             raise WeightError(f"{index}: missing or empty 'weight_map' (an object: tensor key → shard file name)")
@@ -75,13 +76,17 @@ def find_checkpoint(model_dir: str | Path) -> tuple[tuple[Path, ...], dict[str, 
         for name in sorted(set(weight_map.values())):
             if Path(name).name != name or not name.endswith(".safetensors"):
                 raise WeightError(f"{index}: shard name {name!r} must be a plain *.safetensors file name")
-            if not (root / name).is_file():
-                raise WeightError(f"{index}: shard {name!r} does not exist")
+            problem = file_problem(root / name)
+            if problem is not None:
+                raise WeightError(f"{index}: shard {name!r} {problem}")
             files.append(root / name)
         return tuple(files), weight_map
     single = root / "model.safetensors"
-    if single.is_file():
+    problem = file_problem(single)
+    if problem is None:
         return (single,), None
+    if problem != "does not exist":
+        raise WeightError(f"{single} {problem}")
     raise WeightError(f"{root}: no model.safetensors or model.safetensors.index.json")
 
 
@@ -122,7 +127,7 @@ class TensorReader:
     `REMAP_BYTES` window of each file mapped; use as a context manager."""
 
     def __init__(self) -> None:
-        self._handles: dict[Path, object] = {}
+        self._handles: dict[Path, Any] = {}   # safetensors' safe_open handles
         self._read_bytes: dict[Path, int] = {}
 
     def read(self, tensor: StoredTensor) -> Tensor:

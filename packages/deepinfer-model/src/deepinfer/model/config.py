@@ -8,17 +8,32 @@ and unsupported values raise `ConfigError` naming the key; nothing from the fold
 
 from __future__ import annotations
 
+import errno
 import json
+import os
+import stat
 from dataclasses import dataclass, field, fields
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from deepinfer.kernels.reference import YarnScaling
 
-from .config_checks import CSA, HCA, SLIDING, ConfigError, integer, number, validate
-
-if TYPE_CHECKING:
-    from .config_v41 import DeepseekV41Config
+from .config_checks import (
+    CSA,
+    HCA,
+    SIZE_FIELDS,
+    SLIDING,
+    ConfigError,
+    QuantConfig,
+    boolean,
+    check_bounds,
+    integer,
+    json_dict,
+    number,
+    quant_config,
+    rope_fields,
+)
+from .config_v41 import DeepseekV41Config
 
 V41_MODEL_TYPES = ("deepseek_v41", "deepseek_v41_text")
 
@@ -43,14 +58,6 @@ _IGNORED_KEYS = frozenset({
     "compress_ratios", "compress_rates", "mlp_layer_types", "num_hash_layers", "qk_rope_head_dim",
     "partial_rotary_factor", "intermediate_size", "num_local_experts",
 })
-
-
-@dataclass(frozen=True, slots=True)
-class QuantConfig:
-    """How the checkpoint's weights are stored (dequantised to the model dtype on load)."""
-
-    fp8_block: int = 128                  # FP8 weight block edge
-    expert_format: str = "fp8"            # "fp4" (MXFP4 experts) or "fp8"
 
 
 @dataclass(frozen=True, slots=True)
@@ -113,8 +120,6 @@ class DeepseekV4Config:
         config (`model_type` deepseek_v41 / deepseek_v41_text, or a `text_config`) gives a
         `DeepseekV41Config` (see config_v41)."""
         if isinstance(raw, dict) and (raw.get("model_type") in V41_MODEL_TYPES or "text_config" in raw):
-            from .config_v41 import DeepseekV41Config
-
             return DeepseekV41Config.from_dict(raw)
         return cls(**_normalise(raw))
 
@@ -134,13 +139,38 @@ class DeepseekV4Config:
             raise ConfigError(f"{path}: {err}") from None
 
 
+def file_problem(path: Path) -> str | None:
+    """Why `path` cannot be read as a regular file ("does not exist", "is a symlink loop", "is a
+    directory", "is a FIFO", ...), or None when it can. Checked before opening: opening a FIFO
+    would block until something writes to it."""
+    try:
+        mode = path.stat().st_mode                    # follows symlinks
+    except OSError as err:
+        if err.errno == errno.ELOOP:
+            return "is a symlink loop"
+        if err.errno == errno.ENAMETOOLONG:
+            return "has a name too long for the file system"
+        if err.errno in (errno.ENOENT, errno.ENOTDIR):
+            return f"is a symlink to {os.readlink(path)!r}, which does not exist" if path.is_symlink() \
+                else "does not exist"
+        return f"cannot be read: {err.strerror or err}"
+    if stat.S_ISDIR(mode):
+        return "is a directory, not a file"
+    if stat.S_ISFIFO(mode):
+        return "is a FIFO (named pipe), not a file"
+    if not stat.S_ISREG(mode):
+        return "is not a regular file (a socket or a device)"
+    return None
+
+
 def read_json_object(path: Path, error: type[Exception], *, what: str) -> dict[str, Any]:
     """The JSON object in `path`; `error` naming the path and the fault otherwise (`what` says why the
     file is needed, for a missing one)."""
-    if not path.exists():
+    problem = file_problem(path)
+    if problem == "does not exist":
         raise error(f"{path} does not exist: {what}")
-    if not path.is_file():
-        raise error(f"{path} is not a regular file")
+    if problem is not None:
+        raise error(f"{path} {problem}")
     try:
         text = path.read_bytes().decode("utf-8")
     except OSError as err:
@@ -166,21 +196,8 @@ def _normalise(raw: dict[str, Any]) -> dict[str, Any]:
     if not isinstance(raw, dict):
         raise ConfigError(f"the config must be a JSON object, got {type(raw).__name__}")
     raw = dict(raw)
-    model_type = raw.get("model_type", "deepseek_v4")
-    if model_type != "deepseek_v4":
-        raise ConfigError(f"model_type={model_type!r} is not supported (only 'deepseek_v4', "
-                          f"'deepseek_v41' or 'deepseek_v41_text')")
-    if "text_config" in raw or "vision_config" in raw:
-        raise ConfigError("text_config/vision_config: composite (V4.1) configs are not supported")
     own = {f.name for f in fields(DeepseekV4Config)} - {"attention_types", "yarn", "quant", "extra"}
-    unknown = sorted(k for k in raw if k not in own and k not in _IGNORED_KEYS and not k.startswith("dspark_"))
-    if unknown:
-        raise ConfigError(f"unsupported config field(s): {', '.join(unknown)}")
-    for key, want in (("num_key_value_heads", 1), ("attention_bias", False), ("mlp_bias", False)):
-        if key in raw and raw[key] != want:
-            raise ConfigError(f"{key}={raw[key]!r} is not supported (must be {want!r})")
-    if raw.get("hidden_act", "silu") != "silu":
-        raise ConfigError(f"hidden_act={raw['hidden_act']!r} is not supported (must be 'silu')")
+    _check_supported(raw, own)
     out: dict[str, Any] = {k: v for k, v in raw.items() if k in own}
     n = integer(raw.get("num_hidden_layers", 43), "num_hidden_layers")
     out["attention_types"], out["compress_ratios"] = _layer_schedule(raw, n)
@@ -191,10 +208,10 @@ def _normalise(raw: dict[str, Any]) -> dict[str, Any]:
     for alias, name in (("intermediate_size", "moe_intermediate_size"), ("num_local_experts", "n_routed_experts")):
         if alias in raw and name not in raw:
             out[name] = integer(raw[alias], alias)
-    out.update(_rope(raw))
+    out.update(rope_fields(raw))
     eos = raw.get("eos_token_id", 1)
     out["eos_token_id"] = tuple(eos) if isinstance(eos, list | tuple) else (() if eos is None else (eos,))
-    out["quant"] = _quant(raw)
+    out["quant"] = quant_config(raw)
     if "dspark_target_layer_ids" in out:
         out["dspark_target_layer_ids"] = tuple(_list(out["dspark_target_layer_ids"], "dspark_target_layer_ids"))
     out["extra"] = {k: v for k, v in raw.items() if k.startswith("dspark_") and k not in own}
@@ -203,22 +220,35 @@ def _normalise(raw: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+def _check_supported(raw: dict[str, Any], own: set[str]) -> None:
+    """Refuse another model type, a composite config, unknown fields and the architecture options V4
+    does not have."""
+    model_type = raw.get("model_type", "deepseek_v4")
+    if model_type != "deepseek_v4":
+        raise ConfigError(f"model_type={model_type!r} is not supported (only 'deepseek_v4', "
+                          f"'deepseek_v41' or 'deepseek_v41_text')")
+    if "text_config" in raw or "vision_config" in raw:
+        raise ConfigError("text_config/vision_config: composite (V4.1) configs are not supported")
+    unknown = sorted(k for k in raw if k not in own and k not in _IGNORED_KEYS and not k.startswith("dspark_"))
+    if unknown:
+        raise ConfigError(f"unsupported config field(s): {', '.join(unknown)}")
+    for key, want in (("num_key_value_heads", 1), ("attention_bias", False), ("mlp_bias", False)):
+        if key in raw and raw[key] != want:
+            raise ConfigError(f"{key}={raw[key]!r} is not supported (must be {want!r})")
+    if raw.get("hidden_act", "silu") != "silu":
+        raise ConfigError(f"hidden_act={raw['hidden_act']!r} is not supported (must be 'silu')")
+
+
 def _list(value: Any, name: str) -> list[Any]:
     if not isinstance(value, list | tuple):
         raise ConfigError(f"{name}={value!r} must be a list")
     return list(value)
 
 
-def _dict(value: Any, name: str) -> dict[str, Any]:
-    if not isinstance(value, dict):
-        raise ConfigError(f"{name}={value!r} must be a JSON object")
-    return value
-
-
 def _layer_schedule(raw: dict[str, Any], n: int) -> tuple[tuple[str, ...], tuple[int, ...]]:
     if "layer_types" in raw and raw["layer_types"] is not None:
         rates = {"compressed_sparse_attention": 4, "heavily_compressed_attention": 128}
-        rates.update(_dict(raw.get("compress_rates") or {}, "compress_rates"))
+        rates.update(json_dict(raw.get("compress_rates") or {}, "compress_rates"))
         if "compress_rate_csa" in raw:
             rates["compressed_sparse_attention"] = raw["compress_rate_csa"]
         if "compress_rate_hca" in raw:
@@ -257,60 +287,67 @@ def _num_hash_layers(raw: dict[str, Any], n: int) -> int:
     return integer(raw.get("num_hash_layers", 3), "num_hash_layers", 0, n)
 
 
-def _rope(raw: dict[str, Any]) -> dict[str, Any]:
-    params = raw.get("rope_parameters")
-    if isinstance(params, dict) and isinstance(params.get("compress"), dict):
-        main = _dict(params.get("main") or {}, "rope_parameters.main")
-        comp = params["compress"]
-        out: dict[str, Any] = {}
-        if "rope_theta" in main:
-            out["rope_theta"] = number(main["rope_theta"], "rope_parameters.main.rope_theta")
-        if "rope_theta" in comp:
-            out["compress_rope_theta"] = number(comp["rope_theta"], "rope_parameters.compress.rope_theta")
-        out["yarn"] = _yarn(comp, raw, "rope_parameters.compress")
-        return out
-    if raw.get("rope_scaling"):
-        return {"yarn": _yarn(_dict(raw["rope_scaling"], "rope_scaling"), raw, "rope_scaling")}
-    if params is not None:
-        return {"yarn": _yarn(_dict(params, "rope_parameters"), raw, "rope_parameters")}
-    return {"yarn": None}
+_POSITIVE_REALS = ("rope_theta", "compress_rope_theta", "routed_scaling_factor", "swiglu_limit", "hc_eps",
+                   "rms_norm_eps")
 
 
-def _yarn(spec: dict[str, Any], raw: dict[str, Any], where: str) -> YarnScaling | None:
-    if not spec:
-        return None
-    kind = spec.get("rope_type", spec.get("type", "default"))
-    if kind == "default":
-        return None
-    if kind != "yarn":
-        raise ConfigError(f"{where}.type={kind!r} is not supported (only 'yarn' or 'default')")
-    attention_factor = spec.get("attention_factor", 1.0)
-    if attention_factor not in (None, 1.0):
-        raise ConfigError(f"{where}.attention_factor={attention_factor!r} must be 1.0 for DeepSeek-V4")
-    if spec.get("original_max_position_embeddings") is None:
-        raise ConfigError(f"{where}.original_max_position_embeddings is required for yarn")
-    original = integer(spec["original_max_position_embeddings"], f"{where}.original_max_position_embeddings")
-    if spec.get("factor") is None:
-        factor = integer(raw.get("max_position_embeddings", 1048576), "max_position_embeddings") / original
-    else:
-        factor = number(spec["factor"], f"{where}.factor")
-    return YarnScaling(factor=factor, original_max_position_embeddings=original,
-                       beta_fast=number(spec.get("beta_fast", 32), f"{where}.beta_fast"),
-                       beta_slow=number(spec.get("beta_slow", 1), f"{where}.beta_slow"))
+def validate(cfg: DeepseekV4Config) -> None:
+    """Every field of `cfg` in its allowed range; raises ConfigError naming the first bad one."""
+    for name in SIZE_FIELDS:
+        integer(getattr(cfg, name), name)
+    for name in _POSITIVE_REALS:
+        number(getattr(cfg, name), name)
+    check_bounds(cfg)
+    n, vocab = cfg.num_hidden_layers, cfg.vocab_size
+    integer(cfg.num_experts_per_tok, "num_experts_per_tok", 1, cfg.n_routed_experts)
+    integer(cfg.n_shared_experts, "n_shared_experts", 0, 1)
+    integer(cfg.num_hash_layers, "num_hash_layers", 0, n)
+    integer(cfg.num_nextn_predict_layers, "num_nextn_predict_layers", 0)
+    _schedule(cfg)
+    rope = integer(cfg.qk_rope_head_dim, "qk_rope_head_dim")
+    if rope % 2 or rope > cfg.head_dim:
+        raise ConfigError(f"qk_rope_head_dim={rope} must be even and in (0, head_dim={cfg.head_dim}]")
+    if CSA in cfg.attention_types and rope > cfg.index_head_dim:
+        raise ConfigError(f"qk_rope_head_dim={rope} must be <= index_head_dim={cfg.index_head_dim} "
+                          f"(CSA layers rotate the index queries too)")
+    if cfg.num_attention_heads % cfg.o_groups:
+        raise ConfigError(f"o_groups={cfg.o_groups} must divide num_attention_heads={cfg.num_attention_heads}")
+    if cfg.scoring_func not in ("sqrtsoftplus", "sigmoid", "softmax"):
+        raise ConfigError(f"scoring_func={cfg.scoring_func!r} must be sqrtsoftplus, sigmoid or softmax")
+    boolean(cfg.norm_topk_prob, "norm_topk_prob")
+    if boolean(cfg.tie_word_embeddings, "tie_word_embeddings"):
+        raise ConfigError("tie_word_embeddings=True is not supported for DeepSeek-V4")
+    if cfg.yarn is not None:
+        number(cfg.yarn.factor, "rope_scaling.factor")
+        integer(cfg.yarn.original_max_position_embeddings, "rope_scaling.original_max_position_embeddings")
+        number(cfg.yarn.beta_fast, "rope_scaling.beta_fast")
+        number(cfg.yarn.beta_slow, "rope_scaling.beta_slow")
+    if cfg.bos_token_id is not None:
+        integer(cfg.bos_token_id, "bos_token_id", 0, vocab - 1)
+    for i, token_id in enumerate(cfg.eos_token_id):
+        integer(token_id, f"eos_token_id[{i}]", 0, vocab - 1)
+    _dspark(cfg)
+    if cfg.quant is not None:
+        integer(cfg.quant.fp8_block, "quantization_config.weight_block_size")
 
 
-def _quant(raw: dict[str, Any]) -> QuantConfig | None:
-    qc = raw.get("quantization_config")
-    if not qc:
-        return None
-    qc = _dict(qc, "quantization_config")
-    method = qc.get("quant_method")
-    if method != "fp8":
-        raise ConfigError(f"quantization_config.quant_method={method!r} is not supported (only 'fp8')")
-    block = qc.get("weight_block_size", [128, 128])
-    if not isinstance(block, list | tuple) or len(block) != 2 or block[0] != block[1]:
-        raise ConfigError(f"quantization_config.weight_block_size={block!r} must be square, e.g. [128, 128]")
-    expert = qc.get("expert_dtype", raw.get("expert_dtype", "fp8"))
-    if expert not in ("fp4", "fp8"):
-        raise ConfigError(f"expert_dtype={expert!r} must be 'fp4' or 'fp8'")
-    return QuantConfig(fp8_block=integer(block[0], "quantization_config.weight_block_size"), expert_format=expert)
+def _schedule(cfg: DeepseekV4Config) -> None:
+    n = cfg.num_hidden_layers
+    if len(cfg.attention_types) != n or len(cfg.compress_ratios) != n:
+        raise ConfigError(f"layer schedule has {len(cfg.attention_types)} entries, num_hidden_layers={n}")
+    for i, (kind, ratio) in enumerate(zip(cfg.attention_types, cfg.compress_ratios)):
+        if isinstance(ratio, bool) or not isinstance(ratio, int):
+            raise ConfigError(f"layer {i}: compress ratio {ratio!r} must be an integer")
+        if kind not in (SLIDING, CSA, HCA) or (kind == SLIDING) != (ratio == 0) or ratio < 0:
+            raise ConfigError(f"layer {i}: attention type {kind!r} with compress ratio {ratio} is inconsistent")
+
+
+def _dspark(cfg: DeepseekV4Config) -> None:
+    if cfg.dspark_block_size is not None:
+        integer(cfg.dspark_block_size, "dspark_block_size")
+    if cfg.dspark_markov_rank is not None:
+        integer(cfg.dspark_markov_rank, "dspark_markov_rank")
+    if cfg.dspark_noise_token_id is not None:
+        integer(cfg.dspark_noise_token_id, "dspark_noise_token_id", 0, cfg.vocab_size - 1)
+    for i, layer in enumerate(cfg.dspark_target_layer_ids):
+        integer(layer, f"dspark_target_layer_ids[{i}]", 0, cfg.num_hidden_layers - 1)

@@ -1,16 +1,17 @@
-"""Range checks of DeepseekV4Config values: every numeric field against its allowed range, with the
-field's name in the message (`ConfigError`). Used by `DeepseekV4Config.__post_init__` and, for the
-transformers spellings that are converted before the dataclass sees them (`partial_rotary_factor`,
-`rope_parameters.main.rope_theta`, `compress_rates`…), by the parser in `config`.
+"""What the V4 and V4.1 configs share (`config`, `config_v41`): range checks of one value with the
+field's name in the message (`ConfigError`; `integer`, `number`, `boolean`), the attention kinds, the
+integer size fields, and the parsing of the spellings both accept — `rope_fields` (the main and
+compress RoPE, YaRN) and `quant_config` (`QuantConfig`). `DeepseekV4Config`'s own checks are
+`config.validate`.
 """
 
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING, Any
+from dataclasses import dataclass
+from typing import Any
 
-if TYPE_CHECKING:
-    from .config import DeepseekV4Config
+from deepinfer.kernels.reference import YarnScaling
 
 SLIDING, CSA, HCA = "sliding", "csa", "hca"
 
@@ -48,66 +49,91 @@ SIZE_FIELDS = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_
                "o_groups", "o_lora_rank", "sliding_window", "index_n_heads", "index_head_dim", "index_topk",
                "n_routed_experts", "moe_intermediate_size", "hc_mult", "hc_sinkhorn_iters",
                "max_position_embeddings")
-_POSITIVE_REALS = ("rope_theta", "compress_rope_theta", "routed_scaling_factor", "swiglu_limit", "hc_eps",
-                   "rms_norm_eps")
+# Upper bounds of fields whose absurd values load but then hang or silently ruin generation: each
+# Sinkhorn iteration runs in every layer of every step (the reference uses 20), and an RMSNorm epsilon
+# past 1 dwarfs unit-scale activations (1e308 makes every hidden state ~0: empty output).
+MAX_SINKHORN_ITERS = 1000
+MAX_NORM_EPS = 1.0
+# Token ids are int32 throughout, and an embedding row per id is allocated before any weight is read:
+# a vocabulary past 2**24 (over 100 times DeepSeek's 129,280) is a typo, not a model.
+MAX_VOCAB_SIZE = 2**24
 
 
-def validate(cfg: DeepseekV4Config) -> None:
-    """Every field of `cfg` in its allowed range; raises ConfigError naming the first bad one."""
-    for name in SIZE_FIELDS:
-        integer(getattr(cfg, name), name)
-    for name in _POSITIVE_REALS:
-        number(getattr(cfg, name), name)
-    n, vocab = cfg.num_hidden_layers, cfg.vocab_size
-    integer(cfg.num_experts_per_tok, "num_experts_per_tok", 1, cfg.n_routed_experts)
-    integer(cfg.n_shared_experts, "n_shared_experts", 0, 1)
-    integer(cfg.num_hash_layers, "num_hash_layers", 0, n)
-    integer(cfg.num_nextn_predict_layers, "num_nextn_predict_layers", 0)
-    _schedule(cfg)
-    rope = integer(cfg.qk_rope_head_dim, "qk_rope_head_dim")
-    if rope % 2 or rope > cfg.head_dim:
-        raise ConfigError(f"qk_rope_head_dim={rope} must be even and in (0, head_dim={cfg.head_dim}]")
-    if CSA in cfg.attention_types and rope > cfg.index_head_dim:
-        raise ConfigError(f"qk_rope_head_dim={rope} must be <= index_head_dim={cfg.index_head_dim} "
-                          f"(CSA layers rotate the index queries too)")
-    if cfg.num_attention_heads % cfg.o_groups:
-        raise ConfigError(f"o_groups={cfg.o_groups} must divide num_attention_heads={cfg.num_attention_heads}")
-    if cfg.scoring_func not in ("sqrtsoftplus", "sigmoid", "softmax"):
-        raise ConfigError(f"scoring_func={cfg.scoring_func!r} must be sqrtsoftplus, sigmoid or softmax")
-    boolean(cfg.norm_topk_prob, "norm_topk_prob")
-    if boolean(cfg.tie_word_embeddings, "tie_word_embeddings"):
-        raise ConfigError("tie_word_embeddings=True is not supported for DeepSeek-V4")
-    if cfg.yarn is not None:
-        number(cfg.yarn.factor, "rope_scaling.factor")
-        integer(cfg.yarn.original_max_position_embeddings, "rope_scaling.original_max_position_embeddings")
-        number(cfg.yarn.beta_fast, "rope_scaling.beta_fast")
-        number(cfg.yarn.beta_slow, "rope_scaling.beta_slow")
-    if cfg.bos_token_id is not None:
-        integer(cfg.bos_token_id, "bos_token_id", 0, vocab - 1)
-    for i, token_id in enumerate(cfg.eos_token_id):
-        integer(token_id, f"eos_token_id[{i}]", 0, vocab - 1)
-    _dspark(cfg)
-    if cfg.quant is not None:
-        integer(cfg.quant.fp8_block, "quantization_config.weight_block_size")
+def check_bounds(cfg: Any) -> None:
+    """The fields both versions bound from above (V4 and V4.1 configs)."""
+    integer(cfg.hc_sinkhorn_iters, "hc_sinkhorn_iters", 1, MAX_SINKHORN_ITERS)
+    integer(cfg.vocab_size, "vocab_size", 1, MAX_VOCAB_SIZE)
+    number(cfg.rms_norm_eps, "rms_norm_eps", at_most=MAX_NORM_EPS)
 
 
-def _schedule(cfg: DeepseekV4Config) -> None:
-    n = cfg.num_hidden_layers
-    if len(cfg.attention_types) != n or len(cfg.compress_ratios) != n:
-        raise ConfigError(f"layer schedule has {len(cfg.attention_types)} entries, num_hidden_layers={n}")
-    for i, (kind, ratio) in enumerate(zip(cfg.attention_types, cfg.compress_ratios)):
-        if isinstance(ratio, bool) or not isinstance(ratio, int):
-            raise ConfigError(f"layer {i}: compress ratio {ratio!r} must be an integer")
-        if kind not in (SLIDING, CSA, HCA) or (kind == SLIDING) != (ratio == 0) or ratio < 0:
-            raise ConfigError(f"layer {i}: attention type {kind!r} with compress ratio {ratio} is inconsistent")
+@dataclass(frozen=True, slots=True)
+class QuantConfig:
+    """How the checkpoint's weights are stored (dequantised to the model dtype on load)."""
+
+    fp8_block: int = 128                  # FP8 weight block edge
+    expert_format: str = "fp8"            # "fp4" (MXFP4 experts) or "fp8"
 
 
-def _dspark(cfg: DeepseekV4Config) -> None:
-    if cfg.dspark_block_size is not None:
-        integer(cfg.dspark_block_size, "dspark_block_size")
-    if cfg.dspark_markov_rank is not None:
-        integer(cfg.dspark_markov_rank, "dspark_markov_rank")
-    if cfg.dspark_noise_token_id is not None:
-        integer(cfg.dspark_noise_token_id, "dspark_noise_token_id", 0, cfg.vocab_size - 1)
-    for i, layer in enumerate(cfg.dspark_target_layer_ids):
-        integer(layer, f"dspark_target_layer_ids[{i}]", 0, cfg.num_hidden_layers - 1)
+def json_dict(value: Any, name: str) -> dict[str, Any]:
+    if not isinstance(value, dict):
+        raise ConfigError(f"{name}={value!r} must be a JSON object")
+    return value
+
+
+def rope_fields(raw: dict[str, Any]) -> dict[str, Any]:
+    params = raw.get("rope_parameters")
+    if isinstance(params, dict) and isinstance(params.get("compress"), dict):
+        main = json_dict(params.get("main") or {}, "rope_parameters.main")
+        comp = params["compress"]
+        out: dict[str, Any] = {}
+        if "rope_theta" in main:
+            out["rope_theta"] = number(main["rope_theta"], "rope_parameters.main.rope_theta")
+        if "rope_theta" in comp:
+            out["compress_rope_theta"] = number(comp["rope_theta"], "rope_parameters.compress.rope_theta")
+        out["yarn"] = _yarn(comp, raw, "rope_parameters.compress")
+        return out
+    if raw.get("rope_scaling"):
+        return {"yarn": _yarn(json_dict(raw["rope_scaling"], "rope_scaling"), raw, "rope_scaling")}
+    if params is not None:
+        return {"yarn": _yarn(json_dict(params, "rope_parameters"), raw, "rope_parameters")}
+    return {"yarn": None}
+
+
+def _yarn(spec: dict[str, Any], raw: dict[str, Any], where: str) -> YarnScaling | None:
+    if not spec:
+        return None
+    kind = spec.get("rope_type", spec.get("type", "default"))
+    if kind == "default":
+        return None
+    if kind != "yarn":
+        raise ConfigError(f"{where}.type={kind!r} is not supported (only 'yarn' or 'default')")
+    attention_factor = spec.get("attention_factor", 1.0)
+    if attention_factor not in (None, 1.0):
+        raise ConfigError(f"{where}.attention_factor={attention_factor!r} must be 1.0 for DeepSeek-V4")
+    if spec.get("original_max_position_embeddings") is None:
+        raise ConfigError(f"{where}.original_max_position_embeddings is required for yarn")
+    original = integer(spec["original_max_position_embeddings"], f"{where}.original_max_position_embeddings")
+    if spec.get("factor") is None:
+        factor = integer(raw.get("max_position_embeddings", 1048576), "max_position_embeddings") / original
+    else:
+        factor = number(spec["factor"], f"{where}.factor")
+    return YarnScaling(factor=factor, original_max_position_embeddings=original,
+                       beta_fast=number(spec.get("beta_fast", 32), f"{where}.beta_fast"),
+                       beta_slow=number(spec.get("beta_slow", 1), f"{where}.beta_slow"))
+
+
+def quant_config(raw: dict[str, Any]) -> QuantConfig | None:
+    qc = raw.get("quantization_config")
+    if not qc:
+        return None
+    qc = json_dict(qc, "quantization_config")
+    method = qc.get("quant_method")
+    if method != "fp8":
+        raise ConfigError(f"quantization_config.quant_method={method!r} is not supported (only 'fp8')")
+    block = qc.get("weight_block_size", [128, 128])
+    if not isinstance(block, list | tuple) or len(block) != 2 or block[0] != block[1]:
+        raise ConfigError(f"quantization_config.weight_block_size={block!r} must be square, e.g. [128, 128]")
+    expert = qc.get("expert_dtype", raw.get("expert_dtype", "fp8"))
+    if expert not in ("fp4", "fp8"):
+        raise ConfigError(f"expert_dtype={expert!r} must be 'fp4' or 'fp8'")
+    return QuantConfig(fp8_block=integer(block[0], "quantization_config.weight_block_size"), expert_format=expert)

@@ -19,7 +19,17 @@ from typing import Any
 
 from deepinfer.kernels.reference import YarnScaling
 
-from .config_checks import SIZE_FIELDS, SLIDING, ConfigError, boolean, integer, number
+from .config_checks import (
+    SIZE_FIELDS,
+    SLIDING,
+    ConfigError,
+    boolean,
+    check_bounds,
+    integer,
+    number,
+    quant_config,
+    rope_fields,
+)
 
 __all__ = ["CSA2", "DeepseekV41Config", "parse_v41"]
 
@@ -154,45 +164,9 @@ class DeepseekV41Config:
 
 def parse_v41(raw: dict[str, Any]) -> dict[str, Any]:
     """DeepseekV41Config keyword arguments from a config.json mapping (see the module docstring)."""
-    from .config import _quant, _rope  # shared with V4 (same spellings)
-
-    raw = dict(raw)
-    model_type = raw.get("model_type")
-    quant_raw = raw.get("quantization_config")
-    if model_type == "deepseek_v41" or "text_config" in raw:
-        unknown = sorted(set(raw) - _GENERIC - {"text_config", "vision_config", "image_token_id",
-                                                "quantization_config", "model_type"})
-        if unknown:
-            raise ConfigError(f"unsupported config field(s): {', '.join(unknown)}")
-        if "vision_config" in raw:
-            _log.info("vision_config ignored: deepinfer serves the text model of DeepSeek-V4.1 only")
-        text = raw.get("text_config")
-        if text is None:
-            text = {}
-        if not isinstance(text, dict):
-            raise ConfigError(f"text_config={text!r} must be a JSON object")
-        text = dict(text)
-        if text.get("model_type", "deepseek_v41_text") != "deepseek_v41_text":
-            raise ConfigError(f"text_config.model_type={text['model_type']!r} must be 'deepseek_v41_text'")
-        for key in ("bos_token_id", "eos_token_id", "tie_word_embeddings"):
-            if key in raw and key not in text:
-                text[key] = raw[key]
-        if quant_raw is None:
-            quant_raw = text.get("quantization_config")
-        raw = text
-    elif model_type != "deepseek_v41_text":
-        raise ConfigError(f"model_type={model_type!r} must be 'deepseek_v41' or 'deepseek_v41_text'")
+    raw, quant_raw = _text_fields(dict(raw))
     own = {f.name for f in fields(DeepseekV41Config)} - {"yarn", "quant", "extra"}
-    unknown = sorted(k for k in raw if k not in own and k not in _IGNORED)
-    if unknown:
-        raise ConfigError(f"unsupported config field(s): {', '.join(unknown)}")
-    for key, want in (("num_key_value_heads", 1), ("attention_bias", False)):
-        if key in raw and raw[key] != want:
-            raise ConfigError(f"{key}={raw[key]!r} is not supported (must be {want!r})")
-    if raw.get("hidden_act", "silu") != "silu":
-        raise ConfigError(f"hidden_act={raw['hidden_act']!r} is not supported (must be 'silu')")
-    if raw.get("topk_method", "noaux_tc") != "noaux_tc":
-        raise ConfigError(f"topk_method={raw['topk_method']!r} is not supported (must be 'noaux_tc')")
+    _check_supported(raw, own)
     out: dict[str, Any] = {k: v for k, v in raw.items() if k in own}
     for alias, name in (("intermediate_size", "moe_intermediate_size"), ("num_local_experts", "n_routed_experts"),
                         ("engram_pad_token_id", "engram_pad_id")):
@@ -205,8 +179,9 @@ def parse_v41(raw: dict[str, Any]) -> dict[str, Any]:
         out[key] = tuple(_ints(raw.get(key) or [], key))
     if "engram_num_embeddings" not in raw or raw["engram_num_embeddings"] is None:
         out["engram_num_embeddings"] = (0,) * len(out["engram_layer_ids"])
-    rope = {k: raw[k] for k in ("rope_parameters", "rope_scaling", "max_position_embeddings") if k in raw}
-    out.update(_rope(rope))
+    rope: dict[str, Any] = {k: raw[k] for k in ("rope_parameters", "rope_scaling", "max_position_embeddings")
+                            if k in raw}
+    out.update(rope_fields(rope))  # shared with V4 (same spellings)
     eos = raw.get("eos_token_id", 1)
     out["eos_token_id"] = tuple(eos) if isinstance(eos, list | tuple) else (() if eos is None else (eos,))
     expert_dtype = raw.get("expert_dtype")
@@ -214,8 +189,50 @@ def parse_v41(raw: dict[str, Any]) -> dict[str, Any]:
         quant_raw = dict(_object(quant_raw, "quantization_config"))
         if expert_dtype is not None and "expert_dtype" not in quant_raw:
             quant_raw["expert_dtype"] = expert_dtype
-    out["quant"] = _quant({"quantization_config": quant_raw} if quant_raw else {})
+    out["quant"] = quant_config({"quantization_config": quant_raw} if quant_raw else {})
     return out
+
+
+def _text_fields(raw: dict[str, Any]) -> tuple[dict[str, Any], Any]:
+    """(the text model's fields, the quantization_config) of a flat `deepseek_v41_text` config, or of a
+    composite `deepseek_v41` one's `text_config` (its own BOS / EOS / tie fields filling the gaps)."""
+    model_type = raw.get("model_type")
+    quant_raw = raw.get("quantization_config")
+    if model_type != "deepseek_v41" and "text_config" not in raw:
+        if model_type != "deepseek_v41_text":
+            raise ConfigError(f"model_type={model_type!r} must be 'deepseek_v41' or 'deepseek_v41_text'")
+        return raw, quant_raw
+    unknown = sorted(set(raw) - _GENERIC - {"text_config", "vision_config", "image_token_id",
+                                            "quantization_config", "model_type"})
+    if unknown:
+        raise ConfigError(f"unsupported config field(s): {', '.join(unknown)}")
+    if "vision_config" in raw:
+        _log.info("vision_config ignored: deepinfer serves the text model of DeepSeek-V4.1 only")
+    text = raw.get("text_config")
+    if text is None:
+        text = {}
+    if not isinstance(text, dict):
+        raise ConfigError(f"text_config={text!r} must be a JSON object")
+    text = dict(text)
+    if text.get("model_type", "deepseek_v41_text") != "deepseek_v41_text":
+        raise ConfigError(f"text_config.model_type={text['model_type']!r} must be 'deepseek_v41_text'")
+    for key in ("bos_token_id", "eos_token_id", "tie_word_embeddings"):
+        if key in raw and key not in text:
+            text[key] = raw[key]
+    return text, quant_raw if quant_raw is not None else text.get("quantization_config")
+
+
+def _check_supported(raw: dict[str, Any], own: set[str]) -> None:
+    unknown = sorted(k for k in raw if k not in own and k not in _IGNORED)
+    if unknown:
+        raise ConfigError(f"unsupported config field(s): {', '.join(unknown)}")
+    for key, want in (("num_key_value_heads", 1), ("attention_bias", False)):
+        if key in raw and raw[key] != want:
+            raise ConfigError(f"{key}={raw[key]!r} is not supported (must be {want!r})")
+    if raw.get("hidden_act", "silu") != "silu":
+        raise ConfigError(f"hidden_act={raw['hidden_act']!r} is not supported (must be 'silu')")
+    if raw.get("topk_method", "noaux_tc") != "noaux_tc":
+        raise ConfigError(f"topk_method={raw['topk_method']!r} is not supported (must be 'noaux_tc')")
 
 
 def _object(value: Any, name: str) -> dict[str, Any]:
@@ -235,7 +252,34 @@ def _ints(value: Any, name: str) -> list[int]:
 
 def _schedule(raw: dict[str, Any], n: int, nextn: int) -> dict[str, Any]:
     """compress_ratios (trailing draft entries cut) and the source lists, with transformers' defaults."""
-    given = raw.get("compress_ratios")
+    ratios = _compress_ratios(raw.get("compress_ratios"), n, nextn)
+    if raw.get("kv_source_layer_ids") is not None:
+        kv = _ints(raw["kv_source_layer_ids"], "kv_source_layer_ids")
+    elif ratios == list(_RELEASED_RATIOS[:n]) and n == len(_RELEASED_RATIOS):
+        kv = list(_RELEASED_KV_SOURCES)
+    else:
+        kv = [i for i in range(n) if ratios[i] > 0 and (i == 0 or ratios[i - 1] != ratios[i])]
+    if raw.get("index_source_layer_ids") is not None:
+        index = _ints(raw["index_source_layer_ids"], "index_source_layer_ids")
+    else:
+        index = list(_RELEASED_INDEX_SOURCES) if kv == list(_RELEASED_KV_SOURCES) else list(kv)
+    candidate = _candidate_source(raw.get("candidate_source_layer_id"), kv)
+    if raw.get("dspark_target_layer_ids") is not None:
+        targets = _ints(raw["dspark_target_layer_ids"], "dspark_target_layer_ids")
+    else:
+        targets = sorted([i for i in range(n) if i not in kv][-3:])
+    layer_types = raw.get("layer_types")
+    if layer_types is not None:
+        want = ["shared_compressed_attention" if i in kv else "sliding_attention" for i in range(n)]
+        if not isinstance(layer_types, list) or list(layer_types[:n]) != want:
+            raise ConfigError(f"layer_types={layer_types!r} disagrees with kv_source_layer_ids={kv} "
+                              f"(expected {want})")
+    return {"compress_ratios": tuple(ratios), "kv_source_layer_ids": tuple(kv), "index_source_layer_ids":
+            tuple(index), "candidate_source_layer_id": candidate, "dspark_target_layer_ids": tuple(targets)}
+
+
+def _compress_ratios(given: Any, n: int, nextn: int) -> list[int]:
+    """The n layers' ratios: as given (draft layers' trailing zeros cut), else transformers' default."""
     if given is None:
         if n == len(_RELEASED_RATIOS):
             ratios = list(_RELEASED_RATIOS)
@@ -257,35 +301,16 @@ def _schedule(raw: dict[str, Any], n: int, nextn: int) -> dict[str, Any]:
     for i, r in enumerate(ratios):
         if r not in (0, 1, 2):
             raise ConfigError(f"compress_ratios[{i}]={r!r} must be 0, 1 or 2 for DeepSeek-V4.1")
-    if raw.get("kv_source_layer_ids") is not None:
-        kv = _ints(raw["kv_source_layer_ids"], "kv_source_layer_ids")
-    elif ratios == list(_RELEASED_RATIOS[:n]) and n == len(_RELEASED_RATIOS):
-        kv = list(_RELEASED_KV_SOURCES)
-    else:
-        kv = [i for i in range(n) if ratios[i] > 0 and (i == 0 or ratios[i - 1] != ratios[i])]
-    if raw.get("index_source_layer_ids") is not None:
-        index = _ints(raw["index_source_layer_ids"], "index_source_layer_ids")
-    else:
-        index = list(_RELEASED_INDEX_SOURCES) if kv == list(_RELEASED_KV_SOURCES) else list(kv)
-    candidate = raw.get("candidate_source_layer_id")
+    return ratios
+
+
+def _candidate_source(candidate: Any, kv: list[int]) -> int:
+    """candidate_source_layer_id as given (negative: none, -1), else the last KV source."""
     if candidate is None:
-        candidate = kv[-1] if kv else -1
-    elif isinstance(candidate, bool) or not isinstance(candidate, int):
+        return kv[-1] if kv else -1
+    if isinstance(candidate, bool) or not isinstance(candidate, int):
         raise ConfigError(f"candidate_source_layer_id={candidate!r} must be an integer")
-    if candidate < 0:
-        candidate = -1
-    if raw.get("dspark_target_layer_ids") is not None:
-        targets = _ints(raw["dspark_target_layer_ids"], "dspark_target_layer_ids")
-    else:
-        targets = sorted([i for i in range(n) if i not in kv][-3:])
-    layer_types = raw.get("layer_types")
-    if layer_types is not None:
-        want = ["shared_compressed_attention" if i in kv else "sliding_attention" for i in range(n)]
-        if not isinstance(layer_types, list) or list(layer_types[:n]) != want:
-            raise ConfigError(f"layer_types={layer_types!r} disagrees with kv_source_layer_ids={kv} "
-                              f"(expected {want})")
-    return {"compress_ratios": tuple(ratios), "kv_source_layer_ids": tuple(kv), "index_source_layer_ids":
-            tuple(index), "candidate_source_layer_id": candidate, "dspark_target_layer_ids": tuple(targets)}
+    return max(candidate, -1)
 
 
 _SIZES = SIZE_FIELDS + ("candidate_topk_blocks", "candidate_block_size", "engram_vocab_size", "engram_n_heads",
@@ -300,6 +325,7 @@ def _validate(cfg: DeepseekV41Config) -> None:
         integer(getattr(cfg, name), name)
     for name in _POSITIVE_REALS:
         number(getattr(cfg, name), name)
+    check_bounds(cfg)
     n, vocab = cfg.num_hidden_layers, cfg.vocab_size
     integer(cfg.num_experts_per_tok, "num_experts_per_tok", 1, cfg.n_routed_experts)
     integer(cfg.n_shared_experts, "n_shared_experts", 0, 1)     # V4.1 always has its one shared expert
@@ -314,6 +340,21 @@ def _validate(cfg: DeepseekV41Config) -> None:
     boolean(cfg.norm_topk_prob, "norm_topk_prob")
     if boolean(cfg.tie_word_embeddings, "tie_word_embeddings"):
         raise ConfigError("tie_word_embeddings=True is not supported for DeepSeek-V4.1")
+    _validate_sources(cfg)
+    rope = integer(cfg.qk_rope_head_dim, "qk_rope_head_dim")
+    if rope % 2 or rope > cfg.head_dim or rope > cfg.index_head_dim:
+        raise ConfigError(f"qk_rope_head_dim={rope} must be even and <= head_dim={cfg.head_dim} and "
+                          f"index_head_dim={cfg.index_head_dim}")
+    if cfg.num_attention_heads % cfg.o_groups:
+        raise ConfigError(f"o_groups={cfg.o_groups} must divide num_attention_heads={cfg.num_attention_heads}")
+    _validate_engram(cfg)
+    _layer_list(cfg.dspark_target_layer_ids, "dspark_target_layer_ids", n, ordered=False)
+    _validate_ids(cfg)
+
+
+def _validate_sources(cfg: DeepseekV41Config) -> None:
+    """The layer schedule: compress ratios, KV and index sources, the candidate source."""
+    n = cfg.num_hidden_layers
     if len(cfg.compress_ratios) != n:
         raise ConfigError(f"compress_ratios has {len(cfg.compress_ratios)} entries, num_hidden_layers={n}")
     for i, r in enumerate(cfg.compress_ratios):
@@ -337,13 +378,10 @@ def _validate(cfg: DeepseekV41Config) -> None:
     if isinstance(c, bool) or not isinstance(c, int) or c < -1 or (c >= 0 and c not in cfg.index_source_layer_ids):
         raise ConfigError(f"candidate_source_layer_id={c!r} must be -1 (off) or one of index_source_layer_ids "
                           f"{list(cfg.index_source_layer_ids)}")
-    rope = integer(cfg.qk_rope_head_dim, "qk_rope_head_dim")
-    if rope % 2 or rope > cfg.head_dim or rope > cfg.index_head_dim:
-        raise ConfigError(f"qk_rope_head_dim={rope} must be even and <= head_dim={cfg.head_dim} and "
-                          f"index_head_dim={cfg.index_head_dim}")
-    if cfg.num_attention_heads % cfg.o_groups:
-        raise ConfigError(f"o_groups={cfg.o_groups} must divide num_attention_heads={cfg.num_attention_heads}")
-    _layer_list(cfg.engram_layer_ids, "engram_layer_ids", n)
+
+
+def _validate_engram(cfg: DeepseekV41Config) -> None:
+    _layer_list(cfg.engram_layer_ids, "engram_layer_ids", cfg.num_hidden_layers)
     if len(cfg.engram_num_embeddings) != len(cfg.engram_layer_ids):
         raise ConfigError(f"engram_num_embeddings has {len(cfg.engram_num_embeddings)} entries, engram_layer_ids "
                           f"{len(cfg.engram_layer_ids)}")
@@ -352,7 +390,11 @@ def _validate(cfg: DeepseekV41Config) -> None:
             raise ConfigError(f"engram_head_dim={cfg.engram_head_dim} must be a multiple of 32 (FP8 rows)")
         for i, rows in enumerate(cfg.engram_num_embeddings):
             integer(rows, f"engram_num_embeddings[{i}]")
-    _layer_list(cfg.dspark_target_layer_ids, "dspark_target_layer_ids", n, ordered=False)
+
+
+def _validate_ids(cfg: DeepseekV41Config) -> None:
+    """YaRN, the special token ids, the draft head's sizes and the quantisation block."""
+    vocab = cfg.vocab_size
     if cfg.yarn is not None:
         number(cfg.yarn.factor, "rope_scaling.factor")
         integer(cfg.yarn.original_max_position_embeddings, "rope_scaling.original_max_position_embeddings")

@@ -51,6 +51,8 @@ from .config_v41 import DeepseekV41Config
 from .layers.common import matmul_t
 from .layers.dspark_stage import DraftStage
 from .layers.moe import Experts
+from .model import keeps_fp32
+from .model_v41 import keeps_fp32_v41
 
 Sampler = Callable[[int, Tensor], Tensor]     # (draft index j, logits [num_seqs, vocab]) -> ids [num_seqs]
 _STAGE = re.compile(r"^mtp\.(\d+)\.")
@@ -200,8 +202,6 @@ class DSparkDraft(nn.Module):
     def _keeps_fp32(self, name: str) -> bool:
         """As the backbone (`keeps_fp32` / `keeps_fp32_v41`), and the confidence projection, which runs
         in float32."""
-        from .model import keeps_fp32
-        from .model_v41 import keeps_fp32_v41
         return (keeps_fp32_v41 if self.v41 else keeps_fp32)(name) or "confidence_head" in name
 
     @property

@@ -77,7 +77,7 @@ def dummy_model(
     model = build_model(cfg, device=device, dtype=dtype, kv_quant=kv_quant, expert_dtype=expert_dtype)
     gen = torch.Generator(device=torch.device(device))
     with torch.no_grad():
-        quantised = set()
+        quantised: set[str] = set()
         for prefix, module in model.named_modules():
             if isinstance(module, Experts) and module.expert_dtype is not None:
                 _quantised_experts(module, cfg, gen, _seed(seed, f"{prefix}.w13"), _seed(seed, f"{prefix}.w2"))

@@ -17,14 +17,19 @@ import torch
 from torch import Tensor
 
 from .checkpoint import StoredTensor, WeightError
-from .config import DeepseekV4Config
+from .config import DeepseekV4Config, file_problem, read_json_object
+from .config_v41 import DeepseekV41Config
 from .names import expert_part, is_draft_key, to_official
+
+ModelConfig = DeepseekV4Config | DeepseekV41Config
 
 FLOATS = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 INTEGERS = (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8)
+HALF_FLOATS = {"float16": torch.float16, "bfloat16": torch.bfloat16}
 PACKED_FP4 = (torch.int8, torch.uint8)              # two e2m1 codes per byte
 FP8_SCALES = (torch.float8_e8m0fnu, torch.float32)
 FP4_SCALES = (torch.float8_e8m0fnu, torch.uint8)    # uint8 = e8m0 bits
+TABLE_SCALES = FP4_SCALES + (torch.float32,)        # float32 (save_pretrained's weight_scale_inv): powers of two
 COPY, KEEP, QUANTISE, DRAFT, TABLE = "copy", "keep", "quantise", "draft", "table"
 # DeepSeek-V4.1 checkpoint parts this text-only engine does not serve (the vision tower, its aligner
 # and the image delimiter embeddings), skipped when planning a V4.1 load.
@@ -39,7 +44,8 @@ class Placement:
     mode: COPY (float or integer values, dequantised first if scaled, converted to the target's
     dtype), KEEP (quantised expert bytes and scale as stored), QUANTISE (float values → the
     model's `expert_dtype`), DRAFT (kept aside, dequantised, on CPU), TABLE (a V4.1 Engram table's
-    FP8 rows and e8m0 scales as stored, into `….embed.weight` / `….embed.scale`).
+    FP8 rows and e8m0 scales, into `….embed.weight` / `….embed.scale`; float32 scales must be powers
+    of two). A float Engram table's scale is not read (`save_pretrained` writes one of ones).
     """
 
     source: StoredTensor
@@ -49,7 +55,7 @@ class Placement:
     expert: int | None = None     # one expert of a stacked target; None with `stacked` = all of them
     row_start: int = 0            # first row of that expert's matrix this source fills (w3 after w1)
     stacked: bool = False         # target is a stacked [experts, rows, cols] expert tensor
-    # An EP rank's shard of a stacked target (`moe_ep.shard_experts`): for one expert's source, the
+    # An EP rank's shard of a stacked target (`moe_ep_setup.shard_experts`): for one expert's source, the
     # target slots it fills (a redundant expert fills several); for a source of all experts, the
     # expert each target slot takes. None: target row = expert id.
     slots: tuple[int, ...] | None = None
@@ -59,13 +65,13 @@ class Placement:
         return self.source.nbytes + (self.scale.nbytes if self.scale else 0)
 
 
-def plan_load(stored: dict[str, StoredTensor], expected: dict[str, Tensor], cfg: DeepseekV4Config,
+def plan_load(stored: dict[str, StoredTensor], expected: dict[str, Tensor], cfg: ModelConfig,
               expert_dtype: str | None, model_dir: Path,
               expert_shards: dict[str, tuple[int, ...]] | None = None) -> list[Placement]:
     """Placements in reading order (file, then offset); raises WeightError for any missing,
     unexpected, duplicate, mis-shaped or mis-typed tensor. `expected`: the model's state dict (meta);
     `model_dir`: named in messages about tensors the checkpoint lacks; `expert_shards`: an EP rank's
-    experts (`moe_ep.shard_experts`' result): other experts' tensors are left unread (still checked)."""
+    experts (`moe_ep_setup.shard_experts`' result): other experts' tensors are left unread (still checked)."""
     scale_of = {key: _scale_key(key, stored) for key in stored}
     scales = {s for s in scale_of.values() if s is not None}
     placements, unexpected = [], []
@@ -73,7 +79,7 @@ def plan_load(stored: dict[str, StoredTensor], expected: dict[str, Tensor], cfg:
     for key, tensor in stored.items():
         if key in scales or (v41 and _V41_SKIPPED.search(to_official(key))):
             continue
-        scale = stored[scale_of[key]] if scale_of[key] else None
+        scale = stored[scale_key] if (scale_key := scale_of[key]) else None
         placement = _place(tensor, scale, expected, expert_dtype)
         if placement is None:
             unexpected.append(tensor)
@@ -87,9 +93,41 @@ def plan_load(stored: dict[str, StoredTensor], expected: dict[str, Tensor], cfg:
     block = cfg.quant.fp8_block if cfg.quant else 128
     for p in placements:
         _check(p, expected, cfg, expert_dtype, block)
+    _check_half_floats([p.source for p in placements], _declared_half_float(model_dir))
     if shards:
         placements = [local for p in placements if (local := _to_shard(p, shards)) is not None]
     return sorted(placements, key=lambda p: (str(p.source.path), p.source.order))
+
+
+def _declared_half_float(model_dir: Path) -> torch.dtype | None:
+    """config.json's torch_dtype (or dtype) when it names a 16-bit float type, else None."""
+    path = model_dir / "config.json"
+    if file_problem(path) is not None:
+        return None
+    raw = read_json_object(path, WeightError, what="")
+    value = raw.get("torch_dtype", raw.get("dtype"))
+    return HALF_FLOATS.get(value) if isinstance(value, str) else None
+
+
+def _check_half_floats(tensors: list[StoredTensor], declared: torch.dtype | None) -> None:
+    """Every float16 / bfloat16 tensor has the checkpoint's 16-bit type: config.json's torch_dtype when
+    it names one, else the type most of them have. The two have the same size, so a header that
+    mislabels one as the other loads without any other error, as wrong values."""
+    halves = [t for t in tensors if t.dtype in HALF_FLOATS.values()]
+    if declared is not None:
+        basis = f"config.json torch_dtype is {declared}"
+    else:
+        counts: dict[torch.dtype, int] = {}
+        for t in halves:
+            counts[t.dtype] = counts.get(t.dtype, 0) + 1
+        if len(counts) < 2:
+            return
+        declared = max(counts, key=counts.__getitem__)
+        basis = f"{counts[declared]} of its {len(halves)} 16-bit float tensors are {declared}"
+    odd = next((t for t in halves if t.dtype != declared), None)
+    if odd is not None:
+        raise odd.error(f"dtype {odd.dtype} in a checkpoint whose 16-bit floats are {declared} ({basis}): a "
+                        "mislabelled header would load as wrong values; store it as " + str(declared))
 
 
 def _to_shard(p: Placement, shards: dict[str, tuple[int, ...]]) -> Placement | None:
@@ -130,10 +168,22 @@ def _place(tensor: StoredTensor, scale: StoredTensor | None, expected: dict[str,
         return Placement(tensor, scale, target, _mode(tensor, scale, expert_dtype), expert, rows, stacked=True)
     if name not in expected:
         return None
-    if name.endswith(ENGRAM_TABLE) and scale is not None and name[:-len("weight")] + "scale" in expected:
-        return Placement(tensor, scale, name, TABLE)
+    if name.endswith(ENGRAM_TABLE) and scale is not None:
+        if tensor.dtype != torch.float8_e4m3fn:
+            _check_unused_table_scale(tensor, scale)
+            return Placement(tensor, None, name, COPY)
+        if name[:-len("weight")] + "scale" in expected:
+            return Placement(tensor, scale, name, TABLE)
     stacked = name.endswith((".experts.w13", ".experts.w2"))
     return Placement(tensor, scale, name, _mode(tensor, scale, expert_dtype) if stacked else COPY, stacked=stacked)
+
+
+def _check_unused_table_scale(table: StoredTensor, scale: StoredTensor) -> None:
+    """A float Engram table's scale (transformers' `save_pretrained` writes one beside every table,
+    all ones; its model, like ours, reads it only for FP8 rows): checked for shape, then left unread."""
+    want = table.shape[:-1] + (table.shape[-1] // 32,) if table.shape else ()
+    if scale.shape != want:
+        raise scale.error(f"scale shape {scale.shape} != expected {want} for Engram table shape {table.shape}")
 
 
 def _mode(tensor: StoredTensor, scale: StoredTensor | None, expert_dtype: str | None) -> str:
@@ -145,7 +195,7 @@ def _mode(tensor: StoredTensor, scale: StoredTensor | None, expert_dtype: str | 
     return QUANTISE
 
 
-def _check_coverage(placements: list[Placement], expected: dict[str, Tensor], cfg: DeepseekV4Config,
+def _check_coverage(placements: list[Placement], expected: dict[str, Tensor], cfg: ModelConfig,
                     model_dir: Path, shards: dict[str, tuple[int, ...]]) -> None:
     """Each parameter filled exactly once (each expert's w1, w3 and w2 too, of a sharded target the
     experts of its slots); scales of quantised experts are filled with their weights."""
@@ -178,7 +228,7 @@ def _check_coverage(placements: list[Placement], expected: dict[str, Tensor], cf
                                       f"or the stacked {name!r}) in {model_dir}")
 
 
-def _float_shape(p: Placement, expected: dict[str, Tensor], cfg: DeepseekV4Config) -> tuple[int, ...]:
+def _float_shape(p: Placement, expected: dict[str, Tensor], cfg: ModelConfig) -> tuple[int, ...]:
     """The shape of the values `p` provides, in float (unpacked, dequantised) terms."""
     if not p.stacked:
         return tuple(expected[p.target].shape)
@@ -189,7 +239,7 @@ def _float_shape(p: Placement, expected: dict[str, Tensor], cfg: DeepseekV4Confi
     return (cfg.n_routed_experts, 2 * matrix[0] if p.target.endswith(".w13") else matrix[0], matrix[1])
 
 
-def _check(p: Placement, expected: dict[str, Tensor], cfg: DeepseekV4Config, expert_dtype: str | None,
+def _check(p: Placement, expected: dict[str, Tensor], cfg: ModelConfig, expert_dtype: str | None,
            block: int) -> None:
     src, scale = p.source, p.scale
     if p.expert is not None and p.expert >= cfg.n_routed_experts:
@@ -202,19 +252,38 @@ def _check(p: Placement, expected: dict[str, Tensor], cfg: DeepseekV4Config, exp
                         + (f" for {p.target!r}" if p.target != to_official(src.key) else ""))
     integer_target = p.mode != DRAFT and not p.stacked and expected[p.target].dtype in INTEGERS
     if scale is None:
-        if src.dtype == torch.float8_e4m3fn:
-            raise src.error("FP8 weight without a scale tensor (….scale or ….weight_scale_inv)")
-        if integer_target and src.dtype not in INTEGERS:
-            raise src.error(f"dtype {src.dtype} where integer data is expected "
-                            f"({', '.join(map(str, INTEGERS))})")
-        if not integer_target and src.dtype not in FLOATS and not (p.mode == DRAFT and src.dtype in INTEGERS):
-            raise src.error(f"dtype {src.dtype} where float data is expected "
-                            f"({', '.join(map(str, FLOATS))}, or FP8 / MXFP4 with a scale)")
+        _check_unscaled(p, integer_target)
         return
     if integer_target:
         raise src.error(f"has a scale tensor ({scale.key!r}) but {p.target!r} holds integers")
+    allowed, want = _scale_format(p, shape, block)
+    if scale.dtype not in allowed:
+        raise scale.error(f"scale dtype {scale.dtype} for a {src.dtype} weight must be one of "
+                          f"{', '.join(map(str, allowed))}")
+    if scale.shape != want:
+        raise scale.error(f"scale shape {scale.shape} != expected {want} for weight shape "
+                          f"{src.shape}" + (f" (FP8 block {block})" if src.dtype == torch.float8_e4m3fn else ""))
+
+
+def _check_unscaled(p: Placement, integer_target: bool) -> None:
+    """A stored tensor without a scale: plain integer or float data (FP8 needs its scale)."""
+    src = p.source
+    if src.dtype == torch.float8_e4m3fn:
+        raise src.error("FP8 weight without a scale tensor (….scale or ….weight_scale_inv)")
+    if integer_target and src.dtype not in INTEGERS:
+        raise src.error(f"dtype {src.dtype} where integer data is expected "
+                        f"({', '.join(map(str, INTEGERS))})")
+    if not integer_target and src.dtype not in FLOATS and not (p.mode == DRAFT and src.dtype in INTEGERS):
+        raise src.error(f"dtype {src.dtype} where float data is expected "
+                        f"({', '.join(map(str, FLOATS))}, or FP8 / MXFP4 with a scale)")
+
+
+def _scale_format(p: Placement, shape: tuple[int, ...], block: int) -> tuple[tuple[torch.dtype, ...], tuple[int, ...]]:
+    """(the scale dtypes allowed, the scale shape expected) of a scaled stored tensor of `shape` values."""
+    src = p.source
+    allowed: tuple[torch.dtype, ...]
     if src.dtype == torch.float8_e4m3fn and p.target.endswith(ENGRAM_TABLE):
-        allowed, want = FP4_SCALES, shape[:-1] + (shape[-1] // 32,)        # one e8m0 per row and 32 channels
+        allowed, want = TABLE_SCALES, shape[:-1] + (shape[-1] // 32,)       # one e8m0 per row and 32 channels
     elif src.dtype == torch.float8_e4m3fn:
         allowed, want = FP8_SCALES, _blocks(shape, block)
     elif src.dtype in PACKED_FP4:
@@ -224,12 +293,7 @@ def _check(p: Placement, expected: dict[str, Tensor], cfg: DeepseekV4Config, exp
     else:
         raise src.error(f"has a scale tensor but dtype {src.dtype} is neither FP8 (e4m3) "
                         f"nor packed FP4 (int8 / uint8)")
-    if scale.dtype not in allowed:
-        raise scale.error(f"scale dtype {scale.dtype} for a {src.dtype} weight must be one of "
-                          f"{', '.join(map(str, allowed))}")
-    if scale.shape != want:
-        raise scale.error(f"scale shape {scale.shape} != expected {want} for weight shape "
-                          f"{src.shape}" + (f" (FP8 block {block})" if src.dtype == torch.float8_e4m3fn else ""))
+    return allowed, want
 
 
 def _blocks(shape: tuple[int, ...], block: int) -> tuple[int, ...]:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor, nn
@@ -13,14 +12,12 @@ from deepinfer.kernels.reference import rope_inv_freq
 
 from .batch import ForwardBatch
 from .cache import CacheSpec, ModelCache, PagedStreamSpec, StateSpec
+from .causal_lm import DraftHead
 from .config import CSA, SLIDING, ConfigError, DeepseekV4Config
 from .layers.attention import Attention
 from .layers.common import RMSNorm, add_hc_site_params, matmul_t
 from .layers.moe import Experts, MoE
-from .layers.moe_ep import shard_experts
-
-if TYPE_CHECKING:
-    from .dspark import DSparkDraft
+from .layers.moe_ep_setup import shard_experts
 
 
 class Block(nn.Module):
@@ -83,9 +80,9 @@ class DeepseekV4ForCausalLM(nn.Module):
         self.register_buffer("compress_inv_freq", torch.empty(cfg.qk_rope_head_dim // 2), persistent=False)
         self.reset_rope()
         self.draft_weights: dict[str, Tensor] = {}   # mtp.* tensors, for the draft head (spec decoding)
-        self.__dict__["draft"] = None     # an attached DSparkDraft (not a submodule: names stay the checkpoint's)
+        self.__dict__["draft"] = None     # an attached DraftHead (not a submodule: names stay the checkpoint's)
 
-    def attach_draft(self, draft: DSparkDraft | None) -> None:
+    def attach_draft(self, draft: DraftHead | None) -> None:
         """Attach a DSpark draft head (or detach with None): from then on every forward captures the
         outputs of `dspark_target_layer_ids` and writes the draft stages' window rings, and
         `cache_spec` declares those rings. Without a draft the forward captures nothing."""
@@ -203,7 +200,7 @@ def build_model(cfg: DeepseekV4Config, *, device: torch.device | str, dtype: tor
                 local_experts: Sequence[Sequence[int]] | None = None) -> DeepseekV4ForCausalLM:
     """An uninitialised model allocated directly on `device`: matrices in `dtype`, `keeps_fp32`
     tensors in float32 (the hash table int64). Fill it with `load_state_dict(..., assign=True)` or
-    `init_weights`. `local_experts`: one EP rank's expert slots per MoE layer (`moe_ep.shard_experts`);
+    `init_weights`. `local_experts`: one EP rank's expert slots per MoE layer (`moe_ep_setup.shard_experts`);
     only those are allocated."""
     with torch.device("meta"):
         model = DeepseekV4ForCausalLM(cfg, kv_quant=kv_quant, expert_dtype=expert_dtype)

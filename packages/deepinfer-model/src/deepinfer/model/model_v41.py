@@ -11,8 +11,6 @@ rings, the ratio-2 compressor rings and the Engram token history.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 from torch import Tensor, nn
 
@@ -21,17 +19,17 @@ from deepinfer.kernels.reference import rope_inv_freq
 
 from .batch import ForwardBatch
 from .cache import CacheSpec, ModelCache, PagedStreamSpec, StateSpec
+from .causal_lm import DraftHead
 from .ced import DEFAULT_KEEP_TOKENS, Frozen, Truncation, TruncationPlan, check_truncation, first_consumer_layer
 from .config_checks import ConfigError
 from .config_v41 import DeepseekV41Config
 from .layers import csa2_decode
 from .layers.common import RMSNorm, add_hc_site_params, matmul_t
-from .layers.csa2 import Attention, Codecs, Published
+from .layers.csa2 import Attention
+from .layers.csa2_decode import Published
 from .layers.engram import HISTORY, Engram, EngramHasher, table_rows
 from .layers.moe import Experts, SharedExpert
-
-if TYPE_CHECKING:
-    from .dspark import DSparkDraft
+from .layers.v41_codecs import Codecs
 
 
 class Gate(nn.Module):
@@ -55,8 +53,8 @@ class MoE(nn.Module):
         super().__init__()
         self.cfg = cfg
         self.gate = Gate(cfg)
-        self.experts = Experts(cfg, expert_dtype)       # type: ignore[arg-type]  (reads the shared fields)
-        self.shared_experts = SharedExpert(cfg)             # type: ignore[arg-type]
+        self.experts = Experts(cfg, expert_dtype)
+        self.shared_experts = SharedExpert(cfg)
         self.limit = cfg.swiglu_limit or float("inf")
 
     def forward(self, x: Tensor, ops: KernelSet) -> Tensor:
@@ -98,6 +96,7 @@ class Block(nn.Module):
         writes, from their state at the first consumer layer (see `ced`)."""
         eps = self.cfg.rms_norm_eps
         if self.engram is not None:
+            assert hash_ids is not None, "an Engram layer needs the step's hash ids"
             h = self.engram(h, hash_ids[:, self.engram.index], ops)
         attn_pre, post, comb = self._mixes(h, "attn", ops)
         x = ops.rms_norm(ops.hc_collapse(h, pre_mix), self.attn_norm.weight, eps)
@@ -147,9 +146,9 @@ class DeepseekV41ForCausalLM(nn.Module):
         if token_map is not None:
             self.bind_token_map(token_map)
         self.draft_weights: dict[str, Tensor] = {}   # mtp.* tensors (DSpark stages), for deepinfer-spec
-        self.__dict__["draft"] = None     # an attached DSparkDraft (not a submodule: names stay the checkpoint's)
+        self.__dict__["draft"] = None     # an attached DraftHead (not a submodule: names stay the checkpoint's)
 
-    def attach_draft(self, draft: DSparkDraft | None) -> None:
+    def attach_draft(self, draft: DraftHead | None) -> None:
         """Attach a DSpark draft head (or detach with None): every forward then captures the streams
         entering `dspark_target_layer_ids` and writes the draft stages' window rings, and `cache_spec`
         declares those rings. Without a draft the forward captures nothing."""
@@ -236,7 +235,9 @@ class DeepseekV41ForCausalLM(nn.Module):
             raise ValueError(f"max_backtracking={max_backtracking} must be >= 0")
         ring = cfg.sliding_window + max_backtracking
         encoder = cfg.num_encoder_layers
-        stored, dropped, streams = [], [], []
+        stored: list[StateSpec] = []
+        dropped: list[StateSpec] = []
+        streams: list[PagedStreamSpec] = []
         for i in range(cfg.num_hidden_layers):
             region = StateSpec(f"layers.{i}.window", (ring, codecs.window.row_dim), codecs.window.dtype, i < encoder)
             (stored if i < encoder else dropped).append(region)
@@ -297,7 +298,7 @@ class DeepseekV41ForCausalLM(nn.Module):
         draft, features, feature_batch = self.draft, {}, batch
         for layer, block in enumerate(self.layers):
             inv_freq = self.main_inv_freq if cfg.compress_ratios[layer] == 0 else self.compress_inv_freq
-            if layer == start_truncation:
+            if plan is not None and layer == start_truncation:
                 if self.truncation.mode == "compact":
                     batch, h, pre_mix, frozen = plan.compact(batch, h, pre_mix, published)
                 else:
@@ -305,7 +306,7 @@ class DeepseekV41ForCausalLM(nn.Module):
             if draft is not None and layer in cfg.dspark_target_layer_ids:
                 features[layer], feature_batch = h.mean(dim=1), batch   # V4.1 DSpark: streams entering the layer
             h, pre_mix = block(h, pre_mix, hash_ids, batch, cache, ops, inv_freq, codecs, published, frozen)
-            if kept is not None:          # mask mode: rows outside the tails stay as they entered layer S
+            if kept is not None and plan is not None:   # mask mode: rows outside the tails keep their layer-S state
                 h = torch.where(plan.in_tail[:, None, None], h, kept[0])
                 pre_mix = torch.where(plan.in_tail[:, None], pre_mix, kept[1])
         if draft is not None:             # targets lie on one side of a truncation: one batch for all

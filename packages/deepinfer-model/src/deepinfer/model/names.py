@@ -5,8 +5,10 @@ Three spellings reach us: the official checkpoint's (`layers.3.attn.wq_a.weight`
 q_a_proj.weight`, stacked `model.layers.3.mlp.experts.gate_up_proj`), and what transformers'
 `save_pretrained` writes: official names under a `model.` prefix (`model.embed_tokens.weight`,
 `model.hc_head.hc_fn`, `head.weight`, per-expert `model.layers.3.ffn.experts.17.w1.weight`) with
-the attention KV norm as `attn.norm`. The model uses the official names, with routed experts stacked
-per layer (`layers.{i}.ffn.experts.w13` = w1 rows then w3 rows, `…experts.w2`).
+the attention KV norm as `attn.norm` and, for DeepSeek-V4.1, the Engram tables at model level
+(`model.engram_tables.{layer}.weight`, with a `….weight_scale_inv` beside it). The model uses the
+official names, with routed experts stacked per layer (`layers.{i}.ffn.experts.w13` = w1 rows then w3
+rows, `…experts.w2`) and each Engram table in its layer (`layers.{layer}.engram.embed.weight`).
 """
 
 from __future__ import annotations
@@ -45,12 +47,13 @@ _HF_TO_OFFICIAL: tuple[tuple[str, str], ...] = (
     (r"\.mlp\.shared_experts\.down_proj\.", ".ffn.shared_experts.w2."),
     (r"\.mlp\.", ".ffn."),
     (r"^(layers\.\d+\.attn)\.norm\.", r"\1.kv_norm."),          # save_pretrained's KV norm
+    (r"^engram_tables\.(\d+)\.", r"layers.\1.engram.embed."),      # save_pretrained's V4.1 Engram tables
 )
 _COMPILED = tuple((re.compile(pattern), repl) for pattern, repl in _HF_TO_OFFICIAL)
 # Words that occur in transformers' spellings (and in save_pretrained's `attn.norm`) but in no
 # official key: a key without any of them is official already and skips the patterns.
-_HF_WORDS = re.compile(r"embed_tokens|hc_head\.|layernorm|_hc\.|self_attn|compressor\.(?:kv_proj|gate_proj|"
-                       r"position_bias|kv_norm)|\.attn\.(?:q_a|q_b|kv_proj|o_a|o_b|sinks|norm\.)|\.mlp\.")
+_HF_WORDS = re.compile(r"embed_tokens|engram_tables\.|hc_head\.|layernorm|_hc\.|self_attn|"
+                       r"compressor\.(?:kv_proj|gate_proj|position_bias|kv_norm)|\.attn\.(?:q_a|q_b|kv_proj|o_a|o_b|sinks|norm\.)|\.mlp\.")
 _EXPERT = re.compile(r"^(layers\.\d+\.ffn\.experts)\.(\d+)\.(w[123])\.(weight|scale)$")
 
 

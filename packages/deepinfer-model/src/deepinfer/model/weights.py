@@ -34,7 +34,7 @@ from .config_v41 import DeepseekV41Config
 from .dummy import dummy_model
 from .engram_vocab import compressed_token_map
 from .layers.moe import quantise_expert_matrix
-from .layers.moe_ep import shard_experts
+from .layers.moe_ep_setup import shard_experts
 from .load_plan import COPY, DRAFT, ENGRAM_TABLE, KEEP, PACKED_FP4, TABLE, Placement, plan_load
 from .model import DeepseekV4ForCausalLM, build_model
 from .model_v41 import DeepseekV41ForCausalLM, build_model_v41
@@ -193,12 +193,15 @@ def _place(p: Placement, reader: TensorReader, state: dict[str, Tensor], ctx: _C
     elif p.mode == COPY:
         _copy(p, source, scale, state, ctx)
     elif p.mode == TABLE:
-        _checked(p, _table_rows(source, scale))
+        assert scale is not None, "an FP8 table comes with its scales (load plan)"
+        codes = _e8m0_codes(p, scale)
+        _checked(p, _table_rows(source, codes))
         state[p.target].copy_(source)
-        state[p.target[:-len("weight")] + "scale"].copy_(scale.view(torch.uint8))
+        state[p.target[:-len("weight")] + "scale"].copy_(codes)
     else:
         for expert, (part, part_scale) in _units(p, source, scale):
             values = _checked(p, _dequantised(p, part, part_scale, ctx.block))
+            assert ctx.expert_dtype is not None, "QUANTISE placements exist only for an expert_dtype"
             weight, weight_scale = quantise_expert_matrix(values, ctx.expert_dtype, ctx.block)
             _slot(p, state, expert).copy_(weight)
             _scale_slot(p, state, expert, ctx).copy_(weight_scale)
@@ -240,6 +243,21 @@ def _scale_slot(p: Placement, state: dict[str, Tensor], expert: int, ctx: _Conte
         return scales
     grain = ctx.block if ctx.expert_dtype == "fp8" else 1        # FP8: one scale row per block of rows
     return scales[p.row_start // grain:(p.row_start + ctx.cfg.moe_intermediate_size) // grain]
+
+
+def _e8m0_codes(p: Placement, scale: Tensor) -> Tensor:
+    """An Engram table's scales as e8m0 bytes (uint8); float32 ones (transformers' `weight_scale_inv`)
+    must be powers of two in e8m0's range, or WeightError naming the scale tensor."""
+    assert p.scale is not None, "TABLE placements carry their scale (load plan)"
+    if scale.dtype != torch.float32:
+        return scale.view(torch.uint8)
+    codes = scale.to(torch.float8_e8m0fnu).view(torch.uint8)
+    exact = scale_to_float(codes) == scale
+    if not bool(exact.all()):
+        bad = float(scale[~exact][0])
+        raise p.scale.error(f"{int((~exact).sum())} scale value(s) are not powers of two (e.g. {bad}); "
+                            "an FP8 Engram table's scales must be e8m0")
+    return codes
 
 
 def _table_rows(source: Tensor, scale: Tensor) -> Tensor:
@@ -309,6 +327,7 @@ def _checked(p: Placement, values: Tensor) -> Tensor:
 
 def _keep(p: Placement, weight: Tensor, scale: Tensor, state: dict[str, Tensor], expert: int, ctx: _Context) -> None:
     """Stored FP8 / MXFP4 expert bytes and their scale, as they are (after checking for NaN codes)."""
+    assert p.scale is not None, "KEEP placements carry their scale (load plan)"
     if ctx.expert_dtype == "fp8":
         nan_codes = int(((weight.view(torch.uint8) & 0x7F) == 0x7F).sum())       # e4m3fn NaN: S.1111.111
         if nan_codes:

@@ -10,6 +10,7 @@ from importlib.metadata import PackageNotFoundError, version
 
 from .config import ConfigError, EngineType, SchedulerConfig
 from .output import DecodeBatch, IgnoredSeq, PrefillChunk, PrefilledSeq, SchedulerOutput, StepKind
+from .prefix_cache import PrefixCacheStats
 from .scheduler import Scheduler
 from .sequence import FinishReason, IgnoreReason, SeqStatus, SeqView
 from .verify import VerifyLengthPolicy
@@ -30,6 +31,7 @@ __all__ = [
     "IgnoredSeq",
     "PrefillChunk",
     "PrefilledSeq",
+    "PrefixCacheStats",
     "Scheduler",
     "SchedulerConfig",
     "SchedulerOutput",

@@ -67,9 +67,13 @@ class SchedulerConfig:
             every DP rank wants it), >= 1.
         prefill_any_attempt_interval: every this many decode steps is an ANY attempt point (prefill
             if any DP rank wants it), >= 1; it wins where both points coincide.
-        max_cache_usage_for_prefill: a rank with running sequences wants prefill only while its KV
-            block usage is <= this fraction, in [0, 1].
+        max_cache_usage_for_prefill: a rank wants prefill only while its KV block usage is <= this
+            fraction, in [0, 1] (with nothing running, the rest of a prompt mid-prefill goes on anyway).
         engine_type: NORMAL, PROMPT or COMPLETION.
+        enable_prefix_caching: reuse the KV blocks and state snapshots of cached prompt prefixes
+            (prefix_cache.py); the Scheduler then needs `snapshot_slots`.
+        prefix_cache_key: bytes folded into every block hash: what else changes the KV of the same
+            tokens (model, KV dtype, ...).
     """
 
     block_size: int
@@ -85,6 +89,8 @@ class SchedulerConfig:
     prefill_any_attempt_interval: int = 100
     max_cache_usage_for_prefill: float = 0.9
     engine_type: EngineType = EngineType.NORMAL
+    enable_prefix_caching: bool = False
+    prefix_cache_key: bytes = b""
 
     def __post_init__(self) -> None:
         _check_int("block_size", self.block_size, 1)
@@ -108,6 +114,10 @@ class SchedulerConfig:
             previous = position
         if not isinstance(self.stop_preempted_request, bool):
             raise ConfigError("stop_preempted_request must be a bool")
+        if not isinstance(self.enable_prefix_caching, bool):
+            raise ConfigError("enable_prefix_caching must be a bool")
+        if type(self.prefix_cache_key) is not bytes:
+            raise ConfigError(f"prefix_cache_key must be bytes, got {type(self.prefix_cache_key).__name__}")
         usage = self.max_cache_usage_for_prefill
         if (isinstance(usage, bool) or not isinstance(usage, (int, float)) or not math.isfinite(usage)
                 or not 0.0 <= usage <= 1.0):

@@ -48,7 +48,7 @@ class DecodeScratch:
         if seq_ids is not self.last_seq_ids or table.ids_version != self.last_ids_version:
             return None
         if self._last_seqs is None:
-            self._last_seqs = [table.seqs[row] for row in self.last_rows.tolist()]
+            self._last_seqs = table.seqs_of(self.last_rows.tolist())
             self._maybe_awaiting = any(seq.awaiting_first_token for seq in self._last_seqs)
         return self.last_rows, self._last_seqs, self._maybe_awaiting
 
@@ -87,7 +87,7 @@ def schedule_decode(
     promote_prompted(st)
     table = st.table
     held = None
-    rows = st.running_rows
+    rows: np.ndarray = st.running_rows
     if st.num_uncopied:   # parents wait until all their branches copied their state
         free_to_run = table.num_branches[rows] == 0
         held, rows = rows[~free_to_run], rows[free_to_run]

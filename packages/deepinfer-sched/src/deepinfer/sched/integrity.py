@@ -4,12 +4,13 @@
 from __future__ import annotations
 
 from collections import Counter
+from typing import NoReturn
 
 from .sequence import SeqStatus
 from .state import SchedState
 
 
-def _fail(message: str) -> None:
+def _fail(message: str) -> NoReturn:
     raise RuntimeError(f"scheduler integrity: {message}")
 
 
@@ -27,20 +28,11 @@ def _check_queues(st: SchedState) -> None:
         if seq is None or seq.status is not SeqStatus.RUNNING:
             _fail(f"running row {row} holds {seq!r}")
         running_keys.append(seq.key)
-    queued = running_keys + list(st.waiting) + list(st.prompted)
-    if st.prefilling is not None:
-        queued.append(st.prefilling.key)
+    queued = running_keys + list(st.waiting) + list(st.prompted) + list(st.prefilling)
     duplicates = [key for key, count in Counter(queued).items() if count > 1]
     if duplicates or sorted(queued) != sorted(st.seqs):
         _fail(f"queues hold {sorted(queued)}, live sequences are {sorted(st.seqs)}")
-    for key, seq in st.waiting.items():
-        if seq.status is not SeqStatus.WAITING or seq.row >= 0:
-            _fail(f"waiting {key!r} has status {seq.status.name}, row {seq.row}")
-    for key, seq in st.prompted.items():
-        if seq.status is not SeqStatus.PROMPTED:
-            _fail(f"prompted {key!r} has status {seq.status.name}")
-    if st.prefilling is not None and st.prefilling.status is not SeqStatus.PREFILLING:
-        _fail(f"prefilling {st.prefilling!r} has the wrong status")
+    _check_queue_states(st)
     owned = sum(not seq.shared_list for seq in st.seqs.values())
     if owned != st.num_owned_lists:
         _fail(f"num_owned_lists={st.num_owned_lists}, {owned} live sequences own their token list")
@@ -49,13 +41,26 @@ def _check_queues(st: SchedState) -> None:
         _fail(f"num_uncopied={st.num_uncopied}, {len(uncopied)} uncopied branches live")
 
 
+def _check_queue_states(st: SchedState) -> None:
+    for key, seq in st.waiting.items():
+        if seq.status is not SeqStatus.WAITING or seq.row >= 0:
+            _fail(f"waiting {key!r} has status {seq.status.name}, row {seq.row}")
+    for key, seq in st.prompted.items():
+        if seq.status is not SeqStatus.PROMPTED:
+            _fail(f"prompted {key!r} has status {seq.status.name}")
+    for key, seq in st.prefilling.items():
+        if seq.status is not SeqStatus.PREFILLING:
+            _fail(f"prefilling {key!r} has status {seq.status.name}")
+
+
 def _check_rows(st: SchedState) -> None:
     table = st.table
     config = st.config
     holders = [seq for seq in st.seqs.values() if seq.row >= 0]
     if len(holders) != table.num_used:
         _fail(f"{len(holders)} sequences hold rows, the table has {table.num_used} in use")
-    branches = Counter(seq.parent.row for seq in st.seqs.values() if seq.uncopied and seq.parent.row >= 0)
+    branches = Counter(seq.parent.row for seq in st.seqs.values()
+                       if seq.uncopied and seq.parent is not None and seq.parent.row >= 0)
     for seq in holders:
         row = seq.row
         if table.seqs[row] is not seq or table.ids[row] != seq.seq_id:
@@ -94,3 +99,8 @@ def _check_references(st: SchedState) -> None:
                       f"{refs.get(block_id, 0)} holders")
         if manager.num_free != manager.num_blocks - 1 - len(refs):
             _fail(f"{manager.num_free} free {name}s, {len(refs)} in use of {manager.num_blocks - 1}")
+    if st.prefix is not None:
+        snapshots = st.prefix.snapshots
+        if snapshots.num_free != snapshots.num_blocks - 1:     # held only within one schedule()
+            _fail(f"{snapshots.num_blocks - 1 - snapshots.num_free} snapshot slots held between steps")
+        snapshots.check_integrity()

@@ -50,6 +50,9 @@ class PrefillChunk:
         token_ids: [end - start] int32 token ids of the chunk.
         block_table: [ceil(end / block_size)] int32 block ids covering positions [0, end).
         state_slot: the sequence's state slot (>= 1).
+        num_cached_tokens: on the chunk that admits a sequence from the waiting queue, the tokens
+            served by the prefix cache (= start; its state slot is restored from a snapshot, see
+            `SchedulerOutput.restore_states`); 0 on every other chunk.
     """
 
     seq_id: str
@@ -59,6 +62,7 @@ class PrefillChunk:
     token_ids: np.ndarray
     block_table: np.ndarray
     state_slot: int
+    num_cached_tokens: int = 0
 
     @property
     def num_tokens(self) -> int:
@@ -120,7 +124,8 @@ EMPTY_SLOTS.flags.writeable = False
 class SchedulerOutput:
     """Everything the engine needs for one step.
 
-    Apply `clone_states`, `clone_blocks` and `zero_states` (in that order) before the forward.
+    Apply `clone_states`, `clone_blocks`, `zero_states` and `restore_states` (in that order) before
+    the forward, and `save_states` after it.
 
     Attributes:
         kind: the forward to run (`StepKind`).
@@ -130,6 +135,12 @@ class SchedulerOutput:
         clone_blocks: [k, 2] int32 (src, dst) KV block copies (fork copy-on-write of the last,
             partly written block).
         zero_states: [k] int32 state slots to zero (sequences admitted fresh this step).
+        restore_states: [k, 2] int32 (snapshot slot, state slot): prefix-cache hits; copy the
+            snapshot into the sequence's new state slot (instead of zeroing it).
+        save_states: [k, 2] int32 (state slot, snapshot slot): prefix-cache snapshots; copy the
+            state a prefill chunk leaves (it ends on a block boundary) into the snapshot slot once
+            the step's forward has run. Snapshot slots are ids of the scheduler's snapshot
+            `BlockManager` (1 .. num_snapshots), not state slots.
         ignored: waiting sequences dropped since the last step, with reasons.
         preempted_seq_ids: sequences preempted this step (in preemption order). Those not in
             `recomputed_seq_ids` are finished (reason "preempted"); the engine drops results of
@@ -146,6 +157,8 @@ class SchedulerOutput:
     clone_states: np.ndarray = field(default_factory=lambda: EMPTY_PAIRS)
     clone_blocks: np.ndarray = field(default_factory=lambda: EMPTY_PAIRS)
     zero_states: np.ndarray = field(default_factory=lambda: EMPTY_SLOTS)
+    restore_states: np.ndarray = field(default_factory=lambda: EMPTY_PAIRS)
+    save_states: np.ndarray = field(default_factory=lambda: EMPTY_PAIRS)
     ignored: tuple[IgnoredSeq, ...] = ()
     preempted_seq_ids: tuple[str, ...] = ()
     recomputed_seq_ids: tuple[str, ...] = ()

@@ -68,12 +68,13 @@ def _check_new(st: SchedState, seq_id: object, max_tokens: object) -> None:
 
 def add_seq(
     st: SchedState, seq_id: str, prompt_token_ids: Iterable[int], max_tokens: int, recomputable: bool = True,
-    share_list: bool = False,
+    share_list: bool = False, use_prefix_cache: bool = True,
 ) -> None:
     if st.config.engine_type is EngineType.COMPLETION:
         raise ValueError("engine_type=COMPLETION cannot prefill; admit sequences with add_prefilled_seq")
     _check_new(st, seq_id, max_tokens)
-    for name, flag in (("recomputable", recomputable), ("share_list", share_list)):
+    for name, flag in (("recomputable", recomputable), ("share_list", share_list),
+                       ("use_prefix_cache", use_prefix_cache)):
         if not isinstance(flag, bool):
             raise ValueError(f"{name}={flag!r} must be a bool")
     if share_list:
@@ -92,6 +93,7 @@ def add_seq(
         return
     seq = Sequence(seq_id, tokens, max_tokens, st.next_arrival(), share_list)
     seq.recomputable = recomputable
+    seq.use_prefix_cache = use_prefix_cache
     st.register(seq)
     st.waiting[seq_id] = seq
 
@@ -145,10 +147,10 @@ def abort_seq(st: SchedState, seq_id: str) -> None:
 
 def finish_seq(st: SchedState, seq_id: str, reason: FinishReason) -> None:
     try:
-        reason = FinishReason(reason)
+        known: FinishReason | None = FinishReason(reason)
     except ValueError:
-        reason = None
-    if reason not in _ENGINE_REASONS:
+        known = None
+    if known not in _ENGINE_REASONS:
         allowed = ", ".join(r.value for r in _ENGINE_REASONS)
         raise ValueError(f"reason must be one of {allowed} (preemption is the scheduler's decision)")
     st.drop(st.lookup(seq_id))
@@ -227,6 +229,34 @@ def append_decode_tokens(
 ) -> int:
     """Batched `append_tokens` for one decode step's sequences; see Scheduler.append_decode_tokens.
     `scratch`: the decode step's, whose last batch gives the rows when seq_ids is still its tuple."""
+    tokens, accepted = _checked_decode_arrays(st, seq_ids, token_ids, num_accepted)
+    if not seq_ids:
+        return 0
+    _check_token_range(tokens, accepted)
+    query_len = st.config.max_query_len
+    rows_and_seqs = None if scratch is None else scratch.last_batch(st.table, seq_ids)
+    if rows_and_seqs is not None and tokens.shape[1] == 1 and query_len == 1:
+        return _append_one_each(st, *rows_and_seqs, tokens[:, 0])
+    targets, tokens, accepted = _running_targets(st, seq_ids, tokens, accepted)
+    rows = [seq.row for seq in targets]
+    row_array = np.array(rows, dtype=np.int32)
+    _check_in_flight(st, targets, rows, row_array)
+    if st.num_owned_lists:     # a shared list's owner has appended the kept tokens already
+        _append_kept(st, targets, tokens, accepted)
+    kept_counts = accepted.astype(np.int32)
+    table = st.table
+    table.pending_steps[row_array] -= 1
+    table.num_inflight[row_array] -= query_len
+    table.seq_len[row_array] -= query_len - kept_counts
+    table.num_output[row_array] += kept_counts
+    table.last_token[row_array] = tokens[np.arange(len(rows)), kept_counts - 1]
+    for row in row_array[kept_counts < query_len].tolist():
+        _trim_blocks(st, row)
+    return len(rows)
+
+
+def _checked_decode_arrays(st: SchedState, seq_ids: tuple[str, ...], token_ids: np.ndarray,
+                           num_accepted: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     tokens = np.asarray(token_ids)
     accepted = np.asarray(num_accepted)
     num_seqs = len(seq_ids)
@@ -239,47 +269,47 @@ def append_decode_tokens(
         )
     if accepted.shape != (num_seqs,) or accepted.dtype.kind not in "iu":
         raise ValueError(f"num_accepted has shape {accepted.shape} dtype {accepted.dtype}; expected [{num_seqs}] ints")
-    if num_seqs == 0:
-        return 0
+    return tokens, accepted
+
+
+def _check_token_range(tokens: np.ndarray, accepted: np.ndarray) -> None:
     if int(accepted.min()) < 1 or int(accepted.max()) > tokens.shape[1]:
         raise ValueError(f"num_accepted holds values outside [1, {tokens.shape[1]}]")
     if int(tokens.min()) < 0 or int(tokens.max()) >= _TOKEN_LIMIT:
         raise ValueError(f"token_ids holds ids outside [0, {_TOKEN_LIMIT})")
-    table = st.table
-    rows_and_seqs = None if scratch is None else scratch.last_batch(table, seq_ids)
-    if rows_and_seqs is not None and tokens.shape[1] == 1 and query_len == 1:
-        return _append_one_each(st, *rows_and_seqs, tokens[:, 0])
+
+
+def _running_targets(st: SchedState, seq_ids: tuple[str, ...], tokens: np.ndarray,
+                     accepted: np.ndarray) -> tuple[list[Sequence], np.ndarray, np.ndarray]:
+    """The sequences of `seq_ids` still running with their rows of tokens and counts (a sequence
+    finished or preempted since the step was scheduled is dropped)."""
     running = SeqStatus.RUNNING
-    targets = list(map(st.seqs.get, seq_ids))
-    if None in targets or any(seq.status is not running for seq in targets):   # finished or preempted since
-        kept = [i for i, seq in enumerate(targets) if seq is not None and seq.status is running]
-        targets = [targets[i] for i in kept]
+    found = list(map(st.seqs.get, seq_ids))
+    targets = [seq for seq in found if seq is not None and seq.status is running]
+    if len(targets) < len(found):
+        kept = [i for i, seq in enumerate(found) if seq is not None and seq.status is running]
         tokens, accepted = tokens[kept], accepted[kept]
-    rows = [seq.row for seq in targets]
-    row_array = np.array(rows, dtype=np.int32)
+    return targets, tokens, accepted
+
+
+def _check_in_flight(st: SchedState, targets: list[Sequence], rows: list[int], row_array: np.ndarray) -> None:
     stale = [seq.seq_id for seq in targets if seq.awaiting_first_token] or \
-        [targets[i].seq_id for i in np.flatnonzero(table.pending_steps[row_array] == 0).tolist()]
+        [targets[i].seq_id for i in np.flatnonzero(st.table.pending_steps[row_array] == 0).tolist()]
     if stale:
         raise ValueError(f"seq_id={stale[0]!r} has no decode step in flight")
     if len(set(rows)) != len(rows):
         raise ValueError("seq_ids lists a sequence twice")
-    if st.num_owned_lists:     # a shared list's owner has appended the kept tokens already
-        if tokens.shape[1] == 1:   # one token each (nextn = 0): no per-sequence lists to build
-            _append_each(st, targets, tokens[:, 0].tolist())
-        else:
-            all_owned = st.num_owned_lists == len(st.seqs)
-            for seq, row_tokens, count in zip(targets, tokens.tolist(), accepted.tolist()):
-                if all_owned or not seq.shared_list:
-                    seq.token_ids.extend(row_tokens[:count])
-    kept_counts = accepted.astype(np.int32)
-    table.pending_steps[row_array] -= 1
-    table.num_inflight[row_array] -= query_len
-    table.seq_len[row_array] -= query_len - kept_counts
-    table.num_output[row_array] += kept_counts
-    table.last_token[row_array] = tokens[np.arange(len(rows)), kept_counts - 1]
-    for row in row_array[kept_counts < query_len].tolist():
-        _trim_blocks(st, row)
-    return len(rows)
+
+
+def _append_kept(st: SchedState, targets: list[Sequence], tokens: np.ndarray, accepted: np.ndarray) -> None:
+    """Each sequence's kept tokens onto the token lists the scheduler owns."""
+    if tokens.shape[1] == 1:   # one token each (nextn = 0): no per-sequence lists to build
+        _append_each(st, targets, tokens[:, 0].tolist())
+        return
+    all_owned = st.num_owned_lists == len(st.seqs)
+    for seq, row_tokens, count in zip(targets, tokens.tolist(), accepted.tolist()):
+        if all_owned or not seq.shared_list:
+            seq.token_ids.extend(row_tokens[:count])
 
 
 def _append_one_each(

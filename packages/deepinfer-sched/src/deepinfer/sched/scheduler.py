@@ -17,8 +17,9 @@ from .decode import DecodeScratch, schedule_decode
 from .fork import fork_seq
 from .integrity import check_integrity
 from .output import DecodeBatch, PrefillChunk, PrefilledSeq, SchedulerOutput, StepKind
+from .prefix_cache import PrefixCacheStats
 from .sequence import FinishReason, SeqView
-from .state import SchedState
+from .state import BlockPool, SchedState
 from .verify import VerifyLengthPolicy
 from .vote import SingleRankVoteGroup, StepVoteGroup, attempt_point, cast_vote, confirm_prefill
 
@@ -32,7 +33,7 @@ def load_decode_core(native: bool | None) -> ModuleType:
         from ._pure import decode_core
         return decode_core
     try:
-        from . import _decode_core
+        import deepinfer.sched._decode_core as _decode_core
     except ImportError:
         if native:
             raise
@@ -56,20 +57,25 @@ class Scheduler:
             None = every sequence feeds nextn + 1 tokens.
         native: True requires the Cython decode core, False uses the numpy twin, None (default)
             uses the Cython core when it is built.
+        snapshot_slots: with `config.enable_prefix_caching`, the `BlockManager` of state snapshot
+            slots (`BlockManager(num_snapshots + 1)`, slot 0 unused; prefix_cache.py); ignored
+            otherwise.
 
     Raises:
-        ValueError: kv_blocks or state_slots lacks the BlockManager interface.
+        ValueError: kv_blocks, state_slots or snapshot_slots lacks the BlockManager interface, or
+            prefix caching is on without snapshot_slots.
     """
 
     def __init__(
         self,
         config: SchedulerConfig,
-        kv_blocks: object,
-        state_slots: object,
+        kv_blocks: BlockPool,
+        state_slots: BlockPool,
         *,
         vote_group: StepVoteGroup | None = None,
         verify_policy: VerifyLengthPolicy | None = None,
         native: bool | None = None,
+        snapshot_slots: object | None = None,
     ) -> None:
         if not isinstance(config, SchedulerConfig):
             raise ValueError(f"config must be a SchedulerConfig, got {type(config).__name__}")
@@ -78,7 +84,7 @@ class Scheduler:
                        if not hasattr(manager, attr)]
             if missing:
                 raise ValueError(f"{name} must be a deepinfer.cache.BlockManager; it lacks {missing}")
-        self._st = SchedState(config, kv_blocks, state_slots)
+        self._st = SchedState(config, kv_blocks, state_slots, snapshot_slots)
         self._group: StepVoteGroup = vote_group if vote_group is not None else SingleRankVoteGroup()
         self._verify_policy = verify_policy
         self._core = load_decode_core(native)
@@ -97,7 +103,7 @@ class Scheduler:
 
     def add_seq(
         self, seq_id: str, prompt_token_ids: Iterable[int], max_tokens: int, *, recomputable: bool = True,
-        share_list: bool = False,
+        share_list: bool = False, use_prefix_cache: bool = True,
     ) -> None:
         """Queues a request for prefill (FIFO).
 
@@ -113,6 +119,8 @@ class Scheduler:
                 (prefill chunks, recompute after preemption, fork) and never writes it; the caller
                 appends each token it hands to `append_tokens` / `append_decode_tokens` (the kept
                 ones only) to that list before the call, so the history is kept once.
+            use_prefix_cache: False = prefill every token even where the prefix cache holds them (a
+                request that wants every prompt position's logits); its blocks are still cached.
 
         An empty prompt, a prompt longer than max_model_len or one needing more KV blocks than
         the cache holds is not queued: the next `schedule()` reports it in `ignored`.
@@ -121,7 +129,7 @@ class Scheduler:
             ValueError: a bad or duplicate seq_id, bad token ids or max_tokens, or a COMPLETION
                 engine (use `add_prefilled_seq`).
         """
-        requests.add_seq(self._st, seq_id, prompt_token_ids, max_tokens, recomputable, share_list)
+        requests.add_seq(self._st, seq_id, prompt_token_ids, max_tokens, recomputable, share_list, use_prefix_cache)
 
     def add_prefilled_seq(
         self, seq_id: str, prompt_token_ids: Iterable[int], first_token_id: int, max_tokens: int, *,
@@ -218,7 +226,22 @@ class Scheduler:
         lists = None if branch_lists is None else list(branch_lists)
         return fork_seq(self._st, self._st.lookup(parent_id), num_branches, lists)
 
+    def reset_prefix_cache(self) -> bool:
+        """Forgets every cached KV block and state snapshot (running sequences keep their blocks; new
+        ones prefill from scratch until the cache fills again). Returns False when prefix caching is
+        off (nothing to reset)."""
+        if self._st.prefix is None:
+            return False
+        self._st.prefix.reset()
+        return True
+
     # ---------------------------------------------------------------- queries
+
+    @property
+    def prefix_cache_stats(self) -> PrefixCacheStats:
+        """Prefix-cache counters (all 0 with prefix caching off)."""
+        prefix = self._st.prefix
+        return PrefixCacheStats() if prefix is None else prefix.stats()
 
     def get_seq(self, seq_id: str) -> SeqView:
         """Snapshot of a live sequence. Raises KeyError for an unknown (or finished) id."""
@@ -231,7 +254,7 @@ class Scheduler:
     @property
     def num_waiting(self) -> int:
         """Sequences waiting for prefill (the one mid-prefill included)."""
-        return len(self._st.waiting) + (self._st.prefilling is not None)
+        return len(self._st.waiting) + len(self._st.prefilling)
 
     @property
     def num_running(self) -> int:
@@ -260,7 +283,7 @@ class Scheduler:
         ignored = tuple(st.pending_ignored)
         st.pending_ignored.clear()
         kind, prefill, decode = self._step()
-        clone_states, clone_blocks, zero_states = st.emit_lists()
+        clone_states, clone_blocks, zero_states, restore_states, save_states = st.emit_lists()
         return SchedulerOutput(
             kind=kind,
             prefill=prefill,
@@ -268,6 +291,8 @@ class Scheduler:
             clone_states=clone_states,
             clone_blocks=clone_blocks,
             zero_states=zero_states,
+            restore_states=restore_states,
+            save_states=save_states,
             ignored=ignored,
             preempted_seq_ids=tuple(st.preempted),
             recomputed_seq_ids=tuple(st.recomputed),
@@ -279,7 +304,7 @@ class Scheduler:
         engine_type = st.config.engine_type
         has_running = engine_type is not EngineType.PROMPT and bool(len(st.running_rows) or st.prompted)
         wants = engine_type is not EngineType.COMPLETION and admission.wants_prefill(st, has_running)
-        vote = cast_vote(self._group, wants, has_running)
+        vote = cast_vote(self._group, wants, has_running, admission.snapshot_tail_pending(st))
         if vote.prefill_chosen(attempt_point(st.config, st.num_decode_steps)):
             chunks = admission.schedule_prefill(st) if wants else ()
             if confirm_prefill(self._group, bool(chunks)):

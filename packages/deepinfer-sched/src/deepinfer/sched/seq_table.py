@@ -6,6 +6,8 @@ for recompute; rows are reused lowest-first. Arrays grow by doubling.
 
 from __future__ import annotations
 
+from typing import cast
+
 import numpy as np
 
 from .sequence import Sequence
@@ -84,6 +86,10 @@ class SeqTable:
         self.rename(row, None)
         self._free_rows.append(row)
         seq.row = -1
+
+    def seqs_of(self, rows: list[int]) -> list[Sequence]:
+        """The sequences of `rows`, each of which holds one (the rows of running sequences do)."""
+        return cast("list[Sequence]", [self.seqs[row] for row in rows])
 
     def block_ids(self, row: int) -> np.ndarray:
         """[num_blocks] int32 view of the row's block ids."""

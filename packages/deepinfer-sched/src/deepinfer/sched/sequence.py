@@ -90,6 +90,10 @@ class Sequence:
         "num_forks",
         "recomputable",
         "shared_list",
+        "block_hashes",
+        "hit",
+        "use_prefix_cache",
+        "snapshot_points",
     )
 
     def __init__(
@@ -110,6 +114,10 @@ class Sequence:
         self.parent: Sequence | None = None   # set for fork branches
         self.num_forks = 0                    # branches made from this sequence so far
         self.recomputable = True              # a preemption may queue it for recompute
+        self.block_hashes: list[bytes] = []   # prefix caching: chain hashes of its first full blocks
+        self.hit = None                       # prefix caching: the cached prefix planned for admission
+        self.use_prefix_cache = True          # False: never starts from a cached prefix
+        self.snapshot_points: tuple[int, ...] = ()   # prefix caching: where its prefill saves its state
 
     @property
     def seq_id(self) -> str:

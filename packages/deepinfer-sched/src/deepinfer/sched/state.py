@@ -3,33 +3,68 @@
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Iterable
+from typing import Protocol
 
 import numpy as np
 
 from .config import SchedulerConfig
 from .output import EMPTY_PAIRS, EMPTY_SLOTS, IgnoredSeq
+from .prefix_cache import PrefixCache
 from .seq_table import SeqTable
 from .sequence import SeqStatus, Sequence, canonical_id
+
+
+class BlockPool(Protocol):
+    """What the scheduler uses of a `deepinfer.cache.BlockManager` (paged KV blocks or state slots;
+    id 0 reserved), declared here so that the scheduler takes any pool with these methods (it imports
+    only deepinfer.cache's hash chain, for prefix caching: prefix_cache.py)."""
+
+    @property
+    def num_blocks(self) -> int: ...
+
+    @property
+    def num_free(self) -> int: ...
+
+    @property
+    def usage(self) -> float: ...
+
+    def ref_count(self, block_id: int) -> int: ...
+
+    def allocate(self, num: int) -> np.ndarray: ...
+
+    def free(self, block_ids: Iterable[int] | np.ndarray) -> int: ...
+
+    def pin(self, block_ids: Iterable[int] | np.ndarray) -> None: ...
 
 
 class SchedState:
     """Queues, the row table, the two BlockManagers and the per-step emit lists.
 
-    Queues: `waiting` (FIFO, recompute victims at the front), `prefilling` (the one sequence cut
-    into chunks, continued first), `prompted` (FIFO, joins the running set at the next decode) and
+    Queues: `waiting` (FIFO, recompute victims at the front), `prefilling` (sequences cut into
+    chunks, continued first, in order: the one a budget cut plus those cut at their prefix-cache
+    snapshot point), `prompted` (FIFO, joins the running set at the next decode) and
     `running_rows` (rows of running sequences, kept sorted by KV length descending).
+    `prefix` is the prefix cache (None when off).
     """
 
-    def __init__(self, config: SchedulerConfig, kv_blocks: object, state_slots: object) -> None:
+    def __init__(self, config: SchedulerConfig, kv_blocks: BlockPool, state_slots: BlockPool,
+                 snapshot_slots: object | None = None) -> None:
         self.config = config
         self.kv = kv_blocks
         self.slots = state_slots
+        self.prefix: PrefixCache | None = None
+        if config.enable_prefix_caching:
+            if snapshot_slots is None:
+                raise ValueError("enable_prefix_caching=True needs snapshot_slots (a BlockManager of state "
+                                 "snapshot slots)")
+            self.prefix = PrefixCache(config.block_size, kv_blocks, snapshot_slots, config.prefix_cache_key)
         self.table = SeqTable(config.max_num_seqs + 1, config.max_blocks_per_seq)
         self.seqs: dict[str, Sequence] = {}
         self.waiting: OrderedDict[str, Sequence] = OrderedDict()
-        self.prefilling: Sequence | None = None
+        self.prefilling: OrderedDict[str, Sequence] = OrderedDict()
         self.prompted: OrderedDict[str, Sequence] = OrderedDict()
-        self.running_rows = np.zeros(0, dtype=np.int32)
+        self.running_rows: np.ndarray = np.zeros(0, dtype=np.int32)
         self.num_uncopied = 0            # fork branches awaiting copy-on-write
         self.num_owned_lists = 0         # live sequences whose token list `append_*` extends (not shared)
         self.num_arrivals = 0
@@ -39,6 +74,8 @@ class SchedState:
         self.clone_states: list[tuple[int, int]] = []
         self.clone_blocks: list[tuple[int, int]] = []
         self.zero_states: list[int] = []
+        self.restore_states: list[tuple[int, int]] = []    # (snapshot slot, state slot): before the forward
+        self.save_states: list[tuple[int, int]] = []       # (state slot, snapshot slot): after the forward
         self.preempted: list[str] = []
         self.recomputed: list[str] = []      # the preempted ones queued for recompute
 
@@ -71,7 +108,8 @@ class SchedState:
         row = seq.row
         block_ids = self.table.block_ids(row)
         if len(block_ids):
-            self.kv.free(block_ids)
+            # last block first: a cached chain loses its tail before its head (LRU among free blocks)
+            self.kv.free(block_ids if self.prefix is None else block_ids[::-1].copy())
         slot = int(self.table.state_slot[row])
         if slot:
             self.slots.free(np.array([slot], dtype=np.int32))
@@ -84,7 +122,7 @@ class SchedState:
         if seq.status is SeqStatus.WAITING:
             self.waiting.pop(seq.key, None)
         elif seq.status is SeqStatus.PREFILLING:
-            self.prefilling = None
+            self.prefilling.pop(seq.key, None)
         elif seq.status is SeqStatus.PROMPTED:
             self.prompted.pop(seq.key, None)
         elif seq.status is SeqStatus.RUNNING:
@@ -106,14 +144,18 @@ class SchedState:
         seq.parent = None
         self.num_uncopied -= 1
 
-    def emit_lists(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """This step's (clone_states [k,2], clone_blocks [k,2], zero_states [k]) as int32 arrays."""
-        return _pairs(self.clone_states), _pairs(self.clone_blocks), _slots(self.zero_states)
+    def emit_lists(self) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """This step's (clone_states [k,2], clone_blocks [k,2], zero_states [k], restore_states [k,2],
+        save_states [k,2]) as int32 arrays."""
+        return (_pairs(self.clone_states), _pairs(self.clone_blocks), _slots(self.zero_states),
+                _pairs(self.restore_states), _pairs(self.save_states))
 
     def reset_step(self) -> None:
         self.clone_states.clear()
         self.clone_blocks.clear()
         self.zero_states.clear()
+        self.restore_states.clear()
+        self.save_states.clear()
         self.preempted.clear()
         self.recomputed.clear()
 

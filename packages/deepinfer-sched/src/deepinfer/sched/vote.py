@@ -1,7 +1,8 @@
 """Step-type vote over the DP group (docs/design.md §3.1): attempt points, the MIN all-reduce and the
 second confirmation round.
 
-Every `schedule()` call of every rank runs round one (one all-reduce of three ints), so the
+Every `schedule()` call of every rank runs round one (one all-reduce of three ints, four with prefix
+caching: the fourth says some rank has a prompt cut at a snapshot point, whose rest goes next), so the
 collective sequence is identical on all ranks; round two runs exactly when round one chose
 prefill, which every rank computes from the same reduced values. A group of one rank makes no
 collective call at all: the minimum over one rank is its own values, so the decisions are the same.
@@ -83,12 +84,14 @@ class VoteResult:
     any_wants: bool      # some rank wants prefill
     all_want: bool       # every rank wants prefill
     none_running: bool   # no rank has a running (or prompted) sequence
+    urgent: bool = False  # some rank has a prompt cut at a prefix-cache snapshot point, rest pending
 
     def prefill_chosen(self, point: AttemptPoint) -> bool:
-        """Prefill now? With nothing running anywhere, any rank's wish suffices at once."""
+        """Prefill now? With nothing running anywhere, or the rest of a prompt cut at a snapshot point
+        pending (it would otherwise wait for the next attempt point), any rank's wish suffices."""
         if not self.any_wants:
             return False
-        if self.none_running or point is AttemptPoint.ANY:
+        if self.none_running or self.urgent or point is AttemptPoint.ANY:
             return True
         return point is AttemptPoint.ALL and self.all_want
 
@@ -100,14 +103,18 @@ def _reduce(group: StepVoteGroup, values: tuple[int, ...]) -> tuple[int, ...]:
     return reduced
 
 
-def cast_vote(group: StepVoteGroup, wants_prefill: bool, has_running: bool) -> VoteResult:
-    """Round one: MIN over (not wants, wants, not running) tells any/all/none."""
+def cast_vote(group: StepVoteGroup, wants_prefill: bool, has_running: bool, urgent: bool | None = None) -> VoteResult:
+    """Round one: MIN over (not wants, wants, not running[, not urgent]) tells any/all/none[/urgent].
+    `urgent` is None without prefix caching (three ints), else a bool on every rank (four)."""
     if group.world_size == 1:
-        return VoteResult(any_wants=wants_prefill, all_want=wants_prefill, none_running=not has_running)
-    not_wants, wants, not_running = _reduce(
-        group, (0 if wants_prefill else 1, 1 if wants_prefill else 0, 0 if has_running else 1)
-    )
-    return VoteResult(any_wants=not_wants == 0, all_want=wants == 1, none_running=not_running == 1)
+        return VoteResult(any_wants=wants_prefill, all_want=wants_prefill, none_running=not has_running,
+                          urgent=bool(urgent))
+    values = (0 if wants_prefill else 1, 1 if wants_prefill else 0, 0 if has_running else 1)
+    if urgent is not None:
+        values += (0 if urgent else 1,)
+    reduced = _reduce(group, values)
+    return VoteResult(any_wants=reduced[0] == 0, all_want=reduced[1] == 1, none_running=reduced[2] == 1,
+                      urgent=urgent is not None and reduced[3] == 0)
 
 
 def confirm_prefill(group: StepVoteGroup, scheduled_prefill: bool) -> bool:

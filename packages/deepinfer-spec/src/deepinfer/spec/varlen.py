@@ -48,8 +48,8 @@ def choose_query_lens(acceptance: Sequence[Sequence[float]], max_query_len: int,
         return VarlenPlan(0, np.zeros(0, dtype=np.int32), 0.0, 0.0)
     num_drafts = max_query_len - 1
     rates = np.zeros((num_seqs, num_drafts))
-    for i, r in enumerate(acceptance):
-        r = np.clip(np.asarray(r, dtype=np.float64)[:num_drafts], 0.0, 1.0)
+    for i, given in enumerate(acceptance):
+        r = np.clip(np.asarray(given, dtype=np.float64)[:num_drafts], 0.0, 1.0)
         rates[i, :len(r)] = r
     values = np.cumprod(rates, axis=1).ravel()                          # row-major: a request's own in order
     order = np.argsort(-values, kind="stable")

@@ -73,13 +73,14 @@ def verify(inp: VerifyInput) -> VerifyResult:
     greedy = inp.temperature <= 0
     best = processed.argmax(dim=-1)                                          # [n, k + 1]
     accept = drafts == best[:, :k]
-    sampled = inp.draft_probs is not None
-    if sampled:
-        if inp.seeds is None or inp.output_positions is None or inp.draft_probs.shape != (num_seqs, k, vocab):
+    draft_probs = inp.draft_probs
+    sampled = draft_probs is not None
+    if draft_probs is not None:
+        if inp.seeds is None or inp.output_positions is None or draft_probs.shape != (num_seqs, k, vocab):
             raise ValueError("sampled verification needs draft_probs [num_seqs, k, vocab], seeds and output_positions")
         temp = torch.where(greedy, torch.ones_like(inp.temperature), inp.temperature).float()
         p = torch.softmax(processed.float() / temp[:, None, None], dim=-1)     # [n, k + 1, V]
-        q = inp.draft_probs.float()
+        q = draft_probs.float()
         px = p[:, :k].gather(-1, drafts[..., None]).squeeze(-1)
         qx = q.gather(-1, drafts[..., None]).squeeze(-1)
         positions = inp.output_positions[:, None] + steps[None, :]             # [n, k + 1]

@@ -3,6 +3,8 @@
 The free list is an array-backed, circular, doubly linked list with a sentinel at index
 `num_blocks`: `_next_free[sentinel]` is the head (next to hand out) and `_prev_free[sentinel]` the
 tail (last freed). A block outside the list has `_next_free == _prev_free == -1`.
+Prefix caching: `_hashes[b]` is the content hash of cached block b (else None), `_by_hash` the
+reverse index; a free block keeps its hash until `allocate` hands it out again.
 """
 
 from __future__ import annotations
@@ -12,7 +14,7 @@ from collections.abc import Iterable
 
 import numpy as np
 
-from .._slots import MAX_NUM_BLOCKS, as_id_array, check_count, check_num_blocks, resolve_state_slots
+from .._slots import MAX_NUM_BLOCKS, as_id_array, check_count, check_hash, check_num_blocks, resolve_state_slots
 
 _NOT_LINKED = -1
 
@@ -41,6 +43,8 @@ class BlockManager:
         self._next_free[sentinel] = 1
         self._prev_free[1] = sentinel
         self._prev_free[sentinel] = total - 1
+        self._hashes: list[bytes | None] = [None] * total
+        self._by_hash: dict[bytes, int] = {}
 
     @classmethod
     def for_state_slots(cls, max_num_seqs: int, ratio: float | None = None) -> BlockManager:
@@ -111,6 +115,10 @@ class BlockManager:
             nxt[block] = prv[block] = _NOT_LINKED
             refs[block] = 1
             out.append(block)
+            held = self._hashes[block]
+            if held is not None:
+                self._hashes[block] = None
+                del self._by_hash[held]
         self._num_free -= count
         return np.array(out, dtype=np.int32)
 
@@ -173,6 +181,88 @@ class BlockManager:
         for block in ids:
             self._ref_counts[block] += 1
 
+    @property
+    def num_cached(self) -> int:
+        """Blocks holding a content hash (free or in use)."""
+        return len(self._by_hash)
+
+    def cache_block(self, block_id: int, block_hash: bytes) -> bool:
+        """Records that allocated block `block_id` holds the content named by `block_hash` (a full
+        block of KV whose tokens, and every token before them, the hash chains over). The block keeps
+        the hash while in use and while free, until `allocate` hands it out again.
+
+        Returns:
+            True if recorded; False when another block already holds this hash (the block stays
+            uncached) or this block already holds it.
+
+        Raises:
+            ValueError: a bad block id, a free block, a block holding another hash, or a hash that is
+                not non-empty bytes; nothing is changed.
+        """
+        block = self._one_id(block_id)
+        check_hash(block_hash)
+        if self._ref_counts[block] == 0:
+            raise ValueError(f"block {block} is not allocated (refcount 0); only a held block can be cached")
+        held = self._hashes[block]
+        if held is not None and held != block_hash:
+            raise ValueError(f"block {block} already holds another hash; a cached block's content never changes")
+        if held is not None or block_hash in self._by_hash:
+            return False
+        self._hashes[block] = block_hash
+        self._by_hash[block_hash] = block
+        return True
+
+    def cached_block(self, block_hash: bytes) -> int:
+        """The block holding `block_hash`, or 0 when none does. Raises ValueError for a bad hash."""
+        return self._by_hash.get(check_hash(block_hash), 0)
+
+    def block_hash(self, block_id: int) -> bytes | None:
+        """The content hash block `block_id` holds, or None. Raises ValueError for a bad id."""
+        return self._hashes[self._one_id(block_id)]
+
+    def match(self, block_hashes: Iterable[bytes]) -> int:
+        """How many of `block_hashes` (a chain, first block first) are cached, counted from the first."""
+        count = 0
+        for block_hash in block_hashes:
+            if block_hash not in self._by_hash:
+                break
+            count += 1
+        return count
+
+    def reuse(self, block_ids: Iterable[int] | np.ndarray) -> None:
+        """Adds one reference per listed id to cached blocks (a prefix-cache hit): a free one leaves
+        the free list with refcount 1, a held one is shared like `pin`.
+
+        Raises:
+            ValueError: id 0, an id outside [1, num_blocks), a block without a hash, a repeated id or
+                a refcount that would overflow int32; nothing is changed.
+        """
+        ids = self._checked(block_ids)
+        if len(set(ids)) != len(ids):
+            raise ValueError("reuse takes each block once; block ids repeat")
+        for block in ids:
+            if self._hashes[block] is None:
+                raise ValueError(f"block {block} holds no hash; only a cached block can be reused")
+            if self._ref_counts[block] == MAX_NUM_BLOCKS:
+                raise ValueError(f"block {block}: refcount {MAX_NUM_BLOCKS} + 1 overflows int32")
+        nxt, prv = self._next_free, self._prev_free
+        for block in ids:
+            if self._ref_counts[block] == 0:
+                before, after = prv[block], nxt[block]
+                nxt[before] = after
+                prv[after] = before
+                nxt[block] = prv[block] = _NOT_LINKED
+                self._num_free -= 1
+            self._ref_counts[block] += 1
+
+    def drop_hashes(self) -> int:
+        """Forgets every block's hash (the blocks themselves are untouched); returns how many it held."""
+        num_dropped = len(self._by_hash)
+        for block in self._by_hash.values():
+            self._hashes[block] = None
+        self._by_hash.clear()
+        return num_dropped
+
     def free_block_ids(self) -> np.ndarray:
         """[num_free] int32 ids on the free list, head (next handed out) first."""
         out = []
@@ -207,9 +297,20 @@ class BlockManager:
             linked = nxt[block] != _NOT_LINKED
             if refs[block] < 0 or linked != (refs[block] == 0):
                 raise RuntimeError(f"block {block}: refcount {refs[block]}, on free list: {linked}")
+        num_hashed = sum(h is not None for h in self._hashes)
+        if self._hashes[0] is not None or num_hashed != len(self._by_hash) or any(
+                self._hashes[b] != h for h, b in self._by_hash.items()):
+            raise RuntimeError(f"hash index broken: {num_hashed} hashed blocks, {len(self._by_hash)} indexed")
 
     def __repr__(self) -> str:
         return f"BlockManager(num_blocks={self._num_blocks}, num_free={self._num_free})"
+
+    def _one_id(self, block_id: object) -> int:
+        if isinstance(block_id, bool) or not isinstance(block_id, (int, np.integer)):
+            raise ValueError(f"block_id must be an int, got {type(block_id).__name__}")
+        if not 1 <= block_id < self._num_blocks:
+            raise ValueError(f"block_id={block_id} out of range [1, {self._num_blocks})")
+        return int(block_id)
 
     def _checked(self, block_ids: Iterable[int] | np.ndarray) -> list[int]:
         ids = as_id_array(block_ids)

@@ -7,10 +7,10 @@ torchrun): `launcher` starts them, `rank.DPRank` is one rank's engine and lockst
 rank process runs `serve_rank.RankServer`, and `messages` is what travels between them.
 """
 
+from ..stats import ParallelStats, RebalanceStats
 from .dp_async import DPAsyncLLM
-from .eplb_live import LiveBalancer, RebalanceStats
+from .eplb_live import LiveBalancer
 from .launcher import SpawnedRanks, rank_main, start_ranks
-from .messages import ParallelStats
 from .rank import DPRank, RankFailure, RankSpec, assign_least_loaded
 
 __all__ = [

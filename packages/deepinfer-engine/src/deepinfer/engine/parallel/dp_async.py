@@ -29,7 +29,6 @@ import torch.multiprocessing as mp
 
 from ..async_front import (
     DEFAULT_MAX_NUM_WAITING,
-    EngineStats,
     OutputStream,
     ProcessFront,
     ServedModel,
@@ -41,12 +40,11 @@ from ..intake import PromptInput
 from ..llm_engine import resolve_model_dir
 from ..outputs import RequestOutput
 from ..sampling_params import SamplingParams
+from ..stats import EngineStats, ParallelStats, RebalanceStats
 from ..tokenizer import load_tokenizer
-from .eplb_live import RebalanceStats
 from .launcher import free_port
 from .messages import (
     Abort,
-    ParallelStats,
     RankError,
     RankLoad,
     RankReady,
@@ -111,7 +109,7 @@ class DPAsyncLLM(ProcessFront):
             proc.start()
         max_model_len = self._wait_ready()
         model_dir = resolve_model_dir(args.resolved().model)
-        self.model = ServedModel(model_dir, load_tokenizer(model_dir), max_model_len, args.model is None)
+        self._model = ServedModel(model_dir, load_tokenizer(model_dir), max_model_len, args.model is None)
         self._reader = threading.Thread(target=self._read, name="deepinfer-dp-reader", daemon=True)
         self._reader.start()
 
@@ -168,8 +166,8 @@ class DPAsyncLLM(ProcessFront):
                 return prompt, 0
             ids = tokenizer.encode(prompt)
             return {"prompt_token_ids": ids, "prompt": prompt}, len(ids)
-        ids = prompt.get("prompt_token_ids") if isinstance(prompt, dict) else prompt
-        return prompt, len(ids) if isinstance(ids, list | tuple) else 0
+        given = prompt.get("prompt_token_ids") if isinstance(prompt, dict) else prompt
+        return prompt, len(given) if isinstance(given, list | tuple) else 0
 
     def _send_counted(self, make: Any) -> None:
         """Send `make(seq, rank)` to every rank under the next sequence number (lock held)."""

@@ -10,8 +10,6 @@ weights are sent rank to rank (`deepinfer.model.move_experts`) and swapped in be
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import numpy as np
 import torch
 import torch.distributed as dist
@@ -29,34 +27,16 @@ from deepinfer.eplb import (
 from deepinfer.model import ExpertMoves, ExpertSlots, moe_layers, move_experts, take_expert_counts
 
 from ..engine_args import EngineArgs
+from ..stats import RebalanceStats
 
 PRESETS = {"prefill": PREFILL_EPLB_CONFIG, "decode": DECODE_EPLB_CONFIG}
-
-
-@dataclass(frozen=True, slots=True)
-class RebalanceStats:
-    """One adopted re-placement, as the engine reports it.
-
-    Attributes:
-        step: forward steps counted when it was decided.
-        layer_ids: MoE layer indices (forward order) it re-placed.
-        max_mean_before: per layer of `layer_ids`: max / mean rank load over the window, old placement.
-        max_mean_after: the same under the new placement.
-        num_moves: expert copies made; num_remote_moves of them travelled between ranks.
-        num_remote_moves: see num_moves.
-    """
-
-    step: int
-    layer_ids: tuple[int, ...]
-    max_mean_before: tuple[float, ...]
-    max_mean_after: tuple[float, ...]
-    num_moves: int
-    num_remote_moves: int
 
 
 def eplb_config(args: EngineArgs, ep_size: int) -> EplbConfig:
     """The balancer settings of `args.eplb`'s preset with the engine's overrides; the redundancy floor
     is per rank (4 per rank at EP 8: at least 32 in all)."""
+    if args.eplb is None:
+        raise ValueError("eplb=None: EPLB is off, it has no balancer settings")
     preset = PRESETS[args.eplb]
     per_rank = args.eplb_redundant_experts_per_rank
     floor = preset.min_redundant_experts if per_rank is None else per_rank
@@ -133,10 +113,11 @@ class LiveBalancer:
                             tuple(plan.src_slots.tolist()), tuple(plan.dst_slots.tolist()),
                             tuple(bool(remote) for remote in plan.is_remote.tolist()))
         new_rows = dict(zip(layer_of_row, plan.placement.physical_to_logical))
-        slots = [moe.ep.slots if index not in new_rows else
-                 ExpertSlots(torch.from_numpy(new_rows[index].copy()), moe.ep.slots.num_logical_experts,
-                             moe.ep.slots.ep_size)
-                 for index, moe in enumerate(self._layers)]
+        old = [moe.ep.slots for moe in self._layers if moe.ep is not None]   # every layer: apply_expert_parallel
+        slots = [old[index] if index not in new_rows else
+                 ExpertSlots(torch.from_numpy(new_rows[index].copy()), old[index].num_logical_experts,
+                             old[index].ep_size)
+                 for index in range(len(self._layers))]
         move_experts(self._layers, moves, slots)
         self._rebalances.append(RebalanceStats(change.step, tuple(layer_of_row), change.layer_balance_before,
                                               change.layer_balance_after, plan.num_moves, plan.num_remote))

@@ -26,7 +26,7 @@ from ..env import TorchrunEnv
 from ..intake import PromptInput
 from ..outputs import RequestOutput
 from ..sampling_params import SamplingParams
-from .eplb_live import RebalanceStats
+from ..stats import RebalanceStats
 from .rank import DPRank, RankFailure, RankSpec
 
 _POLL_S = 0.05

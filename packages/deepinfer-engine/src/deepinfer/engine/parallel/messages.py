@@ -15,11 +15,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from ..async_front import EngineStats
 from ..intake import PromptInput
 from ..outputs import RequestOutput
 from ..sampling_params import SamplingParams
-from .eplb_live import RebalanceStats
+from ..stats import RebalanceStats
 
 
 @dataclass(frozen=True, slots=True)
@@ -112,20 +111,3 @@ class RankError:
 
 
 RankMessage = RankReady | RankReport | RankError
-
-
-@dataclass(frozen=True, slots=True)
-class ParallelStats:
-    """The DP ranks as the server's metrics see them.
-
-    Attributes:
-        rank_stats: per rank, its running and waiting requests and KV cache.
-        num_requests: per rank, the requests sent to it so far.
-        eplb: EPLB is on (re-placements happen and are counted).
-        rebalances: every re-placement adopted so far, oldest first.
-    """
-
-    rank_stats: tuple[EngineStats, ...]
-    num_requests: tuple[int, ...]
-    eplb: bool
-    rebalances: tuple[RebalanceStats, ...]

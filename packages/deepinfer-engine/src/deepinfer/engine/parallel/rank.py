@@ -33,7 +33,8 @@ from ..intake import PromptInput
 from ..llm_engine import ExpertParallelSetup, LLMEngine, resolve_model_dir
 from ..outputs import OutputKind, RequestOutput
 from ..sampling_params import SamplingParams
-from .eplb_live import LiveBalancer, RebalanceStats, eplb_config, initial_slots
+from ..stats import RebalanceStats
+from .eplb_live import LiveBalancer, eplb_config, initial_slots
 
 _EMPTY_STEPS = (StepKind.EMPTY_PROMPT, StepKind.EMPTY_DECODE)
 
@@ -106,7 +107,10 @@ class DPRank:
                                     rank=spec.rank, world_size=spec.world_size, timeout=timeout)
         except RuntimeError as err:
             raise RankFailure(f"DP rank {spec.rank}: could not join the group of {spec.world_size}: {err}") from err
-        self.vote_group = GlooStepVoteGroup.new_group(timeout_s=args.distributed_timeout_s)
+        vote_group = GlooStepVoteGroup.new_group(timeout_s=args.distributed_timeout_s)
+        if vote_group is None:          # not on a group of every rank
+            raise RankFailure(f"DP rank {spec.rank} is outside the vote group of all {spec.world_size} ranks")
+        self.vote_group = vote_group
         self.balancer: LiveBalancer | None = None
         self.expert_parallel = args.expert_parallel
         if not args.expert_parallel:

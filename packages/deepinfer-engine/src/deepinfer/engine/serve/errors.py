@@ -12,14 +12,15 @@ class APIError(Exception):
     """An error answered to the client.
 
     Args:
-        status: HTTP status (400 bad request, 401 no or wrong key, 404 unknown model, 503 queue full, ...).
+        status: HTTP status (400 bad request, 401 no or wrong key, 404 unknown model, 413 body too large,
+            503 queue full, ...).
         message: what went wrong, naming the field at fault when there is one.
         param: the request field at fault (dotted / indexed path), or None.
         code: a short machine-readable code, or None.
     """
 
     _TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "invalid_request_error",
-              503: "server_error", 500: "server_error"}
+              413: "invalid_request_error", 503: "server_error", 500: "server_error"}
 
     def __init__(self, status: int, message: str, *, param: str | None = None, code: str | None = None) -> None:
         super().__init__(message)
@@ -28,7 +29,9 @@ class APIError(Exception):
     def body(self) -> dict[str, Any]:
         """The JSON body: {"error": {"message", "type", "param", "code"}}."""
         kind = self._TYPES.get(self.status, "server_error")
-        return {"error": {"message": self.message, "type": kind, "param": self.param, "code": self.code}}
+        # A message quoting user text could hold a lone surrogate, which no JSON response can encode.
+        message = self.message.encode("utf-8", "backslashreplace").decode("utf-8")
+        return {"error": {"message": message, "type": kind, "param": self.param, "code": self.code}}
 
 
 def bad_request(message: str, param: str | None) -> APIError:

@@ -2,7 +2,9 @@
 
 Names (all prefixed `deepinfer_`): `request_success_total{finished_reason}`, `num_requests_running`,
 `num_requests_waiting`, `kv_cache_usage_perc` (0..1), `kv_cache_free_blocks`,
-`prompt_tokens_total`, `generation_tokens_total`, and the histograms
+`prompt_tokens_total`, `generation_tokens_total`, `prefix_cache_queries_total` and
+`prefix_cache_hits_total` (prompt tokens of finished requests looked up in / served from the prefix
+cache; ignored requests count nothing), and the histograms
 `time_to_first_token_seconds`, `inter_token_latency_seconds`, `e2e_request_latency_seconds`.
 
 The gauges read the front's `stats`: with an engine process, the scheduler and KV cache as of the
@@ -42,6 +44,11 @@ class ServerMetrics:
         self.prompt_tokens = Counter("deepinfer_prompt_tokens", "Prompt tokens of finished requests", registry=r)
         self.generation_tokens = Counter("deepinfer_generation_tokens", "Generated tokens of finished requests",
                                          registry=r)
+        self.prefix_cache_queries = Counter("deepinfer_prefix_cache_queries",
+                                            "Prompt tokens of finished requests looked up in the prefix cache",
+                                            registry=r)
+        self.prefix_cache_hits = Counter("deepinfer_prefix_cache_hits",
+                                         "Prompt tokens of finished requests served from the prefix cache", registry=r)
         self.ttft = Histogram("deepinfer_time_to_first_token_seconds", "Arrival to first output token",
                               buckets=_LATENCY_BUCKETS, registry=r)
         self.itl = Histogram("deepinfer_inter_token_latency_seconds", "Time between output tokens",
@@ -128,7 +135,7 @@ class RequestTracker:
                 self._metrics.itl.observe(gap)
         self._last = now
 
-    def finish(self, reason: str, num_prompt_tokens: int, num_output_tokens: int) -> None:
+    def finish(self, reason: str, num_prompt_tokens: int, num_output_tokens: int, num_cached_tokens: int = 0) -> None:
         """Count the request as finished with `reason` (once; later calls do nothing)."""
         if self._done:
             return
@@ -137,4 +144,7 @@ class RequestTracker:
         metrics.finished.labels(finished_reason=reason).inc()
         metrics.prompt_tokens.inc(num_prompt_tokens)
         metrics.generation_tokens.inc(num_output_tokens)
+        if reason != "ignored":
+            metrics.prefix_cache_queries.inc(num_prompt_tokens)
+            metrics.prefix_cache_hits.inc(num_cached_tokens)
         metrics.e2e.observe(time.perf_counter() - self._arrival)

@@ -11,7 +11,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from ..sampling_params import InvalidSamplingParams, SamplingParams, StructuredOutput
+from ..sampling_params import MAX_LOGIT_BIAS_ENTRIES, InvalidSamplingParams, SamplingParams, StructuredOutput
 from .errors import APIError, bad_request, from_sampling_error
 from .reasoning import thinking_requested
 from .tools import ToolsRequest, parse_tools
@@ -56,6 +56,8 @@ class GenerateRequest:
         chat_template_kwargs: the chat template's options.
         add_generation_prompt: end the chat prompt where the assistant's answer starts.
         tools: the chat request's tools and tool_choice, or None when it gives no tools.
+        structured_param: the field that set the output constraint ("response_format" or
+            "structured_outputs"; a forced tool choice is charged to "tool_choice").
     """
 
     model: str | None
@@ -67,11 +69,12 @@ class GenerateRequest:
     chat_template_kwargs: Mapping[str, Any] | None = None
     add_generation_prompt: bool = True
     tools: ToolsRequest | None = None
+    structured_param: str = "response_format"
 
     @property
     def structured_field(self) -> str:
         """The request field charged with errors of the output constraint."""
-        return "tool_choice" if self.tools is not None and self.tools.forced else "response_format"
+        return "tool_choice" if self.tools is not None and self.tools.forced else self.structured_param
 
 
 def parse_completion(body: object) -> GenerateRequest:
@@ -129,7 +132,7 @@ def _check_fields(body: dict[str, Any], endpoint_fields: Mapping[str, Callable[[
             raise bad_request(f"{name}={value!r} is not supported yet", name)
 
 
-def _common(body: dict[str, Any], *, default_max_tokens: int | None, logprobs: object,
+def _common(body: dict[str, Any], *, default_max_tokens: int | None, logprobs: Any,
             structured: StructuredOutput | None = None) -> dict[str, Any]:
     """The fields both endpoints share; `structured` (a forced tool choice) replaces response_format."""
     model = body.get("model")
@@ -157,7 +160,8 @@ def _common(body: dict[str, Any], *, default_max_tokens: int | None, logprobs: o
         params = SamplingParams(**fields, logprobs=logprobs, structured=structured or _structured(body))
     except InvalidSamplingParams as error:
         raise from_sampling_error(error, field) from None
-    return {"model": model, "params": params, "stream": stream, "include_usage": include_usage}
+    return {"model": model, "params": params, "stream": stream, "include_usage": include_usage,
+            "structured_param": _structured_field(body)}
 
 
 def _logit_bias(bias: object) -> dict[int, object] | None:
@@ -166,11 +170,20 @@ def _logit_bias(bias: object) -> dict[int, object] | None:
         return None
     if not isinstance(bias, dict):
         raise bad_request(f"logit_bias={bias!r} must be an object of token id -> bias", "logit_bias")
+    if len(bias) > MAX_LOGIT_BIAS_ENTRIES:      # before any key is converted
+        raise bad_request(f"logit_bias has {len(bias)} entries: at most {MAX_LOGIT_BIAS_ENTRIES} are allowed",
+                          "logit_bias")
     result: dict[int, object] = {}
+    spelled: dict[int, str] = {}
     for key, value in bias.items():
-        if not (isinstance(key, str) and key.isdigit() and key.isascii()):
-            raise bad_request(f"logit_bias key {key!r} must be a token id (a non-negative integer)", "logit_bias")
-        result[int(key)] = value
+        if not (isinstance(key, str) and key.isdigit() and key.isascii() and len(key) <= 20):
+            raise bad_request(f"logit_bias key {key[:40]!r} must be a token id (a non-negative integer)", "logit_bias")
+        token_id = int(key)
+        if token_id in spelled:
+            raise bad_request(f"logit_bias keys {spelled[token_id]!r} and {key!r} are the same token id {token_id}",
+                              "logit_bias")
+        spelled[token_id] = key
+        result[token_id] = value
     return result
 
 

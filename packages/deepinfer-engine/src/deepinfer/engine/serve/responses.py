@@ -92,36 +92,44 @@ class ResponseWriter:
                 yield f"{self._plain_prefix}{_json(completion.text)}{self._plain_suffix}"
                 return
         for completion in outputs:
-            index = completion.index
-            finished = completion.finished and index not in self._finished
-            if not completion.text and not completion.token_ids and not finished:
-                continue
-            logprobs = self._logprobs(completion)
-            calls = False
-            if self._chat and self._parsers is not None:
-                stream = self._streams.setdefault(index, ChoiceStream(self._parsers))
-                choice: dict[str, Any] = {"index": index,
-                                          "delta": stream.delta(completion.text, final=completion.finished)}
-                calls = stream.has_tool_calls
-                if not choice["delta"] and not finished and logprobs is None:
-                    continue                  # held back: may be the start of a marker
-            elif self._chat:
-                choice = {"index": index, "delta": {"content": completion.text} if completion.text else {}}
-            else:
-                choice = {"index": index, "text": completion.text}
-            choice.update(logprobs=logprobs, finish_reason=finish_reason(completion, tool_calls=calls))
-            if out.prompt_logprobs and index not in self._prompt_logprobs_sent:
-                self._prompt_logprobs_sent.add(index)
-                choice["prompt_logprobs"] = _prompt_logprobs(out)
-            if finished:
-                self._finished.add(index)
-                choice["stop_reason"] = completion.stop_reason
-            yield sse(self._chunk(choice))
+            choice = self._delta_choice(out, completion)
+            if choice is not None:
+                yield sse(self._chunk(choice))
 
-    def end(self, num_prompt_tokens: int, num_output_tokens: int) -> Iterator[str]:
+    def _delta_choice(self, out: RequestOutput, completion: CompletionOutput) -> dict[str, Any] | None:
+        """One sample's choice of a delta chunk; None when it has nothing new (or its text is held back)."""
+        index = completion.index
+        finished = completion.finished and index not in self._finished
+        if not completion.text and not completion.token_ids and not finished:
+            return None
+        logprobs = self._logprobs(completion)
+        calls = False
+        if self._chat and self._parsers is not None:
+            stream = self._streams.setdefault(index, ChoiceStream(self._parsers))
+            choice: dict[str, Any] = {"index": index, "delta": stream.delta(completion.text, final=completion.finished)}
+            calls = stream.has_tool_calls
+            if not choice["delta"] and not finished and logprobs is None:
+                return None                   # held back: may be the start of a marker
+        elif self._chat:
+            choice = {"index": index, "delta": {"content": completion.text} if completion.text else {}}
+        else:
+            choice = {"index": index, "text": completion.text}
+        choice.update(logprobs=logprobs, finish_reason=finish_reason(completion, tool_calls=calls))
+        if out.prompt_logprobs and index not in self._prompt_logprobs_sent:
+            self._prompt_logprobs_sent.add(index)
+            choice["prompt_logprobs"] = _prompt_logprobs(out)
+        if finished:
+            self._finished.add(index)
+            choice["stop_reason"] = completion.stop_reason
+            if completion.error_reason is not None:      # finish_reason "error": say why
+                choice["error_reason"] = completion.error_reason
+        return choice
+
+    def end(self, num_prompt_tokens: int, num_output_tokens: int, num_cached_tokens: int = 0) -> Iterator[str]:
         """The usage chunk (when asked for) and `data: [DONE]`."""
         if self._req.include_usage:
-            yield sse({**self._chunk(None), "choices": [], "usage": _usage(num_prompt_tokens, num_output_tokens)})
+            usage = _usage(num_prompt_tokens, num_output_tokens, num_cached_tokens)
+            yield sse({**self._chunk(None), "choices": [], "usage": usage})
         yield DONE
 
     # ------------------------------------------------------------------ whole
@@ -140,12 +148,15 @@ class ResponseWriter:
             calls = bool(choice.get("message", {}).get("tool_calls"))
             choice.update(logprobs=self._logprobs(completion),
                           finish_reason=finish_reason(completion, tool_calls=calls), stop_reason=completion.stop_reason)
+            if completion.error_reason is not None:          # finish_reason "error": say why
+                choice["error_reason"] = completion.error_reason
             if last.prompt_logprobs is not None:
                 choice["prompt_logprobs"] = _prompt_logprobs(last)
             choices.append(choice)
         return {"id": self._id, "object": "chat.completion" if self._chat else "text_completion",
                 "created": self._created, "model": self._model, "choices": choices,
-                "usage": _usage(len(last.prompt_token_ids), sum(len(c.token_ids) for c in last.outputs))}
+                "usage": _usage(len(last.prompt_token_ids), sum(len(c.token_ids) for c in last.outputs),
+                                last.num_cached_tokens)}
 
     # ------------------------------------------------------------------ pieces
 
@@ -185,6 +196,7 @@ def _prompt_logprobs(out: RequestOutput) -> list[dict[str, dict[str, Any]] | Non
             for entry in out.prompt_logprobs or ()]
 
 
-def _usage(num_prompt_tokens: int, num_output_tokens: int) -> dict[str, int]:
+def _usage(num_prompt_tokens: int, num_output_tokens: int, num_cached_tokens: int) -> dict[str, Any]:
     return {"prompt_tokens": num_prompt_tokens, "completion_tokens": num_output_tokens,
-            "total_tokens": num_prompt_tokens + num_output_tokens}
+            "total_tokens": num_prompt_tokens + num_output_tokens,
+            "prompt_tokens_details": {"cached_tokens": num_cached_tokens}}

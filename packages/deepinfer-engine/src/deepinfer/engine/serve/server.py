@@ -11,18 +11,24 @@ stops the engine process, the engine thread or the DP ranks (`shutdown(drain=Tru
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import signal
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from typing import Any
 
 import uvicorn
+from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from ..async_front import DEFAULT_MAX_NUM_WAITING, EngineClient
 from ..async_llm import AsyncLLM
 from ..llm_engine import LLMEngine
 from .app import build_app, check_parser_options
+
+HEADER_TIMEOUT_S = 15.0      # a connection's request headers must be complete this long after it opened
+KEEP_ALIVE_TIMEOUT_S = 30.0  # an idle keep-alive connection is closed after this
 
 
 @dataclass(frozen=True, slots=True)
@@ -40,6 +46,7 @@ class ServeOptions:
         tool_call_parser: "deepseek_v4" or "hermes": finds tool calls in tool_choice="auto" output.
         enable_auto_tool_choice: accept tool_choice="auto" (needs tool_call_parser).
         reasoning_parser: "deepseek_v4": thinking goes to reasoning_content; None = none.
+        enable_log_requests: uvicorn's access log, one line per HTTP request (at log_level "info").
     """
 
     host: str = "127.0.0.1"
@@ -52,6 +59,7 @@ class ServeOptions:
     tool_call_parser: str | None = None
     enable_auto_tool_choice: bool = False
     reasoning_parser: str | None = None
+    enable_log_requests: bool = False
 
     def __post_init__(self) -> None:
         if isinstance(self.port, bool) or not isinstance(self.port, int) or not 0 <= self.port <= 65535:
@@ -66,21 +74,62 @@ class ServeOptions:
         check_parser_options(self.tool_call_parser, self.enable_auto_tool_choice, self.reasoning_parser)
 
 
-def run_server(engine: LLMEngine, options: ServeOptions) -> None:
+def run_server(engine: LLMEngine, options: ServeOptions) -> str | None:
     """Serve `engine`, stepped in a thread of this process (`AsyncLLM`), over HTTP until SIGINT /
-    SIGTERM; returns once in-flight requests are done."""
-    serve_client(AsyncLLM(engine, max_num_waiting=options.max_num_waiting), options)
+    SIGTERM; returns once in-flight requests are done, as `serve_client`."""
+    return serve_client(AsyncLLM(engine, max_num_waiting=options.max_num_waiting), options)
 
 
-def serve_client(llm: EngineClient, options: ServeOptions) -> None:
-    """Serve `llm` (built with options.max_num_waiting) as `run_server` does; it is shut down on return."""
+def serve_client(llm: EngineClient, options: ServeOptions) -> str | None:
+    """Serve `llm` (built with options.max_num_waiting) as `run_server` does; it is shut down on return.
+    Returns None after a clean stop, else why the engine had failed (`llm.failure`)."""
     app = build_app(llm, served_model_name=options.served_model_name, api_key=options.api_key,
                     chat_template=options.chat_template, tool_call_parser=options.tool_call_parser,
                     enable_auto_tool_choice=options.enable_auto_tool_choice, reasoning_parser=options.reasoning_parser)
-    config = uvicorn.Config(app, host=options.host, port=options.port, log_level=options.log_level,
-                            access_log=False, timeout_keep_alive=30)
+    config = uvicorn_config(app, host=options.host, port=options.port, log_level=options.log_level,
+                            access_log=options.enable_log_requests)
     with _signals_end_quietly():
         uvicorn.Server(config).run()
+    return llm.failure
+
+
+def uvicorn_config(app: Callable[..., Any], *, host: str = "127.0.0.1", port: int = 0, log_level: str = "info",
+                   access_log: bool = False, header_timeout_s: float = HEADER_TIMEOUT_S,
+                   keep_alive_timeout_s: float = KEEP_ALIVE_TIMEOUT_S) -> uvicorn.Config:
+    """How `deepinfer serve` runs uvicorn: HTTP/1.1 through h11 (`_H11WithHeaderTimeout`), an access log
+    only with access_log (`--enable-log-requests`);
+    an idle keep-alive connection is closed after keep_alive_timeout_s, and a connection whose
+    request headers are not complete header_timeout_s after it opened (or after its previous
+    response) is closed."""
+    protocol = type("H11Protocol", (_H11WithHeaderTimeout,), {"header_timeout_s": header_timeout_s})
+    return uvicorn.Config(app, host=host, port=port, log_level=log_level, access_log=access_log, http=protocol,
+                          timeout_keep_alive=keep_alive_timeout_s)  # type: ignore[arg-type]  # typed int, a float delay
+
+
+class _H11WithHeaderTimeout(H11Protocol):
+    """uvicorn's h11 protocol plus a deadline for request headers. uvicorn arms no timer while a
+    connection waits for its first request, and the keep-alive timer it arms after a response is
+    cancelled by any byte received: a client that opens connections (or sends a partial header line)
+    and stops would hold them forever."""
+
+    header_timeout_s: float = HEADER_TIMEOUT_S
+
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        super().connection_made(transport)
+        self._arm_header_deadline()
+
+    def on_response_complete(self) -> None:
+        super().on_response_complete()
+        self._arm_header_deadline()
+
+    def _arm_header_deadline(self) -> None:
+        self.loop.call_later(self.header_timeout_s, self._header_deadline, self.cycle)
+
+    def _header_deadline(self, cycle: object) -> None:
+        """No request started since the deadline was armed (the same finished cycle, or none): close."""
+        idle = cycle is None or cycle.response_complete  # type: ignore[attr-defined]
+        if self.cycle is cycle and idle and not self.transport.is_closing():
+            self.transport.close()
 
 
 @contextlib.contextmanager

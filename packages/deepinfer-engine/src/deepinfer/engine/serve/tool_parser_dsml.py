@@ -27,7 +27,7 @@ import json
 import re
 
 from ..chat_deepseek_v4 import DSML
-from .tool_parsers import ParsedCall, ParsedOutput, held_back
+from .parsed_calls import ParsedCall, ParsedOutput, held_back
 
 START = f"<{DSML}tool_calls>"
 END = f"</{DSML}tool_calls>"
@@ -52,7 +52,7 @@ class DsmlToolParser:
         pos = start + len(START)
         closed = False
         while True:
-            pos = _SPACE.match(text, pos).end()
+            pos = _skip_space(text, pos)
             if open_call is None:
                 if text.startswith(END, pos):
                     pos, closed = pos + len(END), True
@@ -93,3 +93,9 @@ def _item(name: str, is_string: str, value: str) -> str:
 
 def _call(name: str, items: list[str], *, closed: bool) -> ParsedCall:
     return ParsedCall(name, "{" + ", ".join(items) + ("}" if closed else ""))
+
+
+def _skip_space(text: str, pos: int) -> int:
+    """The first position at or after `pos` that is not whitespace (`len(text)` if none)."""
+    match = _SPACE.match(text, pos)
+    return match.end() if match else pos

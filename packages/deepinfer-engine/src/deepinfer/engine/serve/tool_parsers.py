@@ -23,41 +23,10 @@ Two more serve forced tool choices (the output is constrained by a JSON schema, 
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
-from typing import Protocol
+from collections.abc import Callable
 
-
-@dataclass(frozen=True, slots=True)
-class ParsedCall:
-    """One tool call: the function's name and its arguments as JSON text (while streaming, a prefix of it)."""
-
-    name: str
-    arguments: str
-
-
-@dataclass(frozen=True, slots=True)
-class ParsedOutput:
-    """An output split into its text for the user and its tool calls, in order."""
-
-    content: str
-    tool_calls: tuple[ParsedCall, ...] = ()
-
-
-class ToolParser(Protocol):
-    def parse(self, text: str, *, final: bool) -> ParsedOutput:
-        """Split `text` (the whole output when `final`, else a prefix of it; see the module docstring)."""
-
-
-def held_back(text: str, markers: Sequence[str]) -> int:
-    """The length of the longest end of `text` that is a proper beginning of one of `markers` (0 if none)."""
-    longest = 0
-    for marker in markers:
-        for size in range(min(len(marker) - 1, len(text)), longest, -1):
-            if text.endswith(marker[:size]):
-                longest = size
-                break
-    return longest
+from .parsed_calls import ParsedCall, ParsedOutput, ToolParser, held_back
+from .tool_parser_dsml import DsmlToolParser
 
 
 def _call_from_object(value: object, arguments_key: str) -> ParsedCall | None:
@@ -159,9 +128,4 @@ def _skip_space(text: str, pos: int) -> int:
     return pos
 
 
-def _deepseek_v4() -> ToolParser:
-    from .tool_parser_dsml import DsmlToolParser
-    return DsmlToolParser()
-
-
-TOOL_PARSERS: dict[str, Callable[[], ToolParser]] = {"deepseek_v4": _deepseek_v4, "hermes": HermesToolParser}
+TOOL_PARSERS: dict[str, Callable[[], ToolParser]] = {"deepseek_v4": DsmlToolParser, "hermes": HermesToolParser}

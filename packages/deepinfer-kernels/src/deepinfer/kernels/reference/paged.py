@@ -23,6 +23,17 @@ from .norm import rms_norm
 from .rope import apply_rope
 
 
+def paged_lookup(block_tables: Tensor | None, entry_ids: Tensor | None) -> tuple[Tensor, Tensor]:
+    """The block tables and entry ids a paged stream comes with.
+
+    Raises:
+        ValueError: either is missing.
+    """
+    if block_tables is None or entry_ids is None:
+        raise ValueError("a paged stream needs its block tables and entry ids")
+    return block_tables, entry_ids
+
+
 def entry_location(block_tables: Tensor, entries: Tensor, ratio: int, block_size: int) -> tuple[Tensor, ...]:
     """Where compressed entries live: (block ids, row in block, inside the table), each shaped like
     `entries` (negative ids are read as entry 0).
@@ -146,6 +157,7 @@ def decode_attention_rows(
     rows = ring[slots[:, None], key_pos.clamp(min=0) % ring_len].to(q.dtype)
     valid = key_pos >= 0
     if paged is not None:
+        block_tables, entry_ids = paged_lookup(block_tables, entry_ids)
         block_size = paged.shape[1] * ratio
         blocks, in_block, inside = entry_location(block_tables, entry_ids, ratio, block_size)
         rows = torch.cat((rows, paged[blocks, in_block].to(q.dtype)), dim=1)
@@ -198,6 +210,7 @@ def prefill_attention_rows(
     rows = window_kv[index].to(q.dtype)
     valid = index >= window - start                      # position start − window + index ≥ 0
     if paged is not None:
+        block_table, entry_ids = paged_lookup(block_table, entry_ids)
         ids = entry_ids[lo:hi]
         blocks, in_block, inside = entry_location(block_table, ids.flatten(), ratio, paged.shape[1] * ratio)
         entries = paged[blocks, in_block].view(*ids.shape, paged.shape[-1]).to(q.dtype)

@@ -18,7 +18,7 @@ from torch import Tensor
 
 from .attention import sparse_attention
 from .indexer import indexer_scores
-from .paged import entry_location
+from .paged import entry_location, paged_lookup
 from .v41_quant import dequant_fp4_rows, dequant_mxfp8_rows
 
 
@@ -52,6 +52,7 @@ def v41_attention_rows(
             rows[early] = torch.where((pos >= chunk_start)[..., None], rows[early], from_ring)
     valid = key_pos >= 0
     if paged is not None:
+        block_tables, entry_ids = paged_lookup(block_tables, entry_ids)
         blocks, in_block, inside = entry_location(block_tables, entry_ids, ratio, paged.shape[1] * ratio)
         rows = torch.cat((rows, _kv_rows(paged[blocks, in_block], dim, q.dtype)), dim=1)
         valid = torch.cat((valid, (entry_ids >= 0) & inside), dim=1)

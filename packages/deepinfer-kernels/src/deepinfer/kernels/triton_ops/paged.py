@@ -25,7 +25,7 @@ import triton.language as tl
 from torch import Tensor
 
 from .. import invariant, reference
-from ._launch import on_triton, precision
+from ._launch import on_triton, paged_inputs, precision
 
 
 @triton.jit
@@ -122,9 +122,12 @@ def compress_decode_fused(
     rows = torch.empty(num_seqs, width, dtype=torch.float32, device=kv.device)
     if num_seqs == 0:
         return rows
-    write = paged is not None
-    target = paged if write else rows
-    table = block_tables if write else positions
+    if paged is None:
+        target, table, write = rows, positions, False
+    elif block_tables is None:
+        raise ValueError("a paged stream needs its block tables")
+    else:
+        target, table, write = paged, block_tables, True
     _compress_decode_kernel[(num_seqs,)](
         kv, gate, ape.contiguous(), positions, slots, ring_kv, ring_gate, norm_weight.contiguous(),
         inv_freq.float().contiguous(), rows, target, table,
@@ -358,8 +361,8 @@ def _prefill_attention(
     out = torch.empty_like(q)
     if num_queries == 0:
         return out
-    has_paged = paged is not None
-    ids = entry_ids.contiguous() if has_paged else window_kv
+    paged, block_table, ids, has_paged = paged_inputs(paged, block_table, entry_ids, window_kv)
+    ids = ids.contiguous()
     _prefill_attention_kernel[(triton.cdiv(num_heads, tiles["BLOCK_H"]), num_queries)](
         q, window_kv, sink.float().contiguous(), out, paged if has_paged else window_kv,
         block_table if has_paged else window_kv, ids, q.stride(0), q.stride(1), window_kv.stride(0),
@@ -433,7 +436,7 @@ def paged_decode_attention_fused(
         return torch.empty_like(q)
     tiles = _attention_tiles(q.element_size(), q.shape[2], q.shape[0])
     num_tiles = triton.cdiv(window, tiles["BLOCK_N"]) + (triton.cdiv(entry_ids.shape[1], tiles["BLOCK_N"])
-                                                         if paged is not None else 0)
+                                                         if paged is not None and entry_ids is not None else 0)
     splits = _num_splits(q.shape[0], triton.cdiv(q.shape[1], tiles["BLOCK_H"]), num_tiles)
     return _decode_attention(q, ring, slots, positions, window, sink, scale, paged, block_tables, entry_ids, ratio,
                              tiles, splits)
@@ -469,8 +472,8 @@ def _decode_attention(
     out = torch.empty_like(q)
     if num_seqs == 0:
         return out
-    has_paged = paged is not None
-    ids = entry_ids.contiguous() if has_paged else positions
+    paged, block_tables, ids, has_paged = paged_inputs(paged, block_tables, entry_ids, positions)
+    ids = ids.contiguous()
     num_ids = ids.shape[1] if has_paged else 0
     block_h, block_d = tiles["BLOCK_H"], tiles["BLOCK_D"]
     head_blocks = triton.cdiv(num_heads, block_h)

@@ -67,15 +67,20 @@ def _launch(x: Tensor, weight: Tensor | None, eps: float, positions: Tensor | No
         heads = src.numel() // (dim * src.shape[0]) if src.dim() > 1 else 1
     rows = src.numel() // dim
     out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
-    rope = inv_freq is not None
+    if inv_freq is None:
+        pos, freq, rope_start, rope = src, src, dim, False
+    elif positions is None:
+        raise ValueError("RoPE (inv_freq) needs the positions")
+    else:
+        pos, freq, rope = positions.contiguous(), inv_freq.float().contiguous(), True
+        rope_start = dim - 2 * inv_freq.shape[0]
     block = triton.next_power_of_2(dim)
     # Rows per program by the row length alone: a row's arithmetic never depends on how many rows the
     # call has (the batch-invariant set runs these kernels too).
     per_program = max(1, ROW_ELEMENTS // block)
     _row_kernel[(triton.cdiv(rows, per_program),)](
-        src, weight if weight is not None else src, positions.contiguous() if rope else src,
-        inv_freq.float().contiguous() if rope else src, out, rows, dim, heads,
-        src.stride(0) if src.dim() > 1 else dim, dim - 2 * inv_freq.shape[0] if rope else dim, eps,
+        src, weight if weight is not None else src, pos, freq, out, rows, dim, heads,
+        src.stride(0) if src.dim() > 1 else dim, rope_start, eps,
         -1.0 if inverse else 1.0,
         NORM=norm, HAS_WEIGHT=weight is not None, ROPE=rope, ROWS=per_program, BLOCK=block,
         num_warps=4 if per_program * block <= 4096 else 8,

@@ -22,7 +22,7 @@ import triton.language as tl
 from torch import Tensor
 
 from .. import invariant, reference
-from ._launch import on_triton, precision
+from ._launch import on_triton, paged_inputs, precision
 from .paged import INVARIANT_SPLITS, _attention_tiles, _combine_kernel, _num_splits
 
 PLAIN, MXFP8, FP4_E4M3, FP4_UE8M0 = 0, 1, 2, 3
@@ -202,21 +202,21 @@ def _launch_attention(
     out = torch.empty_like(q)
     if num_queries == 0:
         return out
-    has_chunk, has_paged = chunk_kv is not None, paged is not None
     positions = positions.contiguous()
-    ids = entry_ids.contiguous() if has_paged else positions
+    paged, block_tables, ids, has_paged = paged_inputs(paged, block_tables, entry_ids, positions)
+    ids = ids.contiguous()
+    chunk, has_chunk = (chunk_kv, True) if chunk_kv is not None else (q, False)
     block_d = tiles["BLOCK_D"]
     sink = sink.float().contiguous()
     part = torch.empty(num_queries, num_heads, splits, 2 + block_d, dtype=torch.float32, device=q.device) \
         if splits > 1 else out
-    chunk = chunk_kv if has_chunk else q
     _v41_attention_kernel[(triton.cdiv(num_heads, tiles["BLOCK_H"]), num_queries, splits)](
         q, positions, ring, slots, sink, out, part, chunk, paged if has_paged else ring,
         block_tables if has_paged else positions, ids,
         q.stride(0), q.stride(1), slots.stride(0), ring.stride(0), ring.stride(1), chunk.stride(0) if has_chunk else 0,
         paged.stride(0) if has_paged else 0, paged.stride(1) if has_paged else 0,
         block_tables.stride(0) if has_paged else 0, ids.stride(0) if has_paged else 0, out.stride(0), out.stride(1),
-        num_heads, head_dim, ring.shape[1], window, chunk_start, chunk_kv.shape[0] if has_chunk else 1,
+        num_heads, head_dim, ring.shape[1], window, chunk_start, chunk.shape[0] if has_chunk else 1,
         ids.shape[1] if has_paged else 0, block_tables.shape[1] if has_paged else 0,
         paged.shape[1] if has_paged else 1, ratio, scale,
         RING_FMT=_format(ring, MXFP8), PAGED_FMT=_format(paged, FP4_E4M3) if has_paged else PLAIN,
@@ -246,7 +246,7 @@ def v41_attention_fused(
     splits = 1
     if chunk_kv is None:
         num_tiles = triton.cdiv(window, tiles["BLOCK_N"]) + (triton.cdiv(entry_ids.shape[1], tiles["BLOCK_N"])
-                                                             if paged is not None else 0)
+                                                             if paged is not None and entry_ids is not None else 0)
         splits = _num_splits(max(num_queries, 1), triton.cdiv(q.shape[1], tiles["BLOCK_H"]), num_tiles)
     return _launch_attention(q, positions, ring, slots, window, sink, scale, chunk_kv, chunk_start, paged,
                              block_tables, entry_ids, ratio, tiles, splits)

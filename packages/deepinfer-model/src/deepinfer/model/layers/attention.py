@@ -9,7 +9,7 @@ rope dims are rotated back at the query position before the grouped low-rank out
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING, NamedTuple
+from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor, nn
@@ -26,23 +26,10 @@ if TYPE_CHECKING:
 from . import batched_decode
 from .common import RMSNorm, hadamard, linear, matmul_t, stacked_weight
 from .compressor import Compressor
+from .projections import Projections
 
 RowPost = Callable[[Tensor, KernelSet], Tensor]   # quantisation applied to freshly compressed rows
 
-
-class Projections(NamedTuple):
-    """A layer's projections of its input tokens (num_tokens = t):
-    q [t, heads, head_dim] and kv [t, head_dim] (RMSNorm + RoPE applied, KV-quantised when asked);
-    index_q [t, index heads, index dim] and index_w [t, index heads] float32 (CSA only); the
-    compressors' (kv, gate) inputs [t, mult·width] in the model dtype (column views of one GEMM
-    output), for the layer's compressor and the indexer's (None where absent)."""
-
-    q: Tensor
-    kv: Tensor
-    index_q: Tensor | None
-    index_w: Tensor | None
-    comp: tuple[Tensor, Tensor] | None
-    index_comp: tuple[Tensor, Tensor] | None
 
 # Prefill queries the indexer scores at once, against the entries the block's last query sees: bounds
 # the [queries, entries] float32 scores, and skips the entries no query of a block can pick (at one
@@ -206,11 +193,12 @@ class Attention(nn.Module):
         """Advance the layer's compressors over rows a … b − 1 (one sequence's chunk): the paged KV
         stream, and on CSA layers the index keys of every entry so far [entries, index_head_dim]."""
         layer = self.layer
+        assert self.compressor is not None and p.comp is not None, "called on compressed layers only"
         pos = torch.arange(start, start + b - a, device=p.kv.device)
         paged = self._compress_chunk(self.compressor, f"layers.{layer}.kv", f"layers.{layer}.compressor",
                                      (p.comp[0][a:b], p.comp[1][a:b]), pos, start, slot, table, cache, ops, inv_freq,
                                      self._quant_kv if kv_quant else None)
-        if self.indexer is None:
+        if self.indexer is None or p.index_comp is None:
             return paged, None
         index_paged = self._compress_chunk(self.indexer.compressor, f"layers.{layer}.index_k",
                                            f"layers.{layer}.indexer", (p.index_comp[0][a:b], p.index_comp[1][a:b]),
@@ -231,6 +219,7 @@ class Attention(nn.Module):
             ids = torch.arange((start + b - a) // r, device=pos.device)[None, :]
             return torch.where(ids < visible[:, None], ids, -1)
         ix = self.indexer
+        assert keys is not None and p.index_q is not None and p.index_w is not None, "CSA layers project these"
         picks = None
         for lo in range(0, b - a, PREFILL_QUERY_BLOCK):
             hi = min(b - a, lo + PREFILL_QUERY_BLOCK)

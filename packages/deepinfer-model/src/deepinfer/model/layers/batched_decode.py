@@ -30,8 +30,6 @@ closed entries) before any token reads them.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 from torch import Tensor
 
@@ -40,9 +38,7 @@ from deepinfer.kernels.reference.paged import store_closed_rows
 
 from ..batch import ForwardBatch
 from ..cache import ModelCache
-
-if TYPE_CHECKING:
-    from .attention import Projections
+from .projections import Projections
 
 
 def _compress(comp, inputs: tuple[Tensor, Tensor], prefix: str, paged: Tensor, batch: ForwardBatch,
@@ -90,7 +86,7 @@ def attention(attn, p: Projections, batch: ForwardBatch, cache: ModelCache, ops:
                          f"cache_spec(max_backtracking >= {batch.max_query_len - 1}))")
     ring[slots, pos % ring.shape[1]] = kv.to(ring.dtype)
     sink, scale = attn.attn_sink, cfg.head_dim**-0.5
-    if attn.compressor is None:
+    if attn.compressor is None or p.comp is None:     # both or neither (`Projections`)
         return ops.paged_decode_attention(q, ring, slots, pos, cfg.sliding_window, sink, scale)
     eps = cfg.rms_norm_eps
     paged_kv = cache.paged[f"layers.{layer}.kv"]
@@ -99,7 +95,7 @@ def attention(attn, p: Projections, batch: ForwardBatch, cache: ModelCache, ops:
               quant)
     num_entries = max(batch.max_context_len // r, 1)
     visible = (pos + 1) // r
-    if attn.indexer is None:
+    if attn.indexer is None or p.index_comp is None:
         ids = torch.arange(num_entries, device=q.device)[None, :]
         picks = torch.where(ids < visible[:, None], ids, -1)
     else:

@@ -22,8 +22,6 @@ prefill gives. With no index source before it, a layer attends to its window onl
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
 import torch
 from torch import Tensor, nn
 
@@ -36,38 +34,11 @@ from ..config_v41 import DeepseekV41Config
 from . import csa2_decode
 from .attention import init_projections
 from .common import RMSNorm, linear
-from .v41_codecs import RowCodec
+from .csa2_decode import Published
+from .v41_codecs import Codecs
 
 PREFILL_QUERY_BLOCK = 1024     # queries gathered at once (their rows are the prefill's largest transient)
 INDEX_QUERY_BLOCK = 128        # queries scored at once by an indexer ([queries, heads, keys] float32)
-
-
-@dataclass
-class Published:
-    """What index sources hand to the layers after them during one forward: per sequence (`picks`,
-    `candidates`), or for a whole decode batch at once (`batched_*`, see `csa2_decode`)."""
-
-    picks: list[Tensor | None] = field(default_factory=list)        # [q, k] entry ids, −1 none
-    candidates: list[Tensor | None] = field(default_factory=list)   # [q, entries] bool
-    batched_picks: Tensor | None = None                              # [num_seqs, k]
-    batched_candidates: Tensor | None = None                         # [num_seqs, entries]
-
-
-@dataclass(frozen=True, slots=True)
-class Codecs:
-    """The row formats of a V4.1 model's caches."""
-
-    window: RowCodec
-    kv: RowCodec
-    index: RowCodec
-
-    @classmethod
-    def for_model(cls, cfg: DeepseekV41Config, dtype: torch.dtype, ops: KernelSet | None = None) -> Codecs:
-        """The formats for `cfg`; `ops` quantises and dequantises (default: the reference ops)."""
-        kw = {} if ops is None else {"ops": ops}
-        return cls(RowCodec.choose("mxfp8", cfg.head_dim, dtype, **kw),
-                   RowCodec.choose("fp4_e4m3", cfg.head_dim, dtype, **kw),
-                   RowCodec.choose("fp4_ue8m0", cfg.index_head_dim, dtype, **kw))
 
 
 class Compressor(nn.Module):
@@ -150,7 +121,7 @@ class Attention(nn.Module):
             a, b = batch.cu_seqlens[i], batch.cu_seqlens[i + 1]
             start, slot, table = batch.start_positions[i], batch.state_slots[i], batch.block_tables[i]
             num_entries, num_keys, key_source, picks, candidates = 0, 0, None, [], []
-            if self.ratio:
+            if self.ratio and self.source is not None:    # a layer with a ratio has a KV source (config check)
                 if comp is not None:
                     self._compress(comp[0][a:b], None if comp[1] is None else comp[1][a:b], start, slot, table,
                                    cache, ops, inv_freq, codecs)
@@ -161,18 +132,18 @@ class Attention(nn.Module):
             for lo in range(a, b, PREFILL_QUERY_BLOCK):
                 hi = min(b, lo + PREFILL_QUERY_BLOCK)
                 block_picks = None
-                if num_keys:
+                if num_keys and key_source is not None and index_q is not None and index_w is not None:
                     block_picks, block_candidates = self._select(i, index_q[lo:hi], index_w[lo:hi], pos[lo:hi],
                                                                  lo - a, key_source, num_keys, table, cache, ops,
                                                                  published)
                     picks.append(block_picks)
                     candidates.append(block_candidates)
-                elif published.picks[i] is not None:
-                    block_picks = published.picks[i][lo - a:hi - a]
+                elif (published_picks := published.picks[i]) is not None:
+                    block_picks = published_picks[lo - a:hi - a]
                 # The window comes from this chunk's rows and, before the chunk, the ring (not yet overwritten).
                 paged = tables = ids = None
                 ratio = 1
-                if block_picks is not None and num_entries:
+                if block_picks is not None and num_entries and self.source is not None:
                     ratio = cfg.compress_ratios[self.source]
                     ids = torch.where((block_picks >= 0) & (block_picks < num_entries), block_picks, -1)
                     paged, tables = cache.paged[f"layers.{self.source}.kv"], table.expand(hi - lo, -1)
@@ -207,6 +178,7 @@ class Attention(nn.Module):
     def _compressor_inputs(self, x: Tensor, ops: KernelSet) -> tuple[Tensor, Tensor | None]:
         """Ratio 1: the normed latent of every token (model dtype). Ratio 2: (kv, gate) in float32."""
         c = self.compressor
+        assert c is not None, "called on KV sources only"
         if c.wgate is None:
             return ops.rms_norm(ops.linear(x, c.wkv.weight), c.norm.weight, self.cfg.rms_norm_eps), None
         xf = x.float()
@@ -216,6 +188,7 @@ class Attention(nn.Module):
                   ops: KernelSet, inv_freq: Tensor, codecs: Codecs) -> None:
         """Emit the groups that complete in this chunk of one sequence into the layer's paged streams."""
         r, end = self.ratio, start + kv.shape[0]
+        assert self.compressor is not None, "called on KV sources only"
         if gate is None:
             latents, ids = kv, torch.arange(start, end, device=kv.device)
         else:
@@ -258,6 +231,7 @@ class Attention(nn.Module):
         candidate mask; in sub-blocks of INDEX_QUERY_BLOCK queries (the [queries, heads, keys] scores
         are the indexer's largest transient)."""
         cfg = self.cfg
+        assert self.indexer is not None, "called on index sources only"
         picks, masks = [], []
         ids = torch.arange(num_keys, device=table.device)
         keys = cache.paged[f"layers.{key_source}.index_k"]
@@ -271,8 +245,8 @@ class Attention(nn.Module):
             if self.layer == candidate:
                 masks.append(ops.candidate_blocks(scores, visible, cfg.candidate_topk_blocks,
                                                   cfg.candidate_block_size))
-            elif 0 <= candidate < self.layer and published.candidates[i] is not None:
-                allowed = published.candidates[i][row + lo:row + hi]
+            elif 0 <= candidate < self.layer and (published_mask := published.candidates[i]) is not None:
+                allowed = published_mask[row + lo:row + hi]
                 width = min(allowed.shape[1], num_keys)
                 outside = torch.ones_like(scores, dtype=torch.bool)
                 outside[:, :width] = ~allowed[:, :width]

@@ -46,10 +46,11 @@ s − max_ngram + 1 (history) up to s + q − 2 are no more positions than the r
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
 from deepinfer.kernels import KernelSet
 from deepinfer.kernels.reference.paged import entry_location
@@ -58,9 +59,32 @@ from ..batch import ForwardBatch
 from ..cache import ModelCache
 from ..config_v41 import DeepseekV41Config
 from .engram import HISTORY
+from .v41_codecs import Codecs
 
-if TYPE_CHECKING:
-    from .csa2 import Attention, Codecs, Published
+
+@dataclass
+class Published:
+    """What index sources hand to the layers after them during one forward: per sequence (`picks`,
+    `candidates`), or for a whole decode batch at once (`batched_*`, see `attention` below)."""
+
+    picks: list[Tensor | None] = field(default_factory=list)        # [q, k] entry ids, −1 none
+    candidates: list[Tensor | None] = field(default_factory=list)   # [q, entries] bool
+    batched_picks: Tensor | None = None                              # [num_seqs, k]
+    batched_candidates: Tensor | None = None                         # [num_seqs, entries]
+
+
+class DecodeLayer(Protocol):
+    """What the batched decode reads of a `csa2.Attention` layer (typed here so that `csa2`, which
+    calls this module, is not imported back)."""
+
+    cfg: DeepseekV41Config
+    layer: int
+    ratio: int
+    source: int
+    attn_sink: Tensor
+    wq_a: nn.Linear
+    compressor: nn.Module | None
+    indexer: nn.Module | None
 
 
 def check_rings(cfg: DeepseekV41Config, cache: ModelCache, max_query_len: int) -> None:
@@ -86,7 +110,7 @@ def check_rings(cfg: DeepseekV41Config, cache: ModelCache, max_query_len: int) -
                              f"row (needs {span} + {spare}: cache_spec(max_backtracking >= {spare}))")
 
 
-def _window(attn: Attention, kv: Tensor, batch: ForwardBatch, cache: ModelCache, codecs: Codecs) -> Tensor:
+def _window(attn: DecodeLayer, kv: Tensor, batch: ForwardBatch, cache: ModelCache, codecs: Codecs) -> Tensor:
     """Store this token's row in its ring (before attending: the kernels read the window from the ring,
     and the row read back is the row the model attends to); returns every slot's ring."""
     rings = cache.state[f"layers.{attn.layer}.window"]
@@ -94,10 +118,11 @@ def _window(attn: Attention, kv: Tensor, batch: ForwardBatch, cache: ModelCache,
     return rings
 
 
-def _compress(attn: Attention, comp: tuple[Tensor, Tensor | None], batch: ForwardBatch, cache: ModelCache,
+def _compress(attn: DecodeLayer, comp: tuple[Tensor, Tensor | None], batch: ForwardBatch, cache: ModelCache,
               ops: KernelSet, inv_freq: Tensor, codecs: Codecs) -> None:
     """Advance the KV source's compressor by one token per sequence; closed groups land in its streams."""
     cfg, r, pos, slots = attn.cfg, attn.ratio, batch.positions, batch.state_slots
+    assert attn.compressor is not None, "called on KV sources only"
     kv, gate = comp
     if gate is None:
         latents, closes = kv, torch.ones_like(pos, dtype=torch.bool)
@@ -123,11 +148,12 @@ def _compress(attn: Attention, comp: tuple[Tensor, Tensor | None], batch: Forwar
     cache.paged[f"layers.{attn.layer}.kv"][blocks, rows] = codecs.kv.encode(ops.apply_rope(latents, ids * r, inv_freq))
 
 
-def _select(attn: Attention, index_q: Tensor, index_w: Tensor, batch: ForwardBatch, cache: ModelCache,
+def _select(attn: DecodeLayer, index_q: Tensor, index_w: Tensor, batch: ForwardBatch, cache: ModelCache,
             ops: KernelSet, published: Published) -> None:
     """Every sequence's top-k over the first max_context_len // ratio index keys of its key source."""
     cfg, pos = attn.cfg, batch.positions
     src = cfg.key_source_of(attn.layer)
+    assert src is not None and attn.indexer is not None, "called on index sources only"
     r_src = cfg.compress_ratios[src]
     num_keys = batch.max_context_len // r_src
     if num_keys == 0:
@@ -151,7 +177,7 @@ def _select(attn: Attention, index_q: Tensor, index_w: Tensor, batch: ForwardBat
     published.batched_picks = ops.topk_finite(scores, cfg.index_topk)
 
 
-def attention(attn: Attention, q: Tensor, kv: Tensor, index_q: Tensor | None, index_w: Tensor | None,
+def attention(attn: DecodeLayer, q: Tensor, kv: Tensor, index_q: Tensor | None, index_w: Tensor | None,
               comp: tuple[Tensor, Tensor | None] | None, batch: ForwardBatch, cache: ModelCache, ops: KernelSet,
               inv_freq: Tensor, codecs: Codecs, published: Published) -> Tensor:
     """[num_seqs, heads, head_dim]: the layer's attention for one query token per sequence, read from the

@@ -14,6 +14,7 @@ from deepinfer.kernels import KernelSet
 
 from ..config import DeepseekV4Config
 from ..config_v41 import DeepseekV41Config
+from ..model_v41 import MoE as MoEV41
 from .attention import init_projections
 from .common import RMSNorm, linear
 from .moe import MoE
@@ -118,11 +119,12 @@ class DraftStage(nn.Module):
         self.ffn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.attn = DraftAttention(cfg, codec)
         if self.v41:
-            from ..model_v41 import MoE as MoEV41
+            assert isinstance(cfg, DeepseekV41Config), "a V4.1 draft stage (codec given) needs a V4.1 config"
             draft_moe = dataclasses.replace(cfg, n_routed_experts=cfg.dspark_n_routed_experts,
                                             num_experts_per_tok=cfg.dspark_num_experts_per_tok)
             self.ffn = MoEV41(draft_moe, expert_dtype)
         else:
+            assert isinstance(cfg, DeepseekV4Config), "a V4 draft stage (no codec) needs a V4 config"
             self.ffn = MoE(cfg, cfg.num_hidden_layers + index, expert_dtype)    # after the hash layers
         for site in ("attn", "ffn"):
             self.register_parameter(f"hc_{site}_fn", nn.Parameter(torch.empty(mix, cfg.hc_mult * cfg.hidden_size)))
@@ -133,6 +135,7 @@ class DraftStage(nn.Module):
             self.main_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         if index == num_stages - 1:
             rank = cfg.dspark_markov_rank
+            assert rank is not None, "DSparkDraft checks the config has a draft head"
             self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
             if not self.v41:                           # V4.1 collapses with the last FFN pre-mix instead
                 self.hc_head_fn = nn.Parameter(torch.empty(cfg.hc_mult, cfg.hc_mult * cfg.hidden_size))

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 from torch import Tensor, nn
 
@@ -11,10 +9,9 @@ from deepinfer.kernels import KernelSet
 from deepinfer.kernels.reference import quant_fp8_block, quant_mxfp4
 
 from ..config import ConfigError, DeepseekV4Config
+from ..config_v41 import DeepseekV41Config
 from .common import linear, stacked_weight
-
-if TYPE_CHECKING:
-    from .moe_ep import ExpertParallel
+from .moe_ep import ExpertParallel
 
 
 class Gate(nn.Module):
@@ -56,7 +53,8 @@ class Experts(nn.Module):
     `num_experts` rows instead of the config's `n_routed_experts`.
     """
 
-    def __init__(self, cfg: DeepseekV4Config, expert_dtype: str | None = None, num_experts: int | None = None) -> None:
+    def __init__(self, cfg: DeepseekV4Config | DeepseekV41Config, expert_dtype: str | None = None,
+                 num_experts: int | None = None) -> None:
         super().__init__()
         e = cfg.n_routed_experts if num_experts is None else num_experts
         i, h = cfg.moe_intermediate_size, cfg.hidden_size
@@ -119,7 +117,7 @@ class Experts(nn.Module):
 
 
 class SharedExpert(nn.Module):
-    def __init__(self, cfg: DeepseekV4Config) -> None:
+    def __init__(self, cfg: DeepseekV4Config | DeepseekV41Config) -> None:
         super().__init__()
         i, h = cfg.moe_intermediate_size, cfg.hidden_size
         self.w1, self.w3, self.w2 = linear(h, i), linear(h, i), linear(i, h)
@@ -128,7 +126,7 @@ class SharedExpert(nn.Module):
 class MoE(nn.Module):
     """`gate`, `experts`, `shared_experts` (official names).
 
-    `ep` (set by `moe_ep.apply_expert_parallel`, None otherwise): the routed experts run expert
+    `ep` (set by `moe_ep_setup.apply_expert_parallel`, None otherwise): the routed experts run expert
     parallel — `experts` holds this rank's slots and tokens travel by all-to-all (variable splits in
     prefill, fixed-capacity buffers in decode steps).
     """

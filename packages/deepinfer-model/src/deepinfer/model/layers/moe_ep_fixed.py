@@ -24,7 +24,7 @@ so it keeps variable splits). Capacity is a bound the engine sets from its large
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 import torch.distributed as dist
@@ -32,22 +32,27 @@ from torch import Tensor
 
 from deepinfer.kernels import KernelSet
 
-from .moe import Experts
 
-if TYPE_CHECKING:
-    from .moe_ep import ExpertParallel
+class LocalExperts(Protocol):
+    """This rank's expert slots (`moe.Experts`): rows [n, hidden], slot ids [n, k] int64 and weights
+    [n, k] float32 -> [n, hidden]."""
+
+    def __call__(self, x: Tensor, expert_ids: Tensor, weights: Tensor, limit: float, ops: KernelSet) -> Tensor: ...
 
 
-def fixed_capacity_exchange(ep: ExpertParallel, x: Tensor, slot: Tensor, weights: Tensor, experts: Experts,
-                            limit: float, ops: KernelSet) -> Tensor:
+def fixed_capacity_exchange(x: Tensor, slot: Tensor, weights: Tensor, experts: LocalExperts, limit: float,
+                            ops: KernelSet, *, group: dist.ProcessGroup, max_decode_tokens: int | None, ep_size: int,
+                            slots_per_rank: int) -> Tensor:
     """The routed experts' output for this rank's tokens, through the fixed-capacity exchange.
 
     Args:
-        ep: the layer's EP state; `ep.max_decode_tokens` must be set (same value on every rank).
-        x: [num_tokens, hidden], num_tokens <= ep.max_decode_tokens (0 for an idle rank).
+        x: [num_tokens, hidden], num_tokens <= max_decode_tokens (0 for an idle rank).
         slot: [num_tokens × top_k] int64, the physical slot of each (token, k) pair, token-major.
         weights: [num_tokens, top_k] float32 routing weights.
         experts, limit, ops: this rank's expert slots, the SwiGLU clamp, the kernels.
+        group, ep_size, slots_per_rank: the EP process group, its size and each rank's expert slots.
+        max_decode_tokens: the layer's capacity (`ExpertParallel.max_decode_tokens`; the same on every
+            rank); None refuses the step.
     Returns:
         [num_tokens, hidden] in x's dtype: each token's top-k expert rows summed with its weights.
     Raises:
@@ -55,11 +60,11 @@ def fixed_capacity_exchange(ep: ExpertParallel, x: Tensor, slot: Tensor, weights
     """
     num_tokens, top_k = weights.shape
     hidden = x.shape[1]
-    if ep.max_decode_tokens is None or num_tokens > ep.max_decode_tokens:
+    if max_decode_tokens is None or num_tokens > max_decode_tokens:
         raise ValueError(f"a decode step of {num_tokens} tokens; the fixed-capacity exchange holds "
-                         f"{ep.max_decode_tokens} per rank")
-    capacity = ep.max_decode_tokens * top_k
-    size, per_rank = ep.slots.ep_size, ep.slots.slots_per_rank
+                         f"{max_decode_tokens} per rank")
+    capacity = max_decode_tokens * top_k
+    size, per_rank = ep_size, slots_per_rank
     peer = slot // per_rank
     onehot = (peer[:, None] == torch.arange(size, device=x.device)).to(torch.int64)    # [pairs, size]
     earlier = (onehot.cumsum(0) - onehot).gather(1, peer[:, None]).squeeze(1)
@@ -69,11 +74,11 @@ def fixed_capacity_exchange(ep: ExpertParallel, x: Tensor, slot: Tensor, weights
     send_slot = torch.zeros(size * capacity, dtype=torch.int64, device=x.device)
     send_slot.index_copy_(0, row, slot % per_rank)
     recv_x, recv_slot = torch.empty_like(send_x), torch.empty_like(send_slot)
-    dist.all_to_all_single(recv_slot, send_slot, group=ep.group)
-    dist.all_to_all_single(recv_x, send_x, group=ep.group)
+    dist.all_to_all_single(recv_slot, send_slot, group=group)
+    dist.all_to_all_single(recv_x, send_x, group=group)
     unit = torch.ones(recv_x.shape[0], 1, dtype=torch.float32, device=x.device)
     y = experts(recv_x, recv_slot[:, None], unit, limit, ops)
     back = torch.empty_like(y)
-    dist.all_to_all_single(back, y, group=ep.group)
+    dist.all_to_all_single(back, y, group=group)
     per_pair = back.index_select(0, row).view(num_tokens, top_k, hidden) * weights.to(x.dtype)[..., None]
     return per_pair.sum(dim=1)

@@ -18,7 +18,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from .moe import MoE
-from .moe_ep import ExpertSlots
+from .moe_ep import ExpertParallel, ExpertSlots
 
 
 @dataclass(frozen=True, slots=True)
@@ -62,38 +62,46 @@ def move_experts(layers: Sequence[MoE], moves: ExpertMoves, new_slots: Sequence[
     Raises:
         ValueError: a layer without EP, or a new placement of another shape.
     """
-    if any(moe.ep is None for moe in layers) or len(new_slots) != len(layers):
+    eps = [moe.ep for moe in layers if moe.ep is not None]
+    if len(eps) != len(layers) or len(new_slots) != len(layers):
         raise ValueError("move_experts needs every layer expert-parallel and one new placement per layer")
-    first = layers[0].ep
-    rank, size, per_rank = first.rank, first.slots.ep_size, first.slots.slots_per_rank
     names = layers[0].experts.param_names
     staged = {index: {name: getattr(layers[index].experts, name).clone() for name in names}
               for index in sorted(set(moves.layer_indices))}
     remote = [(layer, src, dst) for layer, src, dst, far in
               zip(moves.layer_indices, moves.src_slots, moves.dst_slots, moves.is_remote) if far]
     if remote:
-        send_by_rank: list[list[Tensor]] = [[] for _ in range(size)]
-        recv_by_rank: list[list[tuple[int, int]]] = [[] for _ in range(size)]
-        for layer, src, dst in remote:
-            if src // per_rank == rank:
-                send_by_rank[dst // per_rank].append(_byte_row(layers[layer], names, src % per_rank))
-            if dst // per_rank == rank:
-                recv_by_rank[src // per_rank].append((layer, dst % per_rank))
-        row_bytes = _byte_row(layers[0], names, 0).numel()
-        device = first.expert_counts.device
-        rows = [row for per_dst in send_by_rank for row in per_dst]
-        send = torch.stack(rows) if rows else torch.empty(0, row_bytes, dtype=torch.uint8, device=device)
-        recv_splits = [len(items) for items in recv_by_rank]
-        recv = torch.empty(sum(recv_splits), row_bytes, dtype=torch.uint8, device=device)
-        dist.all_to_all_single(recv, send, recv_splits, [len(items) for items in send_by_rank], group=first.group)
-        targets = [item for items in recv_by_rank for item in items]
-        for (layer, local_slot), data in zip(targets, recv):
-            _unpack_into(staged[layer], local_slot, data)
+        _receive_remote(layers, names, remote, staged, eps[0])
+    rank, per_rank = eps[0].rank, eps[0].slots.slots_per_rank
     for layer, src, dst, far in zip(moves.layer_indices, moves.src_slots, moves.dst_slots, moves.is_remote):
         if not far and dst // per_rank == rank:
             for tensor in staged[layer].values():
                 tensor[dst % per_rank] = tensor[src % per_rank]
-    for index, moe in enumerate(layers):
+    for index, (moe, ep) in enumerate(zip(layers, eps)):
         for name, tensor in staged.get(index, {}).items():
             getattr(moe.experts, name).copy_(tensor)
-        moe.ep.slots.copy_(new_slots[index])
+        ep.slots.copy_(new_slots[index])
+
+
+def _receive_remote(layers: Sequence[MoE], names: tuple[str, ...], remote: list[tuple[int, int, int]],
+                    staged: dict[int, dict[str, Tensor]], ep: ExpertParallel) -> None:
+    """The remote moves' old slot contents, sent and received in one `all_to_all_single` of byte rows
+    and unpacked into `staged`."""
+    rank, size, per_rank = ep.rank, ep.slots.ep_size, ep.slots.slots_per_rank
+    send_by_rank: list[list[Tensor]] = [[] for _ in range(size)]
+    recv_by_rank: list[list[tuple[int, int]]] = [[] for _ in range(size)]
+    for layer, src, dst in remote:
+        if src // per_rank == rank:
+            send_by_rank[dst // per_rank].append(_byte_row(layers[layer], names, src % per_rank))
+        if dst // per_rank == rank:
+            recv_by_rank[src // per_rank].append((layer, dst % per_rank))
+    row_bytes = _byte_row(layers[0], names, 0).numel()
+    device = ep.expert_counts.device
+    rows = [row for per_dst in send_by_rank for row in per_dst]
+    send = torch.stack(rows) if rows else torch.empty(0, row_bytes, dtype=torch.uint8, device=device)
+    recv_splits = [len(items) for items in recv_by_rank]
+    recv = torch.empty(sum(recv_splits), row_bytes, dtype=torch.uint8, device=device)
+    dist.all_to_all_single(recv, send, recv_splits, [len(items) for items in send_by_rank], group=ep.group)
+    targets = [item for items in recv_by_rank for item in items]
+    for (layer, local_slot), data in zip(targets, recv):
+        _unpack_into(staged[layer], local_slot, data)

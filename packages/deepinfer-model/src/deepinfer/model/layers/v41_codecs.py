@@ -13,8 +13,10 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from deepinfer.kernels import reference
+from deepinfer.kernels import KernelSet, reference
 from deepinfer.kernels.reference import packed_row_bytes
+
+from ..config_v41 import DeepseekV41Config
 
 _BLOCKS = {"mxfp8": 32, "fp4_e4m3": 16, "fp4_ue8m0": 32}
 
@@ -63,3 +65,20 @@ class RowCodec:
         if self.fmt == "plain":
             return x
         return self.ops.fake_quant_fp4_rows(x, e4m3_scales=self.fmt == "fp4_e4m3")
+
+
+@dataclass(frozen=True, slots=True)
+class Codecs:
+    """The row formats of a V4.1 model's caches."""
+
+    window: RowCodec
+    kv: RowCodec
+    index: RowCodec
+
+    @classmethod
+    def for_model(cls, cfg: DeepseekV41Config, dtype: torch.dtype, ops: KernelSet | None = None) -> Codecs:
+        """The formats for `cfg`; `ops` quantises and dequantises (default: the reference ops)."""
+        kw = {} if ops is None else {"ops": ops}
+        return cls(RowCodec.choose("mxfp8", cfg.head_dim, dtype, **kw),
+                   RowCodec.choose("fp4_e4m3", cfg.head_dim, dtype, **kw),
+                   RowCodec.choose("fp4_ue8m0", cfg.index_head_dim, dtype, **kw))

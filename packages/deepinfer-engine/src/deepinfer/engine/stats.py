@@ -1,0 +1,70 @@
+"""Snapshots the fronts report to the server's metrics: one engine's `EngineStats`, and for DP ranks
+`ParallelStats` with the EPLB re-placements (`RebalanceStats`) adopted so far. Plain frozen data with no
+imports of the engine's own, so the fronts (`async_front`) and the rank messages (`parallel.messages`)
+both take them from here."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True, slots=True)
+class EngineStats:
+    """A snapshot of one engine (or the sum over DP ranks) after its latest step.
+
+    Attributes:
+        num_running: sequences decoding (or about to), per the scheduler.
+        num_waiting: requests accepted but not running: in the inbox, compiling a grammar or
+            waiting for prefill.
+        num_free_kv_blocks: free paged KV blocks (block 0, reserved, not counted).
+        num_kv_blocks: usable paged KV blocks (block 0 excluded).
+    """
+
+    num_running: int
+    num_waiting: int
+    num_free_kv_blocks: int
+    num_kv_blocks: int
+
+    @property
+    def kv_cache_usage(self) -> float:
+        """Fraction of the usable KV blocks in use, in [0, 1]."""
+        return 1.0 - self.num_free_kv_blocks / self.num_kv_blocks if self.num_kv_blocks else 0.0
+
+
+
+@dataclass(frozen=True, slots=True)
+class RebalanceStats:
+    """One adopted re-placement, as the engine reports it.
+
+    Attributes:
+        step: forward steps counted when it was decided.
+        layer_ids: MoE layer indices (forward order) it re-placed.
+        max_mean_before: per layer of `layer_ids`: max / mean rank load over the window, old placement.
+        max_mean_after: the same under the new placement.
+        num_moves: expert copies made; num_remote_moves of them travelled between ranks.
+        num_remote_moves: see num_moves.
+    """
+
+    step: int
+    layer_ids: tuple[int, ...]
+    max_mean_before: tuple[float, ...]
+    max_mean_after: tuple[float, ...]
+    num_moves: int
+    num_remote_moves: int
+
+
+@dataclass(frozen=True, slots=True)
+class ParallelStats:
+    """The DP ranks as the server's metrics see them.
+
+    Attributes:
+        rank_stats: per rank, its running and waiting requests and KV cache.
+        num_requests: per rank, the requests sent to it so far.
+        eplb: EPLB is on (re-placements happen and are counted).
+        rebalances: every re-placement adopted so far, oldest first.
+    """
+
+    rank_stats: tuple[EngineStats, ...]
+    num_requests: tuple[int, ...]
+    eplb: bool
+    rebalances: tuple[RebalanceStats, ...]

@@ -1,0 +1,166 @@
+"""Prefix caching (issue #32): a new sequence takes the KV blocks and the model state of the longest
+cached prefix of its tokens and prefills only the rest.
+
+What is cached, and at which grain:
+- KV blocks: every full block a prefill chunk computes gets the hash of its tokens chained over all
+  earlier tokens (`deepinfer.cache.chain_hashes`, salted with `SchedulerConfig.prefix_cache_key`).
+  A block keeps its hash while free, until the KV pool hands it out again (LRU among free blocks).
+- State snapshots: resuming at token t needs, besides the KV of tokens < t, the per-sequence state
+  the model leaves after token t − 1 (sliding-window rings, the compressors' open windows, Engram's
+  look-back, draft rings). A prompt's prefill is cut at its snapshot points, and after the chunk
+  ending at one the sequence's whole state slot is copied into a snapshot slot named by the hash of
+  the block that ends there. The points: the prompt's last block boundary (the next turn of a chat
+  resends the whole prompt), and where the prompt leaves the cached blocks when that is past its hit
+  (another prompt shares that prefix — a system prompt — but no snapshot was saved there: the next
+  one sharing it will hit). A recompute after preemption has none (the cache is full then).
+- A hit is the longest chain of cached blocks whose last block has a snapshot, at most
+  (num_tokens − 1) // block_size blocks (the last token is always computed: its logits are
+  sampled): the blocks are taken by reference and the snapshot is copied into the sequence's new
+  state slot instead of zeroing it.
+
+Registrations are deferred to the end of the step's admission, so no sequence of a step hits what
+another sequence of the same step is computing (its KV and state exist only after the forward).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from deepinfer.cache import chain_hashes, root_hash
+
+from .sequence import Sequence
+
+__all__ = ["PrefixCacheStats"]
+
+
+@dataclass(frozen=True, slots=True)
+class PrefixCacheStats:
+    """Prefix-cache counters of one scheduler since it was built.
+
+    Attributes:
+        queries: prompt tokens looked up (every admission from the waiting queue: first
+            scheduling and recompute after preemption).
+        hits: of those, tokens served from the cache.
+        num_cached_blocks: KV blocks holding a hash now (in use or free).
+        num_snapshots: state snapshots held now.
+    """
+
+    queries: int = 0
+    hits: int = 0
+    num_cached_blocks: int = 0
+    num_snapshots: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class Hit:
+    """A sequence's longest usable cached prefix: its blocks and the snapshot at its end."""
+
+    num_tokens: int
+    block_ids: np.ndarray     # [num_tokens // block_size] int32
+    snapshot: int             # snapshot slot id (>= 1)
+    num_free_blocks: int      # of block_ids, those on the free list (they leave it when taken)
+
+
+class PrefixCache:
+    """The hash index over the KV pool and the snapshot pool, with the step's pending registrations.
+
+    Args:
+        block_size: tokens per KV block (the matching grain).
+        kv_blocks: the scheduler's KV `BlockManager` (blocks carry the hashes).
+        snapshots: a `BlockManager` over snapshot slots (`BlockManager(num_snapshots + 1)`; slot 0
+            unused); every snapshot is free and cached at rest, so LRU eviction needs nothing else.
+        key: bytes folded into the root hash (model, KV dtype, ...).
+    """
+
+    def __init__(self, block_size: int, kv_blocks: object, snapshots: object, key: bytes) -> None:
+        missing = [attr for attr in ("cache_block", "match", "reuse", "cached_block", "drop_hashes")
+                   if not hasattr(snapshots, attr)]
+        if missing:
+            raise ValueError(f"snapshot_slots must be a deepinfer.cache.BlockManager; it lacks {missing}")
+        self.block_size = block_size
+        self.kv = kv_blocks
+        self.snapshots = snapshots
+        self.root = root_hash(key)
+        self.queries = 0
+        self.hits = 0
+        self._pending_blocks: list[tuple[int, bytes]] = []
+        self._pending_snapshots: list[tuple[int, bytes]] = []
+
+    def hashes(self, seq: Sequence, num_blocks: int) -> list[bytes]:
+        """The chain hashes of `seq`'s first num_blocks full blocks (memoised on the sequence: its
+        token list only grows)."""
+        known = seq.block_hashes
+        if len(known) < num_blocks:
+            parent = known[-1] if known else self.root
+            known.extend(chain_hashes(seq.token_ids, self.block_size, parent, len(known), num_blocks - len(known)))
+        return known[:num_blocks]
+
+    def plan(self, seq: Sequence) -> tuple[Hit | None, tuple[int, ...]]:
+        """For a sequence about to be admitted (nothing changes): its hit — the longest cached prefix
+        ending at a snapshot, at most (num_tokens − 1) // block_size blocks (the last token is always
+        computed: its logits are sampled), None without one or with `use_prefix_cache` off — and its
+        snapshot points past the hit, ascending."""
+        size = self.block_size
+        hashes = self.hashes(seq, (seq.num_tokens - 1) // size)
+        num_shared = self.kv.match(hashes)
+        count = num_shared if seq.use_prefix_cache else 0
+        while count and not self.snapshots.cached_block(hashes[count - 1]):
+            count -= 1
+        hit = None
+        if count:
+            block_ids = np.fromiter((self.kv.cached_block(h) for h in hashes[:count]), dtype=np.int32, count=count)
+            num_free = sum(self.kv.ref_count(int(b)) == 0 for b in block_ids)
+            hit = Hit(count * size, block_ids, self.snapshots.cached_block(hashes[count - 1]), num_free)
+        if seq.num_tokens != seq.num_prompt_tokens:          # a recompute
+            return hit, ()
+        points = {seq.num_tokens // size * size}
+        if num_shared and not any(h == hashes[num_shared - 1] for _, h in self._pending_snapshots):
+            points.add(num_shared * size)                     # (not when this step saves it already)
+        return hit, tuple(sorted(p for p in points if p > count * size))
+
+    def take(self, hit: Hit) -> None:
+        """Takes a hit's blocks by reference and marks its snapshot most recently used."""
+        self.kv.reuse(hit.block_ids)
+        one = np.array([hit.snapshot], dtype=np.int32)
+        self.snapshots.reuse(one)
+        self.snapshots.free(one)
+
+    def computed(self, seq: Sequence, block_ids: np.ndarray, start: int, end: int) -> int:
+        """Queues the hashes of the blocks a chunk [start, end) completes, and a snapshot where it ends
+        at one of the sequence's snapshot points. Returns the snapshot slot to save the state into, or
+        0 for none."""
+        size = self.block_size
+        first, last = start // size, end // size          # full blocks [first, last) are complete now
+        if last <= first:
+            return 0
+        hashes = self.hashes(seq, last)
+        self._pending_blocks.extend((int(block_ids[i]), hashes[i]) for i in range(first, last))
+        if end not in seq.snapshot_points or self.snapshots.cached_block(hashes[last - 1]) \
+                or not self.snapshots.num_free:
+            return 0
+        if any(h == hashes[last - 1] for _, h in self._pending_snapshots):
+            return 0
+        snapshot = int(self.snapshots.allocate(1)[0])     # the least recently used one loses its hash
+        self._pending_snapshots.append((snapshot, hashes[last - 1]))
+        return snapshot
+
+    def commit(self) -> None:
+        """Publishes the step's queued hashes (called once the step's admission is done). A snapshot
+        slot stays held until here, so nothing in the step can hand it out twice."""
+        for block, block_hash in self._pending_blocks:   # held: nothing frees a block during admission
+            self.kv.cache_block(block, block_hash)
+        for snapshot, block_hash in self._pending_snapshots:
+            self.snapshots.cache_block(snapshot, block_hash)
+            self.snapshots.free(np.array([snapshot], dtype=np.int32))
+        self._pending_blocks.clear()
+        self._pending_snapshots.clear()
+
+    def reset(self) -> None:
+        """Forgets every cached block and snapshot (their memory is untouched and reused as free)."""
+        self.kv.drop_hashes()
+        self.snapshots.drop_hashes()
+
+    def stats(self) -> PrefixCacheStats:
+        return PrefixCacheStats(self.queries, self.hits, self.kv.num_cached, self.snapshots.num_cached)
