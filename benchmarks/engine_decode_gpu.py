@@ -23,7 +23,12 @@ tokens at concurrency N on the same engine (ZOS on) and its TPOT and decode-step
 
 --model embedded is the tiny model shipped with deepinfer-model; --model v4-flash builds a
 V4-Flash-shaped model of --layers layers with random weights (`load_format="dummy"`, config from
-benchmarks/v4_flash_dummy.py). Results: a JSON list, one row per (N, zos).
+benchmarks/v4_flash_dummy.py). --expert-dtype keeps its routed experts in bf16 (default), FP8
+(e4m3, block-128 scales) or MXFP4 (`EngineArgs.expert_dtype`), as the released checkpoints do:
+
+    python3 benchmarks/engine_decode_gpu.py --model v4-flash --layers 8 --expert-dtype fp4 --num-seqs 1 32 256
+
+Results: a JSON list, one row per (N, zos).
 """
 
 from __future__ import annotations
@@ -147,6 +152,7 @@ def run(args: argparse.Namespace, num_seqs: int, folder: Path) -> list[dict]:
     blocks_per_seq = -(-max_model_len // block_size) + 2
     engine = LLMEngine(EngineArgs(
         **model_args(args.model, args.layers, folder), device="cuda", dtype="bfloat16", seed=0,
+        expert_dtype=None if args.expert_dtype == "bf16" else args.expert_dtype,
         max_num_seqs=num_seqs, max_model_len=max_model_len, block_size=block_size,
         num_kv_blocks=blocks_per_seq * num_seqs * (2 if args.bench else 1) + 1,
         max_num_batched_tokens=args.max_batched_tokens, zero_overhead_scheduling=True,
@@ -174,7 +180,8 @@ def run(args: argparse.Namespace, num_seqs: int, folder: Path) -> list[dict]:
             print(f"--- cProfile, {num_seqs} seqs, zos={zos}, guard={guard}, {args.steps} steps", flush=True)
             print("\n".join(line[:150] for line in text.getvalue().splitlines()[4:]), flush=True)
         row = {"model": args.model, "layers": args.layers if args.model != "embedded" else None,
-               "num_seqs": num_seqs, "zos": zos, "sync_guard": guard, "output_kind": args.output_kind,
+               "expert_dtype": args.expert_dtype, "num_seqs": num_seqs, "zos": zos, "sync_guard": guard,
+               "output_kind": args.output_kind,
                "step_ms": round(step * 1e3, 4),
                "graph_ms": None if kernels is None else round(kernels, 4),
                "step_over_graph": None if kernels is None else round(step * 1e3 / kernels, 3)}
@@ -205,6 +212,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", choices=("embedded", "v4-flash"), default="embedded")
     parser.add_argument("--layers", type=int, default=8)
+    parser.add_argument("--expert-dtype", choices=("bf16", "fp8", "fp4"), default="bf16",
+                        help="the routed experts as stored: bf16, FP8 block-scaled or MXFP4")
     parser.add_argument("--num-seqs", type=int, nargs="+", default=[1, 64, 256])
     parser.add_argument("--prompt-len", type=int, default=256)
     parser.add_argument("--steps", type=int, default=50)

@@ -277,7 +277,6 @@ def main() -> int:
 
     from deepinfer.kernels.triton_ops import moe
 
-    moe.GROUPED_FP8 = True                        # "new" is the grouped kernels, FP8 included (off in the engine)
     if args.cpu_smoke:
         moe.GROUPED_MIN_PAIRS = 1                 # the tiny batches take the grouped kernels too
     tokens = [int(t) for t in args.tokens.split(",") if t]

@@ -65,9 +65,9 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--peak-fp8", type=float, default=1580e12, help="FLOP/s, dense FP8")
     ap.add_argument("--peak-bw", type=float, default=4.3e12, help="bytes/s, device memory")
     ap.add_argument("--budget-s", type=float, default=180.0, help="skip sections that would start later")
-    ap.add_argument("--grouped-fp8", action="store_true",
-                    help="FP8 experts through the grouped GEMMs (triton_ops.moe.GROUPED_FP8, off in the engine "
-                         "until their GPU test passes)")
+    ap.add_argument("--no-grouped-fp8", dest="grouped_fp8", action="store_false",
+                    help="ablation: FP8 experts through the small-batch kernels, not the grouped GEMMs "
+                         "(triton_ops.moe.GROUPED_FP8, on in the engine)")
     ap.add_argument("--dry-run", action="store_true", help="print the FLOP and byte model only (no GPU)")
     ap.add_argument("--out", help="JSON report")
     return ap.parse_args()

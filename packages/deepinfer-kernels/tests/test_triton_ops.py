@@ -8,9 +8,7 @@ reference does not write, so a kernel that skips or strays from an element fails
 
 from __future__ import annotations
 
-import fcntl
 import os
-import tempfile
 
 import pytest
 import torch
@@ -27,23 +25,17 @@ BIG = CUDA                      # the real V4-Flash shapes only on the GPU (the 
 
 def flash_experts(*case) -> pytest.param:
     """A case with all 256 V4-Flash routed experts: its weights and the reference's dequantised copies
-    take up to ~34 GB, so it runs under `one_heavy_case_at_a_time`."""
+    take up to ~34 GB, so it is `gpu_heavy` (tools/gpu_tests.sh runs those one at a time, after the
+    concurrent shards)."""
     return pytest.param(*case, marks=pytest.mark.gpu_heavy)
 
 
 @pytest.fixture(autouse=True)
-def one_heavy_case_at_a_time(request):
-    """tools/gpu_tests.sh runs concurrent pytest processes on one GPU: a `gpu_heavy` case holds a
-    machine-wide file lock while it runs and hands its cached memory back before releasing it."""
-    if request.node.get_closest_marker("gpu_heavy") is None or not CUDA:
-        yield
-        return
-    with open(os.path.join(tempfile.gettempdir(), "deepinfer-gpu-heavy.lock"), "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            torch.cuda.empty_cache()
+def _free_after_heavy_cases(request):
+    """A `gpu_heavy` case hands its cached memory back when it ends (the next heavy case needs it)."""
+    yield
+    if CUDA and request.node.get_closest_marker("gpu_heavy") is not None:
+        torch.cuda.empty_cache()
 
 
 @pytest.fixture(autouse=True)

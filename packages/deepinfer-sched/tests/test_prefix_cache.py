@@ -180,7 +180,7 @@ def test_fork_branches_share_cached_blocks(make_sched) -> None:
 def test_config_and_constructor_checks() -> None:
     with pytest.raises(ConfigError, match="prefix_cache_key must be bytes"):
         SchedulerConfig(block_size=4, max_model_len=8, prefix_cache_key="x")
-    with pytest.raises(ValueError, match="needs snapshot_slots"):
+    with pytest.raises(ValueError, match="needs kv_blocks and snapshot_slots with a hash index"):
         Scheduler(SchedulerConfig(block_size=4, max_model_len=8, enable_prefix_caching=True),
                   BlockManager(4), BlockManager(3))
 

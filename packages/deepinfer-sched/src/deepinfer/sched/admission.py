@@ -13,7 +13,7 @@ import numpy as np
 
 from .chunking import chunk_len
 from .output import PrefillChunk
-from .sequence import SeqStatus, Sequence
+from .sequence import Hit, SeqStatus, Sequence
 from .state import SchedState
 
 _NO_LIMIT = 2**62
@@ -37,7 +37,7 @@ def plan_chunk(st: SchedState, seq: Sequence, tokens_left: int, sum_k_left: int,
     if first and (st.table.num_used >= config.max_num_seqs or st.slots.num_free < 1):
         return 0
     prefix = st.prefix
-    hit = None
+    hit: Hit | None = None
     if first and prefix is not None:
         hit, seq.snapshot_points = prefix.plan(seq)
     seq.hit = hit
@@ -119,7 +119,7 @@ def _commit_chunk(st: SchedState, seq: Sequence, num_tokens: int) -> PrefillChun
         table.state_slot[row] = slot
         table.num_output[row] = seq.num_tokens - seq.num_prompt_tokens   # > 0 after a recompute
         hit, seq.hit = seq.hit, None
-        if hit is not None:
+        if hit is not None and st.prefix is not None:      # a hit is only planned with the cache on
             st.prefix.take(hit)
             table.append_blocks(row, hit.block_ids)
             table.seq_len[row] = num_cached = hit.num_tokens

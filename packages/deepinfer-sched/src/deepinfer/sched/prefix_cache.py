@@ -30,7 +30,8 @@ import numpy as np
 
 from deepinfer.cache import chain_hashes, root_hash
 
-from .sequence import Sequence
+from .pools import HashedBlockPool
+from .sequence import Hit, Sequence
 
 __all__ = ["PrefixCacheStats"]
 
@@ -53,16 +54,6 @@ class PrefixCacheStats:
     num_snapshots: int = 0
 
 
-@dataclass(frozen=True, slots=True)
-class Hit:
-    """A sequence's longest usable cached prefix: its blocks and the snapshot at its end."""
-
-    num_tokens: int
-    block_ids: np.ndarray     # [num_tokens // block_size] int32
-    snapshot: int             # snapshot slot id (>= 1)
-    num_free_blocks: int      # of block_ids, those on the free list (they leave it when taken)
-
-
 class PrefixCache:
     """The hash index over the KV pool and the snapshot pool, with the step's pending registrations.
 
@@ -74,7 +65,8 @@ class PrefixCache:
         key: bytes folded into the root hash (model, KV dtype, ...).
     """
 
-    def __init__(self, block_size: int, kv_blocks: object, snapshots: object, key: bytes) -> None:
+    def __init__(self, block_size: int, kv_blocks: HashedBlockPool, snapshots: HashedBlockPool,
+                 key: bytes) -> None:
         missing = [attr for attr in ("cache_block", "match", "reuse", "cached_block", "drop_hashes")
                    if not hasattr(snapshots, attr)]
         if missing:

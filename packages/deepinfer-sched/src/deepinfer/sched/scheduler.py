@@ -17,9 +17,10 @@ from .decode import DecodeScratch, schedule_decode
 from .fork import fork_seq
 from .integrity import check_integrity
 from .output import DecodeBatch, PrefillChunk, PrefilledSeq, SchedulerOutput, StepKind
+from .pools import BlockPool, HashedBlockPool
 from .prefix_cache import PrefixCacheStats
 from .sequence import FinishReason, SeqView, TokenLog
-from .state import BlockPool, SchedState
+from .state import SchedState
 from .verify import VerifyLengthPolicy
 from .vote import SingleRankVoteGroup, StepVoteGroup, attempt_point, cast_vote, confirm_prefill
 
@@ -75,7 +76,7 @@ class Scheduler:
         vote_group: StepVoteGroup | None = None,
         verify_policy: VerifyLengthPolicy | None = None,
         native: bool | None = None,
-        snapshot_slots: object | None = None,
+        snapshot_slots: HashedBlockPool | None = None,
     ) -> None:
         if not isinstance(config, SchedulerConfig):
             raise ValueError(f"config must be a SchedulerConfig, got {type(config).__name__}")

@@ -5,9 +5,21 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass
 
+import numpy as np
+
 __all__ = ["FinishReason", "IgnoreReason", "SeqStatus", "SeqView", "TokenLog", "branch_id", "canonical_id"]
 
 BRANCH_PREFIX = "_"
+
+
+@dataclass(frozen=True, slots=True)
+class Hit:
+    """A sequence's longest usable cached prefix: its blocks and the snapshot at its end."""
+
+    num_tokens: int
+    block_ids: np.ndarray     # [num_tokens // block_size] int32
+    snapshot: int             # snapshot slot id (>= 1)
+    num_free_blocks: int      # of block_ids, those on the free list (they leave it when taken)
 
 
 class SeqStatus(enum.Enum):
@@ -129,7 +141,7 @@ class Sequence:
         self.num_forks = 0                    # branches made from this sequence so far
         self.recomputable = True              # a preemption may queue it for recompute
         self.block_hashes: list[bytes] = []   # prefix caching: chain hashes of its first full blocks
-        self.hit = None                       # prefix caching: the cached prefix planned for admission
+        self.hit: Hit | None = None           # prefix caching: the cached prefix planned for admission
         self.use_prefix_cache = True          # False: never starts from a cached prefix
         self.snapshot_points: tuple[int, ...] = ()   # prefix caching: where its prefill saves its state
 

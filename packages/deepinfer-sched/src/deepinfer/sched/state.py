@@ -3,39 +3,15 @@
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Iterable
-from typing import Protocol
 
 import numpy as np
 
 from .config import SchedulerConfig
 from .output import EMPTY_PAIRS, EMPTY_SLOTS, IgnoredSeq
+from .pools import BlockPool, HashedBlockPool, is_hashed
 from .prefix_cache import PrefixCache
 from .seq_table import SeqTable
 from .sequence import SeqStatus, Sequence, canonical_id
-
-
-class BlockPool(Protocol):
-    """What the scheduler uses of a `deepinfer.cache.BlockManager` (paged KV blocks or state slots;
-    id 0 reserved), declared here so that the scheduler takes any pool with these methods (it imports
-    only deepinfer.cache's hash chain, for prefix caching: prefix_cache.py)."""
-
-    @property
-    def num_blocks(self) -> int: ...
-
-    @property
-    def num_free(self) -> int: ...
-
-    @property
-    def usage(self) -> float: ...
-
-    def ref_count(self, block_id: int) -> int: ...
-
-    def allocate(self, num: int) -> np.ndarray: ...
-
-    def free(self, block_ids: Iterable[int] | np.ndarray) -> int: ...
-
-    def pin(self, block_ids: Iterable[int] | np.ndarray) -> None: ...
 
 
 class SchedState:
@@ -49,15 +25,15 @@ class SchedState:
     """
 
     def __init__(self, config: SchedulerConfig, kv_blocks: BlockPool, state_slots: BlockPool,
-                 snapshot_slots: object | None = None) -> None:
+                 snapshot_slots: HashedBlockPool | None = None) -> None:
         self.config = config
         self.kv = kv_blocks
         self.slots = state_slots
         self.prefix: PrefixCache | None = None
         if config.enable_prefix_caching:
-            if snapshot_slots is None:
-                raise ValueError("enable_prefix_caching=True needs snapshot_slots (a BlockManager of state "
-                                 "snapshot slots)")
+            if snapshot_slots is None or not is_hashed(snapshot_slots) or not is_hashed(kv_blocks):
+                raise ValueError("enable_prefix_caching=True needs kv_blocks and snapshot_slots with a hash index "
+                                 "(deepinfer.cache.BlockManager)")
             self.prefix = PrefixCache(config.block_size, kv_blocks, snapshot_slots, config.prefix_cache_key)
         self.table = SeqTable(config.max_num_seqs + 1, config.max_blocks_per_seq)
         self.seqs: dict[str, Sequence] = {}

@@ -109,7 +109,7 @@ def cast_vote(group: StepVoteGroup, wants_prefill: bool, has_running: bool, urge
     if group.world_size == 1:
         return VoteResult(any_wants=wants_prefill, all_want=wants_prefill, none_running=not has_running,
                           urgent=bool(urgent))
-    values = (0 if wants_prefill else 1, 1 if wants_prefill else 0, 0 if has_running else 1)
+    values: tuple[int, ...] = (0 if wants_prefill else 1, 1 if wants_prefill else 0, 0 if has_running else 1)
     if urgent is not None:
         values += (0 if urgent else 1,)
     reduced = _reduce(group, values)

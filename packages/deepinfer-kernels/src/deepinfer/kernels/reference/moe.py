@@ -165,11 +165,16 @@ def quant_fp8_groups(x: Tensor, group: int) -> tuple[Tensor, Tensor]:
         x: [rows, cols] float, cols divisible by group.
     Returns:
         (codes [rows, cols] float8_e4m3fn, scales [rows, cols / group] float32).
+
+    The scale is a true (correctly rounded) division, as the kernel's `tl.div_rn`: dividing a CUDA
+    tensor by a Python number, torch multiplies by the number's float32 reciprocal instead (its
+    CPU-scalar shortcut; "may lose one bit"), so on the GPU `amax / 448` was off by one ulp for some
+    groups and the kernel's scales were not the twin's bit for bit. The divisor is a tensor here.
     """
     rows, cols = x.shape
     groups = x.float().reshape(rows, cols // group, group)
     amax = groups.abs().amax(-1)
-    scale = torch.where(amax > 0, amax / FP8_E4M3_MAX, torch.ones_like(amax))
+    scale = torch.where(amax > 0, amax / torch.full_like(amax, FP8_E4M3_MAX), torch.ones_like(amax))
     codes = (groups / scale[..., None]).clamp(-FP8_E4M3_MAX, FP8_E4M3_MAX).to(torch.float8_e4m3fn)
     return codes.reshape(rows, cols), scale
 

@@ -38,19 +38,13 @@ from .mxfp4 import DECODES, MX_DOT_SCALED, load_columns, mxfp4_dot, mxfp4_tile, 
 
 FUSED_MAX_PAIRS = 2048
 GROUPED_MIN_PAIRS = FUSED_MAX_PAIRS + 1     # from here on the grouped GEMMs of `moe_grouped` (prefill)
-# The FP8 grouped GEMMs are off until they pass on a GPU: their test at V4-Flash shapes
-# (`test_grouped_experts_at_v4_flash_shapes[512-fp8]`) failed on the H200 on 2026-12-02 (error not
-# recorded). Examined on CPU since (issue #22): no kernel defect found, and an unsound check. Under
-# the interpreter, with the 512-token tile structure (256 experts, top-6, ~12 rows an expert:
-# half-height tiles; skewed routing too), the kernels match the twin but for 2-4 one-step e4m3 flips
-# of the re-quantised SwiGLU output. The test compared the output with the twin's elementwise at
-# atol = rtol = 3e-2, which such flips nearly use up on Hopper (its e8m13 FP8 accumulator emulated at
-# the real shape: 0.7% of the codes flip, the worst element takes 0.79 of the tolerance, more under a
-# coarser model of that accumulator). The test now checks stage by stage (`fp8_stages` in
-# tests/test_triton_moe_grouped.py; emulated and source-level indexing bugs fail it). Not run on a GPU
-# yet: rerun the V4-Flash FP8 tests there before turning this on. Tests and benchmarks that exercise
-# the FP8 grouped GEMMs set this to True.
-GROUPED_FP8 = False
+# The FP8 grouped GEMMs (prefill, from GROUPED_MIN_PAIRS pairs). Their GPU test failures (issue #29)
+# were the twin's, not the kernels': torch computes `cuda_tensor / 448` as a multiply by 448's float32
+# reciprocal, one ulp off the kernel's correctly rounded group scales in about half the groups, and
+# the stage-by-stage check (`fp8_stages` in tests/test_triton_moe_grouped.py) requires them bitwise.
+# With the twin dividing, every test of test_triton_moe_grouped.py passed on an H100 on 2026-12-07
+# (the V4-Flash shapes at 512 and 4096 tokens and the injected indexing bugs included): on.
+GROUPED_FP8 = True
 # How the small-batch expert kernels decode MXFP4 weights (`mxfp4.DECODES`; where the choice cannot
 # run, `mxfp4.runnable_decode` says what does), and their (BLOCK_N, BLOCK_K) per decoder.
 MXFP4_DECODE = MX_DOT_SCALED
@@ -254,13 +248,18 @@ def _expert_up_kernel(x_ptr, order_ptr, meta_ptr, w13_ptr, s13_ptr, act_ptr, num
         tokens = tl.load(order_ptr + r, mask=rm, other=0) // top_k
         gate = _zeros(BLOCK_M, BLOCK_N, WORDS)
         up = _zeros(BLOCK_M, BLOCK_N, WORDS)
+        next1, next3 = 1.0, 1.0            # FP8: the block scales of the coming K step, loaded a step early
+        if FORMAT == 1:
+            next1 = _scale(s13_ptr, expert, n0, 0, s_expert, s_row, BLOCK_S)
+            next3 = _scale(s13_ptr, expert, inter + n0, 0, s_expert, s_row, BLOCK_S)
         for k0 in range(0, hidden, BLOCK_K):
+            bs1, bs3 = next1, next3
+            if FORMAT == 1:
+                k_next = tl.minimum(k0 + BLOCK_K, hidden - 1)
+                next1 = _scale(s13_ptr, expert, n0, k_next, s_expert, s_row, BLOCK_S)
+                next3 = _scale(s13_ptr, expert, inter + n0, k_next, s_expert, s_row, BLOCK_S)
             for ks in tl.static_range(0, BLOCK_K, STEP):
                 xs = load_columns(x_ptr + tokens[:, None] * hidden, k0 + ks, hidden, rm[:, None], STEP, WORDS)
-                bs1, bs3 = 1.0, 1.0
-                if FORMAT == 1:
-                    bs1 = _scale(s13_ptr, expert, n0, k0, s_expert, s_row, BLOCK_S)
-                    bs3 = _scale(s13_ptr, expert, inter + n0, k0, s_expert, s_row, BLOCK_S)
                 gate = _dot_tile(xs, gate, w1, s1, k0 + ks, hidden, nm, bs1, FORMAT, STEP, PRECISION, DECODE,
                                  BF16_MATH)
                 up = _dot_tile(xs, up, w3, s3, k0 + ks, hidden, nm, bs3, FORMAT, STEP, PRECISION, DECODE, BF16_MATH)
@@ -287,12 +286,15 @@ def _expert_down_kernel(act_ptr, order_ptr, meta_ptr, weights_ptr, w2_ptr, s2_pt
         rm = m0 + tl.arange(0, BLOCK_M) < count
         pair = tl.load(order_ptr + r, mask=rm, other=0)
         acc = _zeros(BLOCK_M, BLOCK_N, WORDS)
+        next_bs = 1.0                      # FP8: as in the up kernel, a step early
+        if FORMAT == 1:
+            next_bs = _scale(s2_ptr, expert, n0, 0, s_expert, s_row, BLOCK_S)
         for k0 in range(0, inter, BLOCK_K):
+            bs = next_bs
+            if FORMAT == 1:
+                next_bs = _scale(s2_ptr, expert, n0, tl.minimum(k0 + BLOCK_K, inter - 1), s_expert, s_row, BLOCK_S)
             for ks in tl.static_range(0, BLOCK_K, STEP):
                 a = load_columns(act_ptr + r[:, None] * inter, k0 + ks, inter, rm[:, None], STEP, WORDS)
-                bs = 1.0
-                if FORMAT == 1:
-                    bs = _scale(s2_ptr, expert, n0, k0, s_expert, s_row, BLOCK_S)
                 acc = _dot_tile(a, acc, w2, s2, k0 + ks, inter, nm, bs, FORMAT, STEP, PRECISION, DECODE, BF16_MATH)
         acc = _rows_first(acc, WORDS) * tl.load(weights_ptr + pair, mask=rm, other=0.0)[:, None]
         tl.store(y_ptr + pair[:, None] * hidden + n[None, :], acc, mask=rm[:, None] & nm[None, :])
@@ -345,7 +347,7 @@ def moe_experts_fp8_fused(
     activations, as the reference); from there on, the grouped GEMMs of `moe_grouped` on Hopper's FP8 tensor
     cores, the activations quantised per 1 × block group as DeepSeek's FP8 GEMMs do (twin:
     `reference.moe.moe_experts_fp8_w8a8`). Needs block ≥ 16, a power of two, dividing the
-    intermediate size; else the reference. The grouped GEMMs only with `GROUPED_FP8` (off for now)."""
+    intermediate size; else the reference. The grouped GEMMs only with `GROUPED_FP8` (on)."""
     contiguous = all(t.is_contiguous() for t in (x, w13, w13_scale, w2, w2_scale))
     if (GROUPED_FP8 and expert_ids.numel() >= GROUPED_MIN_PAIRS and on_triton(x)
             and _grouped(x, FP8_BLOCK, w2.shape[-1], block) and contiguous):
