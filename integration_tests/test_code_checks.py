@@ -8,6 +8,8 @@ import importlib.util
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -83,8 +85,9 @@ def test_the_packages_have_no_function_over_complexity_20() -> None:
     assert code_checks.check_complexity() == []
 
 
-def test_an_exemption_whose_fix_landed_is_a_note_not_a_failure(tmp_path: Path) -> None:
-    exempt_file = next(iter(code_checks.EXEMPT_COMPLEXITY))
+def test_an_exemption_whose_fix_landed_is_a_note_not_a_failure(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    exempt_file = "packages/deepinfer-engine/src/deepinfer/engine/llm_engine.py"
+    monkeypatch.setattr(code_checks, "EXEMPT_COMPLEXITY", {exempt_file: "a branch that has landed"})
     root = _tree(tmp_path, {"__init__.py": ""})
     small = root / exempt_file
     small.parent.mkdir(parents=True, exist_ok=True)
