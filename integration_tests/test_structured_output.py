@@ -222,8 +222,7 @@ def test_abort_while_compiling(tiny_text) -> None:
         engine.add_request("a", "def", SamplingParams(structured=spec))
         engine.abort_request("a")
         assert engine.has_unfinished_requests()       # until the next step reports the abort
-        backend.release.set()
-        assert engine.grammars.wait(30)
+        backend.release.set()                        # the compile was cancelled: its result is dropped
         outputs = engine.step()                      # the abort is reported once, then forgotten
         assert [(o.request_id, o.outputs[0].finish_reason) for o in outputs] == [("a", "abort")]
         assert engine.step() == [] and not engine.has_unfinished_requests()

@@ -195,8 +195,9 @@ class AsyncLLMProcess(ProcessFront):
                 message = receive(self._from_engine)
             except (EOFError, OSError):
                 # After StopEngine the process is exiting: wait for it (its teardown can outlast any
-                # fixed bound on a loaded machine; `shutdown` waits too). Else give it 10 s to say how.
-                self._proc.join(timeout=None if self._stopping else 10)
+                # fixed bound on a loaded machine; `shutdown` waits too). Else give it 60 s to say how (a
+                # process that closed its pipe is exiting; 10 s was outrun once on a loaded 2-core box).
+                self._proc.join(timeout=None if self._stopping else 60)
                 code = self._proc.exitcode
                 if code == 0 and not self._stopping:
                     self._stopped_by_signal()
