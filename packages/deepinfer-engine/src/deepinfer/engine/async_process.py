@@ -91,6 +91,7 @@ class AsyncLLMProcess(ProcessFront):
         self._engine_exited = False                     # the process exited cleanly on its own (SIGTERM)
         self._failure: str | None = None
         self._send_lock = threading.Lock()
+        self._wait_lock = threading.Lock()              # one waitpid at a time (`_wait_exit`)
         ctx = mp.get_context("spawn")
         from_engine, engine_out = ctx.Pipe(duplex=False)
         engine_in, to_engine = ctx.Pipe(duplex=False)
@@ -159,7 +160,7 @@ class AsyncLLMProcess(ProcessFront):
                 return                          # a shutdown in progress waits for the process
         else:
             self._send(StopEngine())
-        await asyncio.to_thread(self._proc.join)
+        await asyncio.to_thread(self._wait_exit, None)
         await asyncio.to_thread(self._reader.join)
         self._to_engine.close()
         await self._wait_streams_ended(poll_s)
@@ -178,10 +179,19 @@ class AsyncLLMProcess(ProcessFront):
             raise EngineStartFailed(message.detail)
         raise EngineStartFailed(f"the engine process exited with code {self._proc.exitcode} while starting")
 
+    def _wait_exit(self, timeout: float | None) -> int | None:
+        """Wait up to `timeout` s (None: no bound) for the engine process to exit; its exit code, None
+        while it runs. Two threads may wait (the reader and `shutdown`): the lock keeps a second
+        waitpid from racing the first, which would find the child reaped and read the code as None."""
+        with self._wait_lock:
+            self._proc.join(timeout)
+            return self._proc.exitcode
+
     def _kill(self) -> None:
-        if self._proc.is_alive():
-            self._proc.kill()
-        self._proc.join()
+        with self._wait_lock:
+            if self._proc.is_alive():
+                self._proc.kill()
+        self._wait_exit(None)
         self._from_engine.close()
         with self._send_lock:
             self._to_engine.close()
@@ -197,8 +207,7 @@ class AsyncLLMProcess(ProcessFront):
                 # After StopEngine the process is exiting: wait for it (its teardown can outlast any
                 # fixed bound on a loaded machine; `shutdown` waits too). Else give it 60 s to say how (a
                 # process that closed its pipe is exiting; 10 s was outrun once on a loaded 2-core box).
-                self._proc.join(timeout=None if self._stopping else 60)
-                code = self._proc.exitcode
+                code = self._wait_exit(None if self._stopping else 60)
                 if code == 0 and not self._stopping:
                     self._stopped_by_signal()
                 elif code != 0:
