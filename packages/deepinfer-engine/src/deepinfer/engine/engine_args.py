@@ -132,8 +132,8 @@ class EngineArgs:
         zero_overhead_scheduling: ZOS (docs/design.md §6): the host schedules and launches decode step N + 1
             before it reads step N's sampled tokens, which feed step N + 1 on the device, so host work
             overlaps the GPU; a request's end is then seen one step late (its extra token is dropped).
-            None = on for NORMAL and COMPLETION engines, off for PROMPT engines (and, on CUDA, for
-            speculative decode steps: see num_speculative_tokens).
+            None = on for NORMAL and COMPLETION engines (speculative decode steps included), off for
+            PROMPT engines.
         data_parallel_size: attention data-parallel ranks, one process each (docs/design.md §9): `LLM` spawns
             them (or, under torchrun, this process is rank RANK of WORLD_SIZE); each runs its own engine,
             requests go to the least-loaded rank and every rank runs the same kind of step. 1 = one
@@ -158,9 +158,9 @@ class EngineArgs:
             and step (the released checkpoints' dspark_block_size is 5); 0 = off. Each decode step
             verifies the drafts in one forward and keeps the accepted ones plus one target token
             (docs/spec.md); greedy output is the same as without it.
-            Its verify forwards replay CUDA graphs keyed by total query tokens (the draft walk runs
-            eagerly). ZOS covers speculative steps on the CPU by default; on CUDA only with
-            zero_overhead_scheduling=True (that path has not run on a GPU yet).
+            Its verify forwards replay CUDA graphs keyed by total query tokens, its draft walks CUDA
+            graphs keyed the same way by drafting rows. ZOS covers speculative steps by default, as
+            plain ones (zero_overhead_scheduling).
         varlen_verify: with num_speculative_tokens > 0, how many of the k drafts each request verifies:
             True = the choice by expected throughput (docs/design.md §7), from a step-time curve measured at
             start-up (kept in DEEPINFER_VARLEN_PROFILE_CACHE for the next start of the same config) and

@@ -82,12 +82,6 @@ logger = logging.getLogger(__name__)
 IDLE_GRAMMAR_WAIT_S = 0.05
 
 
-def _zos_with_drafts(args: EngineArgs) -> bool:
-    """Whether speculative decode steps run under ZOS: on CUDA only when zero_overhead_scheduling=True
-    asks for it (not yet run on a GPU)."""
-    return torch.device(args.device).type != "cuda" or args.zero_overhead_scheduling is True
-
-
 @dataclass(frozen=True, slots=True)
 class ExpertParallelSetup:
     """An expert-parallel rank's share of the routed experts, for `LLMEngine(expert_parallel=...)`.
@@ -199,7 +193,7 @@ class LLMEngine(RequestIntake):
         # One caller at a time: add_request / abort_request / step / has_unfinished_requests take it.
         self._lock = threading.RLock()
         self._in_step = False          # a step() is running (re-entry from it is refused)
-        self.zos = args.zos and (draft is None or _zos_with_drafts(args))
+        self.zos = args.zos            # speculative steps too, CUDA included (test_spec_graphs_gpu.py decides)
         self._in_flight = InFlightQueue(depth=1 if self.zos else 0)    # launched steps not committed yet
         self.last_step_kind: StepKind | None = None      # the kind of step the last step() scheduled
         self.init_pd_split()

@@ -63,6 +63,8 @@ from deepinfer.spec import (
     verify,
 )
 
+from .draft_graphs import ANCHOR, IN_FLIGHT, OUTPUTS, POSITION, ROW, SEED, SLOT, DraftGraphs, DraftWalk
+from .draft_graphs import STAGED_ROWS as DRAFT_STAGED_ROWS
 from .engine_args import EngineArgs, InvalidEngineArgs
 from .env import EngineEnv, env_var_name
 from .plain_step import PlainStep, StepHost
@@ -190,6 +192,9 @@ class SpeculativeDecoder:
         self._stopwatch = _Stopwatch(runner.device)
         self._force_top_k = env.sampler_force_topk
         self._noise = np.random.default_rng(args.seed)      # seeds of unseeded sampled rows, drawn per step
+        # the draft walk on static buffers: CUDA graphs wherever the verify forwards replay graphs
+        self.draft_graphs = DraftGraphs(draft, runner, max_rows=args.max_num_seqs,
+                                        interval=env.cudagraph_batch_size_interval, capture=runner.graphs is not None)
         self.varlen: VarlenVerifyPolicy | None = None
         if args.varlen_verify:
             curve = varlen_step_time_curve(self._time_dummy_step, draft, runner, args, env)   # cached in a file
@@ -266,44 +271,34 @@ class SpeculativeDecoder:
         launches it before the previous step's tokens are on the host. Rows whose step is in flight
         (`DecodeBatch.in_flight`) take their anchor from `ModelRunner.row_tokens` and their place from
         `row_emitted`: that step used row_emitted of the k + 1 positions the scheduler reserved for it.
-        `guarded`: a ZOS launch: the input updates, and the verify forward when it replays a CUDA graph,
-        run under `forbid_cuda_sync` (the draft walk and eager forwards run the model's eager kernels)."""
-        device, k, runner = self.runner.device, self.k, self.runner
+        The draft walk runs on `DraftGraphs`' static buffers (one CUDA graph replay where captured);
+        when every row drafts, it also gives the verify forward its tokens and moves. `guarded`: a ZOS
+        launch: it runs under `forbid_cuda_sync`, the draft walk and the verify forward too when they
+        replay CUDA graphs (eager, they run the model's eager kernels, whose CPU twins read the host)."""
+        device, runner = self.runner.device, self.runner
         n = d.num_seqs
         # rows given drafts to verify (`DraftGate`: those that may draft, as the policy chose); a row the
         # policy gave q = 1 is sampled as a plain row, and its draft walk is not run
         drafting = np.flatnonzero(d.query_lens > 1)
+        total_q = int(d.query_lens.sum())
+        in_flight = bool(d.in_flight.any())             # ZOS: a step of some rows is in flight
         with forbid_cuda_sync(device, enabled=guarded):
             runner.ensure_rows(int(d.rows.max()) + 1)
-            in_flight = bool(d.in_flight.any())             # ZOS: a step of some rows is in flight
-            host = np.empty((6 if in_flight else 5, n), dtype=np.int64)
-            host[0] = d.last_token_ids
-            host[1] = d.rows
-            np.subtract(d.seq_lens, k + 1, out=host[2])      # the anchor's place if nothing is in flight
-            host[3] = [r.num_output_tokens for r in reqs]
-            host[4] = d.state_slots
-            if in_flight:
-                host[5] = d.in_flight
-            staged = to_device(host, device)
-            anchors, rows, positions, outputs = staged[0], staged[1], staged[2], staged[3]
-            shift = known = None
-            if in_flight:
-                known = staged[5] == 0
-                emitted = torch.where(known, 0, runner.row_emitted.index_select(0, rows))
-                anchors = torch.where(known, anchors, runner.row_tokens.index_select(0, rows))
-                shift = torch.where(known, 0, k + 1 - emitted)
-                positions, outputs = positions - shift, outputs + emitted
-            tokens = torch.empty((n, k + 1), dtype=torch.int64, device=device)
-            tokens[:, 0] = anchors
-        verifying = query_lens = None
+        walk = verifying = None
         if len(drafting):
-            sub_rows = to_device(drafting, device)
-            verifying = self._draft([reqs[i] for i in drafting], drafting, sub_rows, tokens, positions, outputs,
-                                    staged[4])
-            if known is not None and self.varlen is not None:
-                with forbid_cuda_sync(device, enabled=guarded):
-                    query_lens = self._split_on_device(d, verifying, rows, known)
-        total_q = int(d.query_lens.sum())
+            walk, verifying = self._draft(d, reqs, drafting, guarded)
+        with forbid_cuda_sync(device, enabled=guarded):
+            if len(drafting) == n:
+                tokens, shift = walk.tokens[:n], walk.shift[:n] if in_flight else None
+                rows = self.draft_graphs.inputs[ROW, :n]
+                flying = self.draft_graphs.inputs[IN_FLIGHT, :n] != 0 if in_flight else None
+            else:
+                tokens, shift, rows, flying = self._anchors(d, in_flight)
+                if walk is not None:
+                    tokens[:, 1:].index_copy_(0, verifying.rows, walk.tokens[:len(drafting), 1:])
+            query_lens = None
+            if in_flight and self.varlen is not None and verifying is not None:
+                query_lens = self._split_on_device(d, verifying, rows, flying)
         with forbid_cuda_sync(device, enabled=guarded and runner.verify_replays_graph(total_q)):
             started = self._stopwatch.mark()
             logits = runner.verify_forward(d, tokens, shift, query_lens)
@@ -312,7 +307,30 @@ class SpeculativeDecoder:
             query_lens = to_device(d.query_lens.astype(np.int64), device)
         return SpecLaunch(d, reqs, drafting, rows, logits, tokens, verifying, query_lens, (started, forwarded))
 
-    def _split_on_device(self, d: DecodeBatch, v: _Verifying, rows: Tensor, known: Tensor) -> Tensor:
+    def _anchors(self, d: DecodeBatch, in_flight: bool) -> tuple[Tensor, Tensor | None, Tensor, Tensor | None]:
+        """Every row's anchor and move, for a step with rows that do not draft: ([num_seqs, k + 1] int64
+        tokens with the anchors in column 0, [num_seqs] shift or None, [num_seqs] scheduler rows,
+        [num_seqs] bool rows whose step is in flight or None), all on the device."""
+        device, k, runner = self.runner.device, self.k, self.runner
+        n = d.num_seqs
+        host = np.empty((3 if in_flight else 2, n), dtype=np.int64)
+        host[0] = d.last_token_ids
+        host[1] = d.rows
+        if in_flight:
+            host[2] = d.in_flight
+        staged = to_device(host, device)
+        anchors, rows = staged[0], staged[1]
+        shift = flying = None
+        if in_flight:
+            flying = staged[2] != 0
+            emitted = torch.where(flying, runner.row_emitted.index_select(0, rows), 0)
+            anchors = torch.where(flying, runner.row_tokens.index_select(0, rows), anchors)
+            shift = torch.where(flying, k + 1 - emitted, 0)
+        tokens = torch.zeros((n, k + 1), dtype=torch.int64, device=device)
+        tokens[:, 0] = anchors
+        return tokens, shift, rows, flying
+
+    def _split_on_device(self, d: DecodeBatch, v: _Verifying, rows: Tensor, in_flight: Tensor) -> Tensor:
         """docs/design.md §7.5, under ZOS: the drafting rows' total query tokens stay the host's choice (it
         picked the graph, from the confidences of the last step read), split again on the device by
         the confidences of the step in flight (`query_lens_by_confidence`); a row whose last step did
@@ -323,7 +341,7 @@ class SpeculativeDecoder:
         sub_rows = v.rows
         self._ensure_confidence_rows(self.runner.row_tokens.shape[0])
         latest = self._row_confidence.index_select(0, rows.index_select(0, sub_rows))
-        fresh = ~known.index_select(0, sub_rows)[:, None] & (latest[:, :1] >= 0)
+        fresh = in_flight.index_select(0, sub_rows)[:, None] & (latest[:, :1] >= 0)
         confidence = torch.where(fresh, latest, to_device(estimates, device))
         split = query_lens_by_confidence(confidence, int(d.query_lens[v.rows_host].sum()))
         return torch.ones(d.num_seqs, dtype=torch.int64, device=device).index_copy_(0, sub_rows, split)
@@ -336,26 +354,37 @@ class SpeculativeDecoder:
             grown[: self._row_confidence.shape[0]] = self._row_confidence
             self._row_confidence = grown
 
-    def _draft(self, sub: list[Request], drafting: np.ndarray, sub_rows: Tensor, tokens: Tensor, positions: Tensor,
-               outputs: Tensor, state_slots: Tensor) -> _Verifying:
-        """Propose k drafts for the drafting rows (`sub_rows` of the step) into tokens[sub_rows, 1:]."""
-        device = self.runner.device
-        seeds = np.array([seed_to_int64(r.rng.seed) if r.rng is not None else int(self._noise.integers(0, 2**63))
-                          for r in sub], dtype=np.int64)
+    def _draft(self, d: DecodeBatch, reqs: list[Request], drafting: np.ndarray, guarded: bool
+               ) -> tuple[DraftWalk, _Verifying]:
+        """The draft walk of the drafting rows (`drafting`, rows of the step) on `DraftGraphs`."""
+        k, device, graphs = self.k, self.runner.device, self.draft_graphs
+        sub, m = [reqs[i] for i in drafting], len(drafting)
+        host = np.empty((DRAFT_STAGED_ROWS, m), dtype=np.int64)
+        host[ANCHOR] = d.last_token_ids[drafting]
+        host[ROW] = d.rows[drafting]
+        np.subtract(d.seq_lens[drafting], k + 1, out=host[POSITION])     # the anchor's place, nothing in flight
+        host[OUTPUTS] = [r.num_output_tokens for r in sub]
+        host[SLOT] = d.state_slots[drafting]
+        host[IN_FLIGHT] = d.in_flight[drafting]
+        host[SEED] = [seed_to_int64(r.rng.seed) if r.rng is not None else int(self._noise.integers(0, 2**63))
+                      for r in sub]
         temperature = np.array([0.0 if r.params.is_greedy else r.params.temperature for r in sub], dtype=np.float32)
-        sampler = DraftSampler(to_device(temperature, device), to_device(seeds, device),
-                               outputs.index_select(0, sub_rows))
-        prop = self.draft.propose(tokens[:, 0].index_select(0, sub_rows), positions.index_select(0, sub_rows),
-                                  state_slots.index_select(0, sub_rows), self.runner.cache, sample=sampler,
-                                  ops=self.runner.ops)
-        tokens[:, 1:].index_copy_(0, sub_rows, prop.token_ids)
-        sampled = any(not r.params.is_greedy for r in sub)
-        constrained = [j for j, r in enumerate(sub) if r.grammar is not None]
-        drafts_to_host = None
-        if constrained:   # their masks need the drafts on the host: copied now, read after N − 1's commit
-            drafts_to_host = to_host((prop.token_ids.index_select(0, to_device(np.array(constrained), device)),))
-        return _Verifying(sub, sub_rows, drafting, sampler, sampler.draft_probs(prop.logits) if sampled else None,
-                          prop.confidence, constrained, drafts_to_host)
+        with forbid_cuda_sync(device, enabled=guarded):
+            size = graphs.stage(host, temperature)
+        with forbid_cuda_sync(device, enabled=guarded and graphs.replays_graph(size)):
+            walk = graphs.replay(size)
+        with forbid_cuda_sync(device, enabled=guarded):
+            sampler = DraftSampler(graphs.temperature[:m], graphs.inputs[SEED, :m], walk.output_positions[:m])
+            drafts = walk.tokens[:m, 1:]
+            sampled = any(not r.params.is_greedy for r in sub)
+            constrained = [j for j, r in enumerate(sub) if r.grammar is not None]
+            drafts_to_host = None
+            if constrained:   # their masks need the drafts on the host: copied now, read after N − 1's commit
+                drafts_to_host = to_host((drafts.index_select(0, to_device(np.array(constrained), device)),))
+            verifying = _Verifying(sub, to_device(drafting, device), drafting, sampler,
+                                   sampler.draft_probs(walk.logits[:m]) if sampled else None, walk.confidence[:m],
+                                   constrained, drafts_to_host)
+        return walk, verifying
 
     def launch_accept(self, launched: SpecLaunch, *, guarded: bool = False) -> SpecFlight:
         """Verify the drafting rows and sample the others on the device, keep each row's last token and
