@@ -14,9 +14,11 @@ import torch
 
 from deepinfer.engine.draft_graphs import (
     ANCHOR,
+    FIRST,
     IN_FLIGHT,
     OUTPUTS,
     POSITION,
+    QUERY_LEN,
     ROW,
     SEED,
     SLOT,
@@ -47,14 +49,15 @@ def runner() -> ModelRunner:
     draft.init_weights(1, std=0.2)
     model.attach_draft(draft)
     runner = ModelRunner(model, block_size=16, num_kv_blocks=8, budget_bytes=None, num_state_slots=6,
-                         max_backtracking=K + 1)
+                         max_backtracking=K + 1, max_verify_tokens=8 * (K + 1))
     ring = runner.cache.state["mtp.0.window"]
     ring.copy_(torch.randn(ring.shape, generator=torch.Generator().manual_seed(2)))   # the target's features
     runner.draft = draft
     return runner
 
 
-def _staged(anchors, positions, slots, *, rows=None, outputs=None, in_flight=None, seeds=None) -> np.ndarray:
+def _staged(anchors, positions, slots, *, rows=None, outputs=None, in_flight=None, seeds=None, first=None,
+            query_lens=None) -> np.ndarray:
     m = len(anchors)
     host = np.zeros((STAGED_ROWS, m), dtype=np.int64)
     host[ANCHOR], host[POSITION], host[SLOT] = anchors, positions, slots
@@ -62,6 +65,8 @@ def _staged(anchors, positions, slots, *, rows=None, outputs=None, in_flight=Non
     host[OUTPUTS] = outputs if outputs is not None else 0
     host[IN_FLIGHT] = in_flight if in_flight is not None else 0
     host[SEED] = seeds if seeds is not None else np.arange(m) + 11
+    host[FIRST] = first if first is not None else 0
+    host[QUERY_LEN] = query_lens if query_lens is not None else 0
     return host
 
 
@@ -99,6 +104,18 @@ def test_rows_in_flight_take_their_anchor_and_move_from_the_runner(runner: Model
     assert walk.positions[:2].tolist() == [20 - (K + 1 - 2), 14]
     assert walk.output_positions[:2].tolist() == [5 + 2, 6]
     assert runner.row_tokens.shape[0] >= 1024                   # sized before any capture
+
+
+def test_the_walk_lays_out_the_verify_forwards_tokens_where_the_host_says(runner: ModelRunner) -> None:
+    graphs = DraftGraphs(runner.draft, runner, max_rows=4, interval=4)
+    runner.fed_tokens.fill_(-7)
+    runner.fed_positions.fill_(-7)
+    host = _staged([9, 12], [20, 14], [1, 2], first=[0, 3], query_lens=[3, 2])     # rows of 3 and 2 tokens
+    walk = graphs.replay(graphs.stage(host, np.zeros(2, dtype=np.float32)))
+    want = torch.cat((walk.tokens[0, :3], walk.tokens[1, :2]))
+    assert torch.equal(runner.fed_tokens[:5], want)
+    assert runner.fed_positions[:5].tolist() == [20, 21, 22, 14, 15]
+    assert (runner.fed_tokens[5:-1] == -7).all()          # nothing past the step; the rest went to the spare entry
 
 
 def test_bad_staging_and_sizes_are_refused(runner: ModelRunner) -> None:

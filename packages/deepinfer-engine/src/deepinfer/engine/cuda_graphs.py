@@ -13,6 +13,7 @@ these graphs are untested.
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -70,8 +71,11 @@ class DecodeGraphs:
         self.max_context_len = max_context_len
         # The static inputs: one int64 [STAGED_ROWS, max_seqs] tensor (token ids, positions, state
         # slots, and the scheduler rows the engine keys per-row state by, which the graphs do not
-        # read), so a step's host inputs reach it in one copy (`stage`), plus the block tables.
-        self.inputs = torch.zeros(STAGED_ROWS, max_seqs, dtype=torch.int64, device=device)
+        # read), so a step's host inputs reach it in one copy (`stage`), plus the block tables. Verify
+        # graphs get one more column, which no graph reads: the draft walk's writes that belong to no
+        # token land there (`DraftGraphs`).
+        extra = 1 if max_query_len > 1 else 0
+        self.inputs = torch.zeros(STAGED_ROWS, max_seqs + extra, dtype=torch.int64, device=device)
         self.token_ids, self.positions, self.state_slots, self.seq_rows = self.inputs
         self.block_tables = torch.zeros(max_seqs, max_blocks, dtype=torch.int32, device=device)
         self.rows = torch.arange(max_seqs, dtype=torch.int64, device=device)
@@ -157,6 +161,31 @@ class DecodeGraphs:
             self.inputs[:, n:size].zero_()
         return size
 
+    def stage_host(self, inputs: np.ndarray, block_tables: np.ndarray) -> int:
+        """`stage` for inputs and block tables known on the host: host-to-device copies only (no kernel:
+        the padding is done on the host); returns the graph size.
+
+        Args:
+            inputs: [STAGED_ROWS, n] int64 (as `stage`'s; rows the caller fills on the device after the
+                copy may hold anything).
+            block_tables: [n, width] int32 each row's block table, width <= the captured width.
+        Raises:
+            ValueError: no graph holds n, or the tables are wider than the captured ones.
+        """
+        n = inputs.shape[1]
+        size = self.bucket(n)
+        width = block_tables.shape[1]
+        if size is None or inputs.shape[0] != STAGED_ROWS or width > self.block_tables.shape[1]:
+            raise ValueError(f"no graph for inputs {list(inputs.shape)} and block tables {list(block_tables.shape)}")
+        padded = np.zeros((STAGED_ROWS, size), dtype=np.int64)
+        padded[:, :n] = inputs
+        tables = np.zeros((size, self.block_tables.shape[1]), dtype=np.int32)
+        tables[:n, :width] = block_tables
+        for row in range(STAGED_ROWS):         # contiguous destinations: plain copies, no kernel
+            copy_into(self.inputs[row, :size], padded[row])
+        copy_into(self.block_tables[:size], tables)
+        return size
+
     def replay(self, n: int) -> Tensor:
         """Replay the graph of `stage`'s step of n sequences; returns its logits [n, vocab], a view of
         the graph's output, valid until the next replay (work queued after it on the stream, such
@@ -175,3 +204,14 @@ class DecodeGraphs:
         self.block_tables[:n, :width].copy_(block_tables, non_blocking=True)
         if size > n:
             self.inputs[:, n:size].zero_()
+
+
+def copy_into(dst: Tensor, array: np.ndarray) -> None:
+    """dst ← array without a wait: on CUDA from pinned memory with a non-blocking copy (the caching host
+    allocator keeps the pinned block until the copy has run; a contiguous `dst` makes it a plain copy,
+    no kernel), directly on the CPU."""
+    src = torch.from_numpy(np.ascontiguousarray(array))
+    if dst.device.type == "cuda":
+        dst.copy_(src.pin_memory(), non_blocking=True)
+    else:
+        dst.copy_(src)

@@ -13,9 +13,13 @@ drafting rows), and leaves the results in static outputs:
 - elsewhere (the CPU, float32, `enforce_eager`) `replay` runs the same function eagerly on the same
   static buffers, padding included, so the CPU tests cover the code the graphs capture.
 
-Padding rows (size − m of them) draft from token 0 at position 0 of the dummy state slot 0, whose
-ring rows nothing reads. The target-layer capture that fills the rings runs inside the verify
-forward (`DSparkDraft.write_context`, called by the model's forward), so it is in that graph.
+Where the step's rows all draft, the walk also writes the verify forward's inputs: each row's fed
+tokens (anchor, drafts) and their positions into the runner's flat `fed_tokens` / `fed_positions`
+(on CUDA the verify graphs' static token ids and positions), at the places the host laid out
+(`FIRST`, `QUERY_LEN`), so nothing runs between the two replays. Padding rows (size − m of them)
+draft from token 0 at position 0 of the dummy state slot 0, whose ring rows nothing reads. The
+target-layer capture that fills the rings runs inside the verify forward (`DSparkDraft.write_context`,
+called by the model's forward), so it is in that graph.
 
 The graphs read the runner's per-row buffers (`row_tokens`, `row_emitted`) where they were at
 capture; `ModelRunner.ensure_rows` is asked for `row_capacity` rows first, and should the scheduler
@@ -34,11 +38,15 @@ from torch import Tensor
 from deepinfer.model import DSparkDraft
 from deepinfer.spec import DraftSampler, cuda_graph_key, cuda_graph_sizes
 
+from .cuda_graphs import copy_into
+
 # Rows of `DraftGraphs.inputs`, per drafting row: the anchor token as the host knows it (any value
 # where in flight), the scheduler row, the anchor's position if nothing is in flight, the output
-# tokens counted on the host, the state slot, 1 if a step of the row is in flight, the draft seed.
-ANCHOR, ROW, POSITION, OUTPUTS, SLOT, IN_FLIGHT, SEED = range(7)
-STAGED_ROWS = 7
+# tokens counted on the host, the state slot, 1 if a step of the row is in flight, the draft seed;
+# then where its tokens go in the verify forward's flat inputs: the index of its first token and how
+# many it feeds (0 = none: the caller lays the forward's inputs out itself).
+ANCHOR, ROW, POSITION, OUTPUTS, SLOT, IN_FLIGHT, SEED, FIRST, QUERY_LEN = range(9)
+STAGED_ROWS = 9
 
 
 @dataclass(frozen=True, slots=True)
@@ -75,7 +83,7 @@ class DraftGraphs:
         capture: capture one CUDA graph per size (needs a CUDA runner); False = run eagerly.
         row_capacity: scheduler rows the runner's per-row buffers hold before the graphs are captured.
     Raises:
-        ValueError: capture=True on a non-CUDA runner, or max_rows < 1.
+        ValueError: capture=True on a non-CUDA runner, a runner without `fed_tokens`, or max_rows < 1.
     """
 
     def __init__(self, draft: DSparkDraft, runner, *, max_rows: int, interval: int = 8, capture: bool = False,
@@ -85,6 +93,8 @@ class DraftGraphs:
         device = runner.device
         if capture and device.type != "cuda":
             raise ValueError(f"draft CUDA graphs need a CUDA runner, got device {device}")
+        if runner.fed_tokens is None:
+            raise ValueError("the runner has no verify inputs to lay out (ModelRunner(max_verify_tokens=...))")
         self.draft, self.runner, self.k, self.interval = draft, runner, draft.block_size, interval
         self.sizes = cuda_graph_sizes(max_rows, interval)
         size = self.sizes[-1]
@@ -126,8 +136,9 @@ class DraftGraphs:
         padded[:, :m] = host
         temperatures = np.zeros(size, dtype=np.float32)
         temperatures[:m] = temperature
-        _copy_into(self.inputs[:, :size], padded)
-        _copy_into(self.temperature[:size], temperatures)
+        for row in range(STAGED_ROWS):         # contiguous destinations: plain copies, no kernel
+            copy_into(self.inputs[row, :size], padded[row])
+        copy_into(self.temperature[:size], temperatures)
         return size
 
     def replays_graph(self, size: int) -> bool:
@@ -160,6 +171,14 @@ class DraftGraphs:
         sampler = DraftSampler(self.temperature[:size], inputs[SEED], output_positions)
         prop = self.draft.propose(anchors, positions, inputs[SLOT], runner.cache, sample=sampler, ops=runner.ops)
         tokens = torch.cat((anchors[:, None], prop.token_ids), dim=1)
+        # the verify forward's inputs: token c of the row (c < its query length) at FIRST + c, the rest
+        # (and padding rows) to the buffers' last entry, which no forward reads
+        fed_tokens, fed_positions = runner.fed_tokens, runner.fed_positions
+        columns = torch.arange(k + 1, device=tokens.device)[None, :]
+        index = torch.where(columns < inputs[QUERY_LEN][:, None], inputs[FIRST][:, None] + columns,
+                            fed_tokens.shape[0] - 1).flatten()
+        fed_tokens.index_put_((index,), tokens.flatten())
+        fed_positions.index_put_((index,), (positions[:, None] + columns).flatten())
         return DraftWalk(tokens, positions, shift, output_positions, prop.logits, prop.confidence)
 
     def _capture(self, size: int) -> None:
@@ -175,11 +194,3 @@ class DraftGraphs:
         self.pool = graph.pool()
         self.graphs[size] = graph
 
-
-def _copy_into(dst: Tensor, array: np.ndarray) -> None:
-    """dst ← array without a wait: from pinned memory with a non-blocking copy on CUDA (the caching
-    host allocator keeps the pinned block until the copy has run), directly on the CPU."""
-    src = torch.from_numpy(np.ascontiguousarray(array))
-    if dst.device.type == "cuda":
-        src = src.pin_memory()
-    dst.copy_(src, non_blocking=dst.device.type == "cuda")

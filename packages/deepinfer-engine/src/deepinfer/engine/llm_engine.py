@@ -265,6 +265,7 @@ class LLMEngine(RequestIntake):
             max_model_len=cfg.max_blocks_per_seq * cfg.block_size,
             graph_interval=env.cudagraph_batch_size_interval, batch_invariant=args.batch_invariant,
             num_snapshot_slots=self._num_snapshots,
+            max_verify_tokens=0 if draft is None else args.max_num_seqs * query_len,
         )
 
     def _new_scheduler(self) -> Scheduler:

@@ -91,6 +91,8 @@ class ModelRunner:
         graph_interval: spacing of graph sizes past the first powers of two.
         graph_max_query_len: k + 1 under speculative decoding: the graphs run verify steps
             (`verify_forward`), keyed by total query tokens, and graph_max_seqs counts query tokens.
+        max_verify_tokens: speculative decoding: the most query tokens of a verify step (max_num_seqs ×
+            (k + 1)); sizes `fed_tokens` / `fed_positions` where no graph holds them. 0 = none.
         num_snapshot_slots: prefix-cache state snapshots (the scheduler's snapshot ids 1..n), laid out
             after the state slots in the same buffer (snapshot k is slot `snapshot_base + k`) and paid
             for out of budget_bytes like them.
@@ -114,6 +116,7 @@ class ModelRunner:
         graph_max_query_len: int = 1,
         batch_invariant: bool = False,
         num_snapshot_slots: int = 0,
+        max_verify_tokens: int = 0,
     ) -> None:
         self.model = model
         self.device = model.embed.weight.device
@@ -153,6 +156,15 @@ class ModelRunner:
                                        max_context_len=max_model_len, interval=graph_interval, ops=self.ops,
                                        max_query_len=graph_max_query_len)
             self.block_tables = RowBlockTables(self.graphs.block_tables.shape[1], self.device)
+        # Speculative decoding: the flat token ids and positions of a verify forward as the draft walk
+        # writes them (`DraftGraphs`), one spare entry last: the verify graphs' own static inputs where
+        # they are captured, else buffers the eager forward reads (`verify_forward_static`).
+        self.fed_tokens = self.fed_positions = None
+        if graph_max_query_len > 1 and self.graphs is not None:
+            self.fed_tokens, self.fed_positions = self.graphs.token_ids, self.graphs.positions
+        elif max_verify_tokens:
+            self.fed_tokens, self.fed_positions = torch.zeros(2, max_verify_tokens + 1, dtype=torch.int64,
+                                                              device=self.device)
 
     def forget_rows(self) -> None:
         """A new scheduler: its rows and table versions say nothing about what the per-row buffers hold."""
@@ -339,6 +351,38 @@ class ModelRunner:
         batch = ForwardBatch.multi_decode(fed, positions, token_rows, d.block_tables, d.state_slots,
                                           max_query_len=width, max_context_len=int(d.seq_lens.max()),
                                           device=self.device, to_device=self._to_device)
+        return self.model(batch, self.cache, self.ops).float()
+
+    def stage_verify_static(self, d: DecodeBatch, token_rows: np.ndarray) -> int:
+        """Stage the verify forward of a step whose token ids and positions the draft walk writes into
+        `fed_tokens` / `fed_positions` (queue this before that walk): on CUDA each token's state slot,
+        scheduler row and block table go straight into the graph's static inputs (host-to-device copies,
+        no kernel); returns the graph size (total_q without graphs).
+
+        Args:
+            d: the decode step; token_rows: [total_q] int64 each token's row in it.
+        """
+        total_q = len(token_rows)
+        if not self.verify_replays_graph(total_q):
+            return total_q
+        inputs = np.zeros((STAGED_ROWS, total_q), dtype=np.int64)     # token ids and positions: the walk's
+        inputs[2] = d.state_slots[token_rows]
+        inputs[3] = d.rows[token_rows]
+        return self.graphs.stage_host(inputs, d.block_tables[token_rows])
+
+    @torch.no_grad()
+    def verify_forward_static(self, d: DecodeBatch, token_rows: np.ndarray) -> Tensor:
+        """The verify forward of `stage_verify_static`'s step: the graph replay keyed by total_q on CUDA,
+        else the eager multi-token decode over `fed_tokens` / `fed_positions`. Returns float32 logits
+        [total_q, vocab] (on CUDA a view of the graph's output, padding rows after them in it)."""
+        total_q = len(token_rows)
+        if self.verify_replays_graph(total_q):
+            return self.graphs.replay(total_q)
+        width = self.graphs.max_query_len if self.graphs is not None else int(d.query_lens.max())
+        batch = ForwardBatch.multi_decode(self.fed_tokens[:total_q], self.fed_positions[:total_q], token_rows,
+                                          d.block_tables, d.state_slots, max_query_len=width,
+                                          max_context_len=int(d.seq_lens.max()), device=self.device,
+                                          to_device=self._to_device)
         return self.model(batch, self.cache, self.ops).float()
 
     def verify_replays_graph(self, total_q: int) -> bool:

@@ -63,7 +63,19 @@ from deepinfer.spec import (
     verify,
 )
 
-from .draft_graphs import ANCHOR, IN_FLIGHT, OUTPUTS, POSITION, ROW, SEED, SLOT, DraftGraphs, DraftWalk
+from .draft_graphs import (
+    ANCHOR,
+    FIRST,
+    IN_FLIGHT,
+    OUTPUTS,
+    POSITION,
+    QUERY_LEN,
+    ROW,
+    SEED,
+    SLOT,
+    DraftGraphs,
+    DraftWalk,
+)
 from .draft_graphs import STAGED_ROWS as DRAFT_STAGED_ROWS
 from .engine_args import EngineArgs, InvalidEngineArgs
 from .env import EngineEnv, env_var_name
@@ -76,6 +88,7 @@ from .steps import Changed, Launched
 from .sync_guard import forbid_cuda_sync
 from .token_bitmask import allocate_token_bitmask, apply_token_bitmask, unpack_token_bitmask
 from .varlen_profile import varlen_step_time_curve
+from .verify_tails import VerifyTails
 
 
 @dataclass(frozen=True, slots=True)
@@ -195,6 +208,7 @@ class SpeculativeDecoder:
         # the draft walk on static buffers: CUDA graphs wherever the verify forwards replay graphs
         self.draft_graphs = DraftGraphs(draft, runner, max_rows=args.max_num_seqs,
                                         interval=env.cudagraph_batch_size_interval, capture=runner.graphs is not None)
+        self.tails = VerifyTails(runner, k=self.k, max_rows=args.max_num_seqs, capture=runner.graphs is not None)
         self.varlen: VarlenVerifyPolicy | None = None
         if args.varlen_verify:
             curve = varlen_step_time_curve(self._time_dummy_step, draft, runner, args, env)   # cached in a file
@@ -284,6 +298,8 @@ class SpeculativeDecoder:
         in_flight = bool(d.in_flight.any())             # ZOS: a step of some rows is in flight
         with forbid_cuda_sync(device, enabled=guarded):
             runner.ensure_rows(int(d.rows.max()) + 1)
+        if self._all_static(d, reqs, drafting, in_flight):
+            return self._launch_static(d, reqs, guarded)
         walk = verifying = None
         if len(drafting):
             walk, verifying = self._draft(d, reqs, drafting, guarded)
@@ -306,6 +322,36 @@ class SpeculativeDecoder:
         if query_lens is None:
             query_lens = to_device(d.query_lens.astype(np.int64), device)
         return SpecLaunch(d, reqs, drafting, rows, logits, tokens, verifying, query_lens, (started, forwarded))
+
+    def _all_static(self, d: DecodeBatch, reqs: list[Request], drafting: np.ndarray, in_flight: bool) -> bool:
+        """Whether the whole step runs on static buffers (`_launch_static`): every row drafts, greedily,
+        without a grammar or logprobs, and the host's query lengths stand (ZOS + varlen splits them again
+        on the device, after the layout is fixed)."""
+        return (len(drafting) == d.num_seqs and not (in_flight and self.varlen is not None)
+                and self.tails.usable(d.rows)
+                and all(r.params.is_greedy and r.grammar is None and r.params.logprobs is None for r in reqs))
+
+    def _launch_static(self, d: DecodeBatch, reqs: list[Request], guarded: bool) -> SpecLaunch:
+        """`launch_forward` of a step of greedy drafting rows, laid out on the host: the draft walk
+        (`DraftGraphs`) writes the verify forward's tokens and positions, the verify forward
+        (`ModelRunner.verify_forward_static`) and then `VerifyTails` (`launch_accept`) read them; on CUDA
+        three graph replays and host-to-device copies, nothing else."""
+        device, runner, n = self.runner.device, self.runner, d.num_seqs
+        query_lens = d.query_lens.astype(np.int64)
+        token_rows = np.repeat(np.arange(n), query_lens)
+        starts = np.cumsum(query_lens) - query_lens
+        columns = np.arange(len(token_rows)) - starts[token_rows]
+        with forbid_cuda_sync(device, enabled=guarded):
+            size = runner.stage_verify_static(d, token_rows)      # before the walk writes into its inputs
+            self.tails.stage(token_rows, columns, d.rows, query_lens, size)
+        walk, verifying = self._draft(d, reqs, np.arange(n), guarded, starts, query_lens)
+        with forbid_cuda_sync(device, enabled=guarded and runner.verify_replays_graph(len(token_rows))):
+            started = self._stopwatch.mark()
+            logits = runner.verify_forward_static(d, token_rows)
+            forwarded = self._stopwatch.mark()
+        rows = self.draft_graphs.inputs[ROW, :n]
+        return SpecLaunch(d, reqs, np.arange(n), rows, logits, walk.tokens[:n], verifying,
+                          to_device(query_lens, device), (started, forwarded), tail_size=size)
 
     def _anchors(self, d: DecodeBatch, in_flight: bool) -> tuple[Tensor, Tensor | None, Tensor, Tensor | None]:
         """Every row's anchor and move, for a step with rows that do not draft: ([num_seqs, k + 1] int64
@@ -354,9 +400,10 @@ class SpeculativeDecoder:
             grown[: self._row_confidence.shape[0]] = self._row_confidence
             self._row_confidence = grown
 
-    def _draft(self, d: DecodeBatch, reqs: list[Request], drafting: np.ndarray, guarded: bool
-               ) -> tuple[DraftWalk, _Verifying]:
-        """The draft walk of the drafting rows (`drafting`, rows of the step) on `DraftGraphs`."""
+    def _draft(self, d: DecodeBatch, reqs: list[Request], drafting: np.ndarray, guarded: bool,
+               first: np.ndarray | None = None, query_lens: np.ndarray | None = None) -> tuple[DraftWalk, _Verifying]:
+        """The draft walk of the drafting rows (`drafting`, rows of the step) on `DraftGraphs`; with
+        `first` / `query_lens` (every row drafts) it also writes the verify forward's inputs there."""
         k, device, graphs = self.k, self.runner.device, self.draft_graphs
         sub, m = [reqs[i] for i in drafting], len(drafting)
         host = np.empty((DRAFT_STAGED_ROWS, m), dtype=np.int64)
@@ -368,6 +415,8 @@ class SpeculativeDecoder:
         host[IN_FLIGHT] = d.in_flight[drafting]
         host[SEED] = [seed_to_int64(r.rng.seed) if r.rng is not None else int(self._noise.integers(0, 2**63))
                       for r in sub]
+        host[FIRST] = 0 if first is None else first
+        host[QUERY_LEN] = 0 if query_lens is None else query_lens
         temperature = np.array([0.0 if r.params.is_greedy else r.params.temperature for r in sub], dtype=np.float32)
         with forbid_cuda_sync(device, enabled=guarded):
             size = graphs.stage(host, temperature)
@@ -390,6 +439,8 @@ class SpeculativeDecoder:
         """Verify the drafting rows and sample the others on the device, keep each row's last token and
         count in the runner (for the next step, launched before this one is read), and start copying the
         results back. `guarded`: a ZOS launch (the plain rows' sampling runs under the sync guard)."""
+        if launched.tail_size:
+            return self._accept_static(launched, guarded)
         d, reqs, device = launched.d, launched.reqs, self.runner.device
         results: tuple[Tensor, ...] = ()
         logprob_parts: tuple[Tensor, ...] = ()
@@ -423,6 +474,24 @@ class SpeculativeDecoder:
         return SpecFlight(reqs, launched.drafting, plain, host[0] if host else None, host[1:1 + num_parts],
                           host[-1] if confidence else None, done, flight, wanted, dead,
                           (started, forwarded, sampled), int(d.query_lens.sum()))
+
+    def _accept_static(self, launched: SpecLaunch, guarded: bool) -> SpecFlight:
+        """`launch_accept` of a `_launch_static` step: `VerifyTails` verifies every row and records its
+        last token and count (a CUDA graph replay on CUDA), then the results start for the host."""
+        d, v, device = launched.d, launched.verifying, self.runner.device
+        n = d.num_seqs
+        with forbid_cuda_sync(device, enabled=guarded):
+            results = self.tails.replay(launched.tail_size, launched.logits)[:n]
+            confidence: tuple[Tensor, ...] = ()
+            if self.varlen is not None:
+                self._ensure_confidence_rows(self.runner.row_tokens.shape[0])
+                self._row_confidence.index_copy_(0, launched.rows, v.confidence.float())
+                confidence = (v.confidence,)
+            host, done = to_host((results,) + confidence)
+        sampled = self._stopwatch.mark()
+        started, forwarded = launched.marks
+        return SpecFlight(launched.reqs, launched.drafting, [], host[0], (), host[1] if confidence else None, done,
+                          None, [None] * n, {}, (started, forwarded, sampled), int(d.query_lens.sum()))
 
     def _launch_verify(self, launched: SpecLaunch, v: _Verifying, guarded: bool
                        ) -> tuple[tuple[Tensor, ...], tuple[Tensor, ...], tuple[Tensor, ...], dict[int, str]]:
@@ -615,6 +684,7 @@ class SpecLaunch:
     query_lens: Tensor             # [num_seqs] int64 query length of each row (device): d.query_lens, or
                                    # their split on the device under ZOS + varlen
     marks: tuple[object, object]   # `_Stopwatch` marks before and after the verify forward
+    tail_size: int = 0             # > 0: verified by `VerifyTails` at this size (`_launch_static`); 0: outside
 
 
 @dataclass(frozen=True, slots=True)

@@ -3,7 +3,8 @@
 The engine's speculative decode steps (`deepinfer.engine.spec_step`) use `DraftSampler`, `verify`,
 `gather_verify_logits` and the verify policies; the rest is library-only so far (docs/spec.md).
 
-Verification (`verify`, `greedy_verify`): one target forward over [anchor, drafts] → accepted
+Verification (`verify`, `greedy_verify`; `greedy_verify_flat` in the forward's token order, for a
+CUDA graph keyed by total query tokens): one target forward over [anchor, drafts] → accepted
 drafts, the bonus / correction token, logprobs; greedy rows by exact match, sampled rows by
 rejection sampling that preserves the target distribution, with noise keyed by (seed, output
 position) (`keyed_uniform`) so seeded requests do not depend on their batch. `DraftSampler` is the
@@ -34,6 +35,7 @@ from .profile import ProfileCache, StepTimeCurve, profile_key, profile_step_time
 from .stop import FINISH_LENGTH, FINISH_STOP, AcceptedRun, cut_accepted_run
 from .varlen import FixedVerifyPolicy, VarlenPlan, VarlenVerifyPolicy, choose_query_lens, query_lens_by_confidence
 from .verify import VerifyInput, VerifyResult, gather_verify_logits, greedy_verify, verify
+from .verify_flat import FlatVerifyResult, greedy_verify_flat
 
 __version__ = _version("deepinfer-spec")
 __all__ = [
@@ -45,6 +47,7 @@ __all__ = [
     "STREAM_SAMPLE",
     "AcceptedRun",
     "DraftSampler",
+    "FlatVerifyResult",
     "FixedVerifyPolicy",
     "ForwardRuntimeEstimator",
     "ProfileCache",
@@ -60,6 +63,7 @@ __all__ = [
     "cut_accepted_run",
     "gather_verify_logits",
     "greedy_verify",
+    "greedy_verify_flat",
     "keyed_uniform",
     "profile_key",
     "profile_step_times",
