@@ -1,0 +1,108 @@
+"""Speculative decode steps under CUDA graphs (GPU only; `tools/gpu_tests.sh` runs every `gpu` test).
+
+(a) A steady greedy speculative decode step launches no kernel outside graph replays: the draft walk
+    (`DraftGraphs`), the verify forward and the verification (`VerifyTails`) are three graph launches,
+    everything else host-to-device / device-to-host copies (counted with torch's profiler: CUDA
+    runtime and driver launch calls against graph launches).
+(b) Greedy tokens with speculation under graphs are plain greedy's, with ZOS on and off (the check that
+    keeps ZOS on for speculative steps on CUDA, the default since issue #31: if it fails, turn it back
+    off in `LLMEngine.__init__`), on the embedded DeepSeek-V4 model, and the same with ZOS on and off on
+    a tiny V4.1 with a random two-stage head. All with the batch-invariant kernels and the fixed verify
+    policy: in bfloat16 a token's logits otherwise depend on the step's other tokens (a request that
+    ends is seen one step later under ZOS; varlen's lengths follow measured times), so exact equality
+    would test rounding, not the engine.
+"""
+
+from __future__ import annotations
+
+import gc
+from pathlib import Path
+
+import pytest
+import torch
+from test_speculative_tiny import folder_v41, with_random_head  # noqa: F401  (fixtures)
+
+from deepinfer.engine import LLM, EngineArgs, LLMEngine, SamplingParams
+from deepinfer.sched import StepKind
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+
+# bf16 (the graph-safe kernels); a fixed cache, not 0.9 of the card: other GPU tests run beside these
+COMMON = {"device": "cuda", "dtype": "bfloat16", "max_num_seqs": 4, "kv_cache_memory_mb": 256, "seed": 0}
+PROMPTS = ["def fibonacci(n):\n    ", "import os\nimport sys\n\n\ndef main", "class Stack:\n    def __init__(self",
+           "    for key, value in sorted(items"]
+GREEDY = SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True)
+
+
+def _release() -> None:
+    gc.collect()
+    torch.cuda.empty_cache()
+
+
+def _assert_all_in_graphs(engine: LLMEngine) -> None:
+    spec = engine.spec
+    assert engine.runner.graphs is not None and spec.draft_graphs.graphs and spec.tails.graphs
+
+
+def test_a_speculative_decode_step_launches_no_kernel_outside_its_graphs() -> None:
+    engine = LLMEngine(EngineArgs(**COMMON, num_speculative_tokens=5, varlen_verify=False))
+    assert engine.zos
+    _assert_all_in_graphs(engine)
+    for i, prompt in enumerate(PROMPTS[:2]):
+        engine.add_request(f"r{i}", prompt, SamplingParams(temperature=0.0, max_tokens=400, ignore_eos=True))
+    for _ in range(8):                       # the prefill and the first decode steps (lazy initialisations)
+        engine.step()
+    counts = []
+    for _ in range(6):
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
+                                                torch.profiler.ProfilerActivity.CUDA]) as prof:
+            engine.step()
+            torch.cuda.synchronize()
+        names = [event.name for event in prof.events()]
+        counts.append((engine.last_step_kind, sum("LaunchKernel" in n for n in names),
+                       sum("GraphLaunch" in n for n in names)))
+    assert all(kind is StepKind.DECODE for kind, _, _ in counts), counts
+    assert all(kernels == 0 and graphs >= 3 for _, kernels, graphs in counts), counts
+    stats = engine.stats()
+    assert stats.spec_verify_steps >= 10 and stats.spec_accepted_tokens > 0
+    del engine
+    _release()
+
+
+def _greedy_tokens(**args) -> tuple[list[list[int]], LLM]:
+    llm = LLM(**COMMON, **args)
+    outs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+    return [list(o.outputs[0].token_ids) for o in outs], llm
+
+
+def test_speculative_greedy_is_plain_greedy_with_zos_on_and_off_under_graphs() -> None:
+    plain, llm = _greedy_tokens(batch_invariant=True)
+    del llm
+    _release()
+    for zos in (False, True):
+        tokens, llm = _greedy_tokens(batch_invariant=True, num_speculative_tokens=5, varlen_verify=False,
+                                     zero_overhead_scheduling=zos)
+        engine = llm.engine
+        assert engine.zos is zos
+        _assert_all_in_graphs(engine)
+        stats = engine.stats()
+        assert stats.spec_verify_steps > 0 and stats.spec_accepted_tokens > 0
+        del llm, engine
+        _release()
+        assert tokens == plain, f"zero_overhead_scheduling={zos}"
+
+
+@pytest.mark.usefixtures("with_random_head")
+def test_v41_speculative_greedy_is_the_same_with_zos_on_and_off_under_graphs(folder_v41: Path) -> None:  # noqa: F811
+    prompts = [{"prompt_token_ids": [(7 * i + 3 * j) % 90 + 4 for j in range(20 + 9 * i)]} for i in range(3)]
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    tokens = {}
+    for zos in (False, True):
+        llm = LLM(model=str(folder_v41), load_format="dummy", num_speculative_tokens=3, varlen_verify=False,
+                  zero_overhead_scheduling=zos, batch_invariant=True, **COMMON)
+        _assert_all_in_graphs(llm.engine)
+        tokens[zos] = [list(o.outputs[0].token_ids) for o in llm.generate(prompts, params, use_tqdm=False)]
+        assert llm.engine.stats().spec_verify_steps > 0
+        del llm
+        _release()
+    assert tokens[True] == tokens[False]
