@@ -12,7 +12,8 @@ import numpy as np
 import pytest
 import torch
 
-from deepinfer.engine.draft_graphs import (
+from deepinfer.engine.core.model_runner import ModelRunner
+from deepinfer.engine.speculative.draft_graphs import (
     ANCHOR,
     FIRST,
     IN_FLIGHT,
@@ -25,7 +26,6 @@ from deepinfer.engine.draft_graphs import (
     STAGED_ROWS,
     DraftGraphs,
 )
-from deepinfer.engine.model_runner import ModelRunner
 from deepinfer.model import DeepseekV4Config, DSparkDraft
 from deepinfer.model.model import build_model
 from deepinfer.spec import DraftSampler

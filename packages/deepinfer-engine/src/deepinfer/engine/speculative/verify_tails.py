@@ -23,8 +23,8 @@ from torch import Tensor
 
 from deepinfer.spec import greedy_verify_flat
 
-from .cuda_graphs import copy_into
-from .sampler import MAX_LOGIT_MAGNITUDE
+from ..core.cuda_graphs import copy_into
+from ..sampling.sampler import MAX_LOGIT_MAGNITUDE
 
 TOKEN_ROW, COLUMN = range(2)          # rows of `VerifyTails.layout`
 TARGET_ROW, NUM_DRAFTS = range(2)     # rows of `VerifyTails.row_inputs`

@@ -38,7 +38,7 @@ from torch import Tensor
 from deepinfer.model import DSparkDraft
 from deepinfer.spec import DraftSampler, cuda_graph_key, cuda_graph_sizes
 
-from .cuda_graphs import copy_into
+from ..core.cuda_graphs import copy_into
 
 # Rows of `DraftGraphs.inputs`, per drafting row: the anchor token as the host knows it (any value
 # where in flight), the scheduler row, the anchor's position if nothing is in flight, the output
