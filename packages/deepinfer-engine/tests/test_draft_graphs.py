@@ -2,16 +2,22 @@
 
 A walk of m rows padded to its graph size gives, for those m rows, what `DSparkDraft.propose` gives
 for them alone; rows with a step in flight take their anchor and move from the runner's per-row
-buffers; bad staging is refused. The engine-level checks (greedy speculation = plain greedy, ZOS on
-and off, V4 and V4.1) run through the same walk in test_speculative*.py and test_zos_replay.py.
+buffers; bad staging is refused; all-greedy engine steps take the static path (walk, verify forward,
+`VerifyTails`) with ZOS on and off, V4 and V4.1, and keep plain greedy. The other engine-level checks
+run through the same walk in test_speculative*.py and test_zos_replay.py.
 """
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import pytest
 import torch
+from test_speculative_tiny import ARGS as TINY_ARGS
+from test_speculative_tiny import folder, folder_v41, with_random_head  # noqa: F401  (fixtures)
 
+from deepinfer.engine import LLM, SamplingParams
 from deepinfer.engine.core.model_runner import ModelRunner
 from deepinfer.engine.speculative.draft_graphs import (
     ANCHOR,
@@ -26,6 +32,7 @@ from deepinfer.engine.speculative.draft_graphs import (
     STAGED_ROWS,
     DraftGraphs,
 )
+from deepinfer.engine.speculative.spec_step import SpeculativeDecoder
 from deepinfer.model import DeepseekV4Config, DSparkDraft
 from deepinfer.model.model import build_model
 from deepinfer.spec import DraftSampler
@@ -146,3 +153,29 @@ def test_a_graph_is_not_replayed_once_the_row_buffers_moved(runner: ModelRunner)
     assert graphs.replay(size) == "captured" and replays == [1]
     runner.ensure_rows(runner.row_tokens.shape[0] + 1)             # the buffers move
     assert graphs.replay(size).tokens[0, 0] == 3 and replays == [1]
+
+
+@pytest.mark.usefixtures("with_random_head")
+@pytest.mark.parametrize("version", ["v4", "v41"])
+def test_greedy_steps_run_on_static_buffers_and_keep_plain_greedy(version: str, folder: Path, folder_v41: Path,  # noqa: F811
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """Engine-level: all-greedy speculative steps take the static path (draft walk → verify forward →
+    VerifyTails, as the graphs capture them) with ZOS on and off, on V4 and V4.1, and keep plain greedy."""
+    launched: list[int] = []
+    launch_static = SpeculativeDecoder._launch_static
+
+    def counting(self, d, reqs, guarded):
+        launched.append(d.num_seqs)
+        return launch_static(self, d, reqs, guarded)
+
+    monkeypatch.setattr(SpeculativeDecoder, "_launch_static", counting)
+    args = {**TINY_ARGS, "model": str(folder if version == "v4" else folder_v41)}
+    prompts = [{"prompt_token_ids": [(5 * i + 7 * j) % 90 + 2 for j in range(9 + 6 * i)]} for i in range(3)]
+    params = SamplingParams(temperature=0.0, max_tokens=14, ignore_eos=True)
+    plain = [list(o.outputs[0].token_ids) for o in LLM(**args).generate(prompts, params, use_tqdm=False)]
+    for zos in (False, True):
+        launched.clear()
+        llm = LLM(**args, num_speculative_tokens=3, varlen_verify=False, zero_overhead_scheduling=zos)
+        assert [list(o.outputs[0].token_ids) for o in llm.generate(prompts, params, use_tqdm=False)] == plain
+        # every verify step was a static one (under ZOS the last one launched is dropped: its requests had ended)
+        assert launched and max(launched) == 3 and llm.engine.stats().spec_verify_steps == len(launched) - int(zos)
