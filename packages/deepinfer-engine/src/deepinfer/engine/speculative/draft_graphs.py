@@ -39,6 +39,7 @@ from deepinfer.model import DSparkDraft
 from deepinfer.spec import DraftSampler, cuda_graph_key, cuda_graph_sizes
 
 from ..core.cuda_graphs import copy_into
+from ..core.model_runner import ModelRunner
 
 # Rows of `DraftGraphs.inputs`, per drafting row: the anchor token as the host knows it (any value
 # where in flight), the scheduler row, the anchor's position if nothing is in flight, the output
@@ -86,15 +87,16 @@ class DraftGraphs:
         ValueError: capture=True on a non-CUDA runner, a runner without `fed_tokens`, or max_rows < 1.
     """
 
-    def __init__(self, draft: DSparkDraft, runner, *, max_rows: int, interval: int = 8, capture: bool = False,
-                 row_capacity: int = 1024) -> None:
+    def __init__(self, draft: DSparkDraft, runner: ModelRunner, *, max_rows: int, interval: int = 8,
+                 capture: bool = False, row_capacity: int = 1024) -> None:
         if max_rows < 1:
             raise ValueError(f"max_rows={max_rows} must be >= 1")
         device = runner.device
         if capture and device.type != "cuda":
             raise ValueError(f"draft CUDA graphs need a CUDA runner, got device {device}")
-        if runner.fed_tokens is None:
+        if runner.fed_tokens is None or runner.fed_positions is None:
             raise ValueError("the runner has no verify inputs to lay out (ModelRunner(max_verify_tokens=...))")
+        self._fed: tuple[Tensor, Tensor] = (runner.fed_tokens, runner.fed_positions)
         self.draft, self.runner, self.k, self.interval = draft, runner, draft.block_size, interval
         self.sizes = cuda_graph_sizes(max_rows, interval)
         size = self.sizes[-1]
@@ -173,7 +175,7 @@ class DraftGraphs:
         tokens = torch.cat((anchors[:, None], prop.token_ids), dim=1)
         # the verify forward's inputs: token c of the row (c < its query length) at FIRST + c, the rest
         # (and padding rows) to the buffers' last entry, which no forward reads
-        fed_tokens, fed_positions = runner.fed_tokens, runner.fed_positions
+        fed_tokens, fed_positions = self._fed
         columns = torch.arange(k + 1, device=tokens.device)[None, :]
         index = torch.where(columns < inputs[QUERY_LEN][:, None], inputs[FIRST][:, None] + columns,
                             fed_tokens.shape[0] - 1).flatten()

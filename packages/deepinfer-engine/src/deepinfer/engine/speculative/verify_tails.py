@@ -24,6 +24,7 @@ from torch import Tensor
 from deepinfer.spec import greedy_verify_flat
 
 from ..core.cuda_graphs import copy_into
+from ..core.model_runner import ModelRunner
 from ..sampling.sampler import MAX_LOGIT_MAGNITUDE
 
 TOKEN_ROW, COLUMN = range(2)          # rows of `VerifyTails.layout`
@@ -34,15 +35,22 @@ class VerifyTails:
     """Greedy verification + per-row bookkeeping over static buffers (module docstring).
 
     Args:
-        runner: the engine's `ModelRunner`: its graphs' logits (CUDA) and per-row buffers.
+        runner: the engine's `ModelRunner`: its graphs' logits (CUDA), the fed tokens (`fed_tokens`: its
+            graphs' static token ids on CUDA, the buffer the eager forward reads elsewhere) and per-row
+            buffers.
         k: drafts per row.
         max_rows: rows of a step at most (max_num_seqs).
         capture: capture one CUDA graph per size of `runner.graphs` (needs them); False = eager.
+    Raises:
+        ValueError: a runner without `fed_tokens`, or capture=True without the runner's verify graphs.
     """
 
-    def __init__(self, runner, *, k: int, max_rows: int, capture: bool = False) -> None:
+    def __init__(self, runner: ModelRunner, *, k: int, max_rows: int, capture: bool = False) -> None:
         device = runner.device
+        if runner.fed_tokens is None:
+            raise ValueError("the runner has no verify inputs (ModelRunner(max_verify_tokens=...))")
         self.runner, self.k, self.max_rows = runner, k, max_rows
+        self._fed_tokens: Tensor = runner.fed_tokens       # the tokens the verify forward fed
         graphs = runner.graphs
         max_tokens = graphs.sizes[-1] if graphs is not None else max_rows * (k + 1)
         self.layout = torch.zeros(2, max_tokens, dtype=torch.int64, device=device)
@@ -102,7 +110,7 @@ class VerifyTails:
 
     def _tail(self, logits: Tensor, size: int) -> Tensor:
         k, runner = self.k, self.runner
-        fed = self._fed_tokens(size)
+        fed = self._fed_tokens[:size]
         result = greedy_verify_flat(logits.float(), fed, self.layout[TOKEN_ROW, :size], self.layout[COLUMN, :size],
                                     self.max_rows, k, MAX_LOGIT_MAGNITUDE)
         last = result.output_ids.gather(1, result.num_accepted[:, None])[:, 0]
@@ -110,13 +118,10 @@ class VerifyTails:
         return torch.cat((result.output_ids, result.num_accepted[:, None], result.finite[:, None].long(),
                           self.row_inputs[NUM_DRAFTS, :, None]), dim=1)
 
-    def _fed_tokens(self, size: int) -> Tensor:
-        """The tokens the verify forward fed (its static token ids on CUDA; the draft walk's flat
-        buffer, which the eager forward read, elsewhere)."""
-        return self.runner.fed_tokens[:size]
-
     def _capture(self, size: int) -> None:
-        logits = self.runner.graphs.outputs[size]
+        graphs = self.runner.graphs
+        assert graphs is not None, "captured only over the runner's verify graphs"
+        logits = graphs.outputs[size]
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
