@@ -82,7 +82,7 @@ def main() -> None:
     parser.add_argument("--model", type=Path, required=True)
     parser.add_argument("--data", type=Path, default=Path("out/tiny"))
     parser.add_argument("--out", type=Path, help="default: DATA/draft_data.pt")
-    parser.add_argument("--num-seqs", type=int, default=768)
+    parser.add_argument("--num-seqs", type=int, default=2048)
     parser.add_argument("--batch", type=int, default=64)
     parser.add_argument("--prompt-len", type=int, default=160)
     parser.add_argument("--gen-len", type=int, default=224)

@@ -127,7 +127,7 @@ def main() -> None:
     parser.add_argument("--weight-decay", type=float, default=0.1)
     parser.add_argument("--decay", type=float, default=0.8)
     parser.add_argument("--confidence-weight", type=float, default=0.1)
-    parser.add_argument("--val-seqs", type=int, default=16)
+    parser.add_argument("--val-seqs", type=int, default=32)
     parser.add_argument("--eval-every", type=int, default=250)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--threads", type=int, default=1)
