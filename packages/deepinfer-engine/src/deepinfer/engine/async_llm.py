@@ -42,6 +42,7 @@ from .core_loop import run_loop
 from .intake import PromptInput
 from .llm_engine import LLMEngine
 from .outputs import RequestOutput
+from .prefix_caching import host_cache_stats
 from .sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -172,7 +173,8 @@ class AsyncLLM(StreamingFront):
         engine = self.engine
         num_running = engine.scheduler.num_running
         kv = engine.kv_blocks
-        return EngineStats(num_running, max(0, len(self._streams) - num_running), kv.num_free, kv.num_blocks - 1)
+        return EngineStats(num_running, max(0, len(self._streams) - num_running), kv.num_free, kv.num_blocks - 1,
+                           host_cache_stats(engine.scheduler.prefix_cache_stats))
 
 
 class _ThreadTransport:

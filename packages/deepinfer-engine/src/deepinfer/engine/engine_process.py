@@ -36,7 +36,9 @@ from .core_loop import run_loop
 from .engine_args import EngineArgs
 from .intake import PromptInput
 from .outputs import OutputKind, RequestOutput
+from .prefix_caching import host_cache_stats
 from .sampling_params import SamplingParams
+from .stats import HostCacheStats
 
 # ------------------------------------------------------------------ front -> engine
 
@@ -72,6 +74,7 @@ class EngineLoad:
     num_running: int
     num_free_kv_blocks: int
     num_kv_blocks: int            # usable blocks (block 0 excluded)
+    host_cache: HostCacheStats = HostCacheStats()
 
 
 @dataclass(frozen=True, slots=True)
@@ -272,4 +275,5 @@ class EngineLoop:
 def engine_load(engine: Any) -> EngineLoad:
     """The engine's scheduler and KV cache now."""
     kv = engine.kv_blocks
-    return EngineLoad(engine.scheduler.num_running, kv.num_free, kv.num_blocks - 1)
+    return EngineLoad(engine.scheduler.num_running, kv.num_free, kv.num_blocks - 1,
+                      host_cache_stats(engine.scheduler.prefix_cache_stats))

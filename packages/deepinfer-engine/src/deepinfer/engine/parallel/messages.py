@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from ..intake import PromptInput
 from ..outputs import RequestOutput
 from ..sampling_params import SamplingParams
-from ..stats import RebalanceStats
+from ..stats import HostCacheStats, RebalanceStats
 
 
 @dataclass(frozen=True, slots=True)
@@ -78,6 +78,7 @@ class RankLoad:
     num_running: int
     num_free_kv_blocks: int
     num_kv_blocks: int            # usable blocks (block 0 excluded)
+    host_cache: HostCacheStats = HostCacheStats()
 
 
 @dataclass(frozen=True, slots=True)
