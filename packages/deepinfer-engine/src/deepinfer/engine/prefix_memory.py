@@ -43,11 +43,12 @@ def host_tier_size(host_bytes: int, block_bytes: int, snapshot_bytes: int, num_k
                    num_snapshots: int) -> HostTierSize:
     """Splits `host_bytes` between KV blocks and snapshots as the device cache splits its bytes
     (num_kv_blocks blocks of block_bytes, num_snapshots of snapshot_bytes); at least one of each, or
-    nothing when that does not fit."""
+    nothing when that does not fit. The pools' unused row 0 is paid for too."""
     device_snapshot_bytes = num_snapshots * snapshot_bytes
     share = device_snapshot_bytes / (device_snapshot_bytes + num_kv_blocks * block_bytes)
-    host_snapshots = max(1, int(host_bytes * share) // snapshot_bytes)
-    host_blocks = (host_bytes - host_snapshots * snapshot_bytes) // block_bytes
+    usable = host_bytes - block_bytes - snapshot_bytes
+    host_snapshots = max(1, int(usable * share) // snapshot_bytes)
+    host_blocks = (usable - host_snapshots * snapshot_bytes) // block_bytes
     if host_blocks < 1:
         return HostTierSize(0, 0)
     return HostTierSize(host_blocks, host_snapshots)
