@@ -18,10 +18,10 @@ from engine_tiny_v41 import CONFIG as V41_CONFIG
 from test_prefix_caching import TINY, _run
 
 from deepinfer.engine import EngineArgs, InvalidEngineArgs, LLMEngine, SamplingParams
-from deepinfer.engine.prefix_caching import host_cache_stats
-from deepinfer.engine.prefix_memory import HostTierSize, host_tier_size
+from deepinfer.engine.core.prefix_caching import host_cache_stats
+from deepinfer.engine.core.prefix_memory import HostTierSize, host_tier_size
+from deepinfer.engine.core.stats import EngineStats, HostCacheStats
 from deepinfer.engine.serve.metrics import ServerMetrics
-from deepinfer.engine.stats import EngineStats, HostCacheStats
 
 # 7 usable blocks of 16 tokens: a 100-token prompt evicts every cached block of the one before it
 SMALL = {**TINY, "num_kv_blocks": 8, "prefix_cache_snapshots": 4, "prefix_cache_host_mb": 1}

@@ -26,11 +26,11 @@ from typing import Any
 
 import torch
 
-from ..core_loop import run_loop
-from ..engine_args import EngineArgs
-from ..engine_process import picklable_error
-from ..outputs import OutputKind, RequestOutput
-from ..prefix_caching import host_cache_stats
+from ..config.engine_args import EngineArgs
+from ..core.outputs import OutputKind, RequestOutput
+from ..core.prefix_caching import host_cache_stats
+from ..frontends.core_loop import run_loop
+from ..frontends.engine_process import picklable_error
 from .messages import (
     Abort,
     FrontMessage,

@@ -7,8 +7,8 @@ import hashlib
 
 from deepinfer.sched import PrefixCacheStats
 
-from .engine_args import EngineArgs
-from .env import EngineEnv
+from ..config.engine_args import EngineArgs
+from ..config.env import EngineEnv
 from .request import Request
 from .stats import HostCacheStats
 

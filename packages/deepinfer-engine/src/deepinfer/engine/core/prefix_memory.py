@@ -18,6 +18,7 @@ from torch import Tensor
 from deepinfer.model import ModelCache
 from deepinfer.sched import SchedulerOutput
 
+from ..device.staging import to_device
 from .cache_copies import (
     SnapshotLayout,
     block_bytes,
@@ -28,7 +29,6 @@ from .cache_copies import (
     save_snapshots,
     scatter_blocks,
 )
-from .staging import to_device
 
 
 @dataclass(frozen=True, slots=True)
