@@ -124,16 +124,21 @@ def run(args: argparse.Namespace, base: dict, mode: str) -> dict:
     first, later = ttft[0], [t for turn in range(1, args.turns) for t in ttft[turn]]
     stats = engine.scheduler.prefix_cache_stats
     plan = engine.runner.plan
-    result = {"mode": mode, "ttft_turn1_mean_s": statistics.mean(first), "ttft_turn1_median_s": statistics.median(first),
-              "ttft_later_turns_mean_s": statistics.mean(later) if later else None,
-              "ttft_later_turns_median_s": statistics.median(later) if later else None,
-              "prefill_tokens": sum(prefill_tokens.values()), "cached_prompt_tokens": cached,
-              "host_cached_prompt_tokens": stats.host_hits, "host_spilled_blocks": stats.num_host_spills,
-              "wall_s": wall, "cache": dataclasses.asdict(plan), "outputs": outputs}
-    del engine
+    return {"mode": mode, "ttft_turn1_mean_s": statistics.mean(first),
+            "ttft_turn1_median_s": statistics.median(first),
+            "ttft_later_turns_mean_s": statistics.mean(later) if later else None,
+            "ttft_later_turns_median_s": statistics.median(later) if later else None,
+            "prefill_tokens": sum(prefill_tokens.values()), "cached_prompt_tokens": cached,
+            "host_cached_prompt_tokens": stats.host_hits, "host_spilled_blocks": stats.num_host_spills,
+            "wall_s": wall, "cache": dataclasses.asdict(plan), "outputs": outputs}
+
+
+def run_freed(args: argparse.Namespace, base: dict, mode: str) -> dict:
+    """`run`, then its engine's memory freed: the next mode's engine needs it."""
+    result = run(args, base, mode)
     gc.collect()
     if torch.cuda.is_available():
-        torch.cuda.empty_cache()          # the next mode's engine needs the memory
+        torch.cuda.empty_cache()
     return result
 
 
@@ -218,7 +223,7 @@ def main(argv: list[str] | None = None) -> dict:
     args = parse(argv)
     with tempfile.TemporaryDirectory() as folder:
         base = model_args(args, Path(folder))
-        runs = [run(args, base, mode) for _ in range(args.repeats) for mode in args.modes]
+        runs = [run_freed(args, base, mode) for _ in range(args.repeats) for mode in args.modes]
     outputs = [result.pop("outputs") for result in runs]
     model = "tiny-flash" if args.tiny else f"flash{args.flash_layers}l" if args.flash_layers else "embedded"
     device = torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu"
