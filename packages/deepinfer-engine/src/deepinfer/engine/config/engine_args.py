@@ -174,8 +174,9 @@ class EngineArgs:
             that has a state snapshot; outputs are the same as without it. A prompt's prefill is cut at
             its last block boundary (and where it leaves a shared cached prefix) to save a snapshot
             there. Ignored by COMPLETION engines.
-        prefix_cache_snapshots: state snapshots the prefix cache keeps (each the size of a state slot,
-            paid for out of the cache budget; the least recently used is replaced); None = 2 ×
+        prefix_cache_snapshots: state snapshots the prefix cache keeps (each the ring rows a block
+            boundary leaves live, a third of a state slot on V4-Flash, paid for out of the cache
+            budget; the least recently used is replaced); None = 2 ×
             max_num_seqs (a chat between turns holds one, a shared system prompt one more), but at most
             what a quarter of the cache budget left by the state slots holds when the budget sizes the
             cache (none: prefix caching is off, with a warning).

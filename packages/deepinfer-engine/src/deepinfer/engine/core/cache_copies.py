@@ -103,7 +103,7 @@ def restore_snapshots(cache: ModelCache, layout: SnapshotLayout, snapshots: Tens
         rows = snapshots[:, region.offset:region.offset + region.num_bytes].contiguous()
         rows = rows.view(state.dtype).view(slots.shape[0], region.num_rows, *state.shape[2:])
         if region.whole:
-            state[slots] = rows.view(state[slots].shape)
+            state[slots] = rows.view(slots.shape[0], *state.shape[1:])
         else:
             state[slots[:, None], _ring_rows(region, positions)] = rows
 

@@ -164,7 +164,8 @@ class ModelRunner:
         if num_snapshot_slots and host_tier_bytes:
             host = host_tier_size(host_tier_bytes, block_bytes(self.cache), layout.num_bytes, num_blocks - 1,
                                   num_snapshot_slots)
-        self.prefix = PrefixMemory(self.cache, layout, num_snapshot_slots, host) if num_snapshot_slots else None
+        self.prefix = PrefixMemory(self.cache, layout, num_snapshot_slots, host, self.device) \
+            if num_snapshot_slots else None
         self.plan = CachePlan(block_size, num_blocks, num_state_slots, paged_bytes, state.total_bytes,
                               state.state_size_to_disk, num_snapshot_slots, layout.num_bytes, host.num_blocks,
                               host.num_snapshots, 0 if self.prefix is None else self.prefix.host_bytes)

@@ -62,12 +62,13 @@ class PrefixMemory:
         layout: what a snapshot keeps (`SnapshotLayout.for_spec`).
         num_snapshots: device snapshots (the scheduler's snapshot ids 1..n; row 0 unused).
         host: the host tier's entries (`HostTierSize(0, 0)`: none); on CUDA in pinned memory.
+        device: the cache's device.
     """
 
-    def __init__(self, cache: ModelCache, layout: SnapshotLayout, num_snapshots: int, host: HostTierSize) -> None:
+    def __init__(self, cache: ModelCache, layout: SnapshotLayout, num_snapshots: int, host: HostTierSize,
+                 device: torch.device) -> None:
         self.cache = cache
         self.layout = layout
-        device = next(iter(cache.state.values())).device
         self.device = device
         self.snapshots = torch.zeros((num_snapshots + 1, layout.num_bytes), dtype=torch.uint8, device=device)
         pin = device.type == "cuda"
