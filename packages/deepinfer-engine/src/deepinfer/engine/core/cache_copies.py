@@ -58,8 +58,8 @@ class SnapshotLayout:
         for state in spec.states:
             ring_len = state.shape[0] if state.shape else 1
             whole = state.boundary_rows is None or not state.shape
-            num_rows = ring_len if whole else state.boundary_rows
-            if num_rows < 0 or num_rows > ring_len:
+            num_rows = ring_len if state.boundary_rows is None or whole else state.boundary_rows
+            if not 0 <= num_rows <= ring_len:
                 raise ValueError(f"state region {state.name!r}: boundary_rows={state.boundary_rows} must be in "
                                  f"[0, {ring_len}]")
             if not num_rows:
