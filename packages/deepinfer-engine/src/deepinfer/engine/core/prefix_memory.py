@@ -74,10 +74,16 @@ class PrefixMemory:
         pin = device.type == "cuda"
         self.host_blocks = self.host_snapshots = None
         if host.num_blocks:
-            self.host_blocks = torch.empty((host.num_blocks + 1, block_bytes(cache)), dtype=torch.uint8,
-                                           pin_memory=pin)
-            self.host_snapshots = torch.empty((host.num_snapshots + 1, layout.num_bytes), dtype=torch.uint8,
-                                              pin_memory=pin)
+            num_bytes = (host.num_blocks + 1) * block_bytes(cache) + (host.num_snapshots + 1) * layout.num_bytes
+            try:
+                self.host_blocks = torch.empty((host.num_blocks + 1, block_bytes(cache)), dtype=torch.uint8,
+                                               pin_memory=pin)
+                self.host_snapshots = torch.empty((host.num_snapshots + 1, layout.num_bytes), dtype=torch.uint8,
+                                                  pin_memory=pin)
+            except RuntimeError as error:       # out of (pinnable) host memory
+                raise RuntimeError(f"cannot allocate the prefix cache's host tier ({num_bytes} B of "
+                                   f"{'pinned ' if pin else ''}host memory): lower prefix_cache_host_mb "
+                                   f"(0 = no host tier): {error}") from error
 
     @property
     def device_bytes(self) -> int:
