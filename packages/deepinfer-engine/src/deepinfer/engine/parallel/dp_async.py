@@ -27,8 +27,8 @@ import logging
 import queue
 import threading
 import time
-from multiprocessing.connection import wait as wait_ready
 from collections.abc import Sequence
+from multiprocessing.connection import wait as wait_ready
 from typing import Any
 
 import torch.multiprocessing as mp
