@@ -1,7 +1,7 @@
-"""SIGTERM with data-parallel ranks, as with one engine process: a SIGTERM to one rank drains every
-rank (the request in flight finishes, a new one is refused with a 503 saying why, the ranks exit 0 and
-the front has stopped, not failed); a SIGTERM to the whole `deepinfer serve --data-parallel-size 2`
-process group drains the stream in flight and exits 0, taking the ranks along."""
+"""SIGTERM with data-parallel ranks, as with one engine process, on `deepinfer serve
+--data-parallel-size 2`: a SIGTERM to one rank drains every rank (the request in flight goes on, a new
+one is refused with a 503 saying why); a SIGTERM to the whole process group then lets the stream
+finish, and the server exits 0 saying it stopped cleanly (no rank failed), taking the ranks along."""
 
 from __future__ import annotations
 
@@ -13,13 +13,8 @@ import sys
 import time
 
 import httpx
-from serve_helpers import start_uvicorn, tcp_socket
+from serve_helpers import tcp_socket
 
-from deepinfer.engine import EngineArgs
-from deepinfer.engine.parallel import DPAsyncLLM
-from deepinfer.engine.serve import build_app
-
-SMALL = {"device": "cpu", "num_kv_blocks": 32, "max_num_seqs": 4, "stop_preempted_request": False}
 TIMEOUT_S = 20
 
 
@@ -52,40 +47,7 @@ def _assert_ran_to_the_end(events: list[str], max_tokens: int) -> None:
     assert json.loads(events[-2])["usage"]["completion_tokens"] == max_tokens
 
 
-def test_sigterm_to_one_rank_drains_every_rank_and_refuses_new_requests() -> None:
-    llm = DPAsyncLLM(EngineArgs(**SMALL, data_parallel_size=2, expert_parallel=True, distributed_timeout_s=TIMEOUT_S))
-    url, server, thread = start_uvicorn(build_app(llm, served_model_name="tiny"))
-    refused: list[httpx.Response] = []
-
-    def signal_rank_1() -> None:
-        os.kill(llm.pids[1], signal.SIGTERM)
-        deadline = time.monotonic() + TIMEOUT_S
-        while llm.is_running:                       # rank 1 tells the front within its next poll
-            assert time.monotonic() < deadline, "the front never heard of the SIGTERM"
-            time.sleep(0.01)
-        refused.append(httpx.post(f"{url}/v1/completions", json={"prompt": "x", "max_tokens": 2}, timeout=30))
-
-    try:
-        events = _stream_with(url, 30, signal_rank_1)
-        _assert_ran_to_the_end(events, 30)
-        error = refused[0].json()["error"]
-        assert refused[0].status_code == 503 and error["code"] == "shutting_down"
-        assert "DP rank 1 got SIGTERM" in error["message"]
-        deadline = time.monotonic() + TIMEOUT_S
-        while not all(_gone(pid) for pid in llm.pids):
-            assert time.monotonic() < deadline, "the ranks did not exit"
-            time.sleep(0.05)
-        assert [proc.exitcode for proc in llm._procs] == [0, 0]
-        health = httpx.get(f"{url}/health", timeout=10)
-        assert health.status_code == 503 and health.json() == {"status": "engine stopped"}
-        assert llm.failure is None
-    finally:
-        server.should_exit = True
-        thread.join(timeout=TIMEOUT_S + 10)
-    assert not thread.is_alive() and llm.failure is None
-
-
-def test_sigterm_to_the_dp_server_drains_the_stream_and_exits_cleanly() -> None:
+def test_sigterm_to_a_rank_then_to_the_server_drains_and_exits_cleanly() -> None:
     sock = tcp_socket()                       # a free port for the child (released just before it binds)
     port = sock.getsockname()[1]
     sock.close()
@@ -105,16 +67,25 @@ def test_sigterm_to_the_dp_server_drains_the_stream_and_exits_cleanly() -> None:
             assert time.monotonic() < deadline
         rank_pids = [int(pid) for pid in line.split("(pids ", 1)[1].split(")", 1)[0].split(", ")]
         url = f"http://127.0.0.1:{port}"
-        while True:
-            try:
-                if httpx.get(f"{url}/health", timeout=1).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
+        while not _health_is(url, 200):
             assert time.monotonic() < deadline, "the server did not come up"
             time.sleep(0.05)
-        events = _stream_with(url, 24, lambda: os.killpg(child.pid, signal.SIGTERM))   # as a service manager
-        _assert_ran_to_the_end(events, 24)
+        refused: list[httpx.Response] = []
+
+        def signal_rank_1_then_the_server() -> None:
+            os.kill(rank_pids[1], signal.SIGTERM)
+            stop_by = time.monotonic() + TIMEOUT_S
+            while not _health_is(url, 503):            # rank 1 told the front: it takes no new requests
+                assert time.monotonic() < stop_by, "the front never heard of the SIGTERM"
+                time.sleep(0.01)
+            refused.append(httpx.post(f"{url}/v1/completions", json={"prompt": "x", "max_tokens": 2}, timeout=30))
+            os.killpg(child.pid, signal.SIGTERM)        # then, as a service manager, the whole server
+
+        events = _stream_with(url, 60, signal_rank_1_then_the_server)
+        _assert_ran_to_the_end(events, 60)
+        error = refused[0].json()["error"]
+        assert refused[0].status_code == 503 and error["code"] == "shutting_down"
+        assert "DP rank 1 got SIGTERM" in error["message"]
         assert child.wait(timeout=60) == 0
         assert all(_gone(pid) for pid in rank_pids)
         rest = child.stderr.read()
@@ -123,3 +94,10 @@ def test_sigterm_to_the_dp_server_drains_the_stream_and_exits_cleanly() -> None:
         if child.poll() is None:
             os.killpg(child.pid, signal.SIGKILL)
             child.wait()
+
+
+def _health_is(url: str, status: int) -> bool:
+    try:
+        return httpx.get(f"{url}/health", timeout=1).status_code == status
+    except httpx.TransportError:
+        return False
