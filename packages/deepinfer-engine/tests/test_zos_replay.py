@@ -20,8 +20,8 @@ import pytest
 import torch
 
 from deepinfer.engine import LLMEngine, SamplingParams, StructuredOutput
-from deepinfer.engine.engine_args import EngineArgs
-from deepinfer.engine.sync_guard import CudaSyncError
+from deepinfer.engine.config.engine_args import EngineArgs
+from deepinfer.engine.device.sync_guard import CudaSyncError
 
 PROMPTS = ("def fibonacci(", "import os\n", "class Parser:", "for i in range(", "x = [", "    return self.")
 
@@ -287,7 +287,7 @@ def test_varlen_verify_under_zos_splits_on_the_device_and_keeps_greedy_tokens(
     """Under ZOS the varlen policy's total stays the host's choice and is split again on the device by
     the confidences of the step in flight (`query_lens_by_confidence`); greedy tokens do not depend on
     the split."""
-    from deepinfer.engine import spec_step
+    from deepinfer.engine.speculative import spec_step
 
     splits: list[tuple[int, torch.Tensor]] = []
     split = spec_step.query_lens_by_confidence
