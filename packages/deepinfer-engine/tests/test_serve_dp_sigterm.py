@@ -81,8 +81,8 @@ def test_sigterm_to_a_rank_then_to_the_server_drains_and_exits_cleanly() -> None
             refused.append(httpx.post(f"{url}/v1/completions", json={"prompt": "x", "max_tokens": 2}, timeout=30))
             os.killpg(child.pid, signal.SIGTERM)        # then, as a service manager, the whole server
 
-        events = _stream_with(url, 60, signal_rank_1_then_the_server)
-        _assert_ran_to_the_end(events, 60)
+        events = _stream_with(url, 40, signal_rank_1_then_the_server)
+        _assert_ran_to_the_end(events, 40)
         error = refused[0].json()["error"]
         assert refused[0].status_code == 503 and error["code"] == "shutting_down"
         assert "DP rank 1 got SIGTERM" in error["message"]

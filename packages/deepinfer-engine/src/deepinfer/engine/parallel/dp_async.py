@@ -28,7 +28,6 @@ import queue
 import threading
 import time
 from collections.abc import Sequence
-from multiprocessing.connection import wait as wait_ready
 from typing import Any
 
 import torch.multiprocessing as mp
@@ -62,6 +61,7 @@ from .messages import (
     Wake,
 )
 from .rank import RankFailure, RankSpec
+from .rank_processes import RankProcesses
 from .serve_rank import serve_rank_main
 
 logger = logging.getLogger(__name__)
@@ -108,7 +108,6 @@ class DPAsyncLLM(ProcessFront):
         self._shutdown_begun = False
         self._stop_sent = False                  # Stop sent to every rank: no counted message after it
         self._failure: str | None = None
-        self._wait_lock = threading.Lock()       # one waitpid at a time over the rank processes
         ctx = mp.get_context("spawn")
         init_method = f"tcp://127.0.0.1:{free_port()}"
         self._outbox = ctx.Queue()
@@ -118,6 +117,7 @@ class DPAsyncLLM(ProcessFront):
                        for rank, inbox in enumerate(self._inboxes)]
         for proc in self._procs:
             proc.start()
+        self._ranks = RankProcesses(self._procs)
         max_model_len = self._wait_ready()
         model_dir = resolve_model_dir(args.resolved().model)
         self._model = ServedModel(model_dir, load_tokenizer(model_dir), max_model_len, args.model is None)
@@ -201,7 +201,7 @@ class DPAsyncLLM(ProcessFront):
         if not self._begin_shutdown(drain):
             return
         self._send_stop()
-        await asyncio.to_thread(self._join_ranks)
+        await asyncio.to_thread(self._ranks.join, self._timeout_s)   # a drained rank exits by itself
         await asyncio.to_thread(self._reader.join)
         await self._wait_streams_ended(poll_s)
 
@@ -211,25 +211,6 @@ class DPAsyncLLM(ProcessFront):
             if not self._stop_sent and self._failure is None:
                 self._stop_sent = True
                 self._send_counted(lambda seq, _: Stop(seq))
-
-    def _join_ranks(self) -> None:
-        """Wait for every rank to exit (a drained rank exits by itself); kill what is left after the
-        distributed timeout. Waits on the processes' sentinels: the reader thread reaps them."""
-        deadline = time.monotonic() + self._timeout_s
-        pending = [proc.sentinel for proc in self._procs]
-        while pending and (left := deadline - time.monotonic()) > 0:
-            ready = wait_ready(pending, left)
-            pending = [sentinel for sentinel in pending if sentinel not in ready]
-        self._kill_ranks()
-
-    def _kill_ranks(self) -> None:
-        """Kill every rank still alive and reap them all (SIGKILL: a rank takes SIGTERM as a request to
-        drain, `serve_rank`)."""
-        with self._wait_lock:
-            for proc in self._procs:
-                if proc.is_alive():
-                    proc.kill()
-                proc.join()
 
     # ------------------------------------------------------------------ start-up
 
@@ -244,11 +225,11 @@ class DPAsyncLLM(ProcessFront):
             except queue.Empty:
                 dead = self._dead_ranks()
                 if dead:
-                    self._kill_ranks()
+                    self._ranks.kill()
                     raise RankFailure(f"{dead} while starting") from None
                 continue
             if isinstance(message, RankError):
-                self._kill_ranks()
+                self._ranks.kill()
                 raise RankFailure(f"DP rank {message.rank} failed while starting: {message.detail}")
             if isinstance(message, RankReady):
                 ready.add(message.rank)
@@ -257,13 +238,7 @@ class DPAsyncLLM(ProcessFront):
 
     def _dead_ranks(self) -> str:
         """'DP rank R exited with code C; ...' for the ranks that exited (after Stop, exit code 0 is fine)."""
-        with self._wait_lock:
-            return "; ".join(f"DP rank {rank} exited with code {proc.exitcode}" for rank, proc in enumerate(self._procs)
-                             if not proc.is_alive() and not (self._stop_sent and proc.exitcode == 0))
-
-    def _any_alive(self) -> bool:
-        with self._wait_lock:
-            return any(proc.is_alive() for proc in self._procs)
+        return self._ranks.exited(clean_exit_expected=self._stop_sent)
 
     # ------------------------------------------------------------------ reader thread
 
@@ -285,7 +260,7 @@ class DPAsyncLLM(ProcessFront):
                 self._take_report(message)
             elif isinstance(message, RankStopping):
                 self._rank_signalled(message.rank)
-            elif message is None and not self._any_alive():
+            elif message is None and not self._ranks.any_alive():
                 self._stopped()         # every rank exited cleanly and its reports are read
                 return
 
@@ -354,7 +329,7 @@ class DPAsyncLLM(ProcessFront):
         with self._lock:
             self._failure = reason
         self._fail_streams(reason)
-        self._kill_ranks()
+        self._ranks.kill()
 
 
 __all__ = ["DPAsyncLLM"]
