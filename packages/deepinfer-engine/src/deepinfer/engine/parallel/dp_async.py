@@ -216,7 +216,7 @@ class DPAsyncLLM(ProcessFront):
 
     def _wait_ready(self) -> int:
         """Wait for every rank's `RankReady`; the max_model_len they report. A rank that fails first
-        stops them all and raises RankFailure."""
+        stops them all and raises RankFailure; a rank's SIGTERM meanwhile stops them once all are up."""
         max_model_len = 0
         ready: set[int] = set()
         while len(ready) < self._num_ranks:
@@ -234,6 +234,8 @@ class DPAsyncLLM(ProcessFront):
             if isinstance(message, RankReady):
                 ready.add(message.rank)
                 max_model_len = message.max_model_len
+            elif isinstance(message, RankStopping):     # a ready rank got SIGTERM while a peer still starts
+                self._rank_signalled(message.rank)
         return max_model_len
 
     def _dead_ranks(self) -> str:
