@@ -62,7 +62,7 @@ from deepinfer.sched import (
 from .config.engine_args import EngineArgs, InvalidEngineArgs
 from .config.env import EngineEnv, read_env
 from .core.intake import RequestIntake
-from .core.model_runner import ModelRunner, default_block_size, state_slot_bytes
+from .core.model_runner import ModelRunner, default_block_size, snapshot_bytes, state_slot_bytes
 from .core.outputs import OutputKind, RequestOutput
 from .core.plain_step import PlainStep
 from .core.prefix_caching import num_prefix_snapshots, prefix_cache_key, record_cached_tokens
@@ -236,11 +236,12 @@ class LLMEngine(RequestIntake):
         block_size = args.block_size or default_block_size(self.model)
         num_state_slots = BlockManager.for_state_slots(args.max_num_seqs, env.num_state_slots_ratio).num_blocks
         slot_bytes = state_slot_bytes(self.model, block_size, env.max_backtracking_tokens)
-        num = num_prefix_snapshots(args, slot_bytes, num_state_slots, budget_bytes)
+        one_snapshot = snapshot_bytes(self.model, block_size, env.max_backtracking_tokens)
+        num = num_prefix_snapshots(args, slot_bytes, one_snapshot, num_state_slots, budget_bytes)
         if not num:
             logger.warning("prefix caching is off: a quarter of the %d B cache budget left by the state slots "
                            "holds no state snapshot (%d B each); set prefix_cache_snapshots to have some anyway",
-                           budget_bytes, slot_bytes)
+                           budget_bytes, one_snapshot)
         return num
 
     def _scheduler_config(self, draft: DSparkDraft | None) -> SchedulerConfig:
@@ -270,7 +271,7 @@ class LLMEngine(RequestIntake):
             graph_max_query_len=query_len, max_blocks_per_seq=cfg.max_blocks_per_seq,
             max_model_len=cfg.max_blocks_per_seq * cfg.block_size,
             graph_interval=env.cudagraph_batch_size_interval, batch_invariant=args.batch_invariant,
-            num_snapshot_slots=self._num_snapshots,
+            num_snapshot_slots=self._num_snapshots, host_tier_bytes=int((args.prefix_cache_host_mb or 0) * 2**20),
         )
 
     def _new_scheduler(self) -> Scheduler:
@@ -281,8 +282,12 @@ class LLMEngine(RequestIntake):
         # The paged KV pool of the current scheduler; read (num_free, usage) by AsyncLLM's stats.
         self.kv_blocks = BlockManager(self.runner.plan.num_kv_blocks)
         snapshots = BlockManager(self._num_snapshots + 1) if self._num_snapshots else None
+        plan = self.runner.plan
+        host_blocks = BlockManager(plan.num_host_blocks + 1) if plan.num_host_blocks else None
+        host_snapshots = BlockManager(plan.num_host_snapshots + 1) if plan.num_host_blocks else None
         return Scheduler(self._sched_cfg, self.kv_blocks, slots, vote_group=self._vote_group,
-                         verify_policy=None if self.spec is None else self.spec.gate, snapshot_slots=snapshots)
+                         verify_policy=None if self.spec is None else self.spec.gate, snapshot_slots=snapshots,
+                         host_blocks=host_blocks, host_snapshots=host_snapshots)
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached prompt prefix (KV blocks and state snapshots); requests running now keep

@@ -123,7 +123,7 @@ class AsyncLLMProcess(ProcessFront):
         """The engine after its latest reported step; waiting = submitted, unfinished and not running."""
         load = self._load
         return EngineStats(load.num_running, max(0, self._num_unfinished - load.num_running), load.num_free_kv_blocks,
-                           load.num_kv_blocks)
+                           load.num_kv_blocks, load.host_cache)
 
     def parallel_stats(self) -> None:
         """None: one engine, no DP ranks."""

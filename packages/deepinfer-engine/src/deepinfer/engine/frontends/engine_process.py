@@ -36,6 +36,8 @@ from typing import Any
 from ..config.engine_args import EngineArgs
 from ..core.intake import PromptInput
 from ..core.outputs import OutputKind, RequestOutput
+from ..core.prefix_caching import host_cache_stats
+from ..core.stats import HostCacheStats
 from ..sampling.sampling_params import SamplingParams
 from .async_front import EngineStopped
 from .core_loop import run_loop
@@ -74,6 +76,7 @@ class EngineLoad:
     num_running: int
     num_free_kv_blocks: int
     num_kv_blocks: int            # usable blocks (block 0 excluded)
+    host_cache: HostCacheStats = HostCacheStats()
 
 
 @dataclass(frozen=True, slots=True)
@@ -285,4 +288,5 @@ class EngineLoop:
 def engine_load(engine: Any) -> EngineLoad:
     """The engine's scheduler and KV cache now."""
     kv = engine.kv_blocks
-    return EngineLoad(engine.scheduler.num_running, kv.num_free, kv.num_blocks - 1)
+    return EngineLoad(engine.scheduler.num_running, kv.num_free, kv.num_blocks - 1,
+                      host_cache_stats(engine.scheduler.prefix_cache_stats))

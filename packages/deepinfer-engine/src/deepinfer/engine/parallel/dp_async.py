@@ -35,7 +35,7 @@ import torch.multiprocessing as mp
 from ..config.engine_args import EngineArgs
 from ..core.intake import PromptInput
 from ..core.outputs import RequestOutput
-from ..core.stats import EngineStats, ParallelStats, RebalanceStats
+from ..core.stats import EngineStats, HostCacheStats, ParallelStats, RebalanceStats
 from ..frontends.async_front import (
     DEFAULT_MAX_NUM_WAITING,
     EngineStopped,
@@ -136,7 +136,8 @@ class DPAsyncLLM(ProcessFront):
         """The sum of `parallel_stats().rank_stats`."""
         ranks = self._rank_stats()
         return EngineStats(sum(s.num_running for s in ranks), sum(s.num_waiting for s in ranks),
-                           sum(s.num_free_kv_blocks for s in ranks), sum(s.num_kv_blocks for s in ranks))
+                           sum(s.num_free_kv_blocks for s in ranks), sum(s.num_kv_blocks for s in ranks),
+                           sum((s.host_cache for s in ranks), HostCacheStats()))
 
     def parallel_stats(self) -> ParallelStats:
         """Per-rank running / waiting requests, KV cache and requests sent, and the EPLB re-placements so far."""
@@ -147,7 +148,8 @@ class DPAsyncLLM(ProcessFront):
     def _rank_stats(self) -> tuple[EngineStats, ...]:
         with self._lock:      # waiting: owned by the rank (queued here or there) and not running there
             return tuple(EngineStats(load.num_running, max(0, owned - load.num_running), load.num_free_kv_blocks,
-                                     load.num_kv_blocks) for load, owned in zip(self._rank_loads, self._num_owned))
+                                     load.num_kv_blocks, load.host_cache)
+                         for load, owned in zip(self._rank_loads, self._num_owned))
 
     # ------------------------------------------------------------------ event-loop side
 

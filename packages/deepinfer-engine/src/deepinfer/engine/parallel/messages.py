@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 from ..core.intake import PromptInput
 from ..core.outputs import RequestOutput
-from ..core.stats import RebalanceStats
+from ..core.stats import HostCacheStats, RebalanceStats
 from ..sampling.sampling_params import SamplingParams
 
 
@@ -79,6 +79,7 @@ class RankLoad:
     num_running: int
     num_free_kv_blocks: int
     num_kv_blocks: int            # usable blocks (block 0 excluded)
+    host_cache: HostCacheStats = HostCacheStats()
 
 
 @dataclass(frozen=True, slots=True)

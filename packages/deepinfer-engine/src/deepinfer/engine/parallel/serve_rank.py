@@ -35,6 +35,7 @@ import torch
 
 from ..config.engine_args import EngineArgs
 from ..core.outputs import OutputKind, RequestOutput
+from ..core.prefix_caching import host_cache_stats
 from ..frontends.async_front import EngineStopped
 from ..frontends.core_loop import run_loop
 from ..frontends.engine_process import picklable_error
@@ -201,7 +202,8 @@ class RankServer:
     def _report(self, outputs: list[RequestOutput]) -> None:
         engine = self._engine
         kv = engine.kv_blocks
-        load = RankLoad(engine.scheduler.num_running, kv.num_free, kv.num_blocks - 1)
+        load = RankLoad(engine.scheduler.num_running, kv.num_free, kv.num_blocks - 1,
+                        host_cache_stats(engine.scheduler.prefix_cache_stats))
         rebalances = self._rank.rebalances[self._num_rebalances_sent:] if self._rank.spec.rank == 0 else ()
         self._num_rebalances_sent += len(rebalances)
         refusals, self._refusals = tuple(self._refusals), []
