@@ -160,7 +160,10 @@ class EngineArgs:
             (docs/spec.md); greedy output is the same as without it.
             Its verify forwards replay CUDA graphs keyed by total query tokens (the draft walk runs
             eagerly). ZOS covers speculative steps on the CPU by default; on CUDA only with
-            zero_overhead_scheduling=True (that path has not run on a GPU yet).
+            zero_overhead_scheduling=True (that path has not run on a GPU yet). With
+            data_parallel_size > 1 each rank drafts and verifies its own requests; under
+            expert_parallel the ranks agree on each step's verify size (a rank without decode rows
+            runs a dummy verify forward of it).
         varlen_verify: with num_speculative_tokens > 0, how many of the k drafts each request verifies:
             True = the choice by expected throughput (docs/design.md §7), from a step-time curve measured at
             start-up (kept in DEEPINFER_VARLEN_PROFILE_CACHE for the next start of the same config) and
@@ -302,9 +305,6 @@ class EngineArgs:
         if not self.num_speculative_tokens:
             return
         k = self.num_speculative_tokens
-        if self.data_parallel_size > 1:
-            _fail("num_speculative_tokens", f"num_speculative_tokens={k} runs on one rank only so far "
-                  f"(data_parallel_size={self.data_parallel_size}): the lockstep EP steps do not take verify rows")
         if self.engine_type is EngineType.PROMPT:
             _fail("num_speculative_tokens", f"num_speculative_tokens={k} needs a NORMAL or COMPLETION engine (a "
                   "PROMPT engine never decodes)")

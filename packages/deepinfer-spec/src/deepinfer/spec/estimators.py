@@ -45,18 +45,20 @@ class ForwardRuntimeEstimator:
 class SamplerRuntimeEstimator:
     """Sampler ms per number of sequences: the median of the last `window` measurements for that
     count; counts never measured are interpolated linearly between the nearest measured ones
-    (flat beyond them); 0 before any measurement."""
+    (flat beyond them). Before any measurement: the start-up `prior` curve (measured over dummy rows,
+    `deepinfer.engine.varlen_profile`) at that count, or 0 without one."""
 
-    def __init__(self, *, window: int = 9) -> None:
+    def __init__(self, *, window: int = 9, prior: StepTimeCurve | None = None) -> None:
         self._window = window
         self._times: dict[int, deque[float]] = {}
+        self.prior = prior
 
     def observe(self, num_seqs: int, measured_ms: float) -> None:
         self._times.setdefault(num_seqs, deque(maxlen=self._window)).append(measured_ms)
 
     def estimate_ms(self, num_seqs: int) -> float:
         if not self._times:
-            return 0.0
+            return 0.0 if self.prior is None else self.prior.at(num_seqs)
         if num_seqs in self._times:
             return statistics.median(self._times[num_seqs])
         counts = sorted(self._times)
@@ -68,3 +70,11 @@ class SamplerRuntimeEstimator:
         a, b = counts[i - 1], counts[i]
         ta, tb = statistics.median(self._times[a]), statistics.median(self._times[b])
         return ta + (tb - ta) * (num_seqs - a) / (b - a)
+
+
+class DraftRuntimeEstimator(SamplerRuntimeEstimator):
+    """The draft walk's ms (`DSparkDraft.propose`) per number of drafting rows, estimated as
+    `SamplerRuntimeEstimator` does per number of sequences; no drafting row costs 0 ms."""
+
+    def estimate_ms(self, num_rows: int) -> float:
+        return 0.0 if num_rows <= 0 else SamplerRuntimeEstimator.estimate_ms(self, num_rows)

@@ -7,7 +7,9 @@ package never imports the scheduler.
 Varlen: every request's drafts become candidates valued by the cumulative product of their
 acceptance probabilities (so a request's own candidates come in order, a prefix); candidates are
 sorted by value and added one by one to the "golden tokens only" step; each total query length is
-scored by expected tokens / (forward ms at its graph size + sampler ms), and the best one wins.
+scored by expected tokens / (forward ms at its graph size + sampler ms + the draft walk's ms for the
+rows given a draft), and the best one wins. A row given none is a plain decode row: it runs no draft
+walk, so where drafting does not pay the step costs what a plain decode step does.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from .estimators import ForwardRuntimeEstimator, SamplerRuntimeEstimator
+from .estimators import DraftRuntimeEstimator, ForwardRuntimeEstimator, SamplerRuntimeEstimator
 
 
 @dataclass(frozen=True, slots=True)
@@ -33,15 +35,19 @@ class VarlenPlan:
 
 
 def choose_query_lens(acceptance: Sequence[Sequence[float]], max_query_len: int,
-                      forward: ForwardRuntimeEstimator, sampler: SamplerRuntimeEstimator) -> VarlenPlan:
+                      forward: ForwardRuntimeEstimator, sampler: SamplerRuntimeEstimator,
+                      draft: DraftRuntimeEstimator | None = None) -> VarlenPlan:
     """Greedy choice of total_q by expected throughput.
 
     Args:
         acceptance: per sequence, the estimated probability that each successive draft is accepted
             given the previous ones were (e.g. the drafter's confidences); missing entries count 0.
         max_query_len: golden token + drafts available per sequence (nextn + 1).
+        forward / sampler: ms of the verify forward by total query tokens, of the sampling by sequences.
+        draft: ms of the draft walk by the number of rows given at least one draft (None: free).
     Returns:
-        the plan maximising expected tokens per ms (ties: the shorter step).
+        the plan maximising expected tokens per ms (ties: the shorter step); all ones (no row drafts)
+        when no draft pays for its share of the forward and of the draft walk.
     """
     num_seqs = len(acceptance)
     if num_seqs == 0:
@@ -53,20 +59,40 @@ def choose_query_lens(acceptance: Sequence[Sequence[float]], max_query_len: int,
         rates[i, :len(r)] = r
     values = np.cumprod(rates, axis=1).ravel()                          # row-major: a request's own in order
     order = np.argsort(-values, kind="stable")
+    row_of = order // max(num_drafts, 1)
+    # a row's first draft comes before its others (stable sort of non-increasing cumulative products),
+    # so the rows drafting among the first n candidates are those whose first draft is among them
+    first_draft = np.zeros(len(order), dtype=bool)
+    first_draft[np.unique(row_of, return_index=True)[1]] = True
+    drafting_rows = np.cumsum(first_draft)
     sampler_ms = sampler.estimate_ms(num_seqs)
     tokens = float(num_seqs)
     best_n, best_tokens = 0, tokens
     best_ms = forward.estimate_ms(num_seqs) + sampler_ms
-    best_rate = tokens / best_ms
+    best_rate = tokens / best_ms if best_ms > 0 else 0.0
     for n, idx in enumerate(order, start=1):
         tokens += values[idx]
         ms = forward.estimate_ms(num_seqs + n) + sampler_ms
-        if tokens / ms > best_rate:
+        if draft is not None:
+            ms += draft.estimate_ms(int(drafting_rows[n - 1]))
+        if ms > 0 and tokens / ms > best_rate:
             best_n, best_tokens, best_ms, best_rate = n, tokens, ms, tokens / ms
     lens = np.ones(num_seqs, dtype=np.int32)
     if best_n:
-        np.add.at(lens, order[:best_n] // max(num_drafts, 1), 1)
+        np.add.at(lens, row_of[:best_n], 1)
     return VarlenPlan(num_seqs + best_n, lens, best_tokens, best_ms)
+
+
+def drafting_can_pay(max_num_seqs: int, max_query_len: int, forward: ForwardRuntimeEstimator,
+                     sampler: SamplerRuntimeEstimator, draft: DraftRuntimeEstimator | None = None) -> bool:
+    """Whether drafting pays at any batch size, even with every draft accepted: `choose_query_lens`
+    with acceptance 1 gives some row a draft at 1, 2, 4, … or max_num_seqs sequences. False means
+    speculative decoding can only lose on this device (say, a CPU whose forward time grows with
+    every query token): decode plainly."""
+    counts = sorted({*(1 << i for i in range(max(max_num_seqs, 1).bit_length())), max(max_num_seqs, 1)})
+    perfect = [1.0] * (max_query_len - 1)
+    return any(choose_query_lens([perfect] * n, max_query_len, forward, sampler, draft).total_q > n
+               for n in counts if n <= max_num_seqs)
 
 
 class VarlenVerifyPolicy:
@@ -74,12 +100,15 @@ class VarlenVerifyPolicy:
 
     The engine reports each request's latest draft confidences with `observe` (under ZOS: those of
     step N − 2 when choosing step N) and drops finished requests with `forget`; a request with no
-    estimate yet uses `default_acceptance`.
+    estimate yet uses `default_acceptance`. `draft`: the draft walk's cost (None: free).
+    `plain_only`: drafting cannot pay on this device (`drafting_can_pay`): every row gets 1.
     """
 
     def __init__(self, forward: ForwardRuntimeEstimator, sampler: SamplerRuntimeEstimator, *,
-                 default_acceptance: Sequence[float] = (0.8,)) -> None:
-        self.forward, self.sampler = forward, sampler
+                 draft: DraftRuntimeEstimator | None = None, default_acceptance: Sequence[float] = (0.8,),
+                 plain_only: bool = False) -> None:
+        self.forward, self.sampler, self.draft = forward, sampler, draft
+        self.plain_only = plain_only
         self._default = tuple(float(r) for r in default_acceptance)
         self._rates: dict[str, tuple[float, ...]] = {}
         self.last_plan: VarlenPlan | None = None
@@ -101,8 +130,10 @@ class VarlenVerifyPolicy:
 
     def query_lens(self, seq_ids: tuple[str, ...], seq_lens: np.ndarray, max_query_len: int) -> np.ndarray:
         """Query lengths of one decode batch (the scheduler's VerifyLengthPolicy)."""
+        if self.plain_only:
+            return np.ones(len(seq_ids), dtype=np.int32)
         plan = choose_query_lens([self.rates(s, max_query_len - 1) for s in seq_ids], max_query_len,
-                                 self.forward, self.sampler)
+                                 self.forward, self.sampler, self.draft)
         self.last_plan = plan
         return plan.query_lens
 
