@@ -32,11 +32,11 @@ from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
 
+from ..config.engine_args import EngineArgs
+from ..core.intake import PromptInput
+from ..core.outputs import OutputKind, RequestOutput
+from ..sampling.sampling_params import SamplingParams
 from .core_loop import run_loop
-from .engine_args import EngineArgs
-from .intake import PromptInput
-from .outputs import OutputKind, RequestOutput
-from .sampling_params import SamplingParams
 
 # ------------------------------------------------------------------ front -> engine
 
@@ -151,7 +151,7 @@ def engine_process_main(args: EngineArgs, inbox: Connection, outbox: Connection)
     and the process exits with status 1."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     try:
-        from .llm_engine import LLMEngine
+        from ..llm_engine import LLMEngine
 
         engine = LLMEngine(args)
         send(outbox, EngineReady(Path(engine.model_dir), engine.max_model_len, engine.load_seconds,

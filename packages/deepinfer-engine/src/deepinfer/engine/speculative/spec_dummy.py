@@ -19,7 +19,7 @@ from deepinfer.model import DSparkDraft
 from deepinfer.sched import DecodeBatch
 from deepinfer.spec import DraftSampler, VerifyInput, gather_verify_logits, verify
 
-from .model_runner import ModelRunner
+from ..core.model_runner import ModelRunner
 
 
 class DummySpecSteps:

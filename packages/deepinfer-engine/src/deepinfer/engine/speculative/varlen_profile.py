@@ -40,9 +40,9 @@ from deepinfer.spec import (
     profile_step_times,
 )
 
-from .engine_args import EngineArgs
-from .env import EngineEnv, env_var_name, varlen_profile_cache_path
-from .model_runner import ModelRunner
+from ..config.engine_args import EngineArgs
+from ..config.env import EngineEnv, env_var_name, varlen_profile_cache_path
+from ..core.model_runner import ModelRunner
 from .spec_dummy import DummySpecSteps
 from .spec_lockstep import SpecLockstep
 
@@ -161,7 +161,7 @@ def load_or_measure(steps: dict[str, tuple[Callable[[int], float], Sequence[int]
     """The curves cached under `keys` (by name) in `cache_path` (None: no cache), else each measured
     over its sizes with its step (`steps`, by name) and stored there; lockstep ranks load only when
     every rank found every curve, and keep the mean over the EP group of what they measure. Logs
-    (logger deepinfer.engine.varlen_profile) one info line saying which, and a warning for a cache
+    (logger deepinfer.engine.speculative.varlen_profile) one info line saying which, and a warning for a cache
     file that could not be read (then measured) or written."""
     cache = None if cache_path is None else ProfileCache(cache_path)
     loaded: dict[str, StepTimeCurve] = {}
