@@ -3,6 +3,7 @@ import pytest
 import torch
 
 from deepinfer.spec import (
+    DraftRuntimeEstimator,
     FixedVerifyPolicy,
     ForwardRuntimeEstimator,
     SamplerRuntimeEstimator,
@@ -11,6 +12,7 @@ from deepinfer.spec import (
     choose_query_lens,
     cuda_graph_key,
     cuda_graph_sizes,
+    drafting_can_pay,
     query_lens_by_confidence,
 )
 
@@ -107,3 +109,47 @@ def test_split_by_confidence_keeps_each_request_a_prefix() -> None:
     assert query_lens_by_confidence(conf, 6).tolist() == [2, 4]
     with pytest.raises(ValueError):
         query_lens_by_confidence(conf, 9)
+
+
+def _draft_cost(ms_per_row: float, base_ms: float = 0.0) -> DraftRuntimeEstimator:
+    rows = (1, 2, 4, 8, 16, 32, 64)
+    return DraftRuntimeEstimator(prior=StepTimeCurve(rows, tuple(base_ms + ms_per_row * r for r in rows)))
+
+
+def test_the_draft_walk_is_paid_for_only_by_rows_given_a_draft() -> None:
+    good, poor = [0.95, 0.9, 0.85, 0.8, 0.75], [0.2, 0.1, 0.05, 0.0, 0.0]
+    flat = ForwardRuntimeEstimator(StepTimeCurve((1, 64), (10.0, 10.0)))
+    sampler = SamplerRuntimeEstimator(prior=StepTimeCurve((1, 64), (1.0, 1.0)))
+    # a flat forward and a free draft walk: every draft of positive value is verified
+    assert choose_query_lens([good, poor], 6, flat, sampler).query_lens.tolist() == [6, 4]
+    # a walk costing 4 ms per row: the poor row's 0.35 expected tokens do not pay for its walk, so it
+    # stays a plain decode row (no walk) while the good row drafts all 5
+    plan = choose_query_lens([good, poor], 6, flat, sampler, _draft_cost(4.0))
+    assert plan.query_lens.tolist() == [6, 1]
+    assert plan.expected_ms == pytest.approx(10.0 + 1.0 + 4.0)
+    # a walk costlier than everything its drafts can bring: nobody drafts, the step is a plain one
+    plan = choose_query_lens([good, poor], 6, flat, sampler, _draft_cost(40.0))
+    assert plan.query_lens.tolist() == [1, 1] and plan.expected_ms == pytest.approx(11.0)
+
+
+@pytest.mark.parametrize(("curve", "draft_ms", "pays"), [
+    (StepTimeCurve((1, 8, 64), (10.0, 10.0, 10.5)), 1.0, True),       # flat (a GPU at small batches): pays
+    (StepTimeCurve((1, 8, 64), (1.0, 8.0, 64.0)), 0.5, False),        # every token costs the first's: never
+    (StepTimeCurve((1, 8, 64), (10.0, 10.0, 10.5)), 100.0, False),    # a flat forward but a slow walk
+])
+def test_drafting_can_pay_at_some_batch_size_or_never(curve: StepTimeCurve, draft_ms: float, pays: bool) -> None:
+    forward, sampler = ForwardRuntimeEstimator(curve), SamplerRuntimeEstimator()
+    assert drafting_can_pay(8, 6, forward, sampler, _draft_cost(draft_ms)) is pays
+    policy = VarlenVerifyPolicy(forward, sampler, draft=_draft_cost(draft_ms), plain_only=not pays,
+                                default_acceptance=(1.0,))
+    lens = policy.query_lens(("a", "b"), np.array([10, 9], dtype=np.int32), 6)
+    assert (lens.tolist() == [1, 1]) is not pays
+
+
+def test_estimators_start_from_their_prior_until_measured() -> None:
+    sampler = SamplerRuntimeEstimator(prior=StepTimeCurve((1, 4), (1.0, 4.0)))
+    assert sampler.estimate_ms(2) == 2.0
+    sampler.observe(2, 7.0)                  # a measurement replaces the prior
+    assert sampler.estimate_ms(2) == 7.0 and sampler.estimate_ms(4) == 7.0
+    draft = _draft_cost(2.0)
+    assert draft.estimate_ms(0) == 0.0 and draft.estimate_ms(3) == 6.0
