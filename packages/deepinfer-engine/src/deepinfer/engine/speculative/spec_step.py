@@ -90,12 +90,18 @@ class SpeculativeStats:
         spec_verify_rows: request rows verified by `deepinfer.spec.verify` over those steps.
         spec_draft_tokens: drafts fed to the verify forwards (sum of query_len − 1 over those rows).
         spec_accepted_tokens: drafts accepted (before a stop or max_tokens cut the run).
+        spec_draft_ms / spec_verify_ms / spec_sample_ms: the device time of every speculative decode
+            step's draft walk, verify forward and verification + sampling (`_Stopwatch`; a step
+            counts once its marks have been read, at its commit or a later one).
     """
 
     spec_verify_steps: int = 0
     spec_verify_rows: int = 0
     spec_draft_tokens: int = 0
     spec_accepted_tokens: int = 0
+    spec_draft_ms: float = 0.0
+    spec_verify_ms: float = 0.0
+    spec_sample_ms: float = 0.0
 
     @property
     def mean_accepted_length(self) -> float:
@@ -205,11 +211,12 @@ class SpeculativeDecoder:
         self.gate = DraftGate(self.varlen or FixedVerifyPolicy(), host._seq, self._force_top_k)
         self._observed: set[str] = set()
         self._row_confidence = torch.full((0, self.k), -1.0, dtype=torch.float32, device=runner.device)
-        self._counts = np.zeros(4, dtype=np.int64)           # SpeculativeStats' fields, in order
+        self._counts = np.zeros(4, dtype=np.int64)           # SpeculativeStats' counts, in order
+        self._measured_ms = np.zeros(3, dtype=np.float64)     # and its measured ms, in order
 
     @property
     def stats(self) -> SpeculativeStats:
-        return SpeculativeStats(*map(int, self._counts))
+        return SpeculativeStats(*map(int, self._counts), *map(float, self._measured_ms))
 
     @torch.no_grad()
     def idle_verify(self) -> int:
@@ -482,11 +489,10 @@ class SpeculativeDecoder:
         self._commit(flight.reqs, rows, changed, preempted, recomputed)
 
     def _observe_times(self, flight: SpecFlight) -> None:
-        """Feed the varlen policy's estimators the measured draft walk, verify forward and verification +
-        sampling times of every step whose marks the device has passed (this one's, read now that its
-        results are on the host, or a later commit's: never a wait of their own)."""
-        if self.varlen is None:
-            return
+        """Count (`SpeculativeStats`) and feed the varlen policy's estimators the measured draft walk,
+        verify forward and verification + sampling times of every step whose marks the device has
+        passed (this one's, read now that its results are on the host, or a later commit's: never a
+        wait of their own)."""
         self._timings.append(flight.timings)
         pending: list[SpecTimings] = []
         for timings in self._timings:
@@ -497,6 +503,9 @@ class SpeculativeDecoder:
                 pending.append(timings)
                 continue
             draft_ms, forward_ms, sampler_ms = times
+            self._measured_ms += times
+            if self.varlen is None:
+                continue
             if timings.num_drafting:
                 self.varlen.draft.observe(timings.num_drafting, draft_ms)
             self.varlen.forward.observe(timings.total_q, forward_ms)
