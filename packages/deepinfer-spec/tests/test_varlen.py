@@ -11,6 +11,7 @@ from deepinfer.spec import (
     VarlenVerifyPolicy,
     choose_query_lens,
     cuda_graph_key,
+    cuda_graph_keys,
     cuda_graph_sizes,
     drafting_can_pay,
     query_lens_by_confidence,
@@ -24,6 +25,9 @@ def test_graph_keys_are_powers_of_two_then_every_interval() -> None:
     assert all(cuda_graph_key(s) == s for s in cuda_graph_sizes(200))      # every size is its own key
     with pytest.raises(ValueError):
         cuda_graph_key(0)
+    totals = np.arange(1, 1000)
+    for interval in (1, 3, 6, 8, 16):       # the array form: the same keys
+        assert cuda_graph_keys(totals, interval).tolist() == [cuda_graph_key(int(t), interval) for t in totals]
 
 
 def _curve(max_size: int, knee: int) -> StepTimeCurve:
@@ -153,3 +157,4 @@ def test_estimators_start_from_their_prior_until_measured() -> None:
     assert sampler.estimate_ms(2) == 7.0 and sampler.estimate_ms(4) == 7.0
     draft = _draft_cost(2.0)
     assert draft.estimate_ms(0) == 0.0 and draft.estimate_ms(3) == 6.0
+

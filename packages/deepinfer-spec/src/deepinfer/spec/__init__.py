@@ -22,7 +22,7 @@ from importlib.metadata import version as _version
 
 from .draft_sampling import DraftSampler
 from .estimators import DraftRuntimeEstimator, ForwardRuntimeEstimator, SamplerRuntimeEstimator
-from .graph_sizes import DEFAULT_GRAPH_INTERVAL, cuda_graph_key, cuda_graph_sizes
+from .graph_sizes import DEFAULT_GRAPH_INTERVAL, cuda_graph_key, cuda_graph_keys, cuda_graph_sizes
 from .keyed_noise import (
     STREAM_ACCEPT,
     STREAM_DRAFT,
@@ -65,6 +65,7 @@ __all__ = [
     "VerifyResult",
     "choose_query_lens",
     "cuda_graph_key",
+    "cuda_graph_keys",
     "cuda_graph_sizes",
     "cut_accepted_run",
     "drafting_can_pay",

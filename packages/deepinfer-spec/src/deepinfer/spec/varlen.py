@@ -62,25 +62,19 @@ def choose_query_lens(acceptance: Sequence[Sequence[float]], max_query_len: int,
     row_of = order // max(num_drafts, 1)
     # a row's first draft comes before its others (stable sort of non-increasing cumulative products),
     # so the rows drafting among the first n candidates are those whose first draft is among them
-    first_draft = np.zeros(len(order), dtype=bool)
-    first_draft[np.unique(row_of, return_index=True)[1]] = True
-    drafting_rows = np.cumsum(first_draft)
-    sampler_ms = sampler.estimate_ms(num_seqs)
-    tokens = float(num_seqs)
-    best_n, best_tokens = 0, tokens
-    best_ms = forward.estimate_ms(num_seqs) + sampler_ms
-    best_rate = tokens / best_ms if best_ms > 0 else 0.0
-    for n, idx in enumerate(order, start=1):
-        tokens += values[idx]
-        ms = forward.estimate_ms(num_seqs + n) + sampler_ms
-        if draft is not None:
-            ms += draft.estimate_ms(int(drafting_rows[n - 1]))
-        if ms > 0 and tokens / ms > best_rate:
-            best_n, best_tokens, best_ms, best_rate = n, tokens, ms, tokens / ms
+    first_draft = np.zeros(len(order), dtype=np.int64)
+    first_draft[np.unique(row_of, return_index=True)[1]] = 1
+    # candidate n = 0 (golden tokens only) … len(order), scored all at once
+    tokens = num_seqs + np.concatenate(([0.0], np.cumsum(values[order])))
+    ms = forward.estimate_ms_many(num_seqs + np.arange(len(order) + 1)) + sampler.estimate_ms(num_seqs)
+    if draft is not None:
+        ms = ms + draft.estimate_ms_many(np.concatenate(([0], np.cumsum(first_draft))))
+    rate = np.divide(tokens, ms, out=np.zeros_like(tokens), where=ms > 0)
+    best_n = int(np.argmax(rate))                # the first of equal rates: the shorter step
     lens = np.ones(num_seqs, dtype=np.int32)
     if best_n:
         np.add.at(lens, row_of[:best_n], 1)
-    return VarlenPlan(num_seqs + best_n, lens, best_tokens, best_ms)
+    return VarlenPlan(num_seqs + best_n, lens, float(tokens[best_n]), float(ms[best_n]))
 
 
 def drafting_can_pay(max_num_seqs: int, max_query_len: int, forward: ForwardRuntimeEstimator,
