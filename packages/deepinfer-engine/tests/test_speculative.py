@@ -223,7 +223,8 @@ def test_seeded_sampling_is_reproducible_and_independent_of_the_batch(speculativ
     assert other != alone
 
 
-def test_varlen_verify_and_the_draft_count_flags(draft_model: Path, plain: LLM, monkeypatch) -> None:
+def test_varlen_verify_and_the_draft_count_flags(draft_model: Path, plain: LLM, monkeypatch,
+                                                 flat_varlen_curves: None) -> None:
     llm = LLM(model=str(draft_model), num_speculative_tokens=2, **{**FAST, "max_num_seqs": 2})   # varlen: default
     assert llm.engine.spec.k == 2 and llm.engine.spec.varlen is not None and llm.engine.zos
     params = SamplingParams(max_tokens=12, temperature=0)
