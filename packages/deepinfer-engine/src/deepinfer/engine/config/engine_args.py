@@ -165,10 +165,13 @@ class EngineArgs:
             expert_parallel the ranks agree on each step's verify size (a rank without decode rows
             runs a dummy verify forward of it).
         varlen_verify: with num_speculative_tokens > 0, how many of the k drafts each request verifies:
-            True = the choice by expected throughput (docs/design.md §7), from a step-time curve measured at
-            start-up (kept in DEEPINFER_VARLEN_PROFILE_CACHE for the next start of the same config) and
-            the draft head's confidences (a request's tokens then depend on its batch, even seeded
-            ones); False = all k.
+            True = the choice by expected throughput (docs/design.md §7), from the verify forward's,
+            the draft walk's and the verification's times measured at start-up (kept in
+            DEEPINFER_VARLEN_PROFILE_CACHE for the next start of the same config) and the draft head's
+            confidences: a row whose drafts do not pay for their share of the forward and the draft
+            walk verifies none (a plain decode row), and where drafting cannot pay at any batch size
+            the engine says so at start and decodes plainly (a request's tokens then depend on its
+            batch, even seeded ones); False = all k.
         enable_prefix_caching: reuse the KV blocks and the model state of cached prompt prefixes
             (docs/prefix_cache.md): a prompt starting with the tokens of an earlier prompt (a chat's
             previous turn, a shared system prompt) prefills only the rest, from its last full block
