@@ -116,7 +116,7 @@ def forced_acceptance(rate: float, seed: int = 0) -> Iterator[None]:
         num_rows, k = vi.draft_ids.shape
         gen = generators.setdefault(target.device, torch.Generator(device=target.device).manual_seed(seed))
         best = target[:, :k].argmax(dim=-1)
-        accept = torch.cumprod(torch.rand((num_rows, k), generator=gen, device=target.device) < rate, dim=1)
+        accept = torch.cumprod((torch.rand((num_rows, k), generator=gen, device=target.device) < rate).long(), dim=1)
         drafts = torch.where(accept.bool(), best, (best + 1) % target.shape[-1])
         return real_verify(dataclasses.replace(vi, draft_ids=drafts, temperature=torch.zeros_like(vi.temperature),
                                                draft_probs=None, processed_logits=None))
