@@ -39,7 +39,7 @@ class DummySpecSteps:
         `ModelRunner.verify_forward` runs for that many tokens, else the eager forward it runs."""
         runner = self.runner
         graphs = runner.graphs
-        if runner.verify_replays_graph(total_q):
+        if graphs is not None and runner.verify_replays_graph(total_q):
             graphs.inputs.zero_()                   # every token: position 0 of the dummy slot 0, block 0
             graphs.block_tables.zero_()
             graphs.replay(total_q)
