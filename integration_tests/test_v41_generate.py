@@ -184,7 +184,9 @@ def test_speculative_v41_on_cuda_replays_verify_graphs(dspark_folder, zos) -> No
     # cache (0.9 of the card, alive until collected) left the second none on an 80 GB H100.
     common = dict(model=str(folder), seed=0, device="cuda", dtype="float32", max_num_seqs=4, kv_cache_memory_mb=256)
     plain = [list(o.outputs[0].token_ids) for o in LLM(**common).generate(prompts, params, use_tqdm=False)]
-    llm = LLM(**common, num_speculative_tokens=K, zero_overhead_scheduling=zos)
+    # every draft verified: where the varlen policy finds the eager draft walk too slow to pay, rows
+    # would decode plainly and these graphs would run no draft
+    llm = LLM(**common, num_speculative_tokens=K, zero_overhead_scheduling=zos, varlen_verify=False)
     engine = llm.engine
     assert engine.runner.graphs is not None and engine.runner.graphs.max_query_len == K + 1
     replays = engine.runner.verify_replays_graph
