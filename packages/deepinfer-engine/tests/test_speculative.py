@@ -246,7 +246,9 @@ def test_bad_flags_are_refused_naming_the_field(draft_model: Path, no_draft_mode
     with pytest.raises(InvalidEngineArgs, match="varlen_verify='yes'") as err:
         EngineArgs(num_speculative_tokens=5, varlen_verify="yes")
     assert err.value.field == "varlen_verify"
-    for bad in ({"data_parallel_size": 2}, {"engine_type": EngineType.PROMPT}):
+    # DP + EP ranks take verify rows (tests/test_parallel_speculative.py)
+    assert EngineArgs(num_speculative_tokens=5, data_parallel_size=2, expert_parallel=True).num_speculative_tokens == 5
+    for bad in ({"engine_type": EngineType.PROMPT},):
         with pytest.raises(InvalidEngineArgs, match="num_speculative_tokens=5") as err:
             EngineArgs(num_speculative_tokens=5, **bad)
         assert err.value.field == "num_speculative_tokens"
