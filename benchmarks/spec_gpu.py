@@ -129,8 +129,9 @@ def forced_acceptance(rate: float, seed: int = 0) -> Iterator[None]:
 
 
 def _engine_args(args: argparse.Namespace, folder: Path) -> dict[str, Any]:
+    expert_dtype = args.expert_dtype if args.expert_dtype != "auto" else (None if args.tiny else "fp8")
     engine: dict[str, Any] = {"model": str(folder), "load_format": "dummy", "device": args.device,
-                              "dtype": args.dtype, "max_num_seqs": max(args.concurrency),
+                              "dtype": args.dtype, "expert_dtype": expert_dtype, "max_num_seqs": max(args.concurrency),
                               "max_model_len": args.input_len + args.output_len + 64, "seed": 0}
     if args.device.startswith("cuda"):
         engine["gpu_memory_utilization"] = args.gpu_memory_utilization
@@ -164,7 +165,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     raw.update(DSPARK, dspark_block_size=args.num_speculative_tokens,
                dspark_target_layer_ids=sorted({max(args.layers - 2, 0), args.layers - 1}))
     report: dict[str, Any] = {"shape": "tiny" if args.tiny else f"v4-flash-{args.layers}l", "device": args.device,
-                              "dtype": args.dtype, "k": args.num_speculative_tokens, "varlen": args.varlen,
+                              "dtype": args.dtype, "expert_dtype": args.expert_dtype,
+                              "k": args.num_speculative_tokens, "varlen": args.varlen,
                               "input_len": args.input_len, "output_len": args.output_len, "plain": {}, "spec": {}}
     with tempfile.TemporaryDirectory() as tmp:
         folder = Path(tmp)
@@ -199,6 +201,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--layers", type=int, default=4, help="backbone layers [default: 4]")
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--expert-dtype", default="auto", choices=("auto", "fp8", "fp4"),
+                        help="routed experts' format; auto = fp8 (the released V4-Flash's), the dtype with --tiny")
     parser.add_argument("--num-speculative-tokens", type=int, default=5)
     parser.add_argument("--varlen", action=argparse.BooleanOptionalAction, default=True,
                         help="varlen verify (default) or every draft verified")
