@@ -277,3 +277,4 @@ def test_where_drafting_pays_rows_draft_and_greedy_tokens_stay(measured: list[in
     assert stats.spec_verify_steps > 0 and stats.spec_draft_tokens > 0
     varlen = engine.spec.varlen            # the estimators learned from the real steps
     assert len(varlen.forward._steps) >= stats.spec_verify_steps and varlen.draft._times and varlen.sampler._times
+    assert len(varlen.calibration._rows) == stats.spec_verify_rows        # and how far the confidences were right

@@ -3,6 +3,7 @@ import pytest
 import torch
 
 from deepinfer.spec import (
+    AcceptanceCalibration,
     DraftRuntimeEstimator,
     FixedVerifyPolicy,
     ForwardRuntimeEstimator,
@@ -158,3 +159,27 @@ def test_estimators_start_from_their_prior_until_measured() -> None:
     draft = _draft_cost(2.0)
     assert draft.estimate_ms(0) == 0.0 and draft.estimate_ms(3) == 6.0
 
+
+
+def test_calibration_is_accepted_over_predicted_over_a_window() -> None:
+    calibration = AcceptanceCalibration(window=4, prior_rows=2, prior_expected=1.0)
+    assert calibration.factor == 1.0
+    for _ in range(4):
+        calibration.observe(3.0, 0)                 # predicted 3 accepted drafts, none were
+    assert calibration.factor == pytest.approx(2 / 14)
+    for _ in range(4):
+        calibration.observe(1.0, 2)                 # the window forgets the old rows
+    assert calibration.factor == pytest.approx(10 / 6)
+
+
+def test_an_overconfident_head_is_calibrated_down_to_plain_rows() -> None:
+    forward = ForwardRuntimeEstimator(StepTimeCurve((1, 64), (10.0, 11.0)))
+    policy = VarlenVerifyPolicy(forward, SamplerRuntimeEstimator(), draft=_draft_cost(3.0))
+    policy.observe("a", [0.9] * 5)
+    assert policy.query_lens(("a",), np.array([10], dtype=np.int32), 6).tolist() == [6]
+    for _ in range(100):                            # its drafts are never accepted
+        policy.calibration.observe(3.0, 0)
+    assert policy.query_lens(("a",), np.array([10], dtype=np.int32), 6).tolist() == [1]
+    # scaled values stay probabilities and keep each row's drafts a prefix
+    plan = choose_query_lens([[0.9, 0.8, 0.5]], 4, forward, SamplerRuntimeEstimator(), acceptance_scale=3.0)
+    assert plan.query_lens.tolist() == [4] and plan.expected_tokens == pytest.approx(4.0)

@@ -34,6 +34,7 @@ from .keyed_noise import (
 from .profile import ProfileCache, StepTimeCurve, profile_key, profile_step_times, trimmed_mean
 from .stop import FINISH_LENGTH, FINISH_STOP, AcceptedRun, cut_accepted_run
 from .varlen import (
+    AcceptanceCalibration,
     FixedVerifyPolicy,
     VarlenPlan,
     VarlenVerifyPolicy,
@@ -45,6 +46,7 @@ from .verify import VerifyInput, VerifyResult, gather_verify_logits, greedy_veri
 
 __version__ = _version("deepinfer-spec")
 __all__ = [
+    "AcceptanceCalibration",
     "DEFAULT_GRAPH_INTERVAL",
     "FINISH_LENGTH",
     "FINISH_STOP",

@@ -9,11 +9,14 @@ acceptance probabilities (so a request's own candidates come in order, a prefix)
 sorted by value and added one by one to the "golden tokens only" step; each total query length is
 scored by expected tokens / (forward ms at its graph size + sampler ms + the draft walk's ms for the
 rows given a draft), and the best one wins. A row given none is a plain decode row: it runs no draft
-walk, so where drafting does not pay the step costs what a plain decode step does.
+walk, so where drafting does not pay the step costs what a plain decode step does. The confidences
+are scaled by how far they have over- or under-stated acceptance so far (`AcceptanceCalibration`):
+an overconfident head would otherwise buy drafts that are not accepted.
 """
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -36,7 +39,7 @@ class VarlenPlan:
 
 def choose_query_lens(acceptance: Sequence[Sequence[float]], max_query_len: int,
                       forward: ForwardRuntimeEstimator, sampler: SamplerRuntimeEstimator,
-                      draft: DraftRuntimeEstimator | None = None) -> VarlenPlan:
+                      draft: DraftRuntimeEstimator | None = None, acceptance_scale: float = 1.0) -> VarlenPlan:
     """Greedy choice of total_q by expected throughput.
 
     Args:
@@ -45,6 +48,8 @@ def choose_query_lens(acceptance: Sequence[Sequence[float]], max_query_len: int,
         max_query_len: golden token + drafts available per sequence (nextn + 1).
         forward / sampler: ms of the verify forward by total query tokens, of the sampling by sequences.
         draft: ms of the draft walk by the number of rows given at least one draft (None: free).
+        acceptance_scale: multiplies every draft's probability of being reached and accepted (the
+            cumulative products; capped at 1): `AcceptanceCalibration.factor`.
     Returns:
         the plan maximising expected tokens per ms (ties: the shorter step); all ones (no row drafts)
         when no draft pays for its share of the forward and of the draft walk.
@@ -57,7 +62,8 @@ def choose_query_lens(acceptance: Sequence[Sequence[float]], max_query_len: int,
     for i, given in enumerate(acceptance):
         r = np.clip(np.asarray(given, dtype=np.float64)[:num_drafts], 0.0, 1.0)
         rates[i, :len(r)] = r
-    values = np.cumprod(rates, axis=1).ravel()                          # row-major: a request's own in order
+    values = np.minimum(np.cumprod(rates, axis=1) * max(acceptance_scale, 0.0), 1.0).ravel()   # row-major: a
+    # request's own in order
     order = np.argsort(-values, kind="stable")
     row_of = order // max(num_drafts, 1)
     # a row's first draft comes before its others (stable sort of non-increasing cumulative products),
@@ -89,12 +95,41 @@ def drafting_can_pay(max_num_seqs: int, max_query_len: int, forward: ForwardRunt
                for n in counts if n <= max_num_seqs)
 
 
+class AcceptanceCalibration:
+    """How far the drafter's confidences over- or under-state acceptance: the drafts accepted over the
+    number the confidences predicted (the sum of their cumulative products over the drafts verified),
+    over the last `window` verified rows, starting from `prior_rows` rows of `prior_expected` predicted
+    and as many accepted (a factor of 1 until rows say otherwise)."""
+
+    def __init__(self, *, window: int = 1000, prior_rows: int = 8, prior_expected: float = 1.0) -> None:
+        self._rows: deque[tuple[float, int]] = deque(maxlen=window)
+        self._prior = prior_rows * prior_expected
+        self._expected = self._accepted = 0.0
+
+    def observe(self, expected: float, accepted: int) -> None:
+        """One verified row: the accepted drafts its confidences predicted, and those accepted."""
+        if len(self._rows) == self._rows.maxlen:
+            old_expected, old_accepted = self._rows[0]
+            self._expected -= old_expected
+            self._accepted -= old_accepted
+        self._rows.append((expected, accepted))
+        self._expected += expected
+        self._accepted += accepted
+
+    @property
+    def factor(self) -> float:
+        """Accepted / predicted over the window, the prior included (> 0)."""
+        return (self._prior + max(self._accepted, 0.0)) / (self._prior + max(self._expected, 0.0))
+
+
 class VarlenVerifyPolicy:
     """docs/design.md §7.2's varlen verify: per-request acceptance estimates in, query lengths out.
 
     The engine reports each request's latest draft confidences with `observe` (under ZOS: those of
     step N − 2 when choosing step N) and drops finished requests with `forget`; a request with no
-    estimate yet uses `default_acceptance`. `draft`: the draft walk's cost (None: free).
+    estimate yet uses `default_acceptance`, and `calibration` (fed each verified row by the engine)
+    scales them by how far they have over- or under-stated acceptance. `draft`: the draft walk's cost
+    (None: free).
     `plain_only`: drafting cannot pay on this device (`drafting_can_pay`): every row gets 1.
     """
 
@@ -103,6 +138,7 @@ class VarlenVerifyPolicy:
                  plain_only: bool = False) -> None:
         self.forward, self.sampler, self.draft = forward, sampler, draft
         self.plain_only = plain_only
+        self.calibration = AcceptanceCalibration()
         self._default = tuple(float(r) for r in default_acceptance)
         self._rates: dict[str, tuple[float, ...]] = {}
         self.last_plan: VarlenPlan | None = None
@@ -127,7 +163,7 @@ class VarlenVerifyPolicy:
         if self.plain_only:
             return np.ones(len(seq_ids), dtype=np.int32)
         plan = choose_query_lens([self.rates(s, max_query_len - 1) for s in seq_ids], max_query_len,
-                                 self.forward, self.sampler, self.draft)
+                                 self.forward, self.sampler, self.draft, self.calibration.factor)
         self.last_plan = plan
         return plan.query_lens
 

@@ -528,6 +528,13 @@ class SpeculativeDecoder:
             if confidence is not None:
                 self.varlen.observe(req.seq_id, confidence[j])
         if confidence is not None:
+            # how far the confidences over- or under-stated acceptance: the drafts they predicted accepted
+            # (cumulative products over the drafts fed) against those accepted
+            fed = np.arange(k) < host[:, k + 3, None]
+            predicted = (np.cumprod(np.clip(confidence, 0.0, 1.0), axis=1) * fed).sum(axis=1)
+            for expected, accepted, drafts in zip(predicted.tolist(), host[:, k + 1].tolist(), host[:, k + 3].tolist()):
+                if drafts:
+                    self.varlen.calibration.observe(expected, accepted)
             live = {r.seq_id for r in reqs}
             for seq_id in self._observed - live:
                 self.varlen.forget(seq_id)
