@@ -20,7 +20,7 @@ from v41_helpers import run_chunks
 from deepinfer.engine import LLM, SamplingParams
 from deepinfer.engine.speculative.spec_dummy import DummySpecSteps
 from deepinfer.model import DeepseekV4Config, DeepseekV41ForCausalLM, embedded_model_dir
-from deepinfer.spec import ForwardRuntimeEstimator, SamplerRuntimeEstimator
+from deepinfer.spec import AcceptanceCalibration, ForwardRuntimeEstimator, SamplerRuntimeEstimator
 
 PROMPTS = [[5, 9, 3, 40, 41, 7, 7, 12, 60], [61, 62, 3, 4, 90, 15, 16, 17, 9, 5, 3, 22, 23, 24]]
 
@@ -139,8 +139,8 @@ def test_speculative_decoding_on_a_v41_folder_keeps_greedy_output(dspark_folder,
                 "verification": lambda rows: 0.1}
         monkeypatch.setattr(DummySpecSteps, "timed", lambda self, work: flat[work.__name__])
         monkeypatch.setenv("DEEPINFER_VARLEN_PROFILE_CACHE", "off")
-        for estimator in (ForwardRuntimeEstimator, SamplerRuntimeEstimator):
-            monkeypatch.setattr(estimator, "observe", lambda self, count, measured_ms: None)
+        for estimator in (ForwardRuntimeEstimator, SamplerRuntimeEstimator, AcceptanceCalibration):
+            monkeypatch.setattr(estimator, "observe", lambda self, count, measured: None)
     llm = LLM(model=str(folder), seed=0, num_speculative_tokens=K, device="cpu", max_num_seqs=4,
               zero_overhead_scheduling=zos, varlen_verify=varlen)
     engine = llm.engine

@@ -34,9 +34,10 @@ def flat_varlen_curves(monkeypatch: pytest.MonkeyPatch) -> None:
 
 @pytest.fixture
 def drafting_pays(flat_varlen_curves: None, monkeypatch: pytest.MonkeyPatch) -> None:
-    """`flat_varlen_curves`, and the estimators keep them (real steps are not fed): rows draft at every
-    step, for tests of what drafting rows do (the device split, V4.1's verify) rather than of the policy."""
-    from deepinfer.spec import ForwardRuntimeEstimator, SamplerRuntimeEstimator
+    """`flat_varlen_curves`, and the estimators and the confidences' calibration keep them (real steps
+    are not fed): rows draft at every step, for tests of what drafting rows do (the device split, V4.1's
+    verify) rather than of the policy."""
+    from deepinfer.spec import AcceptanceCalibration, ForwardRuntimeEstimator, SamplerRuntimeEstimator
 
-    for estimator in (ForwardRuntimeEstimator, SamplerRuntimeEstimator):
-        monkeypatch.setattr(estimator, "observe", lambda self, count, measured_ms: None)
+    for estimator in (ForwardRuntimeEstimator, SamplerRuntimeEstimator, AcceptanceCalibration):
+        monkeypatch.setattr(estimator, "observe", lambda self, count, measured: None)
