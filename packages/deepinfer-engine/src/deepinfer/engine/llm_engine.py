@@ -58,6 +58,7 @@ from deepinfer.sched import (
     StepKind,
     StepVoteGroup,
 )
+from deepinfer.spec import cuda_graph_key
 
 from .config.engine_args import EngineArgs, InvalidEngineArgs
 from .config.env import EngineEnv, read_env
@@ -72,6 +73,7 @@ from .sampling.grammar_compiler import GrammarCompilePool
 from .sampling.logit_controls import TokenHistory
 from .sampling.sampler import Sampler
 from .sampling.sampling_stage import SamplingStage
+from .speculative.spec_lockstep import SpecLockstep
 from .speculative.spec_step import SpeculativeDecoder, SpeculativeStats, attach_draft_head
 from .text.tokenizer import Tokenizer, load_tokenizer
 
@@ -80,6 +82,14 @@ logger = logging.getLogger(__name__)
 
 # With nothing to run but requests waiting for their grammar, `step()` waits this long for a compile.
 IDLE_GRAMMAR_WAIT_S = 0.05
+
+
+def max_decode_tokens(args: EngineArgs, env: EngineEnv) -> int:
+    """The most tokens one rank feeds a decode forward: max_num_seqs, or under speculative decoding
+    the largest verify graph size (max_num_seqs × (k + 1) rounded up to its key: lockstep ranks pad to it)."""
+    if not args.num_speculative_tokens:
+        return args.max_num_seqs
+    return cuda_graph_key(args.max_num_seqs * (args.num_speculative_tokens + 1), env.cudagraph_batch_size_interval)
 
 
 def _zos_with_drafts(args: EngineArgs) -> bool:
@@ -194,7 +204,8 @@ class LLMEngine(RequestIntake):
         self._finished_between_steps: list[Request] = []   # reported by the next step()
         # The steps (steps.py): plain ones, and speculative decode steps with a draft head
         self.plain_step = PlainStep(self)
-        self.spec = None if draft is None else SpeculativeDecoder(draft, self, self.plain_step, args, self.env)
+        self.spec = None if draft is None else SpeculativeDecoder(draft, self, self.plain_step, args, self.env,
+                                                                  self._spec_lockstep(vote_group, expert_parallel))
         self.scheduler = self._new_scheduler()
         # One caller at a time: add_request / abort_request / step / has_unfinished_requests take it.
         self._lock = threading.RLock()
@@ -218,7 +229,7 @@ class LLMEngine(RequestIntake):
                                 local_experts=local_experts if self.experts_sharded else None)
         if ep is not None:      # before the graphs are captured: they hold the EP decode exchange
             apply_expert_parallel(self.model, ep.group, ep.slots, loaded_sharded=self.experts_sharded,
-                                  max_decode_tokens=args.max_num_seqs)
+                                  max_decode_tokens=max_decode_tokens(args, env))
         if args.yoco_prefill_truncation_mode != "off":
             self.model.set_prefill_truncation(args.yoco_prefill_truncation_mode, args.yoco_prefill_keep_tokens)
         draft = attach_draft_head(self.model, args, env) if args.num_speculative_tokens else None
@@ -227,6 +238,13 @@ class LLMEngine(RequestIntake):
         logger.info("loaded %s in %.2f s: %.1f MiB of weights on %s", self.model_dir, self.load_seconds,
                     self.weight_bytes / 2**20, args.device)
         return draft
+
+    def _spec_lockstep(self, vote_group: StepVoteGroup | None,
+                       ep: ExpertParallelSetup | None) -> SpecLockstep | None:
+        """The group whose ranks run each speculative step's verify forward together: the EP group."""
+        if ep is None or vote_group is None or vote_group.world_size == 1:
+            return None
+        return SpecLockstep(vote_group, ep.group, self.runner.device, self.env.cudagraph_batch_size_interval)
 
     def _prefix_snapshots(self, budget_bytes: int) -> int:
         """Prefix-cache state snapshots to keep (`num_prefix_snapshots`); 0 = prefix caching off."""

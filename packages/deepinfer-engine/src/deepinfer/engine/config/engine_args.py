@@ -162,12 +162,18 @@ class EngineArgs:
             (docs/spec.md); greedy output is the same as without it.
             Its verify forwards replay CUDA graphs keyed by total query tokens (the draft walk runs
             eagerly). ZOS covers speculative steps on the CPU by default; on CUDA only with
-            zero_overhead_scheduling=True (that path has not run on a GPU yet).
+            zero_overhead_scheduling=True (that path has not run on a GPU yet). With
+            data_parallel_size > 1 each rank drafts and verifies its own requests; under
+            expert_parallel the ranks agree on each step's verify size (a rank without decode rows
+            runs a dummy verify forward of it).
         varlen_verify: with num_speculative_tokens > 0, how many of the k drafts each request verifies:
-            True = the choice by expected throughput (docs/design.md §7), from a step-time curve measured at
-            start-up (kept in DEEPINFER_VARLEN_PROFILE_CACHE for the next start of the same config) and
-            the draft head's confidences (a request's tokens then depend on its batch, even seeded
-            ones); False = all k.
+            True = the choice by expected throughput (docs/design.md §7), from the verify forward's,
+            the draft walk's and the verification's times measured at start-up (kept in
+            DEEPINFER_VARLEN_PROFILE_CACHE for the next start of the same config) and the draft head's
+            confidences: a row whose drafts do not pay for their share of the forward and the draft
+            walk verifies none (a plain decode row), and where drafting cannot pay at any batch size
+            the engine says so at start and decodes plainly (a request's tokens then depend on its
+            batch, even seeded ones); False = all k.
         enable_prefix_caching: reuse the KV blocks and the model state of cached prompt prefixes
             (docs/prefix_cache.md): a prompt starting with the tokens of an earlier prompt (a chat's
             previous turn, a shared system prompt) prefills only the rest, from its last full block
@@ -320,9 +326,6 @@ class EngineArgs:
         if not self.num_speculative_tokens:
             return
         k = self.num_speculative_tokens
-        if self.data_parallel_size > 1:
-            _fail("num_speculative_tokens", f"num_speculative_tokens={k} runs on one rank only so far "
-                  f"(data_parallel_size={self.data_parallel_size}): the lockstep EP steps do not take verify rows")
         if self.engine_type is EngineType.PROMPT:
             _fail("num_speculative_tokens", f"num_speculative_tokens={k} needs a NORMAL or COMPLETION engine (a "
                   "PROMPT engine never decodes)")

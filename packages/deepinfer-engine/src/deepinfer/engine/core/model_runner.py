@@ -283,7 +283,7 @@ class ModelRunner:
 
     @torch.no_grad()
     def verify_forward(self, d: DecodeBatch, tokens: Tensor, shift: Tensor | None = None,
-                       query_lens: Tensor | None = None) -> Tensor:
+                       query_lens: Tensor | None = None, graph_size: int | None = None) -> Tensor:
         """The verify forward of a speculative decode step: the model's multi-token decode
         (`ForwardBatch.multi_decode`, static shapes; DeepSeek-V4 and V4.1), replayed from the CUDA
         graph keyed by the step's total query tokens when there is one, else eager.
@@ -298,11 +298,14 @@ class ModelRunner:
             query_lens: ZOS: [num_seqs] int64 on the device, the query lengths split on the device (same
                 sum as d.query_lens, which they replace); the step's tokens are then laid out on the
                 device. None = d.query_lens.
+            graph_size: run the forward over this many tokens, padding past sum(query_lens) (lockstep DP
+                ranks under expert parallelism agree on it: `spec_lockstep`); None = no padding (the
+                graph of the step's own key).
         Returns:
             float32 logits [sum(query_lens), vocab] of every fed row, sequence by sequence.
         """
         if query_lens is not None:
-            return self._verify_forward_device_split(d, tokens, shift, query_lens)
+            return self._verify_forward_device_split(d, tokens, shift, query_lens, graph_size)
         query_lens = d.query_lens.astype(np.int64)
         width = tokens.shape[1]
         token_rows = np.repeat(np.arange(d.num_seqs), query_lens)          # the row of each fed token
@@ -313,7 +316,8 @@ class ModelRunner:
         fed = tokens.flatten().index_select(0, self._to_device(flat))
         total_q = len(flat)
         token_shift = None if shift is None else shift.index_select(0, self._to_device(token_rows))
-        if self.verify_replays_graph(total_q):
+        size = max(total_q, graph_size or 0)
+        if self.verify_replays_graph(size):
             # a replay of the graph keyed by total_q: per token (-1: filled below on the device), its
             # position, its row's state slot and scheduler row (the graphs gather the block tables by it)
             inputs = torch.empty((STAGED_ROWS, total_q), dtype=torch.int64, pin_memory=True)
@@ -323,19 +327,35 @@ class ModelRunner:
             host[2] = d.state_slots[token_rows]
             host[3] = d.rows[token_rows]
             self.block_tables.update(d.rows, d.table_versions, d.block_tables)
-            self.graphs.stage(inputs, self.block_tables)
+            self.graphs.stage(inputs, self.block_tables, self.graphs.bucket(size))
             self.graphs.token_ids[:total_q].copy_(fed)
             if token_shift is not None:
                 self.graphs.positions[:total_q].sub_(token_shift)
-            return self.graphs.replay(total_q)      # float32 [total_q, vocab], valid until the next replay
+            return self.graphs.replay(total_q, self.graphs.bucket(size))   # float32 [total_q, vocab], valid
+                                                                          # until the next replay
         placed = positions if token_shift is None else self._to_device(positions) - token_shift
-        batch = ForwardBatch.multi_decode(fed, placed, token_rows, d.block_tables, d.state_slots,
-                                          max_query_len=width, max_context_len=int(positions.max()) + 1,
+        return self._eager_verify(d, fed, placed, token_rows, width, int(positions.max()) + 1, size)
+
+    def _eager_verify(self, d: DecodeBatch, fed: Tensor, positions: np.ndarray | Tensor,
+                      token_rows: np.ndarray | Tensor, width: int, max_context_len: int, size: int) -> Tensor:
+        """The eager verify forward over [total_q] tokens (positions and rows on the host or the
+        device), padded to `size` tokens (token 0 at position 0 of a row with the dummy state slot 0
+        and an all-zero block table, as a graph pads); returns the float32 logits of the step's own."""
+        total_q = fed.shape[0]
+        block_tables, state_slots = d.block_tables, d.state_slots
+        if size > total_q:
+            fed = torch.cat((fed, fed.new_zeros(size - total_q)))
+            positions = _padded(positions, size, 0)
+            token_rows = _padded(token_rows, size, d.num_seqs)            # the padding row, after the others
+            block_tables = np.concatenate((block_tables, np.zeros((1, block_tables.shape[1]), block_tables.dtype)))
+            state_slots = np.concatenate((state_slots, np.zeros(1, state_slots.dtype)))
+        batch = ForwardBatch.multi_decode(fed, positions, token_rows, block_tables, state_slots,
+                                          max_query_len=width, max_context_len=max_context_len,
                                           device=self.device, to_device=self._to_device)
-        return self.model(batch, self.cache, self.ops).float()
+        return self.model(batch, self.cache, self.ops)[:total_q].float()
 
     def _verify_forward_device_split(self, d: DecodeBatch, tokens: Tensor, shift: Tensor | None,
-                                     query_lens: Tensor) -> Tensor:
+                                     query_lens: Tensor, graph_size: int | None) -> Tensor:
         """`verify_forward` with query lengths known only on the device: the token layout (each token's
         row, column and position) is computed there, without a host read."""
         n, width = d.num_seqs, tokens.shape[1]
@@ -352,16 +372,14 @@ class ModelRunner:
         columns = torch.arange(total_q, device=self.device) - starts.index_select(0, token_rows)
         fed = tokens.flatten().index_select(0, token_rows * width + columns)
         positions = first_positions.index_select(0, token_rows) + columns
-        if self.verify_replays_graph(total_q):
+        size = max(total_q, graph_size or 0)
+        if self.verify_replays_graph(size):
             inputs = torch.stack((fed, positions, state_slots.index_select(0, token_rows),
                                   rows.index_select(0, token_rows)))
             self.block_tables.update(d.rows, d.table_versions, d.block_tables)
-            self.graphs.stage(inputs, self.block_tables)
-            return self.graphs.replay(total_q)
-        batch = ForwardBatch.multi_decode(fed, positions, token_rows, d.block_tables, d.state_slots,
-                                          max_query_len=width, max_context_len=int(d.seq_lens.max()),
-                                          device=self.device, to_device=self._to_device)
-        return self.model(batch, self.cache, self.ops).float()
+            self.graphs.stage(inputs, self.block_tables, self.graphs.bucket(size))
+            return self.graphs.replay(total_q, self.graphs.bucket(size))
+        return self._eager_verify(d, fed, positions, token_rows, width, int(d.seq_lens.max()), size)
 
     def verify_replays_graph(self, total_q: int) -> bool:
         """Whether `verify_forward` of total_q query tokens replays a CUDA graph."""
@@ -418,6 +436,13 @@ class ModelRunner:
             self.prefix.save(step.save_states)
         sampled = logits if step.logits_rows is None else logits[step.logits_rows]
         return sampled, logits if step.prompt_spans else None
+
+
+def _padded(values: np.ndarray | Tensor, size: int, fill: int) -> np.ndarray | Tensor:
+    """`values` ([n] on the host or the device) followed by `fill` up to `size` entries."""
+    if isinstance(values, Tensor):
+        return torch.cat((values, values.new_full((size - values.shape[0],), fill)))
+    return np.concatenate((values, np.full(size - len(values), fill, dtype=values.dtype)))
 
 
 def _stage_tokens(d: DecodeBatch, in_flight: bool, out: np.ndarray) -> None:
