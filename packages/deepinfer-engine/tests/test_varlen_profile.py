@@ -277,4 +277,6 @@ def test_where_drafting_pays_rows_draft_and_greedy_tokens_stay(measured: list[in
     assert stats.spec_verify_steps > 0 and stats.spec_draft_tokens > 0
     varlen = engine.spec.varlen            # the estimators learned from the real steps
     assert len(varlen.forward._steps) >= stats.spec_verify_steps and varlen.draft._times and varlen.sampler._times
-    assert len(varlen.calibration._rows) == stats.spec_verify_rows        # and how far the confidences were right
+    # and how far the confidences were right: every verified row that fed drafts (under ZOS the device's
+    # split can leave a drafting row none, depending on the head's confidences)
+    assert 0 < len(varlen.calibration._rows) <= stats.spec_verify_rows
