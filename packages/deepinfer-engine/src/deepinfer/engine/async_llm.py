@@ -39,6 +39,7 @@ from .async_front import (
     deliver,
 )
 from .core_loop import run_loop
+from .engine_process import transfer_stats
 from .intake import PromptInput
 from .llm_engine import LLMEngine
 from .outputs import RequestOutput
@@ -172,7 +173,8 @@ class AsyncLLM(StreamingFront):
         engine = self.engine
         num_running = engine.scheduler.num_running
         kv = engine.kv_blocks
-        return EngineStats(num_running, max(0, len(self._streams) - num_running), kv.num_free, kv.num_blocks - 1)
+        return EngineStats(num_running, max(0, len(self._streams) - num_running), kv.num_free, kv.num_blocks - 1,
+                           transfer_stats(engine))
 
 
 class _ThreadTransport:

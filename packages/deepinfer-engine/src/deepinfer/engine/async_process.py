@@ -27,7 +27,7 @@ import asyncio
 import logging
 import multiprocessing as mp
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from .async_front import (
     DEFAULT_MAX_NUM_WAITING,
@@ -52,6 +52,7 @@ from .engine_process import (
     send,
 )
 from .intake import PromptInput
+from .kv_handoff import KVTransfer
 from .outputs import RequestOutput, running_output
 from .sampling_params import SamplingParams
 from .tokenizer import load_tokenizer
@@ -70,6 +71,8 @@ class AsyncLLMProcess(ProcessFront):
         args: the engine arguments (data_parallel_size 1; `parallel.DPAsyncLLM` runs more ranks).
         max_num_waiting: most requests accepted but not yet running; one more raises
             `EngineQueueFull` from `generate`.
+        kv_transfer_factory: a picklable callable the engine process calls for its engine's
+            `KVTransfer` (a decode server's: `functools.partial(disagg.HttpPrefillClient, url)`).
 
     Raises:
         ValueError: data_parallel_size > 1 or a bad max_num_waiting.
@@ -77,7 +80,8 @@ class AsyncLLMProcess(ProcessFront):
             has exited.
     """
 
-    def __init__(self, args: EngineArgs, *, max_num_waiting: int = DEFAULT_MAX_NUM_WAITING) -> None:
+    def __init__(self, args: EngineArgs, *, max_num_waiting: int = DEFAULT_MAX_NUM_WAITING,
+                 kv_transfer_factory: Callable[[], KVTransfer] | None = None) -> None:
         if isinstance(max_num_waiting, bool) or not isinstance(max_num_waiting, int) or max_num_waiting < 1:
             raise ValueError(f"max_num_waiting={max_num_waiting!r} must be an int >= 1")
         if args.data_parallel_size != 1:
@@ -96,7 +100,7 @@ class AsyncLLMProcess(ProcessFront):
         from_engine, engine_out = ctx.Pipe(duplex=False)
         engine_in, to_engine = ctx.Pipe(duplex=False)
         self._proc = ctx.Process(target=engine_process_main, name="deepinfer-engine", daemon=True,
-                                 args=(args, engine_in, engine_out))
+                                 args=(args, engine_in, engine_out, kv_transfer_factory))
         self._proc.start()
         engine_in.close()           # the child's ends: closed here, so that its death reads as EOF
         engine_out.close()
@@ -121,7 +125,7 @@ class AsyncLLMProcess(ProcessFront):
         """The engine after its latest reported step; waiting = submitted, unfinished and not running."""
         load = self._load
         return EngineStats(load.num_running, max(0, self._num_unfinished - load.num_running), load.num_free_kv_blocks,
-                           load.num_kv_blocks)
+                           load.num_kv_blocks, load.kv_transfer)
 
     def parallel_stats(self) -> None:
         """None: one engine, no DP ranks."""

@@ -26,17 +26,21 @@ import os
 import pickle
 import signal
 import traceback
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
 
+from deepinfer.sched import EngineType
+
 from .core_loop import run_loop
 from .engine_args import EngineArgs
 from .intake import PromptInput
+from .kv_handoff import KVTransfer
 from .outputs import OutputKind, RequestOutput
 from .sampling_params import SamplingParams
+from .stats import TransferStats
 
 # ------------------------------------------------------------------ front -> engine
 
@@ -72,6 +76,7 @@ class EngineLoad:
     num_running: int
     num_free_kv_blocks: int
     num_kv_blocks: int            # usable blocks (block 0 excluded)
+    kv_transfer: TransferStats | None = None     # a prefill/decode pair's engine: KV handed over so far
 
 
 @dataclass(frozen=True, slots=True)
@@ -145,15 +150,17 @@ def picklable_error(err: BaseException) -> BaseException:
 # ------------------------------------------------------------------ the child
 
 
-def engine_process_main(args: EngineArgs, inbox: Connection, outbox: Connection) -> None:
-    """The entry point of the engine process: build the engine, report `EngineReady`, serve until
-    `StopEngine` (exit 0) or the front's end closes. An error goes to `outbox` as `EngineFailed`,
-    and the process exits with status 1."""
+def engine_process_main(args: EngineArgs, inbox: Connection, outbox: Connection,
+                        kv_transfer_factory: Callable[[], KVTransfer] | None = None) -> None:
+    """The entry point of the engine process: build the engine (with `kv_transfer_factory()` as its
+    `KVTransfer` when given: a decode server's), report `EngineReady`, serve until `StopEngine` (exit
+    0) or the front's end closes. An error goes to `outbox` as `EngineFailed`, and the process exits
+    with status 1."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     try:
         from .llm_engine import LLMEngine
 
-        engine = LLMEngine(args)
+        engine = LLMEngine(args, kv_transfer=None if kv_transfer_factory is None else kv_transfer_factory())
         send(outbox, EngineReady(Path(engine.model_dir), engine.max_model_len, engine.load_seconds,
                                  engine.weight_bytes, os.getpid(), engine_load(engine)))
         loop = EngineLoop(engine, inbox, outbox)
@@ -272,4 +279,9 @@ class EngineLoop:
 def engine_load(engine: Any) -> EngineLoad:
     """The engine's scheduler and KV cache now."""
     kv = engine.kv_blocks
-    return EngineLoad(engine.scheduler.num_running, kv.num_free, kv.num_blocks - 1)
+    return EngineLoad(engine.scheduler.num_running, kv.num_free, kv.num_blocks - 1, transfer_stats(engine))
+
+
+def transfer_stats(engine: Any) -> TransferStats | None:
+    """The KV an engine of a prefill/decode pair handed over so far; None for a NORMAL engine."""
+    return None if engine.args.engine_type is EngineType.NORMAL else engine.kv_transfer.stats()

@@ -4,7 +4,9 @@ Names (all prefixed `deepinfer_`): `request_success_total{finished_reason}`, `nu
 `num_requests_waiting`, `kv_cache_usage_perc` (0..1), `kv_cache_free_blocks`,
 `prompt_tokens_total`, `generation_tokens_total`, `prefix_cache_queries_total` and
 `prefix_cache_hits_total` (prompt tokens of finished requests looked up in / served from the prefix
-cache; ignored requests count nothing), and the histograms
+cache; ignored requests count nothing), on either server of a prefill/decode pair
+`kv_transfers_total`, `kv_transfer_bytes_total` and `kv_transfer_seconds_total` (KV handed over: sent
+by the prefill server, received by the decode server, whose time includes the prefill), and the histograms
 `time_to_first_token_seconds`, `inter_token_latency_seconds`, `e2e_request_latency_seconds`.
 
 The gauges read the front's `stats`: with an engine process, the scheduler and KV cache as of the
@@ -63,6 +65,7 @@ class ServerMetrics:
             Gauge(name, text, registry=r).set_function(read)
         if llm.parallel_stats() is not None:
             r.register(_ParallelCollector(llm))
+        r.register(_TransferCollector(llm))
 
     def render(self) -> bytes:
         """The Prometheus text exposition of every metric."""
@@ -71,6 +74,26 @@ class ServerMetrics:
     def track(self) -> RequestTracker:
         """A tracker for one request arriving now."""
         return RequestTracker(self)
+
+
+class _TransferCollector(Collector):
+    """A prefill/decode pair's KV transfer counts (`EngineStats.kv_transfer`; nothing for a NORMAL engine)."""
+
+    def __init__(self, llm: EngineClient) -> None:
+        self._llm = llm
+
+    def collect(self) -> Iterator[Metric]:
+        stats = self._llm.stats.kv_transfer
+        if stats is None:
+            return
+        for name, text, value in (
+                ("deepinfer_kv_transfers", "Requests whose KV was handed over (sent or received)", stats.num_transfers),
+                ("deepinfer_kv_transfer_bytes", "KV and state bytes handed over", stats.num_bytes),
+                ("deepinfer_kv_transfer_seconds", "Time spent handing KV over (decode side: prefill included)",
+                 stats.seconds)):
+            family = CounterMetricFamily(name, text)
+            family.add_metric([], value)
+            yield family
 
 
 class _ParallelCollector(Collector):
