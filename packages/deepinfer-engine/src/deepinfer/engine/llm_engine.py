@@ -211,7 +211,7 @@ class LLMEngine(RequestIntake, PrefillDecodeHooks):
         self.zos = args.zos and (draft is None or _zos_with_drafts(args))
         self._in_flight = InFlightQueue(depth=1 if self.zos else 0)    # launched steps not committed yet
         self.last_step_kind: StepKind | None = None      # the kind of step the last step() scheduled
-        self.kv_transfer: KVTransfer = kv_transfer or NullKVTransfer()
+        self.kv_transfer: KVTransfer = NullKVTransfer() if kv_transfer is None else kv_transfer
         self.init_pd_split()
 
     def _load_model(self, cfg: DeepseekV4Config, ep: ExpertParallelSetup | None) -> DSparkDraft | None:

@@ -53,6 +53,8 @@ class HttpPrefillClient:
         self._arrived: queue.SimpleQueue[PrefilledRequest | TransferFailed] = queue.SimpleQueue()
         self._lock = threading.Lock()
         self._sockets: dict[str, socket.socket | None] = {}     # orders in flight (None: not connected yet)
+        self._queued: set[str] = set()          # orders answered, not yet polled
+        self._cancelled: set[str] = set()       # of those, the ones cancelled since (poll drops them)
         self._stats = TransferStats()
         self._workers = ThreadPoolExecutor(MAX_ORDERS_IN_FLIGHT, thread_name_prefix="deepinfer-pd-fetch")
 
@@ -88,6 +90,8 @@ class HttpPrefillClient:
     def cancel(self, request_id: str) -> None:
         with self._lock:
             sock = self._sockets.pop(request_id, None)
+            if request_id in self._queued:
+                self._cancelled.add(request_id)
         if sock is not None:
             try:
                 sock.shutdown(socket.SHUT_RDWR)
@@ -101,7 +105,13 @@ class HttpPrefillClient:
             while True:
                 items.append(self._arrived.get_nowait())
         except queue.Empty:
-            return items
+            pass
+        with self._lock:
+            wanted = [item for item in items if item.request_id not in self._cancelled]
+            for item in items:
+                self._queued.discard(item.request_id)
+                self._cancelled.discard(item.request_id)
+        return wanted
 
     def stats(self) -> TransferStats:
         with self._lock:
@@ -142,7 +152,8 @@ class HttpPrefillClient:
                 num_bytes = 0 if item.kv is None else item.kv.num_bytes
                 self._stats = TransferStats(self._stats.num_transfers + 1, self._stats.num_bytes + num_bytes,
                                             self._stats.seconds + time.perf_counter() - started)
-        self._arrived.put(item)
+            self._queued.add(order.request_id)
+            self._arrived.put(item)
 
 
 def _said(err: BaseException) -> str:

@@ -6,6 +6,7 @@ never crosses a process boundary before it goes on the wire."""
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import threading
 import time
@@ -15,31 +16,40 @@ from dataclasses import dataclass
 
 from ..async_front import EngineClient
 from ..kv_handoff import ModelFingerprint, PrefilledRequest, PrefillOrder, TransferFailed
+from ..outputs import RequestOutput
 from ..stats import TransferStats
 from .framing import handoff_frames, order_from_json
 
 
 class PrefillExports:
-    """The `KVTransfer` of a prefill server's PROMPT engine: `send` keeps the handoff by request id until
-    `take`; what nobody takes (its HTTP request left) is dropped by `discard`. Thread-safe (the engine
-    thread sends, the event loop takes)."""
+    """The `KVTransfer` of a prefill server's PROMPT engine: `send` keeps the handoff of a request some
+    HTTP request `expect`s until it `take`s it; `discard` forgets one (its HTTP request left), and a
+    handoff made after that (the engine was mid-step when the abort came) is dropped at `send`.
+    Thread-safe (the engine thread sends, the event loop takes)."""
 
     prefills = False
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._handoffs: dict[str, PrefilledRequest] = {}
+        self._handoffs: dict[str, PrefilledRequest | None] = {}     # expected ids; None = not sent yet
         self._stats = TransferStats()
         self.fingerprint: ModelFingerprint | None = None
 
     def connect(self, fingerprint: ModelFingerprint) -> None:
         self.fingerprint = fingerprint       # the decode servers compare theirs with it (GET /v1/pd/info)
 
+    def expect(self, request_id: str) -> None:
+        """A handoff of `request_id` is wanted (before the request is submitted)."""
+        with self._lock:
+            self._handoffs[request_id] = None
+
     def send(self, handoff: PrefilledRequest) -> None:
         with self._lock:
-            self._handoffs[handoff.request_id] = handoff
+            if handoff.request_id in self._handoffs:
+                self._handoffs[handoff.request_id] = handoff
 
     def take(self, request_id: str) -> PrefilledRequest | None:
+        """The handoff of `request_id` (None if it never came); the id is no longer expected."""
         with self._lock:
             return self._handoffs.pop(request_id, None)
 
@@ -66,6 +76,7 @@ class PrefillExports:
             return self._stats
 
     def __len__(self) -> int:
+        """Requests expected or held."""
         with self._lock:
             return len(self._handoffs)
 
@@ -87,10 +98,14 @@ class PrefillAnswer:
     exports: PrefillExports
 
     def stream(self) -> Iterator[bytes | memoryview]:
+        """The frames' buffers; the handoff is counted as the last one goes out (a decode server that has
+        read it closes the connection, and Starlette then stops the response before this resumes)."""
         started = time.perf_counter()
-        yield from handoff_frames(self.handoff)
+        buffers = list(handoff_frames(self.handoff))       # views of the tensors: nothing is copied here
+        yield from buffers[:-1]
         kv = self.handoff.kv
         self.exports.record(0 if kv is None else kv.num_bytes, time.perf_counter() - started)
+        yield buffers[-1]
 
 
 async def run_prefill(llm: EngineClient, exports: PrefillExports, body: object,
@@ -101,8 +116,15 @@ async def run_prefill(llm: EngineClient, exports: PrefillExports, body: object,
     Raises:
         PrefillRefused: as its docstring says; nothing is left behind.
     """
-    import asyncio
+    gone = asyncio.ensure_future(client_gone)
+    try:
+        return await _prefill(llm, exports, body, gone)
+    finally:
+        gone.cancel()
 
+
+async def _prefill(llm: EngineClient, exports: PrefillExports, body: object,
+                   gone: asyncio.Future[None]) -> PrefillAnswer:
     from ..async_front import EngineQueueFull, EngineStopped
 
     try:
@@ -116,15 +138,15 @@ async def run_prefill(llm: EngineClient, exports: PrefillExports, body: object,
                                   "they cannot hand KV over")
     internal_id = f"pd-{uuid.uuid4().hex}"       # the decode server's ids need not be unique here
 
-    async def prefilled() -> object:
+    async def prefilled() -> RequestOutput | None:
         last = None
         async for out in llm.generate({"prompt_token_ids": list(order.prompt_token_ids)}, order.params,
                                       internal_id):
             last = out
         return last
 
+    exports.expect(internal_id)
     work = asyncio.ensure_future(prefilled())
-    gone = asyncio.ensure_future(client_gone)
     try:
         await asyncio.wait((work, gone), return_when=asyncio.FIRST_COMPLETED)
         if not work.done():
@@ -140,12 +162,13 @@ async def run_prefill(llm: EngineClient, exports: PrefillExports, body: object,
             raise error
         handoff = exports.take(internal_id)
         if handoff is None:
-            sample = work.result().outputs[0]      # type: ignore[attr-defined]
-            why = sample.error_reason or sample.ignored_reason or sample.finish_reason
+            last = work.result()
+            sample = None if last is None else last.outputs[0]
+            why = "no output" if sample is None else \
+                sample.error_reason or sample.ignored_reason or sample.finish_reason
             raise PrefillRefused(500, f"the prefill engine ended the request without a handoff: {why}")
         return PrefillAnswer(dataclasses.replace(handoff, request_id=order.request_id), exports)
     finally:
-        gone.cancel()
         exports.discard(internal_id)
 
 

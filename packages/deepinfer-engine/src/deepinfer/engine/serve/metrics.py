@@ -23,13 +23,14 @@ and for the layers it left alone).
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from ..async_front import EngineClient
+from ..stats import TransferStats
 
 _LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
                     20.0, 40.0, 80.0, 160.0)
@@ -65,7 +66,10 @@ class ServerMetrics:
             Gauge(name, text, registry=r).set_function(read)
         if llm.parallel_stats() is not None:
             r.register(_ParallelCollector(llm))
-        r.register(_TransferCollector(llm))
+        # A prefill server's own counts are read live from its transfer (`pd_routes` sets this): its
+        # engine's snapshot is taken at steps, and a handoff goes out after the step that made it.
+        self.transfer_source: Callable[[], TransferStats | None] = lambda: llm.stats.kv_transfer
+        r.register(_TransferCollector(self))
 
     def render(self) -> bytes:
         """The Prometheus text exposition of every metric."""
@@ -79,11 +83,11 @@ class ServerMetrics:
 class _TransferCollector(Collector):
     """A prefill/decode pair's KV transfer counts (`EngineStats.kv_transfer`; nothing for a NORMAL engine)."""
 
-    def __init__(self, llm: EngineClient) -> None:
-        self._llm = llm
+    def __init__(self, metrics: ServerMetrics) -> None:
+        self._metrics = metrics
 
     def collect(self) -> Iterator[Metric]:
-        stats = self._llm.stats.kv_transfer
+        stats = self._metrics.transfer_source()
         if stats is None:
             return
         for name, text, value in (

@@ -26,7 +26,8 @@ from .errors import APIError
 
 def add_pd_routes(app: FastAPI, llm: EngineClient, exports: PrefillExports) -> None:
     """Add the two routes above to a prefill server's app (`llm` drives the PROMPT engine whose
-    `KVTransfer` is `exports`)."""
+    `KVTransfer` is `exports`); /metrics reads the KV sent from `exports`."""
+    app.state.server.metrics.transfer_source = exports.stats
 
     @app.get("/v1/pd/info")
     async def pd_info() -> dict[str, Any]:
