@@ -27,6 +27,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import nox
@@ -115,6 +116,20 @@ def _cpython(session: nox.Session, version: str) -> str:
                   f"and deepinfer-sched ship a wheel per CPython their classifiers name")
 
 
+def _run_concurrently(session: nox.Session, commands: list[list[str]]) -> None:
+    """Run `commands` (each an external command line) four at a time, in the environment without nox's
+    venv; their output is logged as each ends, and any failure fails the session after all ended."""
+    def run(command: list[str]) -> str | None:
+        ran = subprocess.run(command, env=_clean_env(), capture_output=True, text=True)
+        session.log(f"{' '.join(command)}: exit {ran.returncode}\n{ran.stdout[-800:]}")
+        return None if ran.returncode == 0 else f"{' '.join(command)} failed: {ran.stderr[-800:]}"
+
+    with ThreadPoolExecutor(max_workers=4) as pool:
+        problems = [problem for problem in pool.map(run, commands) if problem]
+    if problems:
+        session.error("\n".join(problems))
+
+
 @nox.session(default=False)
 def build(session: nox.Session) -> None:
     """dist/ anew: an sdist and a wheel per package, the wheel built from the sdist (so every sdist
@@ -130,13 +145,14 @@ def build(session: nox.Session) -> None:
         for name in LOCAL_DEPS:
             out = unrepaired if name in COMPILED else str(DIST)
             session.run("python", "-m", "build", "--outdir", out, str(ROOT / "packages" / f"deepinfer-{name}"))
+        builds = []
         for name in sorted(COMPILED):
             sdist = Path(unrepaired) / f"deepinfer_{name}-{release.current_version()}.tar.gz"
             for version in release.supported_pythons(name):
                 if not list(Path(unrepaired).glob(f"deepinfer_{name}-*-cp{version.replace('.', '')}-*.whl")):
-                    session.run(_cpython(session, version), "-m", "pip", "wheel", "--no-deps",
-                                "--disable-pip-version-check", "--wheel-dir", unrepaired, str(sdist), external=True,
-                                env=_clean_env())
+                    builds.append([_cpython(session, version), "-m", "pip", "wheel", "--no-deps",
+                                   "--disable-pip-version-check", "--wheel-dir", unrepaired, str(sdist)])
+        _run_concurrently(session, builds)
         for sdist in sorted(Path(unrepaired).glob("*.tar.gz")):
             shutil.move(sdist, DIST / sdist.name)
         for wheel in sorted(Path(unrepaired).glob("*.whl")):
@@ -158,17 +174,25 @@ def _clean_env() -> dict[str, str]:
     return env
 
 
+def _install_problem(report: Path, expected: set[str]) -> str | None:
+    """What is wrong with a pip install report: a deepinfer-* distribution not from dist/, or not exactly
+    the `expected` ones (None: nothing)."""
+    installed = json.loads(report.read_text())["install"]
+    ours = {item["metadata"]["name"]: item["download_info"]["url"] for item in installed
+            if item["metadata"]["name"].startswith("deepinfer-")}
+    if set(ours) != expected:
+        return f"installed deepinfer distributions {sorted(ours)}, expected {sorted(expected)}"
+    strays = [f"{name} came from {url}" for name, url in ours.items() if not url.startswith(DIST.as_uri() + "/")]
+    return f"{'; '.join(strays)}, not from dist/" if strays else None
+
+
 def _check_install_report(session: nox.Session, report: Path, expected: set[str]) -> None:
     """Every deepinfer-* distribution pip chose came out of dist/, and exactly `expected` ones."""
-    installed = json.loads(report.read_text())["install"]
-    chosen = {item["metadata"]["name"]: item["download_info"]["url"] for item in installed}
-    ours = {name: url for name, url in chosen.items() if name.startswith("deepinfer-")}
-    if set(ours) != expected:
-        session.error(f"installed deepinfer distributions {sorted(ours)}, expected {sorted(expected)}")
-    for name, url in ours.items():
-        if not url.startswith(DIST.as_uri() + "/"):
-            session.error(f"{name} came from {url}, not from dist/")
-    session.log(f"from dist/: {', '.join(sorted(ours))}; from the index: {', '.join(sorted(set(chosen) - set(ours)))}")
+    problem = _install_problem(report, expected)
+    if problem:
+        session.error(problem)
+    chosen = {item["metadata"]["name"] for item in json.loads(report.read_text())["install"]}
+    session.log(f"from dist/: {', '.join(sorted(expected))}; from the index: {', '.join(sorted(chosen - expected))}")
 
 
 @nox.session(default=False)
@@ -227,8 +251,13 @@ def wheels(session: nox.Session) -> None:
                     "assert logcnt.tolist() == [[3, 1, 1, 1]], logcnt\n",
                     external=True, env=env)
 
-        for python in release.supported_pythons("sched"):
-            _check_compiled_wheels(session, python, Path(tmp) / f"sched-venv-{python}", version, env)
+        with ThreadPoolExecutor(max_workers=4) as pool:
+            checks = [pool.submit(_check_compiled_wheels, python, _cpython(session, python),
+                                  Path(tmp) / f"sched-venv-{python}", version, env)
+                      for python in release.supported_pythons("sched")]
+            problems = [problem for check in checks if (problem := check.result())]
+        if problems:
+            session.error("; ".join(problems))
 
 
 # Run by each CPython's venv: the compiled modules load from the venv and schedule a prefill.
@@ -247,21 +276,29 @@ print("%d.%d" % sys.version_info[:2])
 """
 
 
-def _check_compiled_wheels(session: nox.Session, python: str, venv: Path, version: str, env: dict[str, str]) -> None:
+def _check_compiled_wheels(python: str, exe: str, venv: Path, version: str, env: dict[str, str]) -> str | None:
     """deepinfer-sched (and deepinfer-cache) from dist/ into a fresh venv of CPython `python`: the wheels
-    for that interpreter install, and their compiled modules schedule a prefill."""
-    session.run(_cpython(session, python), "-m", "venv", str(venv), external=True, env=env)
-    report = venv / "install.json"
-    session.run(str(venv / "bin" / "pip"), "install", "--no-compile", "--disable-pip-version-check", "--find-links",
-                str(DIST), "--report", str(report), f"deepinfer-sched=={version}", external=True, env=env)
-    _check_install_report(session, report, {"deepinfer-sched", "deepinfer-cache"})
+    for that interpreter install, and their compiled modules schedule a prefill. None when they do,
+    else what went wrong (run on a worker thread: it reports instead of calling session.error)."""
     tag = f"cp{python.replace('.', '')}"
+    report = venv / "install.json"
+    for command in ([exe, "-m", "venv", str(venv)],
+                    [str(venv / "bin" / "pip"), "install", "--no-compile", "--disable-pip-version-check",
+                     "--find-links", str(DIST), "--report", str(report), f"deepinfer-sched=={version}"]):
+        ran = subprocess.run(command, env=env, capture_output=True, text=True)
+        if ran.returncode != 0:
+            return f"CPython {python}: {' '.join(command[:3])} failed: {ran.stderr[-500:]}"
+    problem = _install_problem(report, {"deepinfer-sched", "deepinfer-cache"})
+    if problem:
+        return f"CPython {python}: {problem}"
     wheels = [item["download_info"]["url"] for item in json.loads(report.read_text())["install"]
               if item["metadata"]["name"].startswith("deepinfer-")]
     if not all(f"-{tag}-{tag}-manylinux" in url for url in wheels):
-        session.error(f"CPython {python} installed {wheels}, not the {tag} manylinux wheels")
+        return f"CPython {python} installed {wheels}, not the {tag} manylinux wheels"
     ran = subprocess.run([str(venv / "bin" / "python"), "-c", _SCHED_SMOKE], cwd=venv, env=env, capture_output=True,
                          text=True)
     if ran.returncode != 0 or ran.stdout.strip() != python:
-        session.error(f"the {tag} wheels of deepinfer-cache / deepinfer-sched failed: {ran.stderr[-500:]}")
-    session.log(f"CPython {python}: {', '.join(url.rsplit('/', 1)[1] for url in wheels)} installed and scheduled")
+        return f"the {tag} wheels of deepinfer-cache / deepinfer-sched failed: {ran.stderr[-500:]}"
+    print(f"nox > CPython {python}: {', '.join(url.rsplit('/', 1)[1] for url in wheels)} installed and scheduled",
+          flush=True)
+    return None

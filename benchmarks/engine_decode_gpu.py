@@ -50,7 +50,7 @@ import torch
 
 from deepinfer.engine import LLMEngine, OutputKind, SamplingParams
 from deepinfer.engine.bench import run_bench
-from deepinfer.engine.engine_args import EngineArgs
+from deepinfer.engine.config.engine_args import EngineArgs
 from deepinfer.sched import StepKind
 
 

@@ -20,8 +20,8 @@ from pathlib import Path
 import tokenizers
 from tokenizers import decoders, models, pre_tokenizers, trainers
 
-from deepinfer.engine.detokenizer import IncrementalDetokenizer, StopStringChecker
-from deepinfer.engine.tokenizer import Tokenizer
+from deepinfer.engine.text.detokenizer import IncrementalDetokenizer, StopStringChecker
+from deepinfer.engine.text.tokenizer import Tokenizer
 
 WORDS = "héllo wörld café 中文 測試 日本語 🎉 🚀 👍🏽 def return import class print(x)".split()
 

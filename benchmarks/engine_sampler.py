@@ -1,4 +1,4 @@
-"""Time `deepinfer.engine.sampler.Sampler` per step for several batch mixes (run on purpose).
+"""Time `deepinfer.engine.sampling.sampler.Sampler` per step for several batch mixes (run on purpose).
 
     PYTHONPATH=packages/deepinfer-engine/src python benchmarks/engine_sampler.py --device cpu \
         --batch-sizes 1 8 32 --vocab-size 129280 --iters 10
@@ -16,9 +16,9 @@ import time
 
 import torch
 
-from deepinfer.engine.sampler import Sampler
-from deepinfer.engine.sampling_batch import RequestRng, build_sampling_batch
-from deepinfer.engine.sampling_params import SamplingParams
+from deepinfer.engine.sampling.sampler import Sampler
+from deepinfer.engine.sampling.sampling_batch import RequestRng, build_sampling_batch
+from deepinfer.engine.sampling.sampling_params import SamplingParams
 
 MIXES = {
     "greedy": lambda i: SamplingParams(temperature=0.0),

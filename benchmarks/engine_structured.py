@@ -27,11 +27,11 @@ import time
 import torch
 import xgrammar
 
-from deepinfer.engine.grammar_backend import GrammarState
-from deepinfer.engine.sampler import Sampler
-from deepinfer.engine.sampling_batch import build_sampling_batch
-from deepinfer.engine.sampling_params import SamplingParams
-from deepinfer.engine.token_bitmask import apply_token_bitmask, fill_token_bitmask, unpack_token_bitmask
+from deepinfer.engine.sampling.grammar_backend import GrammarState
+from deepinfer.engine.sampling.sampler import Sampler
+from deepinfer.engine.sampling.sampling_batch import build_sampling_batch
+from deepinfer.engine.sampling.sampling_params import SamplingParams
+from deepinfer.engine.sampling.token_bitmask import apply_token_bitmask, fill_token_bitmask, unpack_token_bitmask
 
 SCHEMA = {
     "type": "object",

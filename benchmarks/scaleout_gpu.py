@@ -53,7 +53,7 @@ from engine_decode_gpu import steady, time_steps
 from v4_flash_dummy import flash_config, tiny_flash_config
 
 from deepinfer.engine import LLMEngine, OutputKind, SamplingParams
-from deepinfer.engine.engine_args import EngineArgs
+from deepinfer.engine.config.engine_args import EngineArgs
 from deepinfer.engine.parallel import DPRank, RankSpec
 from deepinfer.engine.parallel.launcher import free_port
 from deepinfer.model.layers import moe_ep, moe_ep_fixed

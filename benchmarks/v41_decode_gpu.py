@@ -14,7 +14,7 @@ source) and, with 4 or more ratio-1 layers, a reindex layer. The Engram tables a
 (`--engram-vocab`: prime buckets searched from there, not from 16M; a lookup reads the same 24 rows per
 token and layer whatever the table size). The cache holds valid packed rows of random values.
 
-Each batch: eager decode steps and CUDA-graph replays (deepinfer.engine.cuda_graphs.DecodeGraphs),
+Each batch: eager decode steps and CUDA-graph replays (deepinfer.engine.core.cuda_graphs.DecodeGraphs),
 median of `--steps`. Roofline of a step = bytes it must read / the copy bandwidth measured in the same
 run: dense weights (everything but the routed experts, the embedding and the Engram tables) + the
 expected distinct routed experts of the batch (uniform routing: E·(1 − (1 − k/E)^B)) per layer, as
@@ -259,7 +259,7 @@ def _bench_batch(torch, model, cfg, b: int, args, bandwidth: float, ops) -> dict
         torch.cuda.synchronize()
         row["eager_ms"] = _time(torch, lambda: model(next_batch(), cache, ops), max(3, args.steps // 4))
         if not args.no_graphs:
-            from deepinfer.engine.cuda_graphs import DecodeGraphs
+            from deepinfer.engine.core.cuda_graphs import DecodeGraphs
             try:
                 t0 = time.perf_counter()
                 graphs = DecodeGraphs(model, cache, max_seqs=b, max_blocks=blocks_per_seq, max_context_len=max_context,

@@ -105,7 +105,7 @@ def main() -> None:
     import torch
     from torch.profiler import ProfilerActivity, profile
 
-    from deepinfer.engine.cuda_graphs import DecodeGraphs
+    from deepinfer.engine.core.cuda_graphs import DecodeGraphs
     from deepinfer.kernels import kernels_for
     from deepinfer.model import DeepseekV41Config, ForwardBatch, ModelCache
     from deepinfer.model.dummy import dummy_model

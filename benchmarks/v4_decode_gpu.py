@@ -32,7 +32,7 @@ os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
 
 import torch
 
-from deepinfer.engine.cuda_graphs import DecodeGraphs
+from deepinfer.engine.core.cuda_graphs import DecodeGraphs
 from deepinfer.kernels import kernels_for, reference
 from deepinfer.model import DeepseekV4Config, ForwardBatch, ModelCache
 from deepinfer.model.model import build_model

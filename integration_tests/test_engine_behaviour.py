@@ -7,7 +7,7 @@ from engine_twin import hf_greedy, random_prompts
 
 from deepinfer.engine import LLM, InvalidEngineArgs, InvalidSamplingParams, LLMEngine, SamplingParams
 from deepinfer.engine.cli import main as cli_main
-from deepinfer.engine.engine_args import EngineArgs
+from deepinfer.engine.config.engine_args import EngineArgs
 
 
 def _ids(prompts):

@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 import torch
 
-from deepinfer.engine.sync_guard import forbid_cuda_sync
+from deepinfer.engine.device.sync_guard import forbid_cuda_sync
 from deepinfer.kernels import KernelSet
 from deepinfer.model import DeepseekV4Config, DeepseekV4ForCausalLM, ForwardBatch, ModelCache
 from deepinfer.model.layers import batched_decode

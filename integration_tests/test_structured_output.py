@@ -23,8 +23,8 @@ from deepinfer.engine import (
     StructuredOutput,
     StructuredOutputUnavailable,
 )
-from deepinfer.engine.grammar_backend import XGrammarBackend
-from deepinfer.engine.grammar_compiler import GrammarCompilePool
+from deepinfer.engine.sampling.grammar_backend import XGrammarBackend
+from deepinfer.engine.sampling.grammar_compiler import GrammarCompilePool
 
 EOS = 0
 PROMPTS = ["def fibonacci(", "class Stack:", "    return a"]

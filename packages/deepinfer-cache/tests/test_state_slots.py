@@ -18,7 +18,7 @@ def test_explicit_ratio(manager_cls, max_num_seqs: int, ratio: float, num_slots:
 
 
 def test_the_environment_is_not_read(manager_cls, monkeypatch) -> None:
-    # the engine reads DEEPINFER_NUM_STATE_SLOTS_RATIO (deepinfer.engine.env) and passes the ratio in
+    # the engine reads DEEPINFER_NUM_STATE_SLOTS_RATIO (deepinfer.engine.config.env) and passes the ratio in
     monkeypatch.setenv("DEEPINFER_NUM_STATE_SLOTS_RATIO", "2")
     assert manager_cls.for_state_slots(10).num_blocks == 13
 

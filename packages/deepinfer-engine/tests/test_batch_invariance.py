@@ -128,7 +128,7 @@ def test_a_request_s_logits_do_not_depend_on_its_batch_on_the_gpu(dtype: str, en
 def test_the_engine_s_sampler_samples_through_the_invariant_kernel_set(monkeypatch) -> None:
     """On CUDA the default sampler picks the reference or the Triton kernel by batch size; with the
     flag on it must ask for the invariant set, whose sampler is the same at every size."""
-    import deepinfer.engine.sampler as sampler_module
+    import deepinfer.engine.sampling.sampler as sampler_module
     asked = []
     kernels_for = sampler_module.kernels_for
 

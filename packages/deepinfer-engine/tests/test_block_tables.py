@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from deepinfer.cache import BlockManager
-from deepinfer.engine.block_tables import RowBlockTables
+from deepinfer.engine.core.block_tables import RowBlockTables
 from deepinfer.sched import Scheduler, SchedulerConfig, SeqStatus, StepKind
 
 

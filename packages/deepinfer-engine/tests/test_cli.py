@@ -14,14 +14,14 @@ import pytest
 
 from deepinfer.engine import CompletionOutput, EngineArgs, EngineType, SamplingParams, StructuredOutput
 from deepinfer.engine.cli import DISTRIBUTIONS, build_parser, finish_text, main, make_sampling_params
-from deepinfer.engine.dataclass_flags import (
+from deepinfer.engine.config.dataclass_flags import (
     add_dataclass_flags,
     attribute_docs,
     dataclass_kwargs,
     flag_name,
     parse_int_tuple,
 )
-from deepinfer.engine.env import unknown_env_vars
+from deepinfer.engine.config.env import unknown_env_vars
 
 
 def _subparser(name: str) -> argparse.ArgumentParser:
@@ -245,7 +245,7 @@ def test_generate_prints_outputs_logprobs_and_finish_reasons(capsys: pytest.Capt
         monkeypatch.delenv(name)
     monkeypatch.setenv("DEEPINFER_DISABLE_SYNC_GAURD", "1")
     long_prompt = "x " * 40
-    with caplog.at_level(logging.WARNING, logger="deepinfer.engine.env"):
+    with caplog.at_level(logging.WARNING, logger="deepinfer.engine.config.env"):
         code, out, err = _run(capsys, "generate", "def fibonacci(", long_prompt, "--max-tokens", "4", "--stop", ":",
                               "--logprobs", "2", "--min-p", "0.05", "--max-model-len", "16")
     assert code == 0

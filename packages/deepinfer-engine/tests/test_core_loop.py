@@ -3,7 +3,7 @@ themselves are tested end to end by the offline, async, serve and DP tests)."""
 
 from __future__ import annotations
 
-from deepinfer.engine.core_loop import run_loop
+from deepinfer.engine.frontends.core_loop import run_loop
 
 
 class ScriptedTransport:

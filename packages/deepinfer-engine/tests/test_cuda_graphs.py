@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from deepinfer.engine.cuda_graphs import graph_sizes
+from deepinfer.engine.core.cuda_graphs import graph_sizes
 
 
 def test_graph_sizes_follow_the_design() -> None:
@@ -20,7 +20,7 @@ def test_graph_sizes_follow_the_design() -> None:
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_graph_replay_equals_eager_decode() -> None:
-    from deepinfer.engine.cuda_graphs import DecodeGraphs
+    from deepinfer.engine.core.cuda_graphs import DecodeGraphs
     from deepinfer.model import DeepseekV4Config, ForwardBatch, ModelCache
     from deepinfer.model.model import build_model
 

@@ -10,7 +10,7 @@ import functools
 import pytest
 
 from deepinfer.engine import LLMEngine, OutputKind, SamplingParams
-from deepinfer.engine.engine_args import EngineArgs
+from deepinfer.engine.config.engine_args import EngineArgs
 
 PROMPTS = ("def fibonacci(", "import os\n", "class Parser:", "for i in range(", "x = [", "    return self.")
 

@@ -22,7 +22,7 @@ rank, port = int(sys.argv[1]), int(sys.argv[2])
 dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
                         timeout=timedelta(seconds=20))
 from deepinfer.cache import BlockManager
-from deepinfer.engine.dp_group import GlooStepVoteGroup
+from deepinfer.engine.parallel.dp_group import GlooStepVoteGroup
 from deepinfer.sched import Scheduler, SchedulerConfig, StepVoteGroup
 
 result = {}
@@ -94,7 +94,7 @@ def test_two_schedulers_vote_through_gloo(results) -> None:
 
 
 def test_refuses_without_distributed() -> None:
-    from deepinfer.engine.dp_group import GlooStepVoteGroup
+    from deepinfer.engine.parallel.dp_group import GlooStepVoteGroup
 
     with pytest.raises(RuntimeError, match="init_process_group"):
         GlooStepVoteGroup()

@@ -13,7 +13,7 @@ from engine_tiny_v4 import CONFIG
 import deepinfer.model
 from deepinfer.engine import EngineArgs, InvalidEngineArgs, LLMEngine, SamplingParams
 from deepinfer.engine.cli import main
-from deepinfer.engine.engine_args import LOAD_FORMATS, allowed_values
+from deepinfer.engine.config.engine_args import LOAD_FORMATS, allowed_values
 
 
 @pytest.fixture

@@ -7,7 +7,7 @@ import math
 
 import pytest
 
-from deepinfer.engine.engine_args import (
+from deepinfer.engine.config.engine_args import (
     MAX_INT32,
     MAX_KV_CACHE_MEMORY_MB,
     EngineArgs,

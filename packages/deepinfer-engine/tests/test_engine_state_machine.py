@@ -12,7 +12,7 @@ from hypothesis import HealthCheck, Phase, settings
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from deepinfer.engine import LLM, LLMEngine, RequestOutput, SamplingParams
-from deepinfer.engine.engine_args import EngineArgs
+from deepinfer.engine.config.engine_args import EngineArgs
 
 PROMPTS = ((1, 2, 3, 4, 5, 6, 7), (9, 8), (3,) * 20, (100, 200, 300, 400))
 MAX_TOKENS = 8

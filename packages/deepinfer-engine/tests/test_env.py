@@ -6,7 +6,7 @@ import os
 
 import pytest
 
-from deepinfer.engine.env import (
+from deepinfer.engine.config.env import (
     MOVED_VARIABLES,
     OTHER_VARIABLES,
     VARIABLES,
@@ -120,10 +120,10 @@ def test_variables_read_elsewhere_are_known() -> None:
 def test_read_env_warns_once_per_unknown_variable_with_a_suggestion(caplog: pytest.LogCaptureFixture) -> None:
     environ = {"DEEPINFER_DISABLE_SYNC_GAURD": "1", "DEEPINFER_ZZZ": "1", "DEEPINFER_CACHE_PURE_PYTHON": "1",
                "DEEPINFER_PREFILL_ATTEMPT_INTERVAL": "5", "DEEPINFER_SAMPLER_FORCE_TOP_K": "3"}
-    with caplog.at_level(logging.WARNING, logger="deepinfer.engine.env"):
+    with caplog.at_level(logging.WARNING, logger="deepinfer.engine.config.env"):
         env = read_env(environ)
     assert env == EngineEnv(prefill_attempt_interval=5)
-    assert [(r.name, r.levelno) for r in caplog.records] == [("deepinfer.engine.env", logging.WARNING)] * 3
+    assert [(r.name, r.levelno) for r in caplog.records] == [("deepinfer.engine.config.env", logging.WARNING)] * 3
     assert [r.getMessage() for r in caplog.records] == [
         "DEEPINFER_DISABLE_SYNC_GAURD is not a DeepInfer environment variable; it is ignored "
         "(did you mean DEEPINFER_DISABLE_SYNC_GUARD?)",
@@ -134,7 +134,7 @@ def test_read_env_warns_once_per_unknown_variable_with_a_suggestion(caplog: pyte
 
 
 def test_known_variables_give_no_warning(caplog: pytest.LogCaptureFixture) -> None:
-    with caplog.at_level(logging.WARNING, logger="deepinfer.engine.env"):
+    with caplog.at_level(logging.WARNING, logger="deepinfer.engine.config.env"):
         read_env({"DEEPINFER_DISABLE_SYNC_GUARD": "1", "DEEPINFER_TORCH_SPEC": "torch==2.13.0", "HOME": "/root"})
     assert caplog.records == []
 

@@ -108,7 +108,7 @@ def test_a_fault_fails_its_step_frees_everything_and_the_engine_serves_on(engine
 
 def test_a_fault_in_one_request_s_detokenization_fails_only_its_step(engine, reference, monkeypatch) -> None:
     """A fault while post-processing one request (its stop-string check) fails the step it is in."""
-    from deepinfer.engine.request import Request
+    from deepinfer.engine.core.request import Request
     fired = fail_once(monkeypatch, Request, "add_token", lambda self, *a: self.prompt_token_ids == list(PROMPTS[1]))
     outs = run(engine, PROMPTS)
     monkeypatch.undo()

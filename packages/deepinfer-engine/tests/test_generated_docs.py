@@ -9,8 +9,8 @@ import pytest
 
 from deepinfer.engine import EngineArgs
 from deepinfer.engine.cli import build_parser
-from deepinfer.engine.dataclass_flags import flag_name
-from deepinfer.engine.env import MOVED_VARIABLES, OTHER_VARIABLES, VARIABLES
+from deepinfer.engine.config.dataclass_flags import flag_name
+from deepinfer.engine.config.env import MOVED_VARIABLES, OTHER_VARIABLES, VARIABLES
 from deepinfer.engine.gen_docs import DOCS, engine_args_markdown, environment_markdown, main
 
 REPO_DOCS = Path(__file__).resolve().parents[3] / "docs"

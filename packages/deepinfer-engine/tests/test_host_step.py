@@ -12,13 +12,13 @@ import pytest
 import torch
 
 from deepinfer.engine import LLMEngine, SamplingParams
-from deepinfer.engine.engine_args import EngineArgs
+from deepinfer.engine.config.engine_args import EngineArgs
+from deepinfer.engine.core.outputs import CompletionOutput, RequestOutput, running_output
+from deepinfer.engine.core.request import Request
 from deepinfer.engine.llm_engine import resolve_model_dir
-from deepinfer.engine.outputs import CompletionOutput, RequestOutput, running_output
-from deepinfer.engine.request import Request
-from deepinfer.engine.sampling_batch import InvalidSamplingBatch, RequestRng, build_sampling_batch
-from deepinfer.engine.sampling_stage import NON_FINITE_LOGITS, RowParams, SampledStep, SampledToken, StepRows
-from deepinfer.engine.tokenizer import load_tokenizer
+from deepinfer.engine.sampling.sampling_batch import InvalidSamplingBatch, RequestRng, build_sampling_batch
+from deepinfer.engine.sampling.sampling_stage import NON_FINITE_LOGITS, RowParams, SampledStep, SampledToken, StepRows
+from deepinfer.engine.text.tokenizer import load_tokenizer
 from deepinfer.model import ForwardBatch
 
 
@@ -129,8 +129,8 @@ def test_a_reused_sampling_batch_samples_as_a_fresh_one() -> None:
     """The steady decode step reuses the previous step's SamplingBatch (same rows, nothing banned or
     constrained): the seeded rows' draw positions still move with their output counts, so every step
     samples exactly as a batch built from scratch; a row still below min_tokens gets a new batch."""
-    from deepinfer.engine.sampler import Sampler
-    from deepinfer.engine.sampling_stage import SamplingStage
+    from deepinfer.engine.sampling.sampler import Sampler
+    from deepinfer.engine.sampling.sampling_stage import SamplingStage
 
     vocab = 64
     greedy, seeded = SamplingParams(temperature=0.0), SamplingParams(temperature=0.9, seed=5)

@@ -11,10 +11,10 @@ import re
 import pytest
 
 from deepinfer.engine import LLM, EngineArgs, LLMEngine, RequestOutput, SamplingParams
-from deepinfer.engine.async_front import MAX_PENDING_DELTAS, DeltaStream
-from deepinfer.engine.engine_args import InvalidEngineArgs
-from deepinfer.engine.outputs import CompletionOutput, running_output
-from deepinfer.engine.sampling_params import InvalidSamplingParams, StructuredOutput
+from deepinfer.engine.config.engine_args import InvalidEngineArgs
+from deepinfer.engine.core.outputs import CompletionOutput, running_output
+from deepinfer.engine.frontends.async_front import MAX_PENDING_DELTAS, DeltaStream
+from deepinfer.engine.sampling.sampling_params import InvalidSamplingParams, StructuredOutput
 
 GREEDY = SamplingParams(temperature=0, max_tokens=6)
 

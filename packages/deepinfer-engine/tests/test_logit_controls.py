@@ -10,16 +10,16 @@ import pytest
 import torch
 
 from deepinfer.engine import SamplingParams
-from deepinfer.engine.logit_controls import (
+from deepinfer.engine.device.sync_guard import forbid_cuda_sync
+from deepinfer.engine.sampling.logit_controls import (
     HISTORY_WINDOW,
     TokenHistory,
     apply_logit_controls,
     build_logit_controls,
     record_tokens,
 )
-from deepinfer.engine.sampler import Sampler
-from deepinfer.engine.sampling_batch import build_sampling_batch
-from deepinfer.engine.sync_guard import forbid_cuda_sync
+from deepinfer.engine.sampling.sampler import Sampler
+from deepinfer.engine.sampling.sampling_batch import build_sampling_batch
 
 VOCAB = 12
 CPU = torch.device("cpu")

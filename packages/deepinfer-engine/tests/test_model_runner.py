@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from deepinfer.engine.model_runner import ModelRunner, default_block_size
+from deepinfer.engine.core.model_runner import ModelRunner, default_block_size
 from deepinfer.model import DeepseekV4Config
 from deepinfer.model.model import build_model
 

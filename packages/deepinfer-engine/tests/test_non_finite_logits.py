@@ -6,10 +6,10 @@ import pytest
 import torch
 
 from deepinfer.engine import LLM, SamplingParams
-from deepinfer.engine.model_runner import StepBatch
-from deepinfer.engine.sampler import Sampler
-from deepinfer.engine.sampling_batch import RequestRng
-from deepinfer.engine.sampling_stage import NON_FINITE_LOGITS, RowParams, SamplingStage, StepRows
+from deepinfer.engine.core.model_runner import StepBatch
+from deepinfer.engine.sampling.sampler import Sampler
+from deepinfer.engine.sampling.sampling_batch import RequestRng
+from deepinfer.engine.sampling.sampling_stage import NON_FINITE_LOGITS, RowParams, SamplingStage, StepRows
 
 VOCAB_SIZE = 12
 

@@ -7,7 +7,7 @@ import functools
 import pytest
 
 from deepinfer.engine import LLMEngine, OutputKind, SamplingParams
-from deepinfer.engine.engine_args import EngineArgs
+from deepinfer.engine.config.engine_args import EngineArgs
 
 PARAMS = (SamplingParams(temperature=0.0, max_tokens=30),
           SamplingParams(temperature=0.8, seed=7, max_tokens=25, logprobs=1),

@@ -5,7 +5,7 @@ import json
 import pytest
 
 from deepinfer.cache import BlockManager
-from deepinfer.engine.outputs import (
+from deepinfer.engine.core.outputs import (
     FINISH_IGNORED,
     FINISH_REASONS,
     FINISH_STOP,

@@ -96,7 +96,7 @@ import torch
 import torch.distributed as dist
 
 from deepinfer.engine import LLM, SamplingParams
-from deepinfer.engine.sync_guard import CudaSyncError, forbid_cuda_sync
+from deepinfer.engine.device.sync_guard import CudaSyncError, forbid_cuda_sync
 from deepinfer.kernels import kernels_for, torch_ops
 from deepinfer.model import DeepseekV4Config, ExpertSlots, apply_expert_parallel, embedded_model_dir
 from deepinfer.model import run_ep_dummy_forward

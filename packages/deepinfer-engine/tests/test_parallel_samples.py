@@ -9,8 +9,8 @@ import functools
 import pytest
 
 from deepinfer.engine import LLMEngine, SamplingParams
-from deepinfer.engine.engine_args import EngineArgs
-from deepinfer.engine.sampling_params import InvalidSamplingParams
+from deepinfer.engine.config.engine_args import EngineArgs
+from deepinfer.engine.sampling.sampling_params import InvalidSamplingParams
 
 PROMPT = "def fibonacci("
 

@@ -8,7 +8,7 @@ import functools
 import pytest
 
 from deepinfer.engine import LLMEngine, Logprob, SamplingParams
-from deepinfer.engine.engine_args import EngineArgs
+from deepinfer.engine.config.engine_args import EngineArgs
 
 TEXT = "def fibonacci(n):\n    if n < 2:\n        return n\n    return fibonacci(n - 1) + fibonacci(n - 2)\n"
 

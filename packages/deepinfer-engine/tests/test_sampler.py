@@ -6,9 +6,14 @@ from collections.abc import Sequence
 import pytest
 import torch
 
-from deepinfer.engine.sampler import MAX_LOGIT_MAGNITUDE, Sampler, logprob_dicts
-from deepinfer.engine.sampling_batch import InvalidSamplingBatch, RequestRng, SamplingBatch, build_sampling_batch
-from deepinfer.engine.sampling_params import (
+from deepinfer.engine.sampling.sampler import MAX_LOGIT_MAGNITUDE, Sampler, logprob_dicts
+from deepinfer.engine.sampling.sampling_batch import (
+    InvalidSamplingBatch,
+    RequestRng,
+    SamplingBatch,
+    build_sampling_batch,
+)
+from deepinfer.engine.sampling.sampling_params import (
     GREEDY_TEMPERATURE,
     MAX_TEMPERATURE,
     MIN_PROBABILITY_CUT,

@@ -5,7 +5,7 @@ import dataclasses
 import numpy as np
 import pytest
 
-from deepinfer.engine.sampling_params import (
+from deepinfer.engine.sampling.sampling_params import (
     GREEDY_TEMPERATURE,
     MAX_STOP_STRING_LEN,
     MAX_STOP_STRINGS,

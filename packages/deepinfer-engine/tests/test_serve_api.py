@@ -20,10 +20,10 @@ import uvicorn
 from serve_helpers import start_uvicorn
 
 from deepinfer.engine import EngineArgs, RequestOutput
-from deepinfer.engine.async_front import EngineClient
-from deepinfer.engine.async_llm import AsyncLLM
-from deepinfer.engine.async_process import AsyncLLMProcess
-from deepinfer.engine.outputs import CompletionOutput
+from deepinfer.engine.core.outputs import CompletionOutput
+from deepinfer.engine.frontends.async_front import EngineClient
+from deepinfer.engine.frontends.async_llm import AsyncLLM
+from deepinfer.engine.frontends.async_process import AsyncLLMProcess
 from deepinfer.engine.serve import NOT_SUPPORTED_YET, build_app
 
 MODEL = "tiny"
@@ -366,7 +366,7 @@ def test_prompt_logprobs_whole_and_streamed(served: Served, http: httpx.Client) 
 
 
 def test_the_common_chunk_is_written_as_the_general_path_writes_it() -> None:
-    from deepinfer.engine.outputs import running_output
+    from deepinfer.engine.core.outputs import running_output
     from deepinfer.engine.serve.protocol import parse_chat, parse_completion
     from deepinfer.engine.serve.responses import ResponseWriter, sse
 

@@ -21,8 +21,8 @@ from serve_helpers import (
 )
 
 from deepinfer.engine import EngineArgs, LLMEngine, SamplingParams
-from deepinfer.engine.async_llm import AsyncLLM, EngineQueueFull, EngineStopped
 from deepinfer.engine.cli import main
+from deepinfer.engine.frontends.async_llm import AsyncLLM, EngineQueueFull, EngineStopped
 
 
 @pytest.fixture(scope="module")

@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 
 from deepinfer.engine import LLM, SamplingParams
-from deepinfer.engine.chat_deepseek_v4 import TOOLS_SECTION, DeepseekV4ChatTemplate
-from deepinfer.engine.chat_messages import InvalidChatRequest, parse_messages
-from deepinfer.engine.chat_template import (
+from deepinfer.engine.text.chat_deepseek_v4 import TOOLS_SECTION, DeepseekV4ChatTemplate
+from deepinfer.engine.text.chat_messages import InvalidChatRequest, parse_messages
+from deepinfer.engine.text.chat_template import (
     ChatTemplateError,
     JinjaChatTemplate,
     PlainChatTemplate,

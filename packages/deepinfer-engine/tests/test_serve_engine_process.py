@@ -21,10 +21,10 @@ from serve_helpers import (
 )
 
 from deepinfer.engine import EngineArgs, SamplingParams
-from deepinfer.engine.async_front import EngineDead, EngineStopped
-from deepinfer.engine.async_llm import AsyncLLM
-from deepinfer.engine.async_process import AsyncLLMProcess, EngineStartFailed
 from deepinfer.engine.cli import main
+from deepinfer.engine.frontends.async_front import EngineDead, EngineStopped
+from deepinfer.engine.frontends.async_llm import AsyncLLM
+from deepinfer.engine.frontends.async_process import AsyncLLMProcess, EngineStartFailed
 from deepinfer.engine.llm_engine import LLMEngine
 from deepinfer.engine.serve import build_app
 

@@ -20,12 +20,12 @@ import uvicorn
 from serve_helpers import tcp_socket
 
 from deepinfer.engine import EngineArgs, SamplingParams
-from deepinfer.engine.async_llm import AsyncLLM
-from deepinfer.engine.async_process import AsyncLLMProcess
-from deepinfer.engine.grammar_backend import XGrammarBackend
-from deepinfer.engine.grammar_compiler import GrammarCompilePool
+from deepinfer.engine.frontends.async_llm import AsyncLLM
+from deepinfer.engine.frontends.async_process import AsyncLLMProcess
 from deepinfer.engine.llm_engine import LLMEngine
-from deepinfer.engine.sampling_params import StructuredOutput
+from deepinfer.engine.sampling.grammar_backend import XGrammarBackend
+from deepinfer.engine.sampling.grammar_compiler import GrammarCompilePool
+from deepinfer.engine.sampling.sampling_params import StructuredOutput
 from deepinfer.engine.serve import build_app
 from deepinfer.engine.serve.protocol import CHAT_ONLY, COMMON, COMPLETION_ONLY, NOT_SUPPORTED_YET
 from deepinfer.engine.serve.server import uvicorn_config

@@ -18,7 +18,7 @@ import uvicorn
 from serve_helpers import start_uvicorn
 
 from deepinfer.engine import EngineArgs
-from deepinfer.engine.async_process import AsyncLLMProcess
+from deepinfer.engine.frontends.async_process import AsyncLLMProcess
 from deepinfer.engine.serve import build_app
 
 NUM_STREAMS = 200

@@ -26,9 +26,9 @@ from engine_tiny_v41 import CONFIG as V41_CONFIG
 from serve_helpers import start_uvicorn, tcp_socket
 
 from deepinfer.engine import EngineArgs, LLMEngine, SamplingParams
-from deepinfer.engine.async_llm import AsyncLLM
+from deepinfer.engine.core.kv_handoff import ModelFingerprint, PrefillOrder, TransferFailed
 from deepinfer.engine.disagg import HttpPrefillClient, PrefillExports
-from deepinfer.engine.kv_handoff import ModelFingerprint, PrefillOrder, TransferFailed
+from deepinfer.engine.frontends.async_llm import AsyncLLM
 from deepinfer.engine.serve import build_app
 from deepinfer.engine.serve.pd_routes import add_pd_routes
 from deepinfer.sched import EngineType

@@ -15,7 +15,7 @@ import pytest
 from serve_helpers import start_uvicorn
 
 from deepinfer.engine import EngineArgs
-from deepinfer.engine.async_process import AsyncLLMProcess
+from deepinfer.engine.frontends.async_process import AsyncLLMProcess
 from deepinfer.engine.serve import ServeOptions, build_app
 
 pytest.importorskip("xgrammar")

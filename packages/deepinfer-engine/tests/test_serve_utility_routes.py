@@ -13,7 +13,7 @@ import pytest
 from serve_helpers import start_uvicorn
 
 from deepinfer.engine import EngineArgs, LLMEngine
-from deepinfer.engine.async_llm import AsyncLLM
+from deepinfer.engine.frontends.async_llm import AsyncLLM
 from deepinfer.engine.serve import build_app
 
 MODEL = "tiny"

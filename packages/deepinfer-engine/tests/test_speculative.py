@@ -17,7 +17,7 @@ from kept_once import KeptOnce
 from safetensors.torch import load_file, save_file
 
 from deepinfer.engine import LLM, EngineArgs, InvalidEngineArgs, LLMEngine, SamplingParams, StructuredOutput
-from deepinfer.engine.env import EngineEnv
+from deepinfer.engine.config.env import EngineEnv
 from deepinfer.model import DraftProposal, DSparkDraft, embedded_model_dir, load_model
 from deepinfer.sched import EngineType
 

@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from deepinfer.engine.detokenizer import StopStringChecker
+from deepinfer.engine.text.detokenizer import StopStringChecker
 
 FAST = settings(max_examples=300, deadline=None, derandomize=True)
 

@@ -9,16 +9,16 @@ import pytest
 import torch
 
 from deepinfer.engine import StructuredOutput, StructuredOutputUnavailable
-from deepinfer.engine.grammar_backend import (
+from deepinfer.engine.sampling.grammar_backend import (
     GrammarCompileError,
     GrammarState,
     StaleGrammarError,
     XGrammarBackend,
     choice_ebnf,
 )
-from deepinfer.engine.grammar_compiler import GrammarCompilePool
-from deepinfer.engine.token_bitmask import allocate_token_bitmask, unpack_token_bitmask
-from deepinfer.engine.tokenizer import Tokenizer
+from deepinfer.engine.sampling.grammar_compiler import GrammarCompilePool
+from deepinfer.engine.sampling.token_bitmask import allocate_token_bitmask, unpack_token_bitmask
+from deepinfer.engine.text.tokenizer import Tokenizer
 
 EOS = 0
 PADDING = 7        # model vocabulary = tokenizer vocabulary + PADDING unused ids

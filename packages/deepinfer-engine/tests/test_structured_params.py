@@ -60,7 +60,7 @@ def test_sampling_params_checks_the_structured_field() -> None:
 
 
 def test_structured_sizes_are_capped() -> None:
-    from deepinfer.engine.sampling_params import MAX_CHOICES, MAX_STRUCTURED_CHARS
+    from deepinfer.engine.sampling.sampling_params import MAX_CHOICES, MAX_STRUCTURED_CHARS
     limit = MAX_STRUCTURED_CHARS
     assert StructuredOutput(regex="a" * limit).regex == "a" * limit
     for kind, value in (("regex", "a" * (limit + 1)), ("grammar", "r" * (limit + 1)),

@@ -10,11 +10,11 @@ import torch
 import xgrammar
 
 from deepinfer.engine import SamplingParams
-from deepinfer.engine.grammar_backend import GrammarState
-from deepinfer.engine.sampler import Sampler
-from deepinfer.engine.sampling_batch import InvalidSamplingBatch, RequestRng, build_sampling_batch
-from deepinfer.engine.sampling_stage import RowParams, SamplingStage, StepRows
-from deepinfer.engine.token_bitmask import (
+from deepinfer.engine.sampling.grammar_backend import GrammarState
+from deepinfer.engine.sampling.sampler import Sampler
+from deepinfer.engine.sampling.sampling_batch import InvalidSamplingBatch, RequestRng, build_sampling_batch
+from deepinfer.engine.sampling.sampling_stage import RowParams, SamplingStage, StepRows
+from deepinfer.engine.sampling.token_bitmask import (
     allocate_token_bitmask,
     apply_token_bitmask,
     fill_token_bitmask,

@@ -11,7 +11,7 @@ import pytest
 from kept_once import KeptOnce
 
 from deepinfer.engine import LLMEngine, OutputKind, SamplingParams
-from deepinfer.engine.engine_args import EngineArgs
+from deepinfer.engine.config.engine_args import EngineArgs
 
 PROMPT = "def fibonacci("
 

@@ -12,8 +12,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from tokenizers import decoders, models, pre_tokenizers, trainers
 
-from deepinfer.engine.detokenizer import IncrementalDetokenizer, StopStringChecker
-from deepinfer.engine.tokenizer import (
+from deepinfer.engine.text.detokenizer import IncrementalDetokenizer, StopStringChecker
+from deepinfer.engine.text.tokenizer import (
     NoTokenizerError,
     Tokenizer,
     TokenizerLoadError,

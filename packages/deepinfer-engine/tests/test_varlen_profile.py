@@ -18,16 +18,16 @@ import pytest
 import torch
 
 from deepinfer.engine import EngineArgs, LLMEngine
-from deepinfer.engine.env import EngineEnv, read_env
-from deepinfer.engine.spec_step import SpeculativeDecoder
-from deepinfer.engine.varlen_profile import profile_fields, profile_sizes
+from deepinfer.engine.config.env import EngineEnv, read_env
+from deepinfer.engine.speculative.spec_step import SpeculativeDecoder
+from deepinfer.engine.speculative.varlen_profile import profile_fields, profile_sizes
 from deepinfer.spec import ProfileCache, StepTimeCurve, profile_key
 
 ARGS = EngineArgs(device="cpu", kv_cache_memory_mb=16, max_num_seqs=2, max_model_len=256,
                   num_speculative_tokens=2)
 SIZES = profile_sizes(2 * 3, False, 8)             # max_num_seqs × (k + 1) tokens, no graphs on the CPU
 CURVE = StepTimeCurve(SIZES, tuple(float(s) for s in SIZES))
-LOGGER = "deepinfer.engine.varlen_profile"
+LOGGER = "deepinfer.engine.speculative.varlen_profile"
 
 
 @pytest.fixture

@@ -20,8 +20,8 @@ import pytest
 import torch
 
 from deepinfer.engine import LLMEngine, SamplingParams, StructuredOutput
-from deepinfer.engine.engine_args import EngineArgs
-from deepinfer.engine.sync_guard import CudaSyncError
+from deepinfer.engine.config.engine_args import EngineArgs
+from deepinfer.engine.device.sync_guard import CudaSyncError
 
 PROMPTS = ("def fibonacci(", "import os\n", "class Parser:", "for i in range(", "x = [", "    return self.")
 

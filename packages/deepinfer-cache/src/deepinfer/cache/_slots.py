@@ -1,7 +1,7 @@
 """Shared argument checks and the state-slot sizing rule of both BlockManager implementations.
 
 The slot ratio is an argument: the engine reads its setting (DEEPINFER_NUM_STATE_SLOTS_RATIO, in
-deepinfer.engine.env) and passes the value in.
+deepinfer.engine.config.env) and passes the value in.
 """
 
 from __future__ import annotations

@@ -10,7 +10,7 @@ llm.generate(...)`), `AsyncLLMProcess` one in a child process of its own (the sa
 latter (of the former with `--engine-in-thread`), and `LLM.chat` renders conversations with the model's chat template.
 `LLMEngine` exposes the step loop (add_request / abort_request / step / has_unfinished_requests);
 `EngineArgs` holds every engine knob, validated; `deepinfer generate`, `bench` and `serve` are the CLI.
-Names are imported on first use, so a submodule (e.g. `deepinfer.engine.cuda_graphs`) can be used
+Names are imported on first use, so a submodule (e.g. `deepinfer.engine.core.cuda_graphs`) can be used
 without loading the whole engine. `SamplingParams(structured=StructuredOutput(json=schema))`
 constrains an output (JSON schema, regex, EBNF grammar or choice) through xgrammar (the `structured`
 extra).
@@ -26,20 +26,20 @@ __version__ = _version("deepinfer-engine")
 
 _EXPORTS = {
     "LLM": ".llm",
-    "AsyncLLM": ".async_llm",
-    "AsyncLLMProcess": ".async_process",
-    "CompletionOutput": ".outputs",
-    "EngineArgs": ".engine_args",
+    "AsyncLLM": ".frontends.async_llm",
+    "AsyncLLMProcess": ".frontends.async_process",
+    "CompletionOutput": ".core.outputs",
+    "EngineArgs": ".config.engine_args",
     "EngineType": "deepinfer.sched",
-    "InvalidEngineArgs": ".engine_args",
-    "InvalidSamplingParams": ".sampling_params",
+    "InvalidEngineArgs": ".config.engine_args",
+    "InvalidSamplingParams": ".sampling.sampling_params",
     "LLMEngine": ".llm_engine",
-    "Logprob": ".outputs",
-    "OutputKind": ".outputs",
-    "RequestOutput": ".outputs",
-    "SamplingParams": ".sampling_params",
-    "StructuredOutput": ".sampling_params",
-    "StructuredOutputUnavailable": ".grammar_backend",
+    "Logprob": ".core.outputs",
+    "OutputKind": ".core.outputs",
+    "RequestOutput": ".core.outputs",
+    "SamplingParams": ".sampling.sampling_params",
+    "StructuredOutput": ".sampling.sampling_params",
+    "StructuredOutputUnavailable": ".sampling.grammar_backend",
 }
 __all__ = [
     "LLM",
@@ -62,14 +62,14 @@ __all__ = [
 if TYPE_CHECKING:
     from deepinfer.sched import EngineType
 
-    from .async_llm import AsyncLLM
-    from .async_process import AsyncLLMProcess
-    from .engine_args import EngineArgs, InvalidEngineArgs
-    from .grammar_backend import StructuredOutputUnavailable
+    from .config.engine_args import EngineArgs, InvalidEngineArgs
+    from .core.outputs import CompletionOutput, Logprob, OutputKind, RequestOutput
+    from .frontends.async_llm import AsyncLLM
+    from .frontends.async_process import AsyncLLMProcess
     from .llm import LLM
     from .llm_engine import LLMEngine
-    from .outputs import CompletionOutput, Logprob, OutputKind, RequestOutput
-    from .sampling_params import InvalidSamplingParams, SamplingParams, StructuredOutput
+    from .sampling.grammar_backend import StructuredOutputUnavailable
+    from .sampling.sampling_params import InvalidSamplingParams, SamplingParams, StructuredOutput
 
 
 def __getattr__(name: str) -> Any:

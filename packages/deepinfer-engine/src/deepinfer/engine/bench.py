@@ -27,8 +27,8 @@ from tqdm.auto import tqdm
 
 from deepinfer.sched import StepKind
 
-from .outputs import OutputKind
-from .sampling_params import SamplingParams
+from .core.outputs import OutputKind
+from .sampling.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
     from .llm_engine import LLMEngine

@@ -20,16 +20,16 @@ from typing import TYPE_CHECKING, Any
 from deepinfer.sched import EngineType
 
 from .bench import BenchWorkload, InvalidBenchArgs, run_bench
-from .dataclass_flags import add_dataclass_flags, dataclass_kwargs, flag_name
-from .engine_args import AUTO, DTYPES, EXPERT_DTYPES, LOAD_FORMATS, EngineArgs, InvalidEngineArgs, allowed_values
-from .model_source import ModelNotCached, resolve_model_source
-from .sampling_params import InvalidSamplingParams, SamplingParams, StructuredOutput
-from .serve_flags import ENGINE_DEFAULTS_BY_COMMAND, add_serve_flags
+from .config.dataclass_flags import add_dataclass_flags, dataclass_kwargs, flag_name
+from .config.engine_args import AUTO, DTYPES, EXPERT_DTYPES, LOAD_FORMATS, EngineArgs, InvalidEngineArgs, allowed_values
+from .config.model_source import ModelNotCached, resolve_model_source
+from .sampling.sampling_params import InvalidSamplingParams, SamplingParams, StructuredOutput
+from .serve.flags import ENGINE_DEFAULTS_BY_COMMAND, add_serve_flags
 
 if TYPE_CHECKING:
+    from .core.outputs import CompletionOutput
     from .llm_engine import LLMEngine
-    from .outputs import CompletionOutput
-    from .tokenizer import Tokenizer
+    from .text.tokenizer import Tokenizer
 
 __all__ = ["DISTRIBUTIONS", "build_parser", "finish_text", "main", "make_sampling_params", "run_bench", "version_text"]
 
@@ -170,8 +170,8 @@ def _bench_flags(parser: argparse.ArgumentParser) -> None:
 def _generate(ns: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     params = make_sampling_params(ns, parser)
     engine_kwargs, args = _engine_args(ns, parser)
-    from .grammar_backend import StructuredOutputUnavailable
     from .llm import LLM
+    from .sampling.grammar_backend import StructuredOutputUnavailable
 
     llm = _build(lambda: LLM(**engine_kwargs), args)
     try:
@@ -339,7 +339,7 @@ def _serve_pd(role: str, prefill_url: str | None, args: EngineArgs, options: Any
     from .serve.pd_routes import add_pd_routes
 
     if role == "prefill":         # the engine in a thread: a handoff goes on the wire from this process
-        from .async_llm import AsyncLLM
+        from .frontends.async_llm import AsyncLLM
 
         exports = PrefillExports()
         engine = _build(lambda: LLMEngine(args, kv_transfer=exports), args)
@@ -397,7 +397,7 @@ def _same_model(tokenizer: str, model: str | None) -> bool:
 def _start_engine_process(args: EngineArgs, max_num_waiting: int, kv_transfer_factory: Any = None) -> Any:
     """The engine process of `deepinfer serve`, started, with its load line; an engine that cannot be
     built becomes _CommandError."""
-    from .async_process import AsyncLLMProcess, EngineStartFailed
+    from .frontends.async_process import AsyncLLMProcess, EngineStartFailed
 
     _check_device(args)
     try:

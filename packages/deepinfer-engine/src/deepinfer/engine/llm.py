@@ -11,17 +11,17 @@ from tqdm.auto import tqdm
 
 from deepinfer.sched import EngineType
 
-from .chat_messages import ChatMessage, parse_tool_list
-from .chat_template import ChatTemplate, chat_prompt, load_chat_template
-from .core_loop import run_loop
-from .engine_args import EngineArgs
-from .env import read_torchrun_env
-from .intake import PromptInput
+from .config.engine_args import EngineArgs
+from .config.env import read_torchrun_env
+from .core.intake import PromptInput
+from .core.outputs import OutputKind, RequestOutput
+from .core.request import ParallelRequest, Request
+from .frontends.core_loop import run_loop
 from .llm_engine import LLMEngine, resolve_model_dir
-from .outputs import OutputKind, RequestOutput
-from .request import ParallelRequest, Request
-from .sampling_params import SamplingParams
-from .tokenizer import Tokenizer, load_tokenizer, require_tokenizer
+from .sampling.sampling_params import SamplingParams
+from .text.chat_messages import ChatMessage, parse_tool_list
+from .text.chat_template import ChatTemplate, chat_prompt, load_chat_template
+from .text.tokenizer import Tokenizer, load_tokenizer, require_tokenizer
 
 if TYPE_CHECKING:
     from .parallel import DPRank, RebalanceStats, SpawnedRanks

@@ -59,23 +59,23 @@ from deepinfer.sched import (
     StepVoteGroup,
 )
 
-from .engine_args import EngineArgs, InvalidEngineArgs
-from .env import EngineEnv, read_env
-from .grammar_compiler import GrammarCompilePool
-from .intake import RequestIntake
-from .kv_handoff import KVTransfer, NullKVTransfer
-from .logit_controls import TokenHistory
-from .model_runner import ModelRunner, default_block_size, state_slot_bytes
-from .outputs import OutputKind, RequestOutput
-from .pd_hooks import PrefillDecodeHooks
-from .plain_step import PlainStep
-from .prefix_caching import num_prefix_snapshots, prefix_cache_key, record_cached_tokens
-from .request import ParallelRequest, Request
-from .sampler import Sampler
-from .sampling_stage import SamplingStage
-from .spec_step import SpeculativeDecoder, SpeculativeStats, attach_draft_head
-from .steps import Changed, InFlightQueue
-from .tokenizer import Tokenizer, load_tokenizer
+from .config.engine_args import EngineArgs, InvalidEngineArgs
+from .config.env import EngineEnv, read_env
+from .core.intake import RequestIntake
+from .core.kv_handoff import KVTransfer, NullKVTransfer
+from .core.model_runner import ModelRunner, default_block_size, state_slot_bytes
+from .core.outputs import OutputKind, RequestOutput
+from .core.pd_hooks import PrefillDecodeHooks
+from .core.plain_step import PlainStep
+from .core.prefix_caching import num_prefix_snapshots, prefix_cache_key, record_cached_tokens
+from .core.request import ParallelRequest, Request
+from .core.steps import Changed, InFlightQueue
+from .sampling.grammar_compiler import GrammarCompilePool
+from .sampling.logit_controls import TokenHistory
+from .sampling.sampler import Sampler
+from .sampling.sampling_stage import SamplingStage
+from .speculative.spec_step import SpeculativeDecoder, SpeculativeStats, attach_draft_head
+from .text.tokenizer import Tokenizer, load_tokenizer
 
 logger = logging.getLogger(__name__)
 

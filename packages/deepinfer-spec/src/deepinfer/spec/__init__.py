@@ -1,6 +1,6 @@
 """deepinfer.spec — speculative decoding: verification and the varlen verify-length policy.
 
-The engine's speculative decode steps (`deepinfer.engine.spec_step`) use `DraftSampler`, `verify`,
+The engine's speculative decode steps (`deepinfer.engine.speculative.spec_step`) use `DraftSampler`, `verify`,
 `gather_verify_logits` and the verify policies; the rest is library-only so far (docs/spec.md).
 
 Verification (`verify`, `greedy_verify`): one target forward over [anchor, drafts] → accepted

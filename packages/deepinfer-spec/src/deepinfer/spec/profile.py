@@ -142,7 +142,7 @@ class ProfileCache:
 
         Raises:
             OSError / ValueError: as `load` (an unreadable or corrupt file) and `store`; the engine
-                (deepinfer.engine.varlen_profile) measures again and warns instead.
+                (deepinfer.engine.speculative.varlen_profile) measures again and warns instead.
         """
         curve = self.load(key)
         if curve is None:

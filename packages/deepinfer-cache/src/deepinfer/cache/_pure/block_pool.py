@@ -53,7 +53,7 @@ class BlockManager:
         Args:
             max_num_seqs: most sequences running at once, >= 1.
             ratio: slots per sequence, a finite float > 0; None = 1.2 (the engine passes its
-                DEEPINFER_NUM_STATE_SLOTS_RATIO setting, read by deepinfer.engine.env).
+                DEEPINFER_NUM_STATE_SLOTS_RATIO setting, read by deepinfer.engine.config.env).
 
         Raises:
             ValueError: a bad max_num_seqs or ratio, or a product that leaves no usable slot.

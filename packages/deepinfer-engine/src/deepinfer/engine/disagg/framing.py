@@ -13,8 +13,8 @@ from typing import Any
 
 import torch
 
-from ..kv_handoff import KVPayload, PrefilledRequest, PrefillOrder
-from ..sampling_params import SamplingParams
+from ..core.kv_handoff import KVPayload, PrefilledRequest, PrefillOrder
+from ..sampling.sampling_params import SamplingParams
 
 _LENGTH = struct.Struct(">Q")
 MAX_HEADER_BYTES = 64 << 20          # a header frame longer than this is refused

@@ -20,8 +20,8 @@ import time
 import urllib.parse
 from concurrent.futures import ThreadPoolExecutor
 
-from ..kv_handoff import ModelFingerprint, PrefilledRequest, PrefillOrder, TransferFailed
-from ..stats import TransferStats
+from ..core.kv_handoff import ModelFingerprint, PrefilledRequest, PrefillOrder, TransferFailed
+from ..core.stats import TransferStats
 from .framing import order_json, read_handoff
 
 CONNECT_TIMEOUT_S = 10.0     # the start-up handshake, and reaching the server for an order

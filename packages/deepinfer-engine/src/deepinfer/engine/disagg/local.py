@@ -4,11 +4,11 @@ transfer owns, which its `poll` steps; what the PROMPT engine sends stays in hos
 
 from __future__ import annotations
 
-from ..engine_args import EngineArgs
-from ..kv_handoff import ModelFingerprint, PrefilledRequest, PrefillOrder, TransferFailed
+from ..config.engine_args import EngineArgs
+from ..core.kv_handoff import ModelFingerprint, PrefilledRequest, PrefillOrder, TransferFailed
+from ..core.outputs import FINISH_LENGTH, FINISH_PREFILLED, FINISH_STOP, OutputKind
+from ..core.stats import TransferStats
 from ..llm_engine import LLMEngine
-from ..outputs import FINISH_LENGTH, FINISH_PREFILLED, FINISH_STOP, OutputKind
-from ..stats import TransferStats
 
 _HANDED_ON = (FINISH_PREFILLED, FINISH_STOP, FINISH_LENGTH)
 

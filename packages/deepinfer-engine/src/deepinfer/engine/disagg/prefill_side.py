@@ -14,10 +14,10 @@ import uuid
 from collections.abc import Awaitable, Iterator
 from dataclasses import dataclass
 
-from ..async_front import EngineClient
-from ..kv_handoff import ModelFingerprint, PrefilledRequest, PrefillOrder, TransferFailed
-from ..outputs import RequestOutput
-from ..stats import TransferStats
+from ..core.kv_handoff import ModelFingerprint, PrefilledRequest, PrefillOrder, TransferFailed
+from ..core.outputs import RequestOutput
+from ..core.stats import TransferStats
+from ..frontends.async_front import EngineClient
 from .framing import handoff_frames, order_from_json
 
 
@@ -125,7 +125,7 @@ async def run_prefill(llm: EngineClient, exports: PrefillExports, body: object,
 
 async def _prefill(llm: EngineClient, exports: PrefillExports, body: object,
                    gone: asyncio.Future[None]) -> PrefillAnswer:
-    from ..async_front import EngineQueueFull, EngineStopped
+    from ..frontends.async_front import EngineQueueFull, EngineStopped
 
     try:
         order, key = order_from_json(body)

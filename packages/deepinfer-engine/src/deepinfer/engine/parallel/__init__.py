@@ -7,7 +7,7 @@ torchrun): `launcher` starts them, `rank.DPRank` is one rank's engine and lockst
 rank process runs `serve_rank.RankServer`, and `messages` is what travels between them.
 """
 
-from ..stats import ParallelStats, RebalanceStats
+from ..core.stats import ParallelStats, RebalanceStats
 from .dp_async import DPAsyncLLM
 from .eplb_live import LiveBalancer
 from .launcher import SpawnedRanks, rank_main, start_ranks

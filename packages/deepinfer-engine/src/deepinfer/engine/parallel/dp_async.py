@@ -27,7 +27,11 @@ from typing import Any
 
 import torch.multiprocessing as mp
 
-from ..async_front import (
+from ..config.engine_args import EngineArgs
+from ..core.intake import PromptInput
+from ..core.outputs import RequestOutput
+from ..core.stats import EngineStats, ParallelStats, RebalanceStats
+from ..frontends.async_front import (
     DEFAULT_MAX_NUM_WAITING,
     OutputStream,
     ProcessFront,
@@ -35,13 +39,9 @@ from ..async_front import (
     accumulate,
     deliver,
 )
-from ..engine_args import EngineArgs
-from ..intake import PromptInput
 from ..llm_engine import resolve_model_dir
-from ..outputs import RequestOutput
-from ..sampling_params import SamplingParams
-from ..stats import EngineStats, ParallelStats, RebalanceStats
-from ..tokenizer import load_tokenizer
+from ..sampling.sampling_params import SamplingParams
+from ..text.tokenizer import load_tokenizer
 from .launcher import free_port
 from .messages import (
     Abort,

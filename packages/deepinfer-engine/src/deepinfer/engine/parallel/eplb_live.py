@@ -26,8 +26,8 @@ from deepinfer.eplb import (
 )
 from deepinfer.model import ExpertMoves, ExpertSlots, moe_layers, move_experts, take_expert_counts
 
-from ..engine_args import EngineArgs
-from ..stats import RebalanceStats
+from ..config.engine_args import EngineArgs
+from ..core.stats import RebalanceStats
 
 PRESETS = {"prefill": PREFILL_EPLB_CONFIG, "decode": DECODE_EPLB_CONFIG}
 

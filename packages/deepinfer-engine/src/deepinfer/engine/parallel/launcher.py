@@ -21,12 +21,12 @@ from typing import Any
 import torch
 import torch.multiprocessing as mp
 
-from ..engine_args import EngineArgs, InvalidEngineArgs
-from ..env import TorchrunEnv
-from ..intake import PromptInput
-from ..outputs import RequestOutput
-from ..sampling_params import SamplingParams
-from ..stats import RebalanceStats
+from ..config.engine_args import EngineArgs, InvalidEngineArgs
+from ..config.env import TorchrunEnv
+from ..core.intake import PromptInput
+from ..core.outputs import RequestOutput
+from ..core.stats import RebalanceStats
+from ..sampling.sampling_params import SamplingParams
 from .rank import DPRank, RankFailure, RankSpec
 
 _POLL_S = 0.05

@@ -15,10 +15,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from ..intake import PromptInput
-from ..outputs import RequestOutput
-from ..sampling_params import SamplingParams
-from ..stats import RebalanceStats
+from ..core.intake import PromptInput
+from ..core.outputs import RequestOutput
+from ..core.stats import RebalanceStats
+from ..sampling.sampling_params import SamplingParams
 
 
 @dataclass(frozen=True, slots=True)

@@ -27,14 +27,14 @@ import torch.distributed as dist
 from deepinfer.model import DeepseekV4Config, run_ep_dummy_forward
 from deepinfer.sched import StepKind
 
-from ..core_loop import run_loop
-from ..dp_group import GlooStepVoteGroup
-from ..engine_args import EngineArgs
-from ..intake import PromptInput
+from ..config.engine_args import EngineArgs
+from ..core.intake import PromptInput
+from ..core.outputs import OutputKind, RequestOutput
+from ..core.stats import RebalanceStats
+from ..frontends.core_loop import run_loop
 from ..llm_engine import ExpertParallelSetup, LLMEngine, resolve_model_dir
-from ..outputs import OutputKind, RequestOutput
-from ..sampling_params import SamplingParams
-from ..stats import RebalanceStats
+from ..sampling.sampling_params import SamplingParams
+from .dp_group import GlooStepVoteGroup
 from .eplb_live import LiveBalancer, eplb_config, initial_slots
 
 _EMPTY_STEPS = (StepKind.EMPTY_PROMPT, StepKind.EMPTY_DECODE)

@@ -26,10 +26,10 @@ from typing import Any
 
 import torch
 
-from ..core_loop import run_loop
-from ..engine_args import EngineArgs
-from ..engine_process import picklable_error
-from ..outputs import OutputKind, RequestOutput
+from ..config.engine_args import EngineArgs
+from ..core.outputs import OutputKind, RequestOutput
+from ..frontends.core_loop import run_loop
+from ..frontends.engine_process import picklable_error
 from .messages import (
     Abort,
     FrontMessage,

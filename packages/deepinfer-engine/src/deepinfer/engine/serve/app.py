@@ -28,20 +28,21 @@ import time
 import uuid
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
+from importlib.metadata import version as package_version
 from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from ..async_front import EngineClient, EngineDead, EngineQueueFull, EngineStopped
-from ..chat_messages import InvalidChatRequest, parse_messages
-from ..chat_template import ChatTemplate, ChatTemplateError, load_chat_template
-from ..grammar_backend import StructuredOutputUnavailable
-from ..intake import GRAMMAR_FAILED
-from ..outputs import FINISH_ERROR, FINISH_IGNORED, RequestOutput
-from ..sampling_params import InvalidSamplingParams
-from ..text_checks import check_prompt_length, find_lone_surrogate
-from ..tokenizer import require_tokenizer
+from ..core.intake import GRAMMAR_FAILED
+from ..core.outputs import FINISH_ERROR, FINISH_IGNORED, RequestOutput
+from ..frontends.async_front import EngineClient, EngineDead, EngineQueueFull, EngineStopped
+from ..sampling.grammar_backend import StructuredOutputUnavailable
+from ..sampling.sampling_params import InvalidSamplingParams
+from ..text.chat_messages import InvalidChatRequest, parse_messages
+from ..text.chat_template import ChatTemplate, ChatTemplateError, load_chat_template
+from ..text.text_checks import check_prompt_length, find_lone_surrogate
+from ..text.tokenizer import require_tokenizer
 from .chat_output import OutputParsers
 from .errors import APIError, bad_request, from_sampling_error
 from .metrics import RequestTracker, ServerMetrics
@@ -313,8 +314,7 @@ def build_app(llm: EngineClient, *, served_model_name: str, api_key: str | None 
 
     @app.get("/version")
     async def version() -> dict[str, str]:
-        from .. import __version__
-        return {"version": __version__}
+        return {"version": package_version("deepinfer-engine")}
 
     @app.get("/metrics")
     async def metrics() -> Response:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import re
 from typing import Any
 
-from ..sampling_params import InvalidSamplingParams
+from ..sampling.sampling_params import InvalidSamplingParams
 
 
 class APIError(Exception):

@@ -18,8 +18,8 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.responses import Response, StreamingResponse
 
-from ..async_front import EngineClient
 from ..disagg.prefill_side import PrefillExports, PrefillRefused, run_prefill
+from ..frontends.async_front import EngineClient
 from .app import _disconnected
 from .errors import APIError
 

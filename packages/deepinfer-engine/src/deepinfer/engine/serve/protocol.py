@@ -11,7 +11,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from ..sampling_params import MAX_LOGIT_BIAS_ENTRIES, InvalidSamplingParams, SamplingParams, StructuredOutput
+from ..sampling.sampling_params import MAX_LOGIT_BIAS_ENTRIES, InvalidSamplingParams, SamplingParams, StructuredOutput
 from .errors import APIError, bad_request, from_sampling_error
 from .reasoning import thinking_requested
 from .tools import ToolsRequest, parse_tools

@@ -19,7 +19,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from typing import Any, Protocol
 
-from ..chat_deepseek_v4 import THINK_END, THINK_START
+from ..text.chat_deepseek_v4 import THINK_END, THINK_START
 from .tool_parsers import held_back
 
 

@@ -22,8 +22,8 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
-from ..outputs import FINISH_PREEMPTED, CompletionOutput, RequestOutput
-from ..tokenizer import Tokenizer
+from ..core.outputs import FINISH_PREEMPTED, CompletionOutput, RequestOutput
+from ..text.tokenizer import Tokenizer
 from .chat_output import ChoiceStream, OutputParsers
 from .protocol import GenerateRequest
 

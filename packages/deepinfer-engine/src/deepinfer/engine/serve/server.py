@@ -23,8 +23,8 @@ import uvicorn
 from fastapi import FastAPI
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
-from ..async_front import DEFAULT_MAX_NUM_WAITING, EngineClient
-from ..async_llm import AsyncLLM
+from ..frontends.async_front import DEFAULT_MAX_NUM_WAITING, EngineClient
+from ..frontends.async_llm import AsyncLLM
 from ..llm_engine import LLMEngine
 from .app import build_app, check_parser_options
 

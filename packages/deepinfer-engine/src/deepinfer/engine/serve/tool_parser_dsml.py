@@ -26,7 +26,7 @@ from __future__ import annotations
 import json
 import re
 
-from ..chat_deepseek_v4 import DSML
+from ..text.chat_deepseek_v4 import DSML
 from .parsed_calls import ParsedCall, ParsedOutput, held_back
 
 START = f"<{DSML}tool_calls>"

@@ -18,8 +18,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from ..chat_messages import InvalidChatRequest, parse_tool_list
-from ..sampling_params import StructuredOutput
+from ..sampling.sampling_params import StructuredOutput
+from ..text.chat_messages import InvalidChatRequest, parse_tool_list
 from .errors import bad_request
 
 _EMPTY_PARAMETERS: dict[str, Any] = {"type": "object", "properties": {}}

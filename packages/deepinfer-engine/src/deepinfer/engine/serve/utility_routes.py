@@ -18,10 +18,10 @@ from typing import Any, Protocol
 
 from fastapi import FastAPI, Request
 
-from ..async_front import EngineClient
-from ..chat_messages import InvalidChatRequest
-from ..chat_template import ChatTemplate, ChatTemplateError, chat_prompt
-from ..tokenizer import Tokenizer, require_tokenizer
+from ..frontends.async_front import EngineClient
+from ..text.chat_messages import InvalidChatRequest
+from ..text.chat_template import ChatTemplate, ChatTemplateError, chat_prompt
+from ..text.tokenizer import Tokenizer, require_tokenizer
 from .errors import APIError, bad_request
 
 

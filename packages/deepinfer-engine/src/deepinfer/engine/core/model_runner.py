@@ -26,9 +26,9 @@ from deepinfer.kernels import kernels_for
 from deepinfer.model import CausalLM, ForwardBatch, ModelCache
 from deepinfer.sched import DecodeBatch, SchedulerOutput, StepKind
 
+from ..device.staging import to_device
 from .block_tables import RowBlockTables
 from .cuda_graphs import STAGED_ROWS, DecodeGraphs
-from .staging import to_device
 
 ON_DEVICE = -1      # the staged input token of a row whose last token is on the device (`row_tokens`)
 

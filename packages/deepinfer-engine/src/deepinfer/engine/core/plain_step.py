@@ -30,18 +30,18 @@ import torch
 
 from deepinfer.sched import EngineType, Scheduler, SchedulerOutput, StepKind, branch_id
 
+from ..config.engine_args import EngineArgs
+from ..device.staging import to_device
+from ..device.sync_guard import forbid_cuda_sync
+from ..sampling.grammar_backend import GrammarState
+from ..sampling.grammar_compiler import GrammarCompilePool
+from ..sampling.sampler import logprobs_of
+from ..sampling.sampling_stage import InFlightSampling, SampledStep, SamplingStage, StepRows
 from .decode_rows import SteadyRows
-from .engine_args import EngineArgs
-from .grammar_backend import GrammarState
-from .grammar_compiler import GrammarCompilePool
 from .model_runner import ModelRunner, StepBatch
 from .outputs import FINISH_LENGTH, FINISH_PREFILLED, FINISH_STOP
 from .request import Request
-from .sampler import logprobs_of
-from .sampling_stage import InFlightSampling, SampledStep, SamplingStage, StepRows
-from .staging import to_device
 from .steps import Changed, Launched
-from .sync_guard import forbid_cuda_sync
 
 # A PROMPT engine's request that took its first token: handed on (those that ended at it too, with no KV)
 _HANDED_OVER = (FINISH_PREFILLED, FINISH_STOP, FINISH_LENGTH)

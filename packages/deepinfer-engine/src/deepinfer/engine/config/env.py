@@ -140,7 +140,7 @@ def env_var_name(field_name: str) -> str:
 def read_env(environ: Mapping[str, str] = os.environ) -> EngineEnv:
     """Read every DEEPINFER_* setting from `environ` into an `EngineEnv`.
 
-    Logs one warning (logger "deepinfer.engine.env") per DEEPINFER_* variable that nothing reads,
+    Logs one warning (logger "deepinfer.engine.config.env") per DEEPINFER_* variable that nothing reads,
     naming the closest known variable when there is one.
 
     Raises:

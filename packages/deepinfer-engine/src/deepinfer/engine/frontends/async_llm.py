@@ -27,6 +27,10 @@ import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from ..core.intake import PromptInput
+from ..core.outputs import RequestOutput
+from ..llm_engine import LLMEngine
+from ..sampling.sampling_params import SamplingParams
 from .async_front import (
     DEFAULT_MAX_NUM_WAITING,
     EngineDead,
@@ -40,10 +44,6 @@ from .async_front import (
 )
 from .core_loop import run_loop
 from .engine_process import transfer_stats
-from .intake import PromptInput
-from .llm_engine import LLMEngine
-from .outputs import RequestOutput
-from .sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 

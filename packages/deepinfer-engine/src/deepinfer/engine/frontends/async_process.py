@@ -29,6 +29,12 @@ import multiprocessing as mp
 import threading
 from collections.abc import Callable, Sequence
 
+from ..config.engine_args import EngineArgs
+from ..core.intake import PromptInput
+from ..core.kv_handoff import KVTransfer
+from ..core.outputs import RequestOutput, running_output
+from ..sampling.sampling_params import SamplingParams
+from ..text.tokenizer import load_tokenizer
 from .async_front import (
     DEFAULT_MAX_NUM_WAITING,
     DeltaStream,
@@ -38,7 +44,6 @@ from .async_front import (
     ServedModel,
     deliver,
 )
-from .engine_args import EngineArgs
 from .engine_process import (
     AbortRequests,
     EngineFailed,
@@ -51,11 +56,6 @@ from .engine_process import (
     receive,
     send,
 )
-from .intake import PromptInput
-from .kv_handoff import KVTransfer
-from .outputs import RequestOutput, running_output
-from .sampling_params import SamplingParams
-from .tokenizer import load_tokenizer
 
 logger = logging.getLogger(__name__)
 

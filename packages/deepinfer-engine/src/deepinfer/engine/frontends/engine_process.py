@@ -34,13 +34,13 @@ from typing import Any
 
 from deepinfer.sched import EngineType
 
+from ..config.engine_args import EngineArgs
+from ..core.intake import PromptInput
+from ..core.kv_handoff import KVTransfer
+from ..core.outputs import OutputKind, RequestOutput
+from ..core.stats import TransferStats
+from ..sampling.sampling_params import SamplingParams
 from .core_loop import run_loop
-from .engine_args import EngineArgs
-from .intake import PromptInput
-from .kv_handoff import KVTransfer
-from .outputs import OutputKind, RequestOutput
-from .sampling_params import SamplingParams
-from .stats import TransferStats
 
 # ------------------------------------------------------------------ front -> engine
 
@@ -158,7 +158,7 @@ def engine_process_main(args: EngineArgs, inbox: Connection, outbox: Connection,
     with status 1."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     try:
-        from .llm_engine import LLMEngine
+        from ..llm_engine import LLMEngine
 
         engine = LLMEngine(args, kv_transfer=None if kv_transfer_factory is None else kv_transfer_factory())
         send(outbox, EngineReady(Path(engine.model_dir), engine.max_model_len, engine.load_seconds,

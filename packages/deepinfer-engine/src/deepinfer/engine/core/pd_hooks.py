@@ -16,10 +16,12 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
+from pathlib import Path
 from typing import TYPE_CHECKING
 
-from deepinfer.sched import EngineType, SchedulerOutput
+from deepinfer.sched import EngineType, Scheduler, SchedulerOutput
 
+from ..config.engine_args import EngineArgs
 from .kv_handoff import (
     KVPayload,
     KVTransfer,
@@ -32,12 +34,10 @@ from .kv_handoff import (
     import_kv,
     model_fingerprint,
 )
+from .model_runner import ModelRunner
 from .outputs import FINISH_PREFILLED
-from .request import Request
+from .request import ParallelRequest, Request
 from .steps import Changed
-
-if TYPE_CHECKING:
-    from .llm_engine import LLMEngine
 
 logger = logging.getLogger(__name__)
 
@@ -46,15 +46,27 @@ IDLE_TRANSFER_WAIT_S = 0.05
 
 
 class PrefillDecodeHooks:
-    """The hooks (module docstring); state set up by `init_pd_split`."""
+    """The hooks (module docstring); state set up by `init_pd_split`, the rest is `LLMEngine`'s."""
 
+    args: EngineArgs
+    model_dir: Path
+    max_model_len: int
+    runner: ModelRunner
+    scheduler: Scheduler
+    _requests: dict[str, Request | ParallelRequest]
     kv_transfer: KVTransfer
+
+    if TYPE_CHECKING:      # `intake.RequestIntake`, the other base of `LLMEngine`
+        def _seq(self, seq_id: str) -> Request | None: ...
+
+        def _forget_seq(self, seq_id: str) -> None: ...
+
     fingerprint: ModelFingerprint
     _pd: PendingImports
     _staged: list[tuple[Request, KVPayload | None]]       # copied out, not yet a PrefilledRequest
     _handoffs: list[PrefilledRequest]                      # made, not yet sent
 
-    def init_pd_split(self: LLMEngine) -> None:
+    def init_pd_split(self) -> None:
         """Set up the prefill/decode transfer: this engine's fingerprint, and `KVTransfer.connect` (a
         peer serving another model is refused here, both named)."""
         self.fingerprint = model_fingerprint(self.args, self.model_dir, self.runner.cache, self.max_model_len)
@@ -66,14 +78,14 @@ class PrefillDecodeHooks:
     def do_save_kvcache(self, seq_ids: Sequence[str]) -> None:
         """Save finished sequences' KV to a KV store (no-op: there is no KV store tier; docs/design.md §14)."""
 
-    def should_copy_state(self: LLMEngine, seq_id: str) -> bool:
+    def should_copy_state(self, seq_id: str) -> bool:
         """Whether a handed-over sequence's state slot goes with its KV: whenever the model keeps state
         (V4 and V4.1 always do: window rings, compressor rows, Engram look-back)."""
         return bool(self.runner.cache.state)
 
     # ------------------------------------------------------------------ PROMPT engine
 
-    def pe_prepare_save_kvcache(self: LLMEngine, seq_ids: Sequence[str]) -> None:
+    def pe_prepare_save_kvcache(self, seq_ids: Sequence[str]) -> None:
         """PROMPT engine: copy the KV blocks and state slot of sequences this step prefilled to host
         memory, before the scheduler frees them. A request that already ended at its first token
         copies nothing."""
@@ -90,7 +102,7 @@ class PrefillDecodeHooks:
                                with_state=self.should_copy_state(seq_id))
             self._staged.append((req, kv))
 
-    def pe_do_save_kvcache(self: LLMEngine, seq_ids: Sequence[str]) -> None:
+    def pe_do_save_kvcache(self, seq_ids: Sequence[str]) -> None:
         """PROMPT engine: make each staged request a `PrefilledRequest` (its first token, logprobs and KV)."""
         for req, kv in self._staged:
             first = req.output_token_ids[0]
@@ -100,7 +112,7 @@ class PrefillDecodeHooks:
                                                    rank, kv, self.fingerprint.key))
         self._staged.clear()
 
-    def send_processed_prompts(self: LLMEngine, out: SchedulerOutput) -> None:
+    def send_processed_prompts(self, out: SchedulerOutput) -> None:
         """PROMPT engine: hand the step's prefilled requests to the `KVTransfer`."""
         handoffs, self._handoffs = self._handoffs, []
         for handoff in handoffs:
@@ -108,7 +120,7 @@ class PrefillDecodeHooks:
 
     # ------------------------------------------------------------------ COMPLETION engine
 
-    def order_prefill(self: LLMEngine, req: Request) -> None:
+    def order_prefill(self, req: Request) -> None:
         """COMPLETION engine: have `req`'s prompt prefilled by the peer (from `enqueue`)."""
         self._pd.awaiting.add(req.request_id)
         try:
@@ -117,12 +129,12 @@ class PrefillDecodeHooks:
             self._pd.drop(req.request_id)
             raise
 
-    def cancel_prefill(self: LLMEngine, request_id: str) -> None:
+    def cancel_prefill(self, request_id: str) -> None:
         """COMPLETION engine: an aborted request's prefill is not wanted any more."""
         if self._pd.drop(request_id):
             self.kv_transfer.cancel(request_id)
 
-    def take_transfers(self: LLMEngine, changed: Changed) -> None:
+    def take_transfers(self, changed: Changed) -> None:
         """COMPLETION engine: take what the transfer delivered, then admit what has room (docstring
         above); waits a little for a transfer when there is nothing else to run."""
         pd = self._pd
@@ -144,7 +156,7 @@ class PrefillDecodeHooks:
             if pd.arrived or not self._admit_prefilled(handoff, changed):
                 pd.arrived.append(handoff)        # no room now: it and those after it wait
 
-    def _take_first_token(self: LLMEngine, req: Request, handoff: PrefilledRequest, changed: Changed) -> bool:
+    def _take_first_token(self, req: Request, handoff: PrefilledRequest, changed: Changed) -> bool:
         """Check a handoff against its request and add its first token; True when the request goes on
         to decode (its KV is to be admitted)."""
         problem = None
@@ -162,7 +174,7 @@ class PrefillDecodeHooks:
         changed[req.request_id] = req
         return not req.finished
 
-    def _admit_prefilled(self: LLMEngine, handoff: PrefilledRequest, changed: Changed) -> bool:
+    def _admit_prefilled(self, handoff: PrefilledRequest, changed: Changed) -> bool:
         """Admit an arrived request into the scheduler and write its KV; False when there is no room yet."""
         req = self._requests.get(handoff.request_id)
         if not isinstance(req, Request) or req.finished:
@@ -179,6 +191,8 @@ class PrefillDecodeHooks:
             req.fail(f"prefill handoff refused: {err}")
             changed[req.request_id] = req
         return True
+
+
 
 
 __all__ = ["IDLE_TRANSFER_WAIT_S", "PrefillDecodeHooks"]

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import hashlib
 
-from .engine_args import EngineArgs
-from .env import EngineEnv
+from ..config.engine_args import EngineArgs
+from ..config.env import EngineEnv
 from .request import Request
 
 

@@ -20,7 +20,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from .staging import to_device
+from ..device.staging import to_device
 
 
 class RowBlockTables:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import argparse
 from dataclasses import dataclass
 
-from .async_front import DEFAULT_MAX_NUM_WAITING
+from ..frontends.async_front import DEFAULT_MAX_NUM_WAITING
 
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
 MODEL_HELP = "model folder or cached Hugging Face repo id, as --model (give one of the two)"

@@ -15,8 +15,8 @@ from typing import Any, Protocol
 
 from torch import Tensor
 
+from ..text.tokenizer import Tokenizer
 from .sampling_params import StructuredOutput
-from .tokenizer import Tokenizer
 
 # xgrammar prefixes its C++ errors with "[hh:mm:ss] /path/file.cc:123: "; the reason keeps the rest.
 _SOURCE_PREFIX = re.compile(r"^\s*\[[0-9:]+\]\s+\S+:\d+:\s*")

@@ -17,17 +17,17 @@ from typing import TYPE_CHECKING, Any
 from deepinfer.model import CausalLM
 from deepinfer.sched import EngineType, Scheduler, canonical_id
 
-from .engine_args import EngineArgs
-from .grammar_backend import StructuredOutputUnavailable, XGrammarBackend
-from .grammar_compiler import GrammarCompilePool
+from ..config.engine_args import EngineArgs
+from ..sampling.grammar_backend import StructuredOutputUnavailable, XGrammarBackend
+from ..sampling.grammar_compiler import GrammarCompilePool
+from ..sampling.logit_controls import tokenize_bad_words
+from ..sampling.sampling_params import InvalidSamplingParams, SamplingParams
+from ..sampling.sampling_stage import SamplingStage
+from ..text.text_checks import check_unicode
+from ..text.tokenizer import Tokenizer, require_tokenizer
 from .kv_handoff import KVTransfer
-from .logit_controls import tokenize_bad_words
 from .outputs import OutputKind
 from .request import ParallelRequest, Request
-from .sampling_params import InvalidSamplingParams, SamplingParams
-from .sampling_stage import SamplingStage
-from .text_checks import check_unicode
-from .tokenizer import Tokenizer, require_tokenizer
 
 PromptInput = str | dict[str, Any]
 MAX_REQUEST_ID_LEN = 256

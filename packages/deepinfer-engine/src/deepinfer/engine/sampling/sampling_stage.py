@@ -27,13 +27,13 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from ..device.staging import to_host
+from ..device.sync_guard import forbid_cuda_sync
 from .grammar_backend import GrammarState
 from .logit_controls import TokenHistory, build_logit_controls
 from .sampler import Sampler, SamplerOutput, logprob_dicts
 from .sampling_batch import RequestRng, SamplingBatch, banned_token_ids, build_sampling_batch
 from .sampling_params import SamplingParams
-from .staging import to_host
-from .sync_guard import forbid_cuda_sync
 from .token_bitmask import StepBitmask, fill_token_bitmask
 
 NON_FINITE_LOGITS = "non-finite logits"     # SampledToken.error of a row whose logits are unusable

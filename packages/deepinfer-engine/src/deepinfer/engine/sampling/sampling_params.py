@@ -10,7 +10,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import NoReturn, cast
 
-from .text_checks import lone_surrogate_at
+from ..text.text_checks import lone_surrogate_at
 
 # Below this temperature a row is sampled greedily: dividing float32 logits by such a value no longer
 # gives a meaningful distribution (and for tiny values overflows), so argmax is the honest answer.

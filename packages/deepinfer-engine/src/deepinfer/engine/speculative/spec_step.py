@@ -63,16 +63,16 @@ from deepinfer.spec import (
     verify,
 )
 
-from .engine_args import EngineArgs, InvalidEngineArgs
-from .env import EngineEnv, env_var_name
-from .plain_step import PlainStep, StepHost
-from .request import Request
-from .sampler import MAX_LOGIT_MAGNITUDE
-from .sampling_stage import NON_FINITE_LOGITS, InFlightSampling
-from .staging import to_device, to_host
-from .steps import Changed, Launched
-from .sync_guard import forbid_cuda_sync
-from .token_bitmask import allocate_token_bitmask, apply_token_bitmask, unpack_token_bitmask
+from ..config.engine_args import EngineArgs, InvalidEngineArgs
+from ..config.env import EngineEnv, env_var_name
+from ..core.plain_step import PlainStep, StepHost
+from ..core.request import Request
+from ..core.steps import Changed, Launched
+from ..device.staging import to_device, to_host
+from ..device.sync_guard import forbid_cuda_sync
+from ..sampling.sampler import MAX_LOGIT_MAGNITUDE
+from ..sampling.sampling_stage import NON_FINITE_LOGITS, InFlightSampling
+from ..sampling.token_bitmask import allocate_token_bitmask, apply_token_bitmask, unpack_token_bitmask
 from .varlen_profile import varlen_step_time_curve
 
 

@@ -4,8 +4,11 @@ from __future__ import annotations
 
 from deepinfer.sched import FinishReason, TokenLog
 
-from .detokenizer import IncrementalDetokenizer, StopStringChecker
-from .grammar_backend import GrammarState
+from ..sampling.grammar_backend import GrammarState
+from ..sampling.sampling_batch import RequestRng
+from ..sampling.sampling_params import MAX_SEED, SamplingParams
+from ..text.detokenizer import IncrementalDetokenizer, StopStringChecker
+from ..text.tokenizer import Tokenizer
 from .outputs import (
     FINISH_ABORT,
     FINISH_ERROR,
@@ -21,9 +24,6 @@ from .outputs import (
     logprob_entries,
     running_output,
 )
-from .sampling_batch import RequestRng
-from .sampling_params import MAX_SEED, SamplingParams
-from .tokenizer import Tokenizer
 
 
 class Request:

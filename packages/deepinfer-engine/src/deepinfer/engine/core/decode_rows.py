@@ -17,8 +17,8 @@ from operator import attrgetter
 
 import numpy as np
 
+from ..sampling.sampling_stage import StepRows
 from .request import Request
-from .sampling_stage import StepRows
 
 _finish_reason = attrgetter("finish_reason")
 _FEW_STOP_IDS = 8

@@ -24,7 +24,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Protocol
 
-from .outputs import RequestOutput
+from ..core.outputs import RequestOutput
 
 
 class Transport(Protocol):

@@ -16,9 +16,9 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from ..device.staging import to_device
 from .logit_controls import LogitControls
 from .sampling_params import MAX_SEED, SamplingParams
-from .staging import to_device
 from .token_bitmask import bitmask_width
 
 

@@ -25,9 +25,9 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from ..device.staging import to_device
+from ..text.tokenizer import Tokenizer
 from .sampling_params import MAX_BAD_WORD_TOKENS, InvalidSamplingParams, SamplingParams
-from .staging import to_device
-from .tokenizer import Tokenizer
 
 HISTORY_WINDOW = MAX_BAD_WORD_TOKENS - 1     # output tokens a bad word's prefix is compared with
 

@@ -31,8 +31,8 @@ from torch import Tensor
 
 from deepinfer.model import ModelCache
 
-from .engine_args import EngineArgs
-from .sampling_params import SamplingParams
+from ..config.engine_args import EngineArgs
+from ..sampling.sampling_params import SamplingParams
 from .stats import TransferStats
 
 

@@ -21,12 +21,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
-from .intake import PromptInput
-from .outputs import CompletionOutput, RequestOutput, running_output
-from .sampling_params import SamplingParams
-from .stats import EngineStats, ParallelStats
-from .text_checks import check_prompt_length, check_unicode
-from .tokenizer import Tokenizer
+from ..core.intake import PromptInput
+from ..core.outputs import CompletionOutput, RequestOutput, running_output
+from ..core.stats import EngineStats, ParallelStats
+from ..sampling.sampling_params import SamplingParams
+from ..text.text_checks import check_prompt_length, check_unicode
+from ..text.tokenizer import Tokenizer
 
 DEFAULT_MAX_NUM_WAITING = 1024
 MAX_PENDING_DELTAS = 64      # outputs a DeltaStream queues for its consumer before joining them into one

@@ -20,9 +20,9 @@ import torch
 from deepinfer.model import DSparkDraft
 from deepinfer.spec import ProfileCache, StepTimeCurve, cuda_graph_sizes, profile_key, profile_step_times
 
-from .engine_args import EngineArgs
-from .env import EngineEnv, env_var_name, varlen_profile_cache_path
-from .model_runner import ModelRunner
+from ..config.engine_args import EngineArgs
+from ..config.env import EngineEnv, env_var_name, varlen_profile_cache_path
+from ..core.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
 
@@ -92,7 +92,7 @@ def profile_fields(draft: DSparkDraft, runner: ModelRunner, args: EngineArgs, en
 def load_or_measure(run_step: Callable[[int], float], sizes: Sequence[int], key: str,
                     cache_path: str | None) -> StepTimeCurve:
     """The curve cached under `key` in `cache_path` (None: no cache), else measured and stored there.
-    Logs (logger deepinfer.engine.varlen_profile) one info line saying which, and a warning for a
+    Logs (logger deepinfer.engine.speculative.varlen_profile) one info line saying which, and a warning for a
     cache file that could not be read (then measured) or written."""
     cache = None if cache_path is None else ProfileCache(cache_path)
     if cache is not None:
