@@ -7,8 +7,8 @@
   409 another model, 500 the prefill failed, 503 the engine is full or stopped. A decode server that
   closes the connection aborts the prefill.
 
-Like the OpenAI routes these need the API key when the server has one; a decode server does not send
-one, so a prefill server behind a key serves no pair: keep prefill servers on a private network.
+They do not check the server's API key (a decode server sends none): keep prefill servers on a
+private network.
 """
 
 from __future__ import annotations
