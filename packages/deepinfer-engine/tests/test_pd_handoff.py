@@ -120,3 +120,20 @@ def test_mismatched_models_are_refused_naming_both(tmp_path: Path) -> None:
     pair = LocalKVTransfer(EngineArgs(**TINY, model=str(tmp_path), engine_type=EngineType.PROMPT))
     with pytest.raises(ValueError, match=rf"serves {tmp_path}.*this decode engine the embedded model"):
         LLMEngine(EngineArgs(**EMBEDDED, engine_type=EngineType.COMPLETION), kv_transfer=pair)
+
+
+def test_arrivals_without_room_wait_for_it_in_order(embedded_pair) -> None:
+    """Six requests on a COMPLETION engine of max_num_seqs=4: the last ones arrive with no room, keep
+    their first token, wait, and are admitted as rows free up."""
+    pair, decode = embedded_pair
+    params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    for i in range(6):
+        decode.add_request(f"w{i}", {"prompt_token_ids": [5 + i, 9, 14, 3 + 2 * i]}, params)
+    most_waiting, done = 0, {}
+    while decode.has_unfinished_requests():
+        for out in decode.step():
+            done[out.request_id] = out if out.finished else done.get(out.request_id)
+        most_waiting = max(most_waiting, len(decode._pd.arrived))
+    assert most_waiting >= 1
+    assert all(len(out.outputs[0].token_ids) == 4 for out in done.values()) and len(done) == 6
+    _assert_nothing_held(pair.prompt_engine, decode)

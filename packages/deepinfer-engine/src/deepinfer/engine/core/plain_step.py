@@ -270,7 +270,8 @@ class PlainStep:
         host.pe_prepare_save_kvcache(seq_ids)
         for seq_id in seq_ids:
             req = host._seq(seq_id)
-            host.scheduler.finish_seq(seq_id, req.finish_reason if req is not None else FINISH_PREFILLED)
+            reason = None if req is None else req.finish_reason
+            host.scheduler.finish_seq(seq_id, FINISH_PREFILLED if reason is None else reason)
         host.pe_do_save_kvcache(seq_ids)
         host.send_processed_prompts(out)
 
