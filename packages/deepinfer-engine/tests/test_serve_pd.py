@@ -115,6 +115,8 @@ def _nothing_held(prefill: Prefill, decode: LLMEngine) -> None:
     for engine in (prefill.engine, decode):
         assert not engine.has_unfinished_requests()
         assert engine.kv_blocks.num_free == engine.runner.plan.num_kv_blocks - 1
+        with engine._lock:                       # no sequence, so every state slot is free too
+            engine.scheduler.check_integrity()
     assert len(prefill.exports) == 0 and not decode._pd.awaiting and not decode._pd.arrived
 
 
@@ -196,8 +198,9 @@ def test_another_model_is_refused_at_connect_naming_both(servers, tmp_path: Path
                                          rf"server {tmp_path}"):
         LLMEngine(args, kv_transfer=HttpPrefillClient(prefill.url))
     response = httpx.post(f"{prefill.url}/v1/pd/prefill", json={"request_id": "x", "prompt_token_ids": [1],
-                                                                "params": {}, "fingerprint_key": "f00"})
-    assert response.status_code == 409 and "the embedded model" in response.json()["error"]["message"]
+                                                                "params": {}, "fingerprint_key": "f00", "model": "M2"})
+    message = response.json()["error"]["message"]
+    assert response.status_code == 409 and "serves the embedded model" in message and "decode server M2" in message
 
 
 def test_a_transfer_cut_mid_way_fails_the_order() -> None:

@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from ..core.kv_handoff import KVPayload, PrefilledRequest, PrefillOrder
+from ..core.kv_handoff import KVPayload, ModelFingerprint, PrefilledRequest, PrefillOrder
 from ..sampling.sampling_params import SamplingParams
 
 _LENGTH = struct.Struct(">Q")
@@ -91,17 +91,18 @@ def _read_exact(read: Callable[[int], bytes], num_bytes: int, what: str) -> byte
     return b"".join(parts)
 
 
-def order_json(order: PrefillOrder, fingerprint_key: str) -> dict[str, Any]:
-    """The body of a prefill request."""
+def order_json(order: PrefillOrder, fingerprint: ModelFingerprint) -> dict[str, Any]:
+    """The body of a prefill request (with the asking engine's fingerprint: its model for messages, its
+    key to be compared)."""
     params = {f.name: getattr(order.params, f.name) for f in dataclasses.fields(SamplingParams)}
     params["logit_bias"] = None if order.params.logit_bias is None else \
         [list(pair) for pair in order.params.logit_bias_pairs]
     return {"request_id": order.request_id, "prompt_token_ids": list(order.prompt_token_ids), "params": params,
-            "fingerprint_key": fingerprint_key}
+            "fingerprint_key": fingerprint.key, "model": fingerprint.model}
 
 
-def order_from_json(body: object) -> tuple[PrefillOrder, str]:
-    """(the order, the asking engine's fingerprint key) from a prefill request's body.
+def order_from_json(body: object) -> tuple[PrefillOrder, ModelFingerprint]:
+    """(the order, the asking engine's fingerprint) from a prefill request's body.
 
     Raises:
         ValueError: a body that is not one (InvalidSamplingParams for bad sampling parameters).
@@ -119,7 +120,8 @@ def order_from_json(body: object) -> tuple[PrefillOrder, str]:
         raise ValueError("structured output is not supported yet with prefill/decode disaggregation")
     if raw.get("logit_bias") is not None:
         raw = {**raw, "logit_bias": [tuple(pair) for pair in raw["logit_bias"]]}
-    return PrefillOrder(str(body["request_id"]), tuple(ids), SamplingParams(**raw)), str(body["fingerprint_key"])
+    asking = ModelFingerprint(str(body.get("model", "an unnamed model")), str(body["fingerprint_key"]))
+    return PrefillOrder(str(body["request_id"]), tuple(ids), SamplingParams(**raw)), asking
 
 
 __all__ = ["handoff_frames", "order_from_json", "order_json", "read_handoff"]

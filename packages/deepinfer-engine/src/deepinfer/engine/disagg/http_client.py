@@ -85,7 +85,7 @@ class HttpPrefillClient:
             raise RuntimeError("HttpPrefillClient.connect was not called")
         with self._lock:
             self._sockets[order.request_id] = None
-        self._workers.submit(self._fetch, order, self._fingerprint.key)
+        self._workers.submit(self._fetch, order, self._fingerprint)
 
     def cancel(self, request_id: str) -> None:
         with self._lock:
@@ -119,7 +119,7 @@ class HttpPrefillClient:
 
     # ------------------------------------------------------------------ worker threads
 
-    def _fetch(self, order: PrefillOrder, key: str) -> None:
+    def _fetch(self, order: PrefillOrder, fingerprint: ModelFingerprint) -> None:
         started = time.perf_counter()
         conn = http.client.HTTPConnection(self._host, self._port, timeout=CONNECT_TIMEOUT_S)
         try:
@@ -129,7 +129,7 @@ class HttpPrefillClient:
                 if order.request_id not in self._sockets:      # cancelled before it connected
                     return
                 self._sockets[order.request_id] = conn.sock
-            conn.request("POST", "/v1/pd/prefill", json.dumps(order_json(order, key)).encode(),
+            conn.request("POST", "/v1/pd/prefill", json.dumps(order_json(order, fingerprint)).encode(),
                          {"Content-Type": "application/json"})
             response = conn.getresponse()
             if response.status != 200:

@@ -128,14 +128,14 @@ async def _prefill(llm: EngineClient, exports: PrefillExports, body: object,
     from ..frontends.async_front import EngineQueueFull, EngineStopped
 
     try:
-        order, key = order_from_json(body)
+        order, asking = order_from_json(body)
     except ValueError as err:
         raise PrefillRefused(400, str(err)) from None
     own = exports.fingerprint
-    if own is None or key != own.key:
+    if own is None or asking.key != own.key:
         mine = "no engine yet" if own is None else f"{own.model} (key {own.key[:12]})"
-        raise PrefillRefused(409, f"this prefill server serves {mine}; the decode server's model has key {key[:12]}: "
-                                  "they cannot hand KV over")
+        raise PrefillRefused(409, f"this prefill server serves {mine}, the decode server {asking.model} (key "
+                                  f"{asking.key[:12]}): they cannot hand KV over")
     internal_id = f"pd-{uuid.uuid4().hex}"       # the decode server's ids need not be unique here
 
     async def prefilled() -> RequestOutput | None:
