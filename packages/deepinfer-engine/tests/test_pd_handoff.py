@@ -137,3 +137,18 @@ def test_arrivals_without_room_wait_for_it_in_order(embedded_pair) -> None:
     assert most_waiting >= 1
     assert all(len(out.outputs[0].token_ids) == 4 for out in done.values()) and len(done) == 6
     _assert_nothing_held(pair.prompt_engine, decode)
+
+
+def test_a_fault_on_the_prefill_side_fails_the_request_clearly(embedded_pair, monkeypatch) -> None:
+    pair, decode = embedded_pair
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("device lost")
+
+    monkeypatch.setattr(pair.prompt_engine.runner, "forward_all", broken)
+    out = _run(decode, {"f": [4, 5, 6]}, SamplingParams(max_tokens=3))["f"].outputs[0]
+    assert out.finish_reason == "error"
+    assert out.error_reason == "prefill failed: the prefill engine ended it: engine fault: RuntimeError: device lost"
+    monkeypatch.undo()
+    _assert_nothing_held(pair.prompt_engine, decode)
+    assert _run(decode, {"g": [4, 5, 6]}, SamplingParams(max_tokens=3))["g"].outputs[0].finish_reason == "length"
