@@ -287,7 +287,7 @@ def test_varlen_verify_under_zos_splits_on_the_device_and_keeps_greedy_tokens(
     """Under ZOS the varlen policy's total stays the host's choice and is split again on the device by
     the confidences of the step in flight (`query_lens_by_confidence`); greedy tokens do not depend on
     the split."""
-    from deepinfer.engine import spec_step
+    from deepinfer.engine.speculative import spec_step
 
     splits: list[tuple[int, torch.Tensor]] = []
     split = spec_step.query_lens_by_confidence
