@@ -26,6 +26,7 @@ from .kv_handoff import (
     KVPayload,
     KVTransfer,
     ModelFingerprint,
+    NullKVTransfer,
     PendingImports,
     PrefilledRequest,
     PrefillOrder,
@@ -74,6 +75,9 @@ class PrefillDecodeHooks:
         self._staged, self._handoffs = [], []
         if self.args.engine_type is not EngineType.NORMAL:
             self.kv_transfer.connect(self.fingerprint)
+        if self.args.engine_type is EngineType.PROMPT and isinstance(self.kv_transfer, NullKVTransfer):
+            logger.warning("a PROMPT engine without a KVTransfer: its requests end as 'prefilled' and their KV is "
+                           "dropped (LLMEngine(kv_transfer=...), or `deepinfer serve --pd-role prefill`)")
 
     def do_save_kvcache(self, seq_ids: Sequence[str]) -> None:
         """Save finished sequences' KV to a KV store (no-op: there is no KV store tier; docs/design.md §14)."""
