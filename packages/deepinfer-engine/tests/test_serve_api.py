@@ -25,6 +25,7 @@ from deepinfer.engine.frontends.async_front import EngineClient
 from deepinfer.engine.frontends.async_llm import AsyncLLM
 from deepinfer.engine.frontends.async_process import AsyncLLMProcess
 from deepinfer.engine.serve import NOT_SUPPORTED_YET, build_app
+from deepinfer.sched import EngineType
 
 MODEL = "tiny"
 
@@ -261,7 +262,7 @@ class _HeldEngine:
         self.scheduler = SimpleNamespace(num_running=0)
         self.kv_blocks = SimpleNamespace(num_free=9, num_blocks=10)
         self.tokenizer, self.model_dir, self.max_model_len = None, ".", 64
-        self.args = SimpleNamespace(model=".")
+        self.args = SimpleNamespace(model=".", engine_type=EngineType.NORMAL)
 
     def add_request(self, request_id: str, prompt: object, params: object) -> None:
         self.requests.append(request_id)
