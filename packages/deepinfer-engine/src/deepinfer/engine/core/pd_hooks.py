@@ -2,8 +2,8 @@
 
 PROMPT engine: `PlainStep` calls `pe_prepare_save_kvcache` for the sequences a step prefilled (their
 KV and state slot are copied to host memory while the scheduler still holds them), finishes them in
-the scheduler, then `pe_do_save_kvcache` (the copies are waited for and each becomes a
-`PrefilledRequest`) and `send_processed_prompts` (they go to the `KVTransfer`).
+the scheduler, then `pe_do_save_kvcache` (each becomes a `PrefilledRequest`: first token, logprobs,
+KV) and `send_processed_prompts` (they go to the `KVTransfer`).
 
 COMPLETION engine: `add_request` orders the prefill (`order_prefill`, from `RequestIntake.enqueue`);
 every `step()` first takes what arrived (`take_transfers`): a request's first token goes into it at
