@@ -32,11 +32,9 @@ from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
 
-from deepinfer.sched import EngineType
-
 from ..config.engine_args import EngineArgs
 from ..core.intake import PromptInput
-from ..core.kv_handoff import KVTransfer
+from ..core.kv_handoff import KVTransfer, NullKVTransfer
 from ..core.outputs import OutputKind, RequestOutput
 from ..core.stats import TransferStats
 from ..sampling.sampling_params import SamplingParams
@@ -283,5 +281,7 @@ def engine_load(engine: Any) -> EngineLoad:
 
 
 def transfer_stats(engine: Any) -> TransferStats | None:
-    """The KV an engine of a prefill/decode pair handed over so far; None for a NORMAL engine."""
-    return None if engine.args.engine_type is EngineType.NORMAL else engine.kv_transfer.stats()
+    """The KV an engine of a prefill/decode pair handed over so far; None for one without a transfer
+    (`NullKVTransfer`: a NORMAL engine)."""
+    transfer = engine.kv_transfer
+    return None if isinstance(transfer, NullKVTransfer) else transfer.stats()
