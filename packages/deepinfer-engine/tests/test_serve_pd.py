@@ -253,11 +253,11 @@ def test_deepinfer_serve_pair_as_two_processes_tiny_v41(tmp_path: Path) -> None:
     urls = [f"http://127.0.0.1:{port}" for port in ports]
     serve = [sys.executable, "-m", "deepinfer.engine.cli", "serve", *common]
     procs = [subprocess.Popen([*serve, "--pd-role", "prefill", "--port", str(ports[0])], stderr=subprocess.PIPE,
-                              text=True)]
+                              text=True),       # started together: the decode side waits for the prefill side
+             subprocess.Popen([*serve, "--pd-role", "decode", "--port", str(ports[1]), "--pd-prefill-url", urls[0]],
+                              stderr=subprocess.PIPE, text=True)]
     try:
         _wait_healthy(urls[0], procs[0])
-        procs.append(subprocess.Popen([*serve, "--pd-role", "decode", "--port", str(ports[1]), "--pd-prefill-url",
-                                       urls[0]], stderr=subprocess.PIPE, text=True))
         _wait_healthy(urls[1], procs[1])
         prompt = [5, 17, 33, 8, 61, 2, 40, 9, 12, 77, 3]
         out = _post(urls[1], "/v1/completions", {"prompt": prompt, "max_tokens": 6, "temperature": 0, "logprobs": 0,

@@ -1,13 +1,13 @@
 """`HttpPrefillClient`: the decode server's `kv_handoff.KVTransfer`, a client of a prefill server
-(`deepinfer serve --pd-role prefill`, `prefill_routes`).
+(`deepinfer serve --pd-role prefill`, `prefill_side`, `serve.pd_routes`).
 
-At start (`connect`) it reads the prefill server's fingerprint (GET /v1/pd/info) and refuses another
-model, naming both. Each prefill order is one POST /v1/pd/prefill on a connection of its own, run by
-a worker thread: the answer is the handoff's frames (`framing`), or an error naming why; either ends
-up in the queue `poll` reads. `cancel` shuts the order's socket, which cuts the transfer there and
-tells the prefill server the request is gone. Nothing is retried: a refused connection, a cut transfer
-or a prefill server that restarted fails the orders in flight with that said, and the next order
-connects afresh."""
+At start (`connect`) it reads the prefill server's fingerprint (GET /v1/pd/info; a server not up yet
+is waited for a while) and refuses another model, naming both. Each prefill order is one POST
+/v1/pd/prefill on a connection of its own, run by a worker thread: the answer is the handoff's frames
+(`framing`), or an error naming why; either ends up in the queue `poll` reads. `cancel` shuts the
+order's socket, which cuts the transfer there and tells the prefill server the request is gone.
+Nothing is retried: a refused connection, a cut transfer or a prefill server that restarted fails
+the orders in flight with that said, and the next order connects afresh."""
 
 from __future__ import annotations
 
@@ -35,6 +35,7 @@ class HttpPrefillClient:
         url: the prefill server, "http://HOST:PORT".
         timeout_s: the longest a prefill may stay silent (queueing and prefill included) before its
             order fails.
+        start_wait_s: how long `connect` waits for a prefill server that is not listening yet.
 
     Raises:
         ValueError: a URL that is not http://HOST:PORT.
@@ -42,13 +43,13 @@ class HttpPrefillClient:
 
     prefills = True
 
-    def __init__(self, url: str, *, timeout_s: float = 600.0) -> None:
+    def __init__(self, url: str, *, timeout_s: float = 600.0, start_wait_s: float = 60.0) -> None:
         parsed = urllib.parse.urlsplit(url)
         if parsed.scheme != "http" or not parsed.hostname or parsed.path not in ("", "/"):
             raise ValueError(f"pd_prefill_url={url!r} must be http://HOST:PORT")
         self.url = url.rstrip("/")
         self._host, self._port = parsed.hostname, parsed.port or 80
-        self._timeout_s = timeout_s
+        self._timeout_s, self._start_wait_s = timeout_s, start_wait_s
         self._fingerprint: ModelFingerprint | None = None
         self._arrived: queue.SimpleQueue[PrefilledRequest | TransferFailed] = queue.SimpleQueue()
         self._lock = threading.Lock()
@@ -59,16 +60,23 @@ class HttpPrefillClient:
         self._workers = ThreadPoolExecutor(MAX_ORDERS_IN_FLIGHT, thread_name_prefix="deepinfer-pd-fetch")
 
     def connect(self, fingerprint: ModelFingerprint) -> None:
-        try:
-            conn = http.client.HTTPConnection(self._host, self._port, timeout=CONNECT_TIMEOUT_S)
-            conn.request("GET", "/v1/pd/info")
-            response = conn.getresponse()
-            body = json.loads(response.read() or b"null")
-            conn.close()
-        except (OSError, http.client.HTTPException, ValueError) as err:
-            raise ConnectionError(f"cannot reach the prefill server at {self.url}: {_said(err)}") from None
-        if response.status != 200 or not isinstance(body, dict) or "fingerprint_key" not in body:
-            raise ConnectionError(f"{self.url} is not a prefill server (GET /v1/pd/info answered {response.status}; "
+        """Compare fingerprints with the prefill server's (`KVTransfer.connect`). A server that refuses
+        the connection or has no engine yet (both started at once) is retried for up to start_wait_s."""
+        deadline = time.monotonic() + self._start_wait_s
+        while True:
+            try:
+                status, body = self._info()
+            except (OSError, http.client.HTTPException, ValueError) as err:
+                if isinstance(err, ConnectionRefusedError) and time.monotonic() < deadline:
+                    time.sleep(0.2)
+                    continue
+                raise ConnectionError(f"cannot reach the prefill server at {self.url}: {_said(err)}") from None
+            if status == 503 and time.monotonic() < deadline:
+                time.sleep(0.2)
+                continue
+            break
+        if status != 200 or not isinstance(body, dict) or "fingerprint_key" not in body:
+            raise ConnectionError(f"{self.url} is not a prefill server (GET /v1/pd/info answered {status}; "
                                   "start it with `deepinfer serve --pd-role prefill`)")
         if body["fingerprint_key"] != fingerprint.key:
             raise ValueError(f"the prefill server at {self.url} serves {body.get('model')} (key "
@@ -76,6 +84,16 @@ class HttpPrefillClient:
                              f"{fingerprint.key[:12]}): they cannot hand KV over (same model, dtypes, max_model_len "
                              "and cache layout needed)")
         self._fingerprint = fingerprint
+
+    def _info(self) -> tuple[int, object]:
+        """(status, JSON body) of GET /v1/pd/info."""
+        conn = http.client.HTTPConnection(self._host, self._port, timeout=CONNECT_TIMEOUT_S)
+        try:
+            conn.request("GET", "/v1/pd/info")
+            response = conn.getresponse()
+            return response.status, json.loads(response.read() or b"null")
+        finally:
+            conn.close()
 
     def send(self, handoff: PrefilledRequest) -> None:
         raise RuntimeError("HttpPrefillClient is the decode side; a PROMPT engine sends through PrefillExports")
