@@ -18,7 +18,9 @@ from v41_checkpoint import folder_model, official_tensors, transformers_tensors,
 from v41_helpers import run_chunks
 
 from deepinfer.engine import LLM, SamplingParams
+from deepinfer.engine.speculative.spec_dummy import DummySpecSteps
 from deepinfer.model import DeepseekV4Config, DeepseekV41ForCausalLM, embedded_model_dir
+from deepinfer.spec import AcceptanceCalibration, ForwardRuntimeEstimator, SamplerRuntimeEstimator
 
 PROMPTS = [[5, 9, 3, 40, 41, 7, 7, 12, 60], [61, 62, 3, 4, 90, 15, 16, 17, 9, 5, 3, 22, 23, 24]]
 
@@ -126,12 +128,19 @@ def _oracle(propose, continuations: list[list[int]]):
 
 @pytest.mark.parametrize(("zos", "varlen"), [(False, False), (True, False), (True, True)],
                          ids=["zos-off", "zos-on", "zos-on-varlen"])
-def test_speculative_decoding_on_a_v41_folder_keeps_greedy_output(dspark_folder, zos, varlen) -> None:
+def test_speculative_decoding_on_a_v41_folder_keeps_greedy_output(dspark_folder, zos, varlen, monkeypatch) -> None:
     """A V4.1 checkpoint with a DSpark head: speculative steps verify through V4.1's multi-token decode
     (`ForwardBatch.multi_decode`), under ZOS (positions shifted on the device) and with the varlen
     policy (under ZOS its split comes from the device), and greedy output stays the plain greedy one,
     with the random head's drafts (almost all rejected) and with drafts that are mostly right."""
     model, folder, greedy = dspark_folder
+    if varlen:          # curves under which drafting pays on any machine, kept (not fed the CPU's steps)
+        flat = {"verify_forward": lambda tokens: 10.0 + 0.01 * tokens, "draft_walk": lambda rows: 0.1 * rows,
+                "verification": lambda rows: 0.1}
+        monkeypatch.setattr(DummySpecSteps, "timed", lambda self, work: flat[work.__name__])
+        monkeypatch.setenv("DEEPINFER_VARLEN_PROFILE_CACHE", "off")
+        for estimator in (ForwardRuntimeEstimator, SamplerRuntimeEstimator, AcceptanceCalibration):
+            monkeypatch.setattr(estimator, "observe", lambda self, count, measured: None)
     llm = LLM(model=str(folder), seed=0, num_speculative_tokens=K, device="cpu", max_num_seqs=4,
               zero_overhead_scheduling=zos, varlen_verify=varlen)
     engine = llm.engine
@@ -139,9 +148,9 @@ def test_speculative_decoding_on_a_v41_folder_keeps_greedy_output(dspark_folder,
     runner = engine.runner
     verify_forward, seen = runner.verify_forward, []
 
-    def recording(d, tokens, shift=None, query_lens=None):
+    def recording(d, tokens, shift=None, query_lens=None, graph_size=None):
         seen.append((shift is not None, query_lens is not None))
-        return verify_forward(d, tokens, shift, query_lens)
+        return verify_forward(d, tokens, shift, query_lens, graph_size)
 
     runner.verify_forward = recording
     prompts = [{"prompt_token_ids": p} for p in PROMPTS]
@@ -175,7 +184,9 @@ def test_speculative_v41_on_cuda_replays_verify_graphs(dspark_folder, zos) -> No
     # cache (0.9 of the card, alive until collected) left the second none on an 80 GB H100.
     common = dict(model=str(folder), seed=0, device="cuda", dtype="float32", max_num_seqs=4, kv_cache_memory_mb=256)
     plain = [list(o.outputs[0].token_ids) for o in LLM(**common).generate(prompts, params, use_tqdm=False)]
-    llm = LLM(**common, num_speculative_tokens=K, zero_overhead_scheduling=zos)
+    # every draft verified: where the varlen policy finds the eager draft walk too slow to pay, rows
+    # would decode plainly and these graphs would run no draft
+    llm = LLM(**common, num_speculative_tokens=K, zero_overhead_scheduling=zos, varlen_verify=False)
     engine = llm.engine
     assert engine.runner.graphs is not None and engine.runner.graphs.max_query_len == K + 1
     replays = engine.runner.verify_replays_graph

@@ -44,6 +44,23 @@ def test_a_freed_block_keeps_its_hash_until_allocate_hands_it_out(manager_cls) -
     manager.check_integrity()
 
 
+def test_evictions_are_recorded_once_asked_for_and_taken_once(manager_cls) -> None:
+    manager = manager_cls(4)                              # usable 1..3
+    h = chain_hashes(list(range(8)), 4, ROOT)
+    manager.allocate(2)
+    manager.cache_block(1, h[0])
+    manager.cache_block(2, h[1])
+    manager.free([2, 1])                                  # free list 3, 2, 1
+    manager.allocate(2)                                   # 3, then 2 loses h[1]: not recorded yet
+    assert manager.take_evictions() == []
+    manager.record_evictions()
+    manager.allocate(1)                                   # 1 loses h[0]
+    assert manager.take_evictions() == [(1, h[0])] and manager.take_evictions() == []
+    manager.free([1])
+    manager.drop_hashes()                                 # forgetting is not evicting
+    assert manager.take_evictions() == []
+
+
 def test_reuse_takes_free_and_held_cached_blocks_by_reference(manager_cls) -> None:
     manager = manager_cls(6)
     h = chain_hashes(list(range(8)), 4, ROOT)
@@ -105,6 +122,8 @@ def test_drop_hashes_forgets_every_hash_and_keeps_the_blocks(manager_cls) -> Non
 def test_cached_operation_streams_match_between_the_twins(seed: int) -> None:
     rng = np.random.default_rng(seed)
     pools = CythonBlockManager(24), PureBlockManager(24)
+    for pool in pools:
+        pool.record_evictions()
     hashes = [bytes([k]) * 4 for k in range(1, 30)]
     for _ in range(500):
         op = rng.choice(["allocate", "free", "cache_block", "reuse", "drop_hashes"], p=[0.3, 0.3, 0.2, 0.18, 0.02])
@@ -128,6 +147,7 @@ def test_cached_operation_streams_match_between_the_twins(seed: int) -> None:
             except ValueError as error:
                 outcomes.append(("error", str(error)))
         assert outcomes[0] == outcomes[1], (op, args)
+        assert pools[0].take_evictions() == pools[1].take_evictions()
         assert pools[0].free_block_ids().tolist() == pools[1].free_block_ids().tolist()
         assert [pools[0].block_hash(b) for b in range(1, 24)] == [pools[1].block_hash(b) for b in range(1, 24)]
     for pool in pools:

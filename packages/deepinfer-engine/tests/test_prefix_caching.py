@@ -114,11 +114,13 @@ def test_tiny_v4_n_samples_chunked_prefill_and_zos_same_tokens(tmp_path: Path, z
         assert engine.kv_blocks.num_free == engine.runner.plan.num_kv_blocks - 1
         plans[on] = engine.runner.plan
     assert _tokens(turns[True]) == _tokens(turns[False])
-    # the snapshots (2 × max_num_seqs, each a state slot) come out of the same 8 MiB as the KV blocks
+    # the snapshots (2 × max_num_seqs, each a third of a state slot) come out of the same 8 MiB as the KV blocks
     slot_bytes = plans[False].state_bytes // plans[False].num_state_slots
-    assert plans[True].num_snapshot_slots == 8 and plans[True].state_bytes == plans[False].state_bytes + 8 * slot_bytes
+    assert plans[True].num_snapshot_slots == 8 and plans[True].state_bytes == plans[False].state_bytes
+    assert plans[True].snapshot_pool_bytes == 9 * plans[True].snapshot_bytes
+    assert 3 * plans[True].snapshot_bytes == slot_bytes
     assert plans[True].num_kv_blocks < plans[False].num_kv_blocks
-    assert plans[True].paged_bytes + plans[True].state_bytes <= 8 * 2**20
+    assert plans[True].paged_bytes + plans[True].state_bytes + plans[True].snapshot_pool_bytes <= 8 * 2**20
     assert all(out.num_cached_tokens >= 48 for out in turns[True][2])    # turn 2's prompts are >= 58 tokens
 
 

@@ -26,6 +26,7 @@ from deepinfer.engine.frontends.async_front import EngineClient
 from deepinfer.engine.frontends.async_llm import AsyncLLM
 from deepinfer.engine.frontends.async_process import AsyncLLMProcess
 from deepinfer.engine.serve import NOT_SUPPORTED_YET, build_app
+from deepinfer.sched import PrefixCacheStats
 
 MODEL = "tiny"
 
@@ -259,7 +260,7 @@ class _HeldEngine:
     def __init__(self) -> None:
         self.release = threading.Event()
         self.requests: list[str] = []
-        self.scheduler = SimpleNamespace(num_running=0)
+        self.scheduler = SimpleNamespace(num_running=0, prefix_cache_stats=PrefixCacheStats())
         self.kv_blocks = SimpleNamespace(num_free=9, num_blocks=10)
         self.tokenizer, self.model_dir, self.max_model_len = None, ".", 64
         self.args = SimpleNamespace(model=".")

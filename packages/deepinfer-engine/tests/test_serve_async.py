@@ -24,6 +24,7 @@ from deepinfer.engine import EngineArgs, LLMEngine, SamplingParams
 from deepinfer.engine.cli import main
 from deepinfer.engine.core.kv_handoff import NullKVTransfer
 from deepinfer.engine.frontends.async_llm import AsyncLLM, EngineQueueFull, EngineStopped
+from deepinfer.sched import PrefixCacheStats
 
 
 @pytest.fixture(scope="module")
@@ -61,7 +62,7 @@ class _CountingEngine:
 
     def __init__(self) -> None:
         self.num_polls = 0
-        self.scheduler = type("S", (), {"num_running": 0})()
+        self.scheduler = type("S", (), {"num_running": 0, "prefix_cache_stats": PrefixCacheStats()})()
         self.kv_blocks = type("K", (), {"num_free": 1, "num_blocks": 2})()
         self.kv_transfer = NullKVTransfer()
 

@@ -1,6 +1,7 @@
 """AsyncLLMProcess, `deepinfer serve`'s default front: outputs and aborts across the process
 boundary, a refused request, an engine that fails to start, an engine process killed while serving
-(requests fail with a clear error, /health answers 503), and a shutdown that leaves no process."""
+(requests fail with a clear error, /health answers 503), SIGTERM (the requests held finish, later ones
+are refused), and a shutdown that leaves no process."""
 
 from __future__ import annotations
 
@@ -25,6 +26,7 @@ from deepinfer.engine.cli import main
 from deepinfer.engine.frontends.async_front import EngineDead, EngineStopped
 from deepinfer.engine.frontends.async_llm import AsyncLLM
 from deepinfer.engine.frontends.async_process import AsyncLLMProcess, EngineStartFailed
+from deepinfer.engine.frontends.engine_process import EngineLoop, StepReport, SubmitRequest, receive, send
 from deepinfer.engine.llm_engine import LLMEngine
 from deepinfer.engine.serve import build_app
 
@@ -117,29 +119,73 @@ def test_a_killed_engine_process_fails_requests_and_health() -> None:
     assert _gone(llm.pid)
 
 
-def test_sigterm_to_the_engine_process_finishes_its_requests_first() -> None:
+def test_sigterm_to_the_engine_process_finishes_its_requests_and_refuses_new_ones() -> None:
     """As when a service manager signals every process of the server: the request in flight still
-    runs to its end, then the engine exits and the front says so."""
+    runs to its end, a request arriving meanwhile is refused with a 503 saying why, then the engine
+    exits, the front says it stopped (not failed) and takes no more requests."""
     llm = AsyncLLMProcess(EngineArgs(seed=0))
+    url, server, thread = start_uvicorn(build_app(llm, served_model_name="tiny"))
+    try:
+        body = {"prompt": "def f(", "max_tokens": 40, "ignore_eos": True, "stream": True,
+                "stream_options": {"include_usage": True}}
+        events: list[str] = []
+        refused = None
+        with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=60) as reply:
+            for line in reply.iter_lines():
+                if not line.startswith("data: "):
+                    continue
+                events.append(line.removeprefix("data: "))
+                if len(events) == 1:
+                    os.kill(llm.pid, signal.SIGTERM)
+                    deadline = time.monotonic() + 30
+                    while llm.is_running:                  # the engine's next report says it is stopping
+                        assert time.monotonic() < deadline
+                        time.sleep(0.01)
+                    refused = httpx.post(f"{url}/v1/completions", json={"prompt": "x", "max_tokens": 2})
+        assert events[-1] == "[DONE]" and json.loads(events[-2])["usage"]["completion_tokens"] == 40
+        assert refused is not None and refused.status_code == 503
+        error = refused.json()["error"]
+        assert error["code"] == "shutting_down" and "the engine process got SIGTERM" in error["message"]
+        deadline = time.monotonic() + 30
+        while not _gone(llm.pid):
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        health = httpx.get(f"{url}/health")
+        assert health.status_code == 503 and health.json() == {"status": "engine stopped"}
+        assert llm.failure is None                          # a clean stop, not a failure
+        with pytest.raises(EngineStopped, match="got SIGTERM"):
+            asyncio.run(anext(llm.generate("x")))
+    finally:
+        server.should_exit = True
+        thread.join(timeout=30)
+    assert not thread.is_alive() and llm.failure is None
 
-    async def run() -> list:
-        outs = []
-        async for out in llm.generate("def f(", SamplingParams(max_tokens=30, ignore_eos=True), delta=True):
-            if not outs:
-                os.kill(llm.pid, signal.SIGTERM)
-            outs.append(out)
-        return outs
 
-    outs = asyncio.run(run())
-    assert outs[-1].outputs[0].finish_reason == "length" and sum(len(o.outputs[0].token_ids) for o in outs) == 30
-    deadline = time.monotonic() + 30
-    while llm.is_running:
-        assert time.monotonic() < deadline
-        time.sleep(0.05)
-    assert llm.failure is None and _gone(llm.pid)          # a clean stop, not a failure
-    with pytest.raises(EngineStopped):                     # and the front takes no more requests
-        asyncio.run(anext(llm.generate("x")))
-    asyncio.run(llm.shutdown())
+def test_the_engine_loop_refuses_requests_that_reach_it_after_sigterm() -> None:
+    """The engine process's side, in this process: a request that was on its way when SIGTERM came
+    is refused (`EngineStopped`); the one taken before runs to its end; the report says the engine
+    is stopping, and the loop ends once the engine has no work."""
+    engine = LLMEngine(EngineArgs(seed=0))
+    inbox, front_out = multiprocessing.Pipe(duplex=False)
+    front_in, outbox = multiprocessing.Pipe(duplex=False)
+    loop = EngineLoop(engine, inbox, outbox)
+    send(front_out, SubmitRequest("taken", [5, 6, 7], SamplingParams(max_tokens=5, ignore_eos=True)))
+    loop.poll()
+    loop.on_sigterm(signal.SIGTERM, None)
+    send(front_out, SubmitRequest("late", [5, 6], SamplingParams(max_tokens=5)))
+    loop.run()                                              # returns: no work left after SIGTERM
+    reports = []
+    while front_in.poll():
+        reports.append(receive(front_in))
+    assert all(isinstance(r, StepReport) and r.stopping for r in reports)
+    refusals = [refusal for r in reports for refusal in r.refusals]
+    assert [r.request_id for r in refusals] == ["late"] and isinstance(refusals[0].error, EngineStopped)
+    assert "got SIGTERM" in str(refusals[0].error)
+    finished = [out for r in reports for out in r.outputs if out.finished]
+    assert [(o.request_id, o.outputs[0].finish_reason) for o in finished] == [("taken", "length")]
+    num_tokens = sum(len(o.outputs[0].token_ids) for r in reports for o in r.outputs) + \
+        sum(len(ids) for r in reports for ids in r.token_ids)
+    assert num_tokens == 5 and not engine.has_unfinished_requests()
 
 
 def test_sigterm_leaves_no_engine_process() -> None:

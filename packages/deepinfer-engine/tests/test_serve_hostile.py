@@ -7,10 +7,13 @@ engine whose compile pool has short bounds and a gated back end (deterministic, 
 from __future__ import annotations
 
 import asyncio
+import gc
 import json
+import os
 import socket
 import threading
 import time
+import tracemalloc
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -33,6 +36,9 @@ from deepinfer.engine.serve.server import uvicorn_config
 MODEL = "tiny"
 MAX_BODY = 2 << 20
 MAX_WAITING = 4
+KEPT_SLACK_BYTES = 256 << 10   # Python objects made by a hostile round and still alive (the last report, ...)
+RSS_SLACK_KIB = 12 << 10       # resident growth over two hostile rounds, per process: pymalloc arenas pinned by a
+                               # few live objects (about 2 MiB a round measured here)
 
 
 @dataclass
@@ -494,3 +500,93 @@ def test_a_client_that_leaves_mid_stream_aborts_its_request_and_frees_its_cache(
     while llm.num_unfinished or llm.stats.num_running or llm.stats.num_free_kv_blocks != free:
         assert time.monotonic() < deadline, "the left request still runs or holds cache blocks"
         time.sleep(0.02)
+
+
+# ------------------------------------------------------------------ memory and threads over the sweep
+
+
+def _raw(body: object) -> bytes:
+    return body if isinstance(body, bytes) else json.dumps(body).encode()
+
+
+_DEEP_SCHEMA = {"type": "json_schema", "json_schema": {"schema": json.loads(
+    '{"type": "array", "items": ' * 300 + '{"type": "string"}' + "}" * 300)}}
+# (path, body, status): one of each kind of hostile request above, built once (the server shares this process)
+_SWEEP = [(path, _raw(body), status) for path, body, status in [
+    ("completions", {"prompt": "ok \ud800"}, 400),
+    ("chat/completions", {"messages": [{"role": "wizard", "content": "hi"}]}, 400),
+    ("chat/completions", {**CHAT, "tools": [TOOL]}, 400),
+    ("completions", {"prompt": [5], "max_tokens": "s"}, 400),
+    ("completions", {"prompt": [5], "temperature": []}, 400),
+    ("completions", {"prompt": [5], "stop": 1.5}, 400),
+    ("completions", {"prompt": [-1]}, 400),
+    ("completions", {"prompt": [10**18]}, 400),
+    ("completions", {"prompt": "x", "max_tokens": 10**9}, 400),
+    ("completions", {"prompt": "ab " * 330_000}, 400),                                   # 1 MB of text
+    ("chat/completions", {"messages": [{"role": "user", "content": "ab " * 330_000}]}, 400),
+    ("completions", {"prompt": "x", "stop": ["s"] * 1000}, 400),
+    ("completions", {"prompt": "x", "stop": ["s" * 10_000]}, 400),
+    ("completions", {"prompt": "x", "response_format": _DEEP_SCHEMA}, 400),
+    ("completions", {"prompt": "x", "structured_outputs": {"regex": "(" * 3000 + "a" + ")" * 3000}}, 400),
+    ("completions", {"prompt": "x", "structured_outputs": {"regex": "[a-z]{1,45000}"}}, 400),
+    ("completions", {"prompt": "x" * (MAX_BODY + 10)}, 413),
+    ("completions", b'{"prompt": "x", "max_tokens": ' + b"9" * 5000 + b"}", 400),
+    ("completions", b'{"prompt": "x", "max_tokens": 1, "max_tokens": 2}', 400),
+    ("completions", b'{"prompt": "x"', 400),
+    ("completions", b'{"prompt": "x\xff"}', 400),
+    ("completions", {"prompt": "a\x00b", "stop": ["\x00"], "max_tokens": 2}, 200),
+    ("completions", {"prompt": "x", "max_tokens": 2, "structured_outputs": {"regex": "(a|aa)*b"}}, 200),
+]]
+# 10^5 logit_bias entries: 1.4 MB of JSON parsed into 10^5 objects (slow under tracemalloc, so kept apart)
+_BIG_LOGIT_BIAS = ("completions", _raw({"prompt": "x", "logit_bias": {str(i): 1 for i in range(100_000)}}), 400)
+
+
+def _hostile_round(served: Served, http: httpx.Client, *, big_logit_bias: bool = True) -> None:
+    """Every case of `_SWEEP` (and `_BIG_LOGIT_BIAS`), a request without the key, and a stream the
+    client leaves after its first event; each answered as the tests above check, nothing left registered."""
+    for path, raw, status in _SWEEP + ([_BIG_LOGIT_BIAS] if big_logit_bias else []):
+        reply = http.post(f"/v1/{path}", content=raw, headers={"Content-Type": "application/json"})
+        assert reply.status_code == status, (path, raw[:80], reply.text[:200])
+    assert httpx.get(f"{served.url}/v1/models", timeout=30).status_code == 401
+    with http.stream("POST", "/v1/completions", content=_raw({"prompt": "class A:", "max_tokens": 3000,
+                                                              "ignore_eos": True, "stream": True})) as reply:
+        assert next(line for line in reply.iter_lines() if line.startswith("data: "))
+    deadline = time.monotonic() + 30
+    while served.llm.num_unfinished or served.llm.stats.num_running:
+        assert time.monotonic() < deadline, "the left stream still runs"
+        time.sleep(0.01)
+
+
+def _rss_and_threads(pid: int) -> tuple[int, int]:
+    """(resident memory in KiB, OS threads) of process `pid`."""
+    with open(f"/proc/{pid}/status") as status:
+        fields = dict(line.split(":", 1) for line in status)
+    return int(fields["VmRSS"].split()[0]), int(fields["Threads"])
+
+
+def test_memory_and_threads_come_back_after_the_hostile_sweep(served: Served, http: httpx.Client) -> None:
+    """Over rounds of the hostile cases (about 6 MB of bodies a round, and megabytes of parsed JSON),
+    neither the server's process (this one: HTTP, front, tokenizer) nor the engine process keeps
+    threads or memory: the resident memory of each comes back within the allocators' slack (a
+    request that held on to its parsed JSON would add tens of megabytes), and no Python object made
+    during a round outlives it (tracemalloc, exact: a body held on to would keep a megabyte)."""
+    pids = {"server": os.getpid(), "engine": served.llm.pid}
+    _hostile_round(served, http)              # the first round pays for what is built once (caches, worker threads)
+    gc.collect()
+    baseline = {name: _rss_and_threads(pid) for name, pid in pids.items()}
+    for _ in range(2):
+        _hostile_round(served, http)
+    gc.collect()
+    for name, pid in pids.items():
+        (rss_before, threads_before), (rss_after, threads_after) = baseline[name], _rss_and_threads(pid)
+        assert threads_after <= threads_before, (name, threads_before, threads_after)
+        assert rss_after - rss_before < RSS_SLACK_KIB, (name, rss_before, rss_after)
+    tracemalloc.start()                       # last: its own tables take resident memory
+    try:
+        _hostile_round(served, http, big_logit_bias=False)
+        gc.collect()
+        kept, _ = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert kept < KEPT_SLACK_BYTES, kept
+    assert_nothing_left_and_serving(served, http)

@@ -1,11 +1,13 @@
 """Load on localhost, bounded in count and time: 200 concurrent streams all complete, well formed,
-none lost or mixed up; 50 streams dropped mid-way (and a dropped non-streamed request) are aborted
-and give their KV blocks back."""
+none lost or mixed up, and leave nothing behind (no request registered, every KV block free, no
+thread kept beyond the tokenizer's worker pool); 50 streams dropped mid-way (and a dropped
+non-streamed request) are aborted and give their KV blocks back."""
 
 from __future__ import annotations
 
 import asyncio
 import json
+import os
 import re
 import threading
 import time
@@ -71,8 +73,16 @@ def _check_stream(body: str, max_tokens: int) -> tuple[str, dict[str, int]]:
     return ids.pop(), usage_chunk["usage"]
 
 
-def test_200_concurrent_streams_complete_well_formed_none_lost(served: Served) -> None:
-    tokenizer = served.llm.model.tokenizer
+def _num_threads(pid: int) -> int:
+    with open(f"/proc/{pid}/status") as status:
+        return int(next(line for line in status if line.startswith("Threads:")).split()[1])
+
+
+def test_200_concurrent_streams_complete_well_formed_none_lost_nothing_left(served: Served) -> None:
+    llm = served.llm
+    tokenizer = llm.model.tokenizer
+    free_at_start = llm.stats.num_free_kv_blocks
+    threads_at_start = {pid: _num_threads(pid) for pid in (os.getpid(), llm.pid)}
     prompts = [f"def f{i}(" + "x, " * (i % 11) for i in range(NUM_STREAMS)]
     max_tokens = [1 + i % 5 for i in range(NUM_STREAMS)]
 
@@ -95,6 +105,16 @@ def test_200_concurrent_streams_complete_well_formed_none_lost(served: Served) -
     for i, (_, usage) in enumerate(results):                          # each got its own request's answer
         assert usage["prompt_tokens"] == len(tokenizer.encode(prompts[i]))
         assert usage["completion_tokens"] == max_tokens[i]
+    deadline = time.monotonic() + 10           # the engine's report after the last step may still be on its way
+    while llm.stats.num_free_kv_blocks != free_at_start:
+        assert time.monotonic() < deadline, "KV blocks still held after every stream ended"
+        time.sleep(0.01)
+    assert (llm.num_unfinished, llm.stats.num_running, llm.stats.num_waiting) == (0, 0, 0)
+    assert not llm._prompts and llm._num_unfinished == 0         # the reader's bookkeeping too
+    # The engine process starts no thread per request; this one may have grown asyncio's default
+    # executor (the tokenizer's worker threads, idle ones kept) up to its bound, and no further.
+    assert _num_threads(llm.pid) == threads_at_start[llm.pid]
+    assert _num_threads(os.getpid()) <= threads_at_start[os.getpid()] + min(32, (os.cpu_count() or 1) + 4)
 
 
 def test_dropped_streams_are_aborted_and_free_their_blocks(served: Served) -> None:

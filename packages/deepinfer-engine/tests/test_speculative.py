@@ -223,7 +223,8 @@ def test_seeded_sampling_is_reproducible_and_independent_of_the_batch(speculativ
     assert other != alone
 
 
-def test_varlen_verify_and_the_draft_count_flags(draft_model: Path, plain: LLM, monkeypatch) -> None:
+def test_varlen_verify_and_the_draft_count_flags(draft_model: Path, plain: LLM, monkeypatch,
+                                                 flat_varlen_curves: None) -> None:
     llm = LLM(model=str(draft_model), num_speculative_tokens=2, **{**FAST, "max_num_seqs": 2})   # varlen: default
     assert llm.engine.spec.k == 2 and llm.engine.spec.varlen is not None and llm.engine.zos
     params = SamplingParams(max_tokens=12, temperature=0)
@@ -245,7 +246,9 @@ def test_bad_flags_are_refused_naming_the_field(draft_model: Path, no_draft_mode
     with pytest.raises(InvalidEngineArgs, match="varlen_verify='yes'") as err:
         EngineArgs(num_speculative_tokens=5, varlen_verify="yes")
     assert err.value.field == "varlen_verify"
-    for bad in ({"data_parallel_size": 2}, {"engine_type": EngineType.PROMPT}):
+    # DP + EP ranks take verify rows (tests/test_parallel_speculative.py)
+    assert EngineArgs(num_speculative_tokens=5, data_parallel_size=2, expert_parallel=True).num_speculative_tokens == 5
+    for bad in ({"engine_type": EngineType.PROMPT},):
         with pytest.raises(InvalidEngineArgs, match="num_speculative_tokens=5") as err:
             EngineArgs(num_speculative_tokens=5, **bad)
         assert err.value.field == "num_speculative_tokens"

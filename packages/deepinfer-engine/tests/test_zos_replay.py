@@ -283,7 +283,7 @@ def test_the_sync_guard_covers_the_speculative_launch(monkeypatch: pytest.Monkey
 
 
 def test_varlen_verify_under_zos_splits_on_the_device_and_keeps_greedy_tokens(
-        monkeypatch: pytest.MonkeyPatch) -> None:
+        monkeypatch: pytest.MonkeyPatch, drafting_pays: None) -> None:
     """Under ZOS the varlen policy's total stays the host's choice and is split again on the device by
     the confidences of the step in flight (`query_lens_by_confidence`); greedy tokens do not depend on
     the split."""

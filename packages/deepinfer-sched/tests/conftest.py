@@ -28,14 +28,17 @@ def native(request: pytest.FixtureRequest) -> bool:
 @pytest.fixture
 def make_sched(native: bool):
     """make_sched(num_blocks=64, num_slots=None, vote_group=None, verify_policy=None, num_snapshots=4,
-    **config): a Scheduler over fresh BlockManagers (num_slots usable state slots; None = max_num_seqs;
-    num_snapshots snapshot slots when config turns prefix caching on)."""
+    host=None, **config): a Scheduler over fresh BlockManagers (num_slots usable state slots; None =
+    max_num_seqs; num_snapshots snapshot slots when config turns prefix caching on; host = (host
+    blocks, host snapshots) of a host tier)."""
 
     def make(num_blocks: int = 64, num_slots: int | None = None, vote_group=None, verify_policy=None,
-             num_snapshots: int = 4, **config: object) -> Scheduler:
+             num_snapshots: int = 4, host: tuple[int, int] | None = None, **config: object) -> Scheduler:
         cfg = SchedulerConfig(**{**_DEFAULTS, **config})
         slots = BlockManager((cfg.max_num_seqs if num_slots is None else num_slots) + 1)
+        host_blocks, host_snapshots = (None, None) if host is None else (BlockManager(n + 1) for n in host)
         return Scheduler(cfg, BlockManager(num_blocks), slots, vote_group=vote_group,
-                         verify_policy=verify_policy, native=native, snapshot_slots=BlockManager(num_snapshots + 1))
+                         verify_policy=verify_policy, native=native, snapshot_slots=BlockManager(num_snapshots + 1),
+                         host_blocks=host_blocks, host_snapshots=host_snapshots)
 
     return make

@@ -37,7 +37,7 @@ def test_a_prompt_is_cut_at_its_last_block_boundary_and_snapshotted_there(make_s
     sched.add_seq("a", A, 4)
     out = run_prefill(sched)
     assert chunks_of(out) == [("a", 0, 8, False, 0)]
-    assert out.zero_states.tolist() == [1] and out.save_states.tolist() == [[1, 1]]   # slot 1 -> snapshot 1
+    assert out.zero_states.tolist() == [1] and out.save_states.tolist() == [[1, 1, 8]]   # slot 1 -> snapshot 1 at 8
     out = run_prefill(sched)
     assert chunks_of(out) == [("a", 8, 10, True, 0)] and not len(out.save_states)
     assert sched.prefix_cache_stats == PrefixCacheStats(queries=10, hits=0, num_cached_blocks=2, num_snapshots=1)
@@ -52,7 +52,7 @@ def test_a_later_prompt_takes_the_cached_blocks_and_restores_the_snapshot(make_s
     out = run_prefill(sched)
     assert chunks_of(out) == [("b", 8, 11, True, 8)]
     assert out.prefill[0].block_table.tolist() == [1, 2, 4]            # a holds 1, 2, 3
-    assert out.restore_states.tolist() == [[1, 2]] and not len(out.zero_states)
+    assert out.restore_states.tolist() == [[1, 2, 8]] and not len(out.zero_states)
     assert sched.get_seq("b").num_computed_tokens == 11
     assert sched.prefix_cache_stats.hits == 8 and sched.prefix_cache_stats.queries == 21
     sched.check_integrity()
@@ -65,11 +65,11 @@ def test_the_last_token_is_always_computed(make_sched) -> None:
     sched = cached(make_sched)
     sched.add_seq("a", A[:8], 4)                           # two full blocks: no cut, snapshot at 8
     out = run_prefill(sched)
-    assert chunks_of(out) == [("a", 0, 8, True, 0)] and out.save_states.tolist() == [[1, 1]]
+    assert chunks_of(out) == [("a", 0, 8, True, 0)] and out.save_states.tolist() == [[1, 1, 8]]
     sched.add_seq("same", A[:8], 4)                        # a hit at 8 would leave nothing to sample: the
     out = run_prefill(sched)                               # blocks it may take end at 4, where no snapshot
     assert chunks_of(out) == [("same", 0, 4, False, 0)]    # is: it saves one there
-    assert out.save_states.tolist() == [[2, 2]]
+    assert out.save_states.tolist() == [[2, 2, 4]]
     assert chunks_of(run_prefill(sched)) == [("same", 4, 8, True, 0)]
     sched.add_seq("again", A[:8], 4)
     assert chunks_of(run_prefill(sched)) == [("again", 4, 8, True, 4)]
@@ -97,7 +97,7 @@ def test_snapshot_cuts_let_other_prompts_join_the_step(make_sched) -> None:
     sched.add_seq("c", [5, 6, 7, 8, 9, 10, 11], 4)
     out = run_prefill(sched)
     assert chunks_of(out) == [("a", 0, 8, False, 0), ("c", 0, 4, False, 0)]
-    assert out.save_states.tolist() == [[1, 1], [2, 2]]
+    assert out.save_states.tolist() == [[1, 1, 8], [2, 2, 4]]
     out = run_prefill(sched)
     assert chunks_of(out) == [("a", 8, 10, True, 0), ("c", 4, 7, True, 0)]
     sched.check_integrity()
@@ -109,7 +109,7 @@ def test_nothing_registered_in_a_step_is_hit_in_the_same_step(make_sched) -> Non
     sched.add_seq("b", A[:8] + [1], 4)
     out = run_prefill(sched)
     assert chunks_of(out) == [("a", 0, 8, True, 0), ("b", 0, 8, False, 0)]
-    assert out.save_states.tolist() == [[1, 1]]            # b's snapshot point is a's: saved once
+    assert out.save_states.tolist() == [[1, 1, 8]]         # b's snapshot point is a's: saved once
     out = run_prefill(sched)
     assert chunks_of(out) == [("b", 8, 9, True, 0)]
     sched.check_integrity()
@@ -194,7 +194,7 @@ def test_a_shared_prefix_is_cut_once_per_step(make_sched) -> None:
     sched.add_seq("c", system + [11, 12, 13, 14, 15], 4)
     out = run_prefill(sched)                               # c would save b's snapshot again: not cut at 8
     assert chunks_of(out) == [("b", 0, 8, False, 0), ("c", 0, 12, False, 0)]
-    assert out.save_states.tolist() == [[2, 2], [3, 3]]
+    assert out.save_states.tolist() == [[2, 2, 8], [3, 3, 12]]
 
 
 def test_the_rest_of_a_prompt_cut_at_a_snapshot_point_does_not_wait_for_an_attempt_point(make_sched) -> None:

@@ -3,6 +3,8 @@ import pytest
 import torch
 
 from deepinfer.spec import (
+    AcceptanceCalibration,
+    DraftRuntimeEstimator,
     FixedVerifyPolicy,
     ForwardRuntimeEstimator,
     SamplerRuntimeEstimator,
@@ -10,7 +12,9 @@ from deepinfer.spec import (
     VarlenVerifyPolicy,
     choose_query_lens,
     cuda_graph_key,
+    cuda_graph_keys,
     cuda_graph_sizes,
+    drafting_can_pay,
     query_lens_by_confidence,
 )
 
@@ -22,6 +26,9 @@ def test_graph_keys_are_powers_of_two_then_every_interval() -> None:
     assert all(cuda_graph_key(s) == s for s in cuda_graph_sizes(200))      # every size is its own key
     with pytest.raises(ValueError):
         cuda_graph_key(0)
+    totals = np.arange(1, 1000)
+    for interval in (1, 3, 6, 8, 16):       # the array form: the same keys
+        assert cuda_graph_keys(totals, interval).tolist() == [cuda_graph_key(int(t), interval) for t in totals]
 
 
 def _curve(max_size: int, knee: int) -> StepTimeCurve:
@@ -107,3 +114,72 @@ def test_split_by_confidence_keeps_each_request_a_prefix() -> None:
     assert query_lens_by_confidence(conf, 6).tolist() == [2, 4]
     with pytest.raises(ValueError):
         query_lens_by_confidence(conf, 9)
+
+
+def _draft_cost(ms_per_row: float, base_ms: float = 0.0) -> DraftRuntimeEstimator:
+    rows = (1, 2, 4, 8, 16, 32, 64)
+    return DraftRuntimeEstimator(prior=StepTimeCurve(rows, tuple(base_ms + ms_per_row * r for r in rows)))
+
+
+def test_the_draft_walk_is_paid_for_only_by_rows_given_a_draft() -> None:
+    good, poor = [0.95, 0.9, 0.85, 0.8, 0.75], [0.2, 0.1, 0.05, 0.0, 0.0]
+    flat = ForwardRuntimeEstimator(StepTimeCurve((1, 64), (10.0, 10.0)))
+    sampler = SamplerRuntimeEstimator(prior=StepTimeCurve((1, 64), (1.0, 1.0)))
+    # a flat forward and a free draft walk: every draft of positive value is verified
+    assert choose_query_lens([good, poor], 6, flat, sampler).query_lens.tolist() == [6, 4]
+    # a walk costing 4 ms per row: the poor row's 0.35 expected tokens do not pay for its walk, so it
+    # stays a plain decode row (no walk) while the good row drafts all 5
+    plan = choose_query_lens([good, poor], 6, flat, sampler, _draft_cost(4.0))
+    assert plan.query_lens.tolist() == [6, 1]
+    assert plan.expected_ms == pytest.approx(10.0 + 1.0 + 4.0)
+    # a walk costlier than everything its drafts can bring: nobody drafts, the step is a plain one
+    plan = choose_query_lens([good, poor], 6, flat, sampler, _draft_cost(40.0))
+    assert plan.query_lens.tolist() == [1, 1] and plan.expected_ms == pytest.approx(11.0)
+
+
+@pytest.mark.parametrize(("curve", "draft_ms", "pays"), [
+    (StepTimeCurve((1, 8, 64), (10.0, 10.0, 10.5)), 1.0, True),       # flat (a GPU at small batches): pays
+    (StepTimeCurve((1, 8, 64), (1.0, 8.0, 64.0)), 0.5, False),        # every token costs the first's: never
+    (StepTimeCurve((1, 8, 64), (10.0, 10.0, 10.5)), 100.0, False),    # a flat forward but a slow walk
+])
+def test_drafting_can_pay_at_some_batch_size_or_never(curve: StepTimeCurve, draft_ms: float, pays: bool) -> None:
+    forward, sampler = ForwardRuntimeEstimator(curve), SamplerRuntimeEstimator()
+    assert drafting_can_pay(8, 6, forward, sampler, _draft_cost(draft_ms)) is pays
+    policy = VarlenVerifyPolicy(forward, sampler, draft=_draft_cost(draft_ms), plain_only=not pays,
+                                default_acceptance=(1.0,))
+    lens = policy.query_lens(("a", "b"), np.array([10, 9], dtype=np.int32), 6)
+    assert (lens.tolist() == [1, 1]) is not pays
+
+
+def test_estimators_start_from_their_prior_until_measured() -> None:
+    sampler = SamplerRuntimeEstimator(prior=StepTimeCurve((1, 4), (1.0, 4.0)))
+    assert sampler.estimate_ms(2) == 2.0
+    sampler.observe(2, 7.0)                  # a measurement replaces the prior
+    assert sampler.estimate_ms(2) == 7.0 and sampler.estimate_ms(4) == 7.0
+    draft = _draft_cost(2.0)
+    assert draft.estimate_ms(0) == 0.0 and draft.estimate_ms(3) == 6.0
+
+
+
+def test_calibration_is_accepted_over_predicted_over_a_window() -> None:
+    calibration = AcceptanceCalibration(window=4, prior_rows=2, prior_expected=1.0)
+    assert calibration.factor == 1.0
+    for _ in range(4):
+        calibration.observe(3.0, 0)                 # predicted 3 accepted drafts, none were
+    assert calibration.factor == pytest.approx(2 / 14)
+    for _ in range(4):
+        calibration.observe(1.0, 2)                 # the window forgets the old rows
+    assert calibration.factor == pytest.approx(10 / 6)
+
+
+def test_an_overconfident_head_is_calibrated_down_to_plain_rows() -> None:
+    forward = ForwardRuntimeEstimator(StepTimeCurve((1, 64), (10.0, 11.0)))
+    policy = VarlenVerifyPolicy(forward, SamplerRuntimeEstimator(), draft=_draft_cost(3.0))
+    policy.observe("a", [0.9] * 5)
+    assert policy.query_lens(("a",), np.array([10], dtype=np.int32), 6).tolist() == [6]
+    for _ in range(100):                            # its drafts are never accepted
+        policy.calibration.observe(3.0, 0)
+    assert policy.query_lens(("a",), np.array([10], dtype=np.int32), 6).tolist() == [1]
+    # scaled values stay probabilities and keep each row's drafts a prefix
+    plan = choose_query_lens([[0.9, 0.8, 0.5]], 4, forward, SamplerRuntimeEstimator(), acceptance_scale=3.0)
+    assert plan.query_lens.tolist() == [4] and plan.expected_tokens == pytest.approx(4.0)

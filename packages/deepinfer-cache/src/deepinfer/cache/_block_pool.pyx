@@ -79,6 +79,7 @@ cdef class BlockManager:
             self._list.num_free = total - 1
         self._hashes = [None] * total
         self._by_hash = {}
+        self._evicted = None
 
     def __dealloc__(self):
         PyMem_Free(self._list.ref_counts)
@@ -289,6 +290,20 @@ cdef class BlockManager:
                     unlink_block(&self._list, block)
                 self._list.ref_counts[block] += 1
 
+    def record_evictions(self):
+        """From now on `allocate` records each cached block it hands out (its hash is lost): the prefix
+        cache's host tier copies their content elsewhere before it is overwritten (`take_evictions`)."""
+        if self._evicted is None:
+            self._evicted = []
+
+    def take_evictions(self):
+        """[(block id, hash)] of the cached blocks `allocate` handed out since the last call, oldest
+        first (empty unless `record_evictions` was called)."""
+        if not self._evicted:
+            return []
+        out, self._evicted = self._evicted, []
+        return out
+
     def drop_hashes(self):
         """Forgets every block's hash (the blocks themselves are untouched); returns how many it held."""
         num_dropped = len(self._by_hash)
@@ -356,6 +371,8 @@ cdef class BlockManager:
             if held is not None:
                 hashes[block] = None
                 del self._by_hash[held]
+                if self._evicted is not None:
+                    self._evicted.append((block, held))
 
     def _one_id(self, block_id):
         if isinstance(block_id, bool) or not isinstance(block_id, (int, np.integer)):

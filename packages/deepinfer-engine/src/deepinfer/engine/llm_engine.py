@@ -58,12 +58,13 @@ from deepinfer.sched import (
     StepKind,
     StepVoteGroup,
 )
+from deepinfer.spec import cuda_graph_key
 
 from .config.engine_args import EngineArgs, InvalidEngineArgs
 from .config.env import EngineEnv, read_env
 from .core.intake import RequestIntake
 from .core.kv_handoff import KVTransfer, NullKVTransfer
-from .core.model_runner import ModelRunner, default_block_size, state_slot_bytes
+from .core.model_runner import ModelRunner, default_block_size, snapshot_bytes, state_slot_bytes
 from .core.outputs import OutputKind, RequestOutput
 from .core.pd_hooks import PrefillDecodeHooks
 from .core.plain_step import PlainStep
@@ -74,6 +75,7 @@ from .sampling.grammar_compiler import GrammarCompilePool
 from .sampling.logit_controls import TokenHistory
 from .sampling.sampler import Sampler
 from .sampling.sampling_stage import SamplingStage
+from .speculative.spec_lockstep import SpecLockstep
 from .speculative.spec_step import SpeculativeDecoder, SpeculativeStats, attach_draft_head
 from .text.tokenizer import Tokenizer, load_tokenizer
 
@@ -82,6 +84,14 @@ logger = logging.getLogger(__name__)
 
 # With nothing to run but requests waiting for their grammar, `step()` waits this long for a compile.
 IDLE_GRAMMAR_WAIT_S = 0.05
+
+
+def max_decode_tokens(args: EngineArgs, env: EngineEnv) -> int:
+    """The most tokens one rank feeds a decode forward: max_num_seqs, or under speculative decoding
+    the largest verify graph size (max_num_seqs × (k + 1) rounded up to its key: lockstep ranks pad to it)."""
+    if not args.num_speculative_tokens:
+        return args.max_num_seqs
+    return cuda_graph_key(args.max_num_seqs * (args.num_speculative_tokens + 1), env.cudagraph_batch_size_interval)
 
 
 def _zos_with_drafts(args: EngineArgs) -> bool:
@@ -203,7 +213,8 @@ class LLMEngine(RequestIntake, PrefillDecodeHooks):
         self._finished_between_steps: list[Request] = []   # reported by the next step()
         # The steps (steps.py): plain ones, and speculative decode steps with a draft head
         self.plain_step = PlainStep(self)
-        self.spec = None if draft is None else SpeculativeDecoder(draft, self, self.plain_step, args, self.env)
+        self.spec = None if draft is None else SpeculativeDecoder(draft, self, self.plain_step, args, self.env,
+                                                                  self._spec_lockstep(vote_group, expert_parallel))
         self.scheduler = self._new_scheduler()
         # One caller at a time: add_request / abort_request / step / has_unfinished_requests take it.
         self._lock = threading.RLock()
@@ -228,7 +239,7 @@ class LLMEngine(RequestIntake, PrefillDecodeHooks):
                                 local_experts=local_experts if self.experts_sharded else None)
         if ep is not None:      # before the graphs are captured: they hold the EP decode exchange
             apply_expert_parallel(self.model, ep.group, ep.slots, loaded_sharded=self.experts_sharded,
-                                  max_decode_tokens=args.max_num_seqs)
+                                  max_decode_tokens=max_decode_tokens(args, env))
         if args.yoco_prefill_truncation_mode != "off":
             self.model.set_prefill_truncation(args.yoco_prefill_truncation_mode, args.yoco_prefill_keep_tokens)
         draft = attach_draft_head(self.model, args, env) if args.num_speculative_tokens else None
@@ -238,6 +249,13 @@ class LLMEngine(RequestIntake, PrefillDecodeHooks):
                     self.weight_bytes / 2**20, args.device)
         return draft
 
+    def _spec_lockstep(self, vote_group: StepVoteGroup | None,
+                       ep: ExpertParallelSetup | None) -> SpecLockstep | None:
+        """The group whose ranks run each speculative step's verify forward together: the EP group."""
+        if ep is None or vote_group is None or vote_group.world_size == 1:
+            return None
+        return SpecLockstep(vote_group, ep.group, self.runner.device, self.env.cudagraph_batch_size_interval)
+
     def _prefix_snapshots(self, budget_bytes: int) -> int:
         """Prefix-cache state snapshots to keep (`num_prefix_snapshots`); 0 = prefix caching off."""
         args, env = self.args, self.env
@@ -246,11 +264,12 @@ class LLMEngine(RequestIntake, PrefillDecodeHooks):
         block_size = args.block_size or default_block_size(self.model)
         num_state_slots = BlockManager.for_state_slots(args.max_num_seqs, env.num_state_slots_ratio).num_blocks
         slot_bytes = state_slot_bytes(self.model, block_size, env.max_backtracking_tokens)
-        num = num_prefix_snapshots(args, slot_bytes, num_state_slots, budget_bytes)
+        one_snapshot = snapshot_bytes(self.model, block_size, env.max_backtracking_tokens)
+        num = num_prefix_snapshots(args, slot_bytes, one_snapshot, num_state_slots, budget_bytes)
         if not num:
             logger.warning("prefix caching is off: a quarter of the %d B cache budget left by the state slots "
                            "holds no state snapshot (%d B each); set prefix_cache_snapshots to have some anyway",
-                           budget_bytes, slot_bytes)
+                           budget_bytes, one_snapshot)
         return num
 
     def _scheduler_config(self, draft: DSparkDraft | None) -> SchedulerConfig:
@@ -280,7 +299,7 @@ class LLMEngine(RequestIntake, PrefillDecodeHooks):
             graph_max_query_len=query_len, max_blocks_per_seq=cfg.max_blocks_per_seq,
             max_model_len=cfg.max_blocks_per_seq * cfg.block_size,
             graph_interval=env.cudagraph_batch_size_interval, batch_invariant=args.batch_invariant,
-            num_snapshot_slots=self._num_snapshots,
+            num_snapshot_slots=self._num_snapshots, host_tier_bytes=int((args.prefix_cache_host_mb or 0) * 2**20),
         )
 
     def _new_scheduler(self) -> Scheduler:
@@ -291,8 +310,12 @@ class LLMEngine(RequestIntake, PrefillDecodeHooks):
         # The paged KV pool of the current scheduler; read (num_free, usage) by AsyncLLM's stats.
         self.kv_blocks = BlockManager(self.runner.plan.num_kv_blocks)
         snapshots = BlockManager(self._num_snapshots + 1) if self._num_snapshots else None
+        plan = self.runner.plan
+        host_blocks = BlockManager(plan.num_host_blocks + 1) if plan.num_host_blocks else None
+        host_snapshots = BlockManager(plan.num_host_snapshots + 1) if plan.num_host_blocks else None
         return Scheduler(self._sched_cfg, self.kv_blocks, slots, vote_group=self._vote_group,
-                         verify_policy=None if self.spec is None else self.spec.gate, snapshot_slots=snapshots)
+                         verify_policy=None if self.spec is None else self.spec.gate, snapshot_slots=snapshots,
+                         host_blocks=host_blocks, host_snapshots=host_snapshots)
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached prompt prefix (KV blocks and state snapshots); requests running now keep

@@ -8,7 +8,9 @@ Two kinds of memory (docs/design.md §5):
   compression windows align to the block grain, so they need not be saved).
 
 Ring lengths: window `sliding_window + max_backtracking`; compressor `2·ratio` (CSA, overlapping
-windows need the previous window's rows) or `ratio` (HCA), each + max_backtracking.
+windows need the previous window's rows) or `ratio` (HCA), each + max_backtracking. At a block
+boundary only part of a ring is live (`StateSpec.boundary_rows`): the window's last `sliding_window`
+rows, a CSA compressor's (and indexer's) previous window of `ratio` rows, nothing of an HCA one.
 """
 
 from __future__ import annotations
@@ -36,12 +38,19 @@ class PagedStreamSpec:
 
 @dataclass(frozen=True, slots=True)
 class StateSpec:
-    """One per-sequence state region of `shape` elements of `dtype`; `stored` ones go to a KV store."""
+    """One per-sequence state region of `shape` elements of `dtype`; `stored` ones go to a KV store.
+
+    `boundary_rows`: for a ring indexed by position mod `shape[0]`, how many rows a later step reads
+    when the sequence stands at a block boundary t (a multiple of every compress ratio): those of
+    positions t − boundary_rows … t − 1 (0 = none: a window that closes at every boundary). None =
+    the whole region. A prefix-cache state snapshot keeps only these rows.
+    """
 
     name: str
     shape: tuple[int, ...]
     dtype: torch.dtype
     stored: bool
+    boundary_rows: int | None = None
 
     @property
     def num_bytes(self) -> int:

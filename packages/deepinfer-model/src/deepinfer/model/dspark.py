@@ -137,7 +137,7 @@ class DSparkDraft(nn.Module):
             shape, dtype = (rows, self.codec.row_dim), self.codec.dtype
         else:
             shape = (rows, self.cfg.head_dim)
-        return tuple(StateSpec(name, shape, dtype, False) for name in self.ring_names())
+        return tuple(StateSpec(name, shape, dtype, False, self.cfg.sliding_window) for name in self.ring_names())
 
     def write_context(self, features: Tensor, batch: ForwardBatch, cache: ModelCache, ops: KernelSet) -> None:
         """Project the captured target features [num_tokens, hidden · num_targets] and write every

@@ -138,20 +138,21 @@ class DeepseekV4ForCausalLM(nn.Module):
         streams, stored, dropped = [], [], []
         for i, (kind, r) in enumerate(zip(cfg.attention_types, cfg.compress_ratios)):
             stored.append(StateSpec(f"layers.{i}.window", (cfg.sliding_window + max_backtracking, cfg.head_dim),
-                                    dtype, True))
+                                    dtype, True, cfg.sliding_window))
             if kind == SLIDING:
                 continue
             streams.append(PagedStreamSpec(f"layers.{i}.kv", cfg.head_dim, r, dtype))
             mult = 2 if kind == CSA else 1
             ring = mult * r + max_backtracking
+            live = r if kind == CSA else 0          # at a boundary: the previous window (CSA) or nothing
             for part in ("kv", "gate"):
                 dropped.append(StateSpec(f"layers.{i}.compressor.{part}", (ring, mult * cfg.head_dim), torch.float32,
-                                         False))
+                                         False, live))
             if kind == CSA:
                 streams.append(PagedStreamSpec(f"layers.{i}.index_k", cfg.index_head_dim, r, dtype))
                 for part in ("kv", "gate"):
                     dropped.append(StateSpec(f"layers.{i}.indexer.{part}", (ring, 2 * cfg.index_head_dim),
-                                             torch.float32, False))
+                                             torch.float32, False, live))
         if self.draft is not None:
             dropped.extend(self.draft.state_specs(max_backtracking, dtype))
         return CacheSpec(block_size, tuple(streams), tuple(stored + dropped))

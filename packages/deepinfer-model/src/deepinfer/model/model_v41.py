@@ -239,7 +239,8 @@ class DeepseekV41ForCausalLM(nn.Module):
         dropped: list[StateSpec] = []
         streams: list[PagedStreamSpec] = []
         for i in range(cfg.num_hidden_layers):
-            region = StateSpec(f"layers.{i}.window", (ring, codecs.window.row_dim), codecs.window.dtype, i < encoder)
+            region = StateSpec(f"layers.{i}.window", (ring, codecs.window.row_dim), codecs.window.dtype, i < encoder,
+                               cfg.sliding_window)
             (stored if i < encoder else dropped).append(region)
         for s in cfg.kv_source_layer_ids:
             r = cfg.compress_ratios[s]
@@ -249,10 +250,10 @@ class DeepseekV41ForCausalLM(nn.Module):
             if r > 1:
                 for part in ("kv", "gate"):
                     dropped.append(StateSpec(f"layers.{s}.compressor.{part}", (r + max_backtracking, cfg.head_dim),
-                                             torch.float32, False))
+                                             torch.float32, False, 0))       # its windows close at a boundary
         if cfg.engram_layer_ids:
             dropped.append(StateSpec(HISTORY, (cfg.engram_max_ngram_size - 1 + max_backtracking,), torch.int64,
-                                     False))
+                                     False, cfg.engram_max_ngram_size - 1))
         if self.draft is not None:
             dropped.extend(self.draft.state_specs(max_backtracking, dtype))
         return CacheSpec(block_size, tuple(streams), tuple(stored + dropped))

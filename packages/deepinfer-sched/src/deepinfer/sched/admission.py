@@ -53,7 +53,7 @@ def plan_chunk(st: SchedState, seq: Sequence, tokens_left: int, sum_k_left: int,
             num_tokens = point - num_computed
             break
     if hit is not None:
-        held, taken_free = len(hit.block_ids), hit.num_free_blocks
+        held, taken_free = hit.num_device_blocks, hit.num_free_blocks
     else:
         held, taken_free = (int(st.table.num_blocks[seq.row]) if not first else 0), 0
     if st.blocks_for(num_computed + num_tokens) - held + taken_free > st.kv.num_free:
@@ -120,10 +120,14 @@ def _commit_chunk(st: SchedState, seq: Sequence, num_tokens: int) -> PrefillChun
         table.num_output[row] = seq.num_tokens - seq.num_prompt_tokens   # > 0 after a recompute
         hit, seq.hit = seq.hit, None
         if hit is not None and st.prefix is not None:      # a hit is only planned with the cache on
-            st.prefix.take(hit)
-            table.append_blocks(row, hit.block_ids)
+            block_ids, loads = st.prefix.take(seq, hit)
+            table.append_blocks(row, block_ids)
             table.seq_len[row] = num_cached = hit.num_tokens
-            st.restore_states.append((hit.snapshot, slot))
+            st.load_blocks += loads
+            if hit.snapshot:
+                st.restore_states.append((hit.snapshot, slot, num_cached))
+            else:
+                st.restore_host_states.append((hit.host_snapshot, slot, num_cached))
         else:
             st.zero_states.append(slot)
         if st.prefix is not None:
@@ -139,7 +143,7 @@ def _commit_chunk(st: SchedState, seq: Sequence, num_tokens: int) -> PrefillChun
     if st.prefix is not None:
         snapshot = st.prefix.computed(seq, table.block_ids(row), start, end)
         if snapshot:
-            st.save_states.append((int(table.state_slot[row]), snapshot))
+            st.save_states.append((int(table.state_slot[row]), snapshot, end))
     st.unlink(seq)
     completes = end == seq.num_tokens
     if completes:

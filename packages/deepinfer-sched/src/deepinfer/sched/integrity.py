@@ -100,7 +100,10 @@ def _check_references(st: SchedState) -> None:
         if manager.num_free != manager.num_blocks - 1 - len(refs):
             _fail(f"{manager.num_free} free {name}s, {len(refs)} in use of {manager.num_blocks - 1}")
     if st.prefix is not None:
-        snapshots = st.prefix.snapshots
-        if snapshots.num_free != snapshots.num_blocks - 1:     # held only within one schedule()
-            _fail(f"{snapshots.num_blocks - 1 - snapshots.num_free} snapshot slots held between steps")
-        snapshots.check_integrity()
+        pools = [("snapshot slots", st.prefix.snapshots)]
+        if st.prefix.host is not None:
+            pools += [("host blocks", st.prefix.host.blocks), ("host snapshots", st.prefix.host.snapshots)]
+        for name, pool in pools:
+            if pool.num_free != pool.num_blocks - 1:          # held only within one schedule()
+                _fail(f"{pool.num_blocks - 1 - pool.num_free} {name} held between steps")
+            pool.check_integrity()

@@ -123,6 +123,8 @@ class IgnoredSeq:
 
 EMPTY_PAIRS = np.zeros((0, 2), dtype=np.int32)
 EMPTY_PAIRS.flags.writeable = False
+EMPTY_TRIPLES = np.zeros((0, 3), dtype=np.int32)
+EMPTY_TRIPLES.flags.writeable = False
 EMPTY_SLOTS = np.zeros(0, dtype=np.int32)
 EMPTY_SLOTS.flags.writeable = False
 
@@ -131,8 +133,11 @@ EMPTY_SLOTS.flags.writeable = False
 class SchedulerOutput:
     """Everything the engine needs for one step.
 
-    Apply `clone_states`, `clone_blocks`, `zero_states` and `restore_states` (in that order) before
-    the forward, and `save_states` after it.
+    Before the forward, in this order: `spill_blocks` and `spill_snapshots` (copies out of what the
+    step overwrites), `load_blocks`, `clone_states`, `clone_blocks`, `zero_states`, `restore_states`
+    and `restore_host_states`; after it, `save_states`. The prefix-cache lists are empty with prefix
+    caching off, and the host ones without its host tier. A snapshot keeps only what a sequence
+    standing at a block boundary needs, so restoring and saving one names that position.
 
     Attributes:
         kind: the forward to run (`StepKind`).
@@ -142,12 +147,20 @@ class SchedulerOutput:
         clone_blocks: [k, 2] int32 (src, dst) KV block copies (fork copy-on-write of the last,
             partly written block).
         zero_states: [k] int32 state slots to zero (sequences admitted fresh this step).
-        restore_states: [k, 2] int32 (snapshot slot, state slot): prefix-cache hits; copy the
-            snapshot into the sequence's new state slot (instead of zeroing it).
-        save_states: [k, 2] int32 (state slot, snapshot slot): prefix-cache snapshots; copy the
-            state a prefill chunk leaves (it ends on a block boundary) into the snapshot slot once
-            the step's forward has run. Snapshot slots are ids of the scheduler's snapshot
-            `BlockManager` (1 .. num_snapshots), not state slots.
+        restore_states: [k, 3] int32 (snapshot slot, state slot, position): prefix-cache hits; put
+            the snapshot, saved at that position, into the sequence's new state slot (instead of
+            zeroing it).
+        restore_host_states: [k, 3] int32 (host snapshot, state slot, position): the same from the
+            host tier's snapshot pool.
+        save_states: [k, 3] int32 (state slot, snapshot slot, position): prefix-cache snapshots;
+            save the state a prefill chunk leaves (it ends on a block boundary, at that position)
+            into the snapshot slot once the step's forward has run. Snapshot slots are ids of the
+            scheduler's snapshot `BlockManager` (1 .. num_snapshots), not state slots.
+        spill_blocks: [k, 2] int32 (KV block, host block): cached blocks evicted this step, copied
+            into the host tier's block pool before anything overwrites them.
+        spill_snapshots: [k, 2] int32 (snapshot slot, host snapshot): the same for snapshots.
+        load_blocks: [k, 2] int32 (host block, KV block): a hit's blocks from the host tier, copied
+            into their new KV blocks.
         ignored: waiting sequences dropped since the last step, with reasons.
         preempted_seq_ids: sequences preempted this step (in preemption order). Those not in
             `recomputed_seq_ids` are finished (reason "preempted"); the engine drops results of
@@ -164,8 +177,12 @@ class SchedulerOutput:
     clone_states: np.ndarray = field(default_factory=lambda: EMPTY_PAIRS)
     clone_blocks: np.ndarray = field(default_factory=lambda: EMPTY_PAIRS)
     zero_states: np.ndarray = field(default_factory=lambda: EMPTY_SLOTS)
-    restore_states: np.ndarray = field(default_factory=lambda: EMPTY_PAIRS)
-    save_states: np.ndarray = field(default_factory=lambda: EMPTY_PAIRS)
+    restore_states: np.ndarray = field(default_factory=lambda: EMPTY_TRIPLES)
+    save_states: np.ndarray = field(default_factory=lambda: EMPTY_TRIPLES)
+    restore_host_states: np.ndarray = field(default_factory=lambda: EMPTY_TRIPLES)
+    spill_blocks: np.ndarray = field(default_factory=lambda: EMPTY_PAIRS)
+    spill_snapshots: np.ndarray = field(default_factory=lambda: EMPTY_PAIRS)
+    load_blocks: np.ndarray = field(default_factory=lambda: EMPTY_PAIRS)
     ignored: tuple[IgnoredSeq, ...] = ()
     preempted_seq_ids: tuple[str, ...] = ()
     recomputed_seq_ids: tuple[str, ...] = ()

@@ -51,10 +51,15 @@ class HashedBlockPool(BlockPool, Protocol):
 
     def drop_hashes(self) -> int: ...
 
+    def record_evictions(self) -> None: ...
+
+    def take_evictions(self) -> list[tuple[int, bytes]]: ...
+
     def check_integrity(self) -> None: ...
 
 
-HASH_METHODS = ("cache_block", "cached_block", "match", "reuse", "drop_hashes", "num_cached", "check_integrity")
+HASH_METHODS = ("cache_block", "cached_block", "match", "reuse", "drop_hashes", "num_cached", "check_integrity",
+                "record_evictions", "take_evictions")
 
 
 def is_hashed(pool: object) -> TypeGuard[HashedBlockPool]:

@@ -20,6 +20,10 @@ What is cached, and at which grain:
 
 Registrations are deferred to the end of the step's admission, so no sequence of a step hits what
 another sequence of the same step is computing (its KV and state exist only after the forward).
+
+With a host tier (host_tier.py) a hit's blocks and snapshot may also come from host memory: such
+blocks are allocated anew, loaded before the forward and cached again at once (their content is in
+place before anything reads it), and the snapshot is restored from host memory.
 """
 
 from __future__ import annotations
@@ -30,6 +34,7 @@ import numpy as np
 
 from deepinfer.cache import chain_hashes, root_hash
 
+from .host_tier import HostTier
 from .pools import HashedBlockPool
 from .sequence import Hit, Sequence
 
@@ -46,12 +51,20 @@ class PrefixCacheStats:
         hits: of those, tokens served from the cache.
         num_cached_blocks: KV blocks holding a hash now (in use or free).
         num_snapshots: state snapshots held now.
+        host_hits: of `hits`, tokens whose KV blocks came back from host memory.
+        num_host_spills: KV blocks copied to host memory so far.
+        num_host_blocks: KV blocks held in host memory now.
+        num_host_snapshots: state snapshots held in host memory now.
     """
 
     queries: int = 0
     hits: int = 0
     num_cached_blocks: int = 0
     num_snapshots: int = 0
+    host_hits: int = 0
+    num_host_spills: int = 0
+    num_host_blocks: int = 0
+    num_host_snapshots: int = 0
 
 
 class PrefixCache:
@@ -63,10 +76,11 @@ class PrefixCache:
         snapshots: a `BlockManager` over snapshot slots (`BlockManager(num_snapshots + 1)`; slot 0
             unused); every snapshot is free and cached at rest, so LRU eviction needs nothing else.
         key: bytes folded into the root hash (model, KV dtype, ...).
+        host: the host-memory tier, or None.
     """
 
     def __init__(self, block_size: int, kv_blocks: HashedBlockPool, snapshots: HashedBlockPool,
-                 key: bytes) -> None:
+                 key: bytes, host: HostTier | None = None) -> None:
         missing = [attr for attr in ("cache_block", "match", "reuse", "cached_block", "drop_hashes")
                    if not hasattr(snapshots, attr)]
         if missing:
@@ -75,8 +89,13 @@ class PrefixCache:
         self.kv = kv_blocks
         self.snapshots = snapshots
         self.root = root_hash(key)
+        self.host = host
+        if host is not None:
+            kv_blocks.record_evictions()
+            snapshots.record_evictions()
         self.queries = 0
         self.hits = 0
+        self.host_hits = 0
         self._pending_blocks: list[tuple[int, bytes]] = []
         self._pending_snapshots: list[tuple[int, bytes]] = []
 
@@ -96,15 +115,11 @@ class PrefixCache:
         snapshot points past the hit, ascending."""
         size = self.block_size
         hashes = self.hashes(seq, (seq.num_tokens - 1) // size)
-        num_shared = self.kv.match(hashes)
+        num_shared = self._num_shared(hashes)
         count = num_shared if seq.use_prefix_cache else 0
-        while count and not self.snapshots.cached_block(hashes[count - 1]):
+        while count and not self._snapshot_of(hashes[count - 1]):
             count -= 1
-        hit = None
-        if count:
-            block_ids = np.fromiter((self.kv.cached_block(h) for h in hashes[:count]), dtype=np.int32, count=count)
-            num_free = sum(self.kv.ref_count(int(b)) == 0 for b in block_ids)
-            hit = Hit(count * size, block_ids, self.snapshots.cached_block(hashes[count - 1]), num_free)
+        hit = self._hit(hashes[:count]) if count else None
         if seq.num_tokens != seq.num_prompt_tokens:          # a recompute
             return hit, ()
         points = {seq.num_tokens // size * size}
@@ -112,12 +127,60 @@ class PrefixCache:
             points.add(num_shared * size)                     # (not when this step saves it already)
         return hit, tuple(sorted(p for p in points if p > count * size))
 
-    def take(self, hit: Hit) -> None:
-        """Takes a hit's blocks by reference and marks its snapshot most recently used."""
-        self.kv.reuse(hit.block_ids)
-        one = np.array([hit.snapshot], dtype=np.int32)
-        self.snapshots.reuse(one)
-        self.snapshots.free(one)
+    def _num_shared(self, hashes: list[bytes]) -> int:
+        """Leading blocks of the chain cached on the device or in host memory."""
+        count = self.kv.match(hashes)
+        if self.host is not None:
+            while count < len(hashes) and (self.kv.cached_block(hashes[count])
+                                           or self.host.blocks.cached_block(hashes[count])):
+                count += 1
+        return count
+
+    def _snapshot_of(self, block_hash: bytes) -> bool:
+        return bool(self.snapshots.cached_block(block_hash)
+                    or (self.host is not None and self.host.snapshots.cached_block(block_hash)))
+
+    def _hit(self, hashes: list[bytes]) -> Hit:
+        count = len(hashes)
+        block_ids = np.fromiter((self.kv.cached_block(h) for h in hashes), dtype=np.int32, count=count)
+        num_free = sum(self.kv.ref_count(int(b)) == 0 for b in block_ids if b)
+        snapshot = self.snapshots.cached_block(hashes[-1])
+        host = self.host
+        if host is None:
+            return Hit(count * self.block_size, block_ids, snapshot, num_free)
+        host_ids = np.fromiter((0 if b else host.blocks.cached_block(h) for b, h in zip(block_ids, hashes)),
+                               dtype=np.int32, count=count)
+        host_snapshot = 0 if snapshot else host.snapshots.cached_block(hashes[-1])
+        return Hit(count * self.block_size, block_ids, snapshot, num_free, host_ids, host_snapshot)
+
+    def take(self, seq: Sequence, hit: Hit) -> tuple[np.ndarray, list[tuple[int, int]]]:
+        """Takes a hit's blocks by reference and marks its snapshot most recently used; blocks in
+        host memory get new KV blocks, cached again at once.
+
+        Returns:
+            ([num_tokens // block_size] int32 the hit's KV blocks, [(host block, KV block)] to load
+            before the forward).
+        """
+        on_device = hit.block_ids != 0
+        self.kv.reuse(hit.block_ids[on_device])
+        if hit.snapshot:
+            one = np.array([hit.snapshot], dtype=np.int32)
+            self.snapshots.reuse(one)
+            self.snapshots.free(one)
+        if on_device.all() and hit.snapshot:
+            return hit.block_ids, []
+        assert self.host is not None and hit.host_block_ids is not None, "a host entry needs the host tier"
+        block_ids = hit.block_ids.copy()
+        missing = np.flatnonzero(~on_device)
+        new_ids = self.kv.allocate(len(missing))
+        hashes = seq.block_hashes
+        for index, block in zip(missing.tolist(), new_ids.tolist()):
+            self.kv.cache_block(block, hashes[index])
+            block_ids[index] = block
+        host_ids = hit.host_block_ids[missing]
+        self.host.hold(host_ids, hit.host_snapshot)
+        self.host_hits += len(missing) * self.block_size
+        return block_ids, list(zip(host_ids.tolist(), new_ids.tolist()))
 
     def computed(self, seq: Sequence, block_ids: np.ndarray, start: int, end: int) -> int:
         """Queues the hashes of the blocks a chunk [start, end) completes, and a snapshot where it ends
@@ -149,10 +212,27 @@ class PrefixCache:
         self._pending_blocks.clear()
         self._pending_snapshots.clear()
 
+    def spill(self) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
+        """With a host tier, at the end of a step: the copies to host memory of what the device pools
+        evicted this step (`HostTier.spill`); else nothing."""
+        if self.host is None:
+            return [], []
+        return self.host.spill(self.kv.take_evictions(), self.snapshots.take_evictions())
+
     def reset(self) -> None:
-        """Forgets every cached block and snapshot (their memory is untouched and reused as free)."""
+        """Forgets every cached block and snapshot, in host memory too (their memory is untouched and
+        reused as free)."""
         self.kv.drop_hashes()
         self.snapshots.drop_hashes()
+        if self.host is not None:
+            self.kv.take_evictions()
+            self.snapshots.take_evictions()
+            self.host.reset()
 
     def stats(self) -> PrefixCacheStats:
-        return PrefixCacheStats(self.queries, self.hits, self.kv.num_cached, self.snapshots.num_cached)
+        host = self.host
+        if host is None:
+            return PrefixCacheStats(self.queries, self.hits, self.kv.num_cached, self.snapshots.num_cached)
+        return PrefixCacheStats(self.queries, self.hits, self.kv.num_cached, self.snapshots.num_cached,
+                                self.host_hits, host.num_spilled_blocks, host.blocks.num_cached,
+                                host.snapshots.num_cached)

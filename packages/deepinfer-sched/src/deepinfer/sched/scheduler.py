@@ -15,9 +15,10 @@ from . import admission, requests
 from .config import EngineType, SchedulerConfig
 from .decode import DecodeScratch, schedule_decode
 from .fork import fork_seq
+from .host_tier import HostTier
 from .integrity import check_integrity
 from .output import DecodeBatch, PrefillChunk, PrefilledSeq, SchedulerOutput, StepKind
-from .pools import BlockPool, HashedBlockPool
+from .pools import BlockPool, HashedBlockPool, is_hashed
 from .prefix_cache import PrefixCacheStats
 from .sequence import FinishReason, SeqView, TokenLog
 from .state import SchedState
@@ -61,10 +62,13 @@ class Scheduler:
         snapshot_slots: with `config.enable_prefix_caching`, the `BlockManager` of state snapshot
             slots (`BlockManager(num_snapshots + 1)`, slot 0 unused; prefix_cache.py); ignored
             otherwise.
+        host_blocks / host_snapshots: with prefix caching, the host tier's `BlockManager`s of host
+            KV blocks and host snapshots (`BlockManager(n + 1)`, id 0 unused; host_tier.py), both or
+            neither (None: no host tier).
 
     Raises:
-        ValueError: kv_blocks, state_slots or snapshot_slots lacks the BlockManager interface, or
-            prefix caching is on without snapshot_slots.
+        ValueError: kv_blocks, state_slots, snapshot_slots or a host pool lacks the BlockManager
+            interface, prefix caching is on without snapshot_slots, or only one host pool is given.
     """
 
     def __init__(
@@ -77,6 +81,8 @@ class Scheduler:
         verify_policy: VerifyLengthPolicy | None = None,
         native: bool | None = None,
         snapshot_slots: HashedBlockPool | None = None,
+        host_blocks: HashedBlockPool | None = None,
+        host_snapshots: HashedBlockPool | None = None,
     ) -> None:
         if not isinstance(config, SchedulerConfig):
             raise ValueError(f"config must be a SchedulerConfig, got {type(config).__name__}")
@@ -85,7 +91,8 @@ class Scheduler:
                        if not hasattr(manager, attr)]
             if missing:
                 raise ValueError(f"{name} must be a deepinfer.cache.BlockManager; it lacks {missing}")
-        self._st = SchedState(config, kv_blocks, state_slots, snapshot_slots)
+        self._st = SchedState(config, kv_blocks, state_slots, snapshot_slots,
+                              _host_tier(config, host_blocks, host_snapshots))
         self._group: StepVoteGroup = vote_group if vote_group is not None else SingleRankVoteGroup()
         self._verify_policy = verify_policy
         self._core = load_decode_core(native)
@@ -285,7 +292,7 @@ class Scheduler:
         ignored = tuple(st.pending_ignored)
         st.pending_ignored.clear()
         kind, prefill, decode = self._step()
-        clone_states, clone_blocks, zero_states, restore_states, save_states = st.emit_lists()
+        clone_states, clone_blocks, zero_states = st.emit_lists()
         return SchedulerOutput(
             kind=kind,
             prefill=prefill,
@@ -293,8 +300,7 @@ class Scheduler:
             clone_states=clone_states,
             clone_blocks=clone_blocks,
             zero_states=zero_states,
-            restore_states=restore_states,
-            save_states=save_states,
+            **st.emit_prefix_lists(),
             ignored=ignored,
             preempted_seq_ids=tuple(st.preempted),
             recomputed_seq_ids=tuple(st.recomputed),
@@ -316,3 +322,13 @@ class Scheduler:
         st.num_decode_steps += 1
         batch = schedule_decode(st, self._core, self._scratch, self._verify_policy)
         return (StepKind.DECODE if batch is not None else StepKind.EMPTY_DECODE), (), batch
+
+
+def _host_tier(config: SchedulerConfig, blocks: HashedBlockPool | None,
+               snapshots: HashedBlockPool | None) -> HostTier | None:
+    if blocks is None and snapshots is None or not config.enable_prefix_caching:
+        return None
+    if blocks is None or snapshots is None or not is_hashed(blocks) or not is_hashed(snapshots):
+        raise ValueError("the prefix cache's host tier needs host_blocks and host_snapshots, both "
+                         "deepinfer.cache.BlockManagers")
+    return HostTier(blocks, snapshots)

@@ -14,12 +14,20 @@ BRANCH_PREFIX = "_"
 
 @dataclass(frozen=True, slots=True)
 class Hit:
-    """A sequence's longest usable cached prefix: its blocks and the snapshot at its end."""
+    """A sequence's longest usable cached prefix: its blocks and the snapshot at its end, each on
+    the device or in the host tier (host_tier.py)."""
 
     num_tokens: int
-    block_ids: np.ndarray     # [num_tokens // block_size] int32
-    snapshot: int             # snapshot slot id (>= 1)
+    block_ids: np.ndarray     # [num_tokens // block_size] int32 KV blocks; 0 = in host memory only
+    snapshot: int             # snapshot slot id (>= 1), or 0: the snapshot is in host memory
     num_free_blocks: int      # of block_ids, those on the free list (they leave it when taken)
+    host_block_ids: np.ndarray | None = None   # [num_tokens // block_size] int32 host block where block_ids is 0
+    host_snapshot: int = 0    # host snapshot id where snapshot is 0
+
+    @property
+    def num_device_blocks(self) -> int:
+        """Blocks taken by reference (the rest are allocated and loaded from host memory)."""
+        return int(np.count_nonzero(self.block_ids))
 
 
 class SeqStatus(enum.Enum):

@@ -7,7 +7,8 @@ from collections import OrderedDict
 import numpy as np
 
 from .config import SchedulerConfig
-from .output import EMPTY_PAIRS, EMPTY_SLOTS, IgnoredSeq
+from .host_tier import HostTier
+from .output import EMPTY_PAIRS, EMPTY_SLOTS, EMPTY_TRIPLES, IgnoredSeq
 from .pools import BlockPool, HashedBlockPool, is_hashed
 from .prefix_cache import PrefixCache
 from .seq_table import SeqTable
@@ -25,7 +26,7 @@ class SchedState:
     """
 
     def __init__(self, config: SchedulerConfig, kv_blocks: BlockPool, state_slots: BlockPool,
-                 snapshot_slots: HashedBlockPool | None = None) -> None:
+                 snapshot_slots: HashedBlockPool | None = None, host: HostTier | None = None) -> None:
         self.config = config
         self.kv = kv_blocks
         self.slots = state_slots
@@ -34,7 +35,7 @@ class SchedState:
             if snapshot_slots is None or not is_hashed(snapshot_slots) or not is_hashed(kv_blocks):
                 raise ValueError("enable_prefix_caching=True needs kv_blocks and snapshot_slots with a hash index "
                                  "(deepinfer.cache.BlockManager)")
-            self.prefix = PrefixCache(config.block_size, kv_blocks, snapshot_slots, config.prefix_cache_key)
+            self.prefix = PrefixCache(config.block_size, kv_blocks, snapshot_slots, config.prefix_cache_key, host)
         self.table = SeqTable(config.max_num_seqs + 1, config.max_blocks_per_seq)
         self.seqs: dict[str, Sequence] = {}
         self.waiting: OrderedDict[str, Sequence] = OrderedDict()
@@ -50,8 +51,11 @@ class SchedState:
         self.clone_states: list[tuple[int, int]] = []
         self.clone_blocks: list[tuple[int, int]] = []
         self.zero_states: list[int] = []
-        self.restore_states: list[tuple[int, int]] = []    # (snapshot slot, state slot): before the forward
-        self.save_states: list[tuple[int, int]] = []       # (state slot, snapshot slot): after the forward
+        # prefix caching, see SchedulerOutput
+        self.restore_states: list[tuple[int, int, int]] = []       # (snapshot slot, state slot, position)
+        self.restore_host_states: list[tuple[int, int, int]] = []  # (host snapshot, state slot, position)
+        self.save_states: list[tuple[int, int, int]] = []          # (state slot, snapshot slot, position)
+        self.load_blocks: list[tuple[int, int]] = []               # (host block, KV block)
         self.preempted: list[str] = []
         self.recomputed: list[str] = []      # the preempted ones queued for recompute
 
@@ -120,18 +124,26 @@ class SchedState:
         seq.parent = None
         self.num_uncopied -= 1
 
-    def emit_lists(self) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-        """This step's (clone_states [k,2], clone_blocks [k,2], zero_states [k], restore_states [k,2],
-        save_states [k,2]) as int32 arrays."""
-        return (_pairs(self.clone_states), _pairs(self.clone_blocks), _slots(self.zero_states),
-                _pairs(self.restore_states), _pairs(self.save_states))
+    def emit_lists(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """This step's (clone_states [k,2], clone_blocks [k,2], zero_states [k]) as int32 arrays."""
+        return _pairs(self.clone_states), _pairs(self.clone_blocks), _slots(self.zero_states)
+
+    def emit_prefix_lists(self) -> dict[str, np.ndarray]:
+        """This step's prefix-cache copies as int32 arrays, by `SchedulerOutput` field; the copies to
+        host memory of what the step evicted are decided here (`PrefixCache.spill`)."""
+        spill_blocks, spill_snapshots = self.prefix.spill() if self.prefix is not None else ([], [])
+        return {"restore_states": _triples(self.restore_states), "save_states": _triples(self.save_states),
+                "restore_host_states": _triples(self.restore_host_states), "load_blocks": _pairs(self.load_blocks),
+                "spill_blocks": _pairs(spill_blocks), "spill_snapshots": _pairs(spill_snapshots)}
 
     def reset_step(self) -> None:
         self.clone_states.clear()
         self.clone_blocks.clear()
         self.zero_states.clear()
         self.restore_states.clear()
+        self.restore_host_states.clear()
         self.save_states.clear()
+        self.load_blocks.clear()
         self.preempted.clear()
         self.recomputed.clear()
 
@@ -140,6 +152,12 @@ def _pairs(pairs: list[tuple[int, int]]) -> np.ndarray:
     if not pairs:
         return EMPTY_PAIRS
     return np.array(pairs, dtype=np.int32).reshape(len(pairs), 2)
+
+
+def _triples(triples: list[tuple[int, int, int]]) -> np.ndarray:
+    if not triples:
+        return EMPTY_TRIPLES
+    return np.array(triples, dtype=np.int32).reshape(len(triples), 3)
 
 
 def _slots(slots: list[int]) -> np.ndarray:

@@ -12,6 +12,7 @@ accepted run at EOS / stop ids / max_tokens.
 
 Varlen verify (docs/design.md §7.2): `profile_step_times` + `ProfileCache` (startup curve per graph size,
 cached in JSON keyed by `profile_key`), `ForwardRuntimeEstimator`, `SamplerRuntimeEstimator`,
+`DraftRuntimeEstimator` (the draft walk's cost per drafting row count), `drafting_can_pay`,
 `choose_query_lens` / `VarlenVerifyPolicy` and `FixedVerifyPolicy` (both satisfy deepinfer.sched's
 `VerifyLengthPolicy` structurally), `query_lens_by_confidence` (the on-device split), and
 `cuda_graph_key` / `cuda_graph_sizes` (graph sizes keyed by total query tokens).
@@ -20,8 +21,8 @@ cached in JSON keyed by `profile_key`), `ForwardRuntimeEstimator`, `SamplerRunti
 from importlib.metadata import version as _version
 
 from .draft_sampling import DraftSampler
-from .estimators import ForwardRuntimeEstimator, SamplerRuntimeEstimator
-from .graph_sizes import DEFAULT_GRAPH_INTERVAL, cuda_graph_key, cuda_graph_sizes
+from .estimators import DraftRuntimeEstimator, ForwardRuntimeEstimator, SamplerRuntimeEstimator
+from .graph_sizes import DEFAULT_GRAPH_INTERVAL, cuda_graph_key, cuda_graph_keys, cuda_graph_sizes
 from .keyed_noise import (
     STREAM_ACCEPT,
     STREAM_DRAFT,
@@ -32,11 +33,20 @@ from .keyed_noise import (
 )
 from .profile import ProfileCache, StepTimeCurve, profile_key, profile_step_times, trimmed_mean
 from .stop import FINISH_LENGTH, FINISH_STOP, AcceptedRun, cut_accepted_run
-from .varlen import FixedVerifyPolicy, VarlenPlan, VarlenVerifyPolicy, choose_query_lens, query_lens_by_confidence
+from .varlen import (
+    AcceptanceCalibration,
+    FixedVerifyPolicy,
+    VarlenPlan,
+    VarlenVerifyPolicy,
+    choose_query_lens,
+    drafting_can_pay,
+    query_lens_by_confidence,
+)
 from .verify import VerifyInput, VerifyResult, gather_verify_logits, greedy_verify, verify
 
 __version__ = _version("deepinfer-spec")
 __all__ = [
+    "AcceptanceCalibration",
     "DEFAULT_GRAPH_INTERVAL",
     "FINISH_LENGTH",
     "FINISH_STOP",
@@ -44,6 +54,7 @@ __all__ = [
     "STREAM_DRAFT",
     "STREAM_SAMPLE",
     "AcceptedRun",
+    "DraftRuntimeEstimator",
     "DraftSampler",
     "FixedVerifyPolicy",
     "ForwardRuntimeEstimator",
@@ -56,8 +67,10 @@ __all__ = [
     "VerifyResult",
     "choose_query_lens",
     "cuda_graph_key",
+    "cuda_graph_keys",
     "cuda_graph_sizes",
     "cut_accepted_run",
+    "drafting_can_pay",
     "gather_verify_logits",
     "greedy_verify",
     "keyed_uniform",

@@ -7,11 +7,16 @@ package never imports the scheduler.
 Varlen: every request's drafts become candidates valued by the cumulative product of their
 acceptance probabilities (so a request's own candidates come in order, a prefix); candidates are
 sorted by value and added one by one to the "golden tokens only" step; each total query length is
-scored by expected tokens / (forward ms at its graph size + sampler ms), and the best one wins.
+scored by expected tokens / (forward ms at its graph size + sampler ms + the draft walk's ms for the
+rows given a draft), and the best one wins. A row given none is a plain decode row: it runs no draft
+walk, so where drafting does not pay the step costs what a plain decode step does. The confidences
+are scaled by how far they have over- or under-stated acceptance so far (`AcceptanceCalibration`):
+an overconfident head would otherwise buy drafts that are not accepted.
 """
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -19,7 +24,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from .estimators import ForwardRuntimeEstimator, SamplerRuntimeEstimator
+from .estimators import DraftRuntimeEstimator, ForwardRuntimeEstimator, SamplerRuntimeEstimator
 
 
 @dataclass(frozen=True, slots=True)
@@ -33,15 +38,21 @@ class VarlenPlan:
 
 
 def choose_query_lens(acceptance: Sequence[Sequence[float]], max_query_len: int,
-                      forward: ForwardRuntimeEstimator, sampler: SamplerRuntimeEstimator) -> VarlenPlan:
+                      forward: ForwardRuntimeEstimator, sampler: SamplerRuntimeEstimator,
+                      draft: DraftRuntimeEstimator | None = None, acceptance_scale: float = 1.0) -> VarlenPlan:
     """Greedy choice of total_q by expected throughput.
 
     Args:
         acceptance: per sequence, the estimated probability that each successive draft is accepted
             given the previous ones were (e.g. the drafter's confidences); missing entries count 0.
         max_query_len: golden token + drafts available per sequence (nextn + 1).
+        forward / sampler: ms of the verify forward by total query tokens, of the sampling by sequences.
+        draft: ms of the draft walk by the number of rows given at least one draft (None: free).
+        acceptance_scale: multiplies every draft's probability of being reached and accepted (the
+            cumulative products; capped at 1): `AcceptanceCalibration.factor`.
     Returns:
-        the plan maximising expected tokens per ms (ties: the shorter step).
+        the plan maximising expected tokens per ms (ties: the shorter step); all ones (no row drafts)
+        when no draft pays for its share of the forward and of the draft walk.
     """
     num_seqs = len(acceptance)
     if num_seqs == 0:
@@ -51,22 +62,64 @@ def choose_query_lens(acceptance: Sequence[Sequence[float]], max_query_len: int,
     for i, given in enumerate(acceptance):
         r = np.clip(np.asarray(given, dtype=np.float64)[:num_drafts], 0.0, 1.0)
         rates[i, :len(r)] = r
-    values = np.cumprod(rates, axis=1).ravel()                          # row-major: a request's own in order
+    values = np.minimum(np.cumprod(rates, axis=1) * max(acceptance_scale, 0.0), 1.0).ravel()   # row-major: a
+    # request's own in order
     order = np.argsort(-values, kind="stable")
-    sampler_ms = sampler.estimate_ms(num_seqs)
-    tokens = float(num_seqs)
-    best_n, best_tokens = 0, tokens
-    best_ms = forward.estimate_ms(num_seqs) + sampler_ms
-    best_rate = tokens / best_ms
-    for n, idx in enumerate(order, start=1):
-        tokens += values[idx]
-        ms = forward.estimate_ms(num_seqs + n) + sampler_ms
-        if tokens / ms > best_rate:
-            best_n, best_tokens, best_ms, best_rate = n, tokens, ms, tokens / ms
+    row_of = order // max(num_drafts, 1)
+    # a row's first draft comes before its others (stable sort of non-increasing cumulative products),
+    # so the rows drafting among the first n candidates are those whose first draft is among them
+    first_draft = np.zeros(len(order), dtype=np.int64)
+    first_draft[np.unique(row_of, return_index=True)[1]] = 1
+    # candidate n = 0 (golden tokens only) … len(order), scored all at once
+    tokens = num_seqs + np.concatenate(([0.0], np.cumsum(values[order])))
+    ms = forward.estimate_ms_many(num_seqs + np.arange(len(order) + 1)) + sampler.estimate_ms(num_seqs)
+    if draft is not None:
+        ms = ms + draft.estimate_ms_many(np.concatenate(([0], np.cumsum(first_draft))))
+    rate = np.divide(tokens, ms, out=np.zeros_like(tokens), where=ms > 0)
+    best_n = int(np.argmax(rate))                # the first of equal rates: the shorter step
     lens = np.ones(num_seqs, dtype=np.int32)
     if best_n:
-        np.add.at(lens, order[:best_n] // max(num_drafts, 1), 1)
-    return VarlenPlan(num_seqs + best_n, lens, best_tokens, best_ms)
+        np.add.at(lens, row_of[:best_n], 1)
+    return VarlenPlan(num_seqs + best_n, lens, float(tokens[best_n]), float(ms[best_n]))
+
+
+def drafting_can_pay(max_num_seqs: int, max_query_len: int, forward: ForwardRuntimeEstimator,
+                     sampler: SamplerRuntimeEstimator, draft: DraftRuntimeEstimator | None = None) -> bool:
+    """Whether drafting pays at any batch size, even with every draft accepted: `choose_query_lens`
+    with acceptance 1 gives some row a draft at 1, 2, 4, … or max_num_seqs sequences. False means
+    speculative decoding can only lose on this device (say, a CPU whose forward time grows with
+    every query token): decode plainly."""
+    counts = sorted({*(1 << i for i in range(max(max_num_seqs, 1).bit_length())), max(max_num_seqs, 1)})
+    perfect = [1.0] * (max_query_len - 1)
+    return any(choose_query_lens([perfect] * n, max_query_len, forward, sampler, draft).total_q > n
+               for n in counts if n <= max_num_seqs)
+
+
+class AcceptanceCalibration:
+    """How far the drafter's confidences over- or under-state acceptance: the drafts accepted over the
+    number the confidences predicted (the sum of their cumulative products over the drafts verified),
+    over the last `window` verified rows, starting from `prior_rows` rows of `prior_expected` predicted
+    and as many accepted (a factor of 1 until rows say otherwise)."""
+
+    def __init__(self, *, window: int = 1000, prior_rows: int = 8, prior_expected: float = 1.0) -> None:
+        self._rows: deque[tuple[float, int]] = deque(maxlen=window)
+        self._prior = prior_rows * prior_expected
+        self._expected = self._accepted = 0.0
+
+    def observe(self, expected: float, accepted: int) -> None:
+        """One verified row: the accepted drafts its confidences predicted, and those accepted."""
+        if len(self._rows) == self._rows.maxlen:
+            old_expected, old_accepted = self._rows[0]
+            self._expected -= old_expected
+            self._accepted -= old_accepted
+        self._rows.append((expected, accepted))
+        self._expected += expected
+        self._accepted += accepted
+
+    @property
+    def factor(self) -> float:
+        """Accepted / predicted over the window, the prior included (> 0)."""
+        return (self._prior + max(self._accepted, 0.0)) / (self._prior + max(self._expected, 0.0))
 
 
 class VarlenVerifyPolicy:
@@ -74,12 +127,18 @@ class VarlenVerifyPolicy:
 
     The engine reports each request's latest draft confidences with `observe` (under ZOS: those of
     step N − 2 when choosing step N) and drops finished requests with `forget`; a request with no
-    estimate yet uses `default_acceptance`.
+    estimate yet uses `default_acceptance`, and `calibration` (fed each verified row by the engine)
+    scales them by how far they have over- or under-stated acceptance. `draft`: the draft walk's cost
+    (None: free).
+    `plain_only`: drafting cannot pay on this device (`drafting_can_pay`): every row gets 1.
     """
 
     def __init__(self, forward: ForwardRuntimeEstimator, sampler: SamplerRuntimeEstimator, *,
-                 default_acceptance: Sequence[float] = (0.8,)) -> None:
-        self.forward, self.sampler = forward, sampler
+                 draft: DraftRuntimeEstimator | None = None, default_acceptance: Sequence[float] = (0.8,),
+                 plain_only: bool = False) -> None:
+        self.forward, self.sampler, self.draft = forward, sampler, draft
+        self.plain_only = plain_only
+        self.calibration = AcceptanceCalibration()
         self._default = tuple(float(r) for r in default_acceptance)
         self._rates: dict[str, tuple[float, ...]] = {}
         self.last_plan: VarlenPlan | None = None
@@ -101,8 +160,10 @@ class VarlenVerifyPolicy:
 
     def query_lens(self, seq_ids: tuple[str, ...], seq_lens: np.ndarray, max_query_len: int) -> np.ndarray:
         """Query lengths of one decode batch (the scheduler's VerifyLengthPolicy)."""
+        if self.plain_only:
+            return np.ones(len(seq_ids), dtype=np.int32)
         plan = choose_query_lens([self.rates(s, max_query_len - 1) for s in seq_ids], max_query_len,
-                                 self.forward, self.sampler)
+                                 self.forward, self.sampler, self.draft, self.calibration.factor)
         self.last_plan = plan
         return plan.query_lens
 

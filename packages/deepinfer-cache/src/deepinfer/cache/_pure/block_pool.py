@@ -45,6 +45,7 @@ class BlockManager:
         self._prev_free[sentinel] = total - 1
         self._hashes: list[bytes | None] = [None] * total
         self._by_hash: dict[bytes, int] = {}
+        self._evicted: list[tuple[int, bytes]] | None = None   # see record_evictions
 
     @classmethod
     def for_state_slots(cls, max_num_seqs: int, ratio: float | None = None) -> BlockManager:
@@ -119,6 +120,8 @@ class BlockManager:
             if held is not None:
                 self._hashes[block] = None
                 del self._by_hash[held]
+                if self._evicted is not None:
+                    self._evicted.append((block, held))
         self._num_free -= count
         return np.array(out, dtype=np.int32)
 
@@ -254,6 +257,20 @@ class BlockManager:
                 nxt[block] = prv[block] = _NOT_LINKED
                 self._num_free -= 1
             self._ref_counts[block] += 1
+
+    def record_evictions(self) -> None:
+        """From now on `allocate` records each cached block it hands out (its hash is lost): the prefix
+        cache's host tier copies their content elsewhere before it is overwritten (`take_evictions`)."""
+        if self._evicted is None:
+            self._evicted = []
+
+    def take_evictions(self) -> list[tuple[int, bytes]]:
+        """[(block id, hash)] of the cached blocks `allocate` handed out since the last call, oldest
+        first (empty unless `record_evictions` was called)."""
+        if not self._evicted:
+            return []
+        out, self._evicted = self._evicted, []
+        return out
 
     def drop_hashes(self) -> int:
         """Forgets every block's hash (the blocks themselves are untouched); returns how many it held."""

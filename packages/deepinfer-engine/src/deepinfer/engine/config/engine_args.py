@@ -12,6 +12,7 @@ Construction only checks values; `resolved()` turns the machine- and model-depen
 from __future__ import annotations
 
 import dataclasses
+import os
 from dataclasses import dataclass
 from typing import NoReturn
 
@@ -25,6 +26,7 @@ LOAD_FORMATS = ("safetensors", "dummy")      # deepinfer.model.LOAD_FORMATS (not
 MAX_INT32 = 2**31 - 1
 AUTO = "auto"
 DEFAULT_KV_CACHE_MEMORY_MB = 256.0
+DEFAULT_PREFIX_CACHE_HOST_MB = 4096.0     # on CUDA; at most a quarter of the machine's memory
 DEFAULT_GPU_MEMORY_UTILIZATION = 0.9
 # 16 TiB: more memory than any one host or GPU has; a larger budget is a typo (MB read as bytes).
 MAX_KV_CACHE_MEMORY_MB = 2**24
@@ -54,7 +56,7 @@ OPTIONAL_FIELDS = frozenset({"model", "max_model_len", "block_size", "num_kv_blo
                              "kv_cache_memory_mb",
                              "max_num_prompts", "prefill_max_sum_seqlen_k", "expert_dtype", "eplb",
                              "eplb_redundant_experts_per_rank", "eplb_window_steps", "eplb_interval_steps",
-                             "prefix_cache_snapshots"})
+                             "prefix_cache_snapshots", "prefix_cache_host_mb"})
 BOOL_FIELDS = ("stop_preempted_request", "kv_quant", "enforce_eager", "engram_on_host", "batch_invariant",
                "expert_parallel", "varlen_verify", "enable_prefix_caching")
 
@@ -160,23 +162,36 @@ class EngineArgs:
             (docs/spec.md); greedy output is the same as without it.
             Its verify forwards replay CUDA graphs keyed by total query tokens (the draft walk runs
             eagerly). ZOS covers speculative steps on the CPU by default; on CUDA only with
-            zero_overhead_scheduling=True (that path has not run on a GPU yet).
+            zero_overhead_scheduling=True (that path has not run on a GPU yet). With
+            data_parallel_size > 1 each rank drafts and verifies its own requests; under
+            expert_parallel the ranks agree on each step's verify size (a rank without decode rows
+            runs a dummy verify forward of it).
         varlen_verify: with num_speculative_tokens > 0, how many of the k drafts each request verifies:
-            True = the choice by expected throughput (docs/design.md §7), from a step-time curve measured at
-            start-up (kept in DEEPINFER_VARLEN_PROFILE_CACHE for the next start of the same config) and
-            the draft head's confidences (a request's tokens then depend on its batch, even seeded
-            ones); False = all k.
+            True = the choice by expected throughput (docs/design.md §7), from the verify forward's,
+            the draft walk's and the verification's times measured at start-up (kept in
+            DEEPINFER_VARLEN_PROFILE_CACHE for the next start of the same config) and the draft head's
+            confidences: a row whose drafts do not pay for their share of the forward and the draft
+            walk verifies none (a plain decode row), and where drafting cannot pay at any batch size
+            the engine says so at start and decodes plainly (a request's tokens then depend on its
+            batch, even seeded ones); False = all k.
         enable_prefix_caching: reuse the KV blocks and the model state of cached prompt prefixes
             (docs/prefix_cache.md): a prompt starting with the tokens of an earlier prompt (a chat's
             previous turn, a shared system prompt) prefills only the rest, from its last full block
             that has a state snapshot; outputs are the same as without it. A prompt's prefill is cut at
             its last block boundary (and where it leaves a shared cached prefix) to save a snapshot
             there. Ignored by COMPLETION engines.
-        prefix_cache_snapshots: state snapshots the prefix cache keeps (each the size of a state slot,
-            paid for out of the cache budget; the least recently used is replaced); None = 2 ×
+        prefix_cache_snapshots: state snapshots the prefix cache keeps (each the ring rows a block
+            boundary leaves live, a third of a state slot on V4-Flash, paid for out of the cache
+            budget; the least recently used is replaced); None = 2 ×
             max_num_seqs (a chat between turns holds one, a shared system prompt one more), but at most
             what a quarter of the cache budget left by the state slots holds when the budget sizes the
             cache (none: prefix caching is off, with a warning).
+        prefix_cache_host_mb: MiB of host memory (pinned on CUDA) for the prefix cache's host tier:
+            cached KV blocks and state snapshots the device evicts are copied there and come back
+            on a hit instead of being prefilled again (the least recently used is replaced); split
+            between blocks and snapshots as the device cache splits its bytes. None = 4096 on CUDA
+            (at most a quarter of the machine's memory), 0 on CPU (the cache is in host memory
+            already); 0 = no host tier.
     """
 
     model: str | None = None
@@ -216,6 +231,7 @@ class EngineArgs:
     varlen_verify: bool = True
     enable_prefix_caching: bool = True
     prefix_cache_snapshots: int | None = None
+    prefix_cache_host_mb: float | None = None
 
     def __post_init__(self) -> None:
         if self.model is not None and not isinstance(self.model, str):
@@ -257,6 +273,11 @@ class EngineArgs:
         util = self.gpu_memory_utilization
         if util is not None and (isinstance(util, bool) or not isinstance(util, int | float) or not 0 < util < 1):
             _fail("gpu_memory_utilization", f"gpu_memory_utilization={util!r} must be in (0, 1)")
+        host = self.prefix_cache_host_mb
+        if host is not None and (isinstance(host, bool) or not isinstance(host, int | float)
+                                 or not 0 <= host <= MAX_KV_CACHE_MEMORY_MB):
+            _fail("prefix_cache_host_mb", f"prefix_cache_host_mb={host!r} must be >= 0 and <= "
+                  f"{MAX_KV_CACHE_MEMORY_MB} (MiB, 16 TiB)")
         usage = self.max_cache_usage_for_prefill
         if isinstance(usage, bool) or not isinstance(usage, int | float) or not 0 <= usage <= 1:
             _fail("max_cache_usage_for_prefill", f"max_cache_usage_for_prefill={usage!r} must be in [0, 1]")
@@ -280,6 +301,9 @@ class EngineArgs:
         if self.prefix_cache_snapshots is not None and not self.enable_prefix_caching:
             _fail("prefix_cache_snapshots", f"prefix_cache_snapshots={self.prefix_cache_snapshots} needs "
                   "enable_prefix_caching=True")
+        if self.prefix_cache_host_mb and not self.enable_prefix_caching:
+            _fail("prefix_cache_host_mb", f"prefix_cache_host_mb={self.prefix_cache_host_mb} needs "
+                  "enable_prefix_caching=True")
 
     def _check_parallel(self) -> None:
         timeout = self.distributed_timeout_s
@@ -302,9 +326,6 @@ class EngineArgs:
         if not self.num_speculative_tokens:
             return
         k = self.num_speculative_tokens
-        if self.data_parallel_size > 1:
-            _fail("num_speculative_tokens", f"num_speculative_tokens={k} runs on one rank only so far "
-                  f"(data_parallel_size={self.data_parallel_size}): the lockstep EP steps do not take verify rows")
         if self.engine_type is EngineType.PROMPT:
             _fail("num_speculative_tokens", f"num_speculative_tokens={k} needs a NORMAL or COMPLETION engine (a "
                   "PROMPT engine never decodes)")
@@ -327,7 +348,9 @@ class EngineArgs:
         - device "auto" -> "cuda" if torch.cuda.is_available() else "cpu";
         - dtype "auto" -> "float32" on CPU; on CUDA "float16" if config.json asks for it, else "bfloat16";
         - gpu_memory_utilization None -> 0.9 on CUDA when num_kv_blocks and kv_cache_memory_mb are None;
-        - kv_cache_memory_mb None -> 256.
+        - kv_cache_memory_mb None -> 256;
+        - prefix_cache_host_mb None -> 4096 on CUDA with prefix caching on (at most a quarter of the
+          machine's memory), else 0.
 
         Raises:
             InvalidEngineArgs: a repo id that is not in the local Hugging Face cache (field "model").
@@ -352,8 +375,12 @@ class EngineArgs:
         if util is None and on_cuda and self.num_kv_blocks is None and self.kv_cache_memory_mb is None:
             util = DEFAULT_GPU_MEMORY_UTILIZATION
         mb = DEFAULT_KV_CACHE_MEMORY_MB if self.kv_cache_memory_mb is None else self.kv_cache_memory_mb
+        host_mb = self.prefix_cache_host_mb
+        if host_mb is None:
+            host_mb = min(DEFAULT_PREFIX_CACHE_HOST_MB, _host_memory_mb() / 4) \
+                if on_cuda and self.enable_prefix_caching else 0.0
         return dataclasses.replace(self, model=model, device=device, dtype=dtype, gpu_memory_utilization=util,
-                                   kv_cache_memory_mb=mb)
+                                   kv_cache_memory_mb=mb, prefix_cache_host_mb=host_mb)
 
     @property
     def zos(self) -> bool:
@@ -396,7 +423,13 @@ def allowed_values(name: str) -> str:
         "distributed_timeout_s": f"float in (0, {MAX_DISTRIBUTED_TIMEOUT_S}]",
         "varlen_verify": "bool",
         "enable_prefix_caching": "bool",
+        "prefix_cache_host_mb": f"float in [0, {MAX_KV_CACHE_MEMORY_MB}], or None",
     }[name]
+
+
+def _host_memory_mb() -> float:
+    """The machine's physical memory in MiB."""
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**20
 
 
 def _embedded_model_dir() -> str:

@@ -131,7 +131,7 @@ class DecodeGraphs:
         self.graphs[size].replay()
         return self.outputs[size][:n].clone()
 
-    def stage(self, inputs: Tensor, tables: RowBlockTables) -> int:
+    def stage(self, inputs: Tensor, tables: RowBlockTables, size: int | None = None) -> int:
         """Copy one step's inputs into the static buffers (asynchronously, from pinned host memory)
         and gather its block tables on the device, for `replay`; returns the graph size the step replays.
 
@@ -140,12 +140,15 @@ class DecodeGraphs:
                 caller fills the token on the device afterwards), positions, state slots, scheduler rows.
             tables: the block tables by scheduler row, already brought up to date for these rows
                 (`RowBlockTables.update`), as wide as the captured tables.
+            size: replay this graph size, >= n (lockstep DP ranks agree on one: `replay(n, size)`);
+                None = the smallest that holds n.
         Raises:
-            ValueError: no graph holds n sequences, or the tables' width differs from the captured one.
+            ValueError: no graph holds n sequences (or `size` is not a captured size >= n), or the
+                tables' width differs from the captured one.
         """
         n = inputs.shape[1]
-        size = self.bucket(n)
-        if size is None or inputs.shape[0] != STAGED_ROWS:
+        size = self.bucket(n) if size is None else size
+        if size is None or size < n or size not in self.graphs or inputs.shape[0] != STAGED_ROWS:
             raise ValueError(f"no graph for a batch of {n} sequences (inputs {list(inputs.shape)})")
         if tables.max_blocks != self.block_tables.shape[1]:
             raise ValueError(f"block tables of width {tables.max_blocks}; the graphs captured "
@@ -157,12 +160,12 @@ class DecodeGraphs:
             self.inputs[:, n:size].zero_()
         return size
 
-    def replay(self, n: int) -> Tensor:
-        """Replay the graph of `stage`'s step of n sequences; returns its logits [n, vocab], a view of
-        the graph's output, valid until the next replay (work queued after it on the stream, such
-        as sampling, reads it in time)."""
-        size = self.bucket(n)
-        if size is None:
+    def replay(self, n: int, size: int | None = None) -> Tensor:
+        """Replay the graph of `stage`'s step of n sequences (of `size`, as staged; None = the smallest
+        that holds n); returns its logits [n, vocab], a view of the graph's output, valid until the
+        next replay (work queued after it on the stream, such as sampling, reads it in time)."""
+        size = self.bucket(n) if size is None else size
+        if size is None or size not in self.graphs:
             raise ValueError(f"no decode graph holds a step of {n} (the largest holds {self.sizes[-1]})")
         self.graphs[size].replay()
         return self.outputs[size][:n]

@@ -28,7 +28,9 @@ from deepinfer.sched import DecodeBatch, SchedulerOutput, StepKind
 
 from ..device.staging import to_device
 from .block_tables import RowBlockTables
+from .cache_copies import SnapshotLayout, block_bytes
 from .cuda_graphs import STAGED_ROWS, DecodeGraphs
+from .prefix_memory import HostTierSize, PrefixMemory, host_tier_size
 
 ON_DEVICE = -1      # the staged input token of a row whose last token is on the device (`row_tokens`)
 
@@ -41,9 +43,18 @@ class CachePlan:
     num_kv_blocks: int
     num_state_slots: int
     paged_bytes: int
-    state_bytes: int                    # state slots and prefix-cache snapshot slots together
+    state_bytes: int                    # the state slots
     state_size_to_disk: int
-    num_snapshot_slots: int = 0         # prefix-cache state snapshots, after the state slots
+    num_snapshot_slots: int = 0         # prefix-cache state snapshots on the device
+    snapshot_bytes: int = 0             # of one snapshot (`SnapshotLayout`; smaller than a state slot)
+    num_host_blocks: int = 0            # the prefix cache's host tier: KV blocks and snapshots
+    num_host_snapshots: int = 0
+    host_bytes: int = 0                 # the host tier's pinned memory
+
+    @property
+    def snapshot_pool_bytes(self) -> int:
+        """Device bytes of the snapshot pool (paid for out of the cache budget; its row 0 unused)."""
+        return (self.num_snapshot_slots + 1) * self.snapshot_bytes if self.num_snapshot_slots else 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -57,7 +68,7 @@ class StepBatch:
     # prefill steps built with every row's logits (`prepare(..., all_logits_for=...)`): per such chunk
     # (seq_id, first logits row, number of rows, position of its first token); else empty
     prompt_spans: tuple[tuple[str, int, int, int], ...] = ()
-    # prefill steps: [k, 2] int64 (state slot, slot of its prefix-cache snapshot) copied once the forward
+    # prefill steps: [k, 3] int64 (state slot, prefix-cache snapshot id, position) saved once the forward
     # has run (`SchedulerOutput.save_states`); None = none
     save_states: Tensor | None = None
     graph_seqs: int = 0                 # > 0: a decode step of this many sequences already in the graphs'
@@ -65,9 +76,14 @@ class StepBatch:
 
 
 def state_slot_bytes(model: CausalLM, block_size: int, max_backtracking: int) -> int:
-    """Bytes of one state slot as the runner lays it out (a prefix-cache snapshot is one too)."""
+    """Bytes of one state slot as the runner lays it out."""
     spec = model.cache_spec(block_size, max_backtracking)
     return plan_state_layout([StateRegion(r.name, r.num_bytes, r.stored) for r in spec.states], 2).slot_bytes
+
+
+def snapshot_bytes(model: CausalLM, block_size: int, max_backtracking: int) -> int:
+    """Bytes of one prefix-cache state snapshot (`SnapshotLayout`: the live rows at a block boundary)."""
+    return SnapshotLayout.for_spec(model.cache_spec(block_size, max_backtracking)).num_bytes
 
 
 def default_block_size(model: CausalLM) -> int:
@@ -91,9 +107,10 @@ class ModelRunner:
         graph_interval: spacing of graph sizes past the first powers of two.
         graph_max_query_len: k + 1 under speculative decoding: the graphs run verify steps
             (`verify_forward`), keyed by total query tokens, and graph_max_seqs counts query tokens.
-        num_snapshot_slots: prefix-cache state snapshots (the scheduler's snapshot ids 1..n), laid out
-            after the state slots in the same buffer (snapshot k is slot `snapshot_base + k`) and paid
-            for out of budget_bytes like them.
+        num_snapshot_slots: prefix-cache state snapshots (the scheduler's snapshot ids 1..n), in a
+            pool of their own (`PrefixMemory`) paid for out of budget_bytes like the state slots.
+        host_tier_bytes: host memory for the prefix cache's host tier (0 = none), split between KV
+            blocks and snapshots as the device cache splits its bytes (`host_tier_size`).
         batch_invariant: run the batch-invariant kernels (`EngineArgs.batch_invariant`): each sequence's
             logits are then bitwise the same whatever else is in its step (docs/batch_invariance.md).
     """
@@ -114,19 +131,21 @@ class ModelRunner:
         graph_max_query_len: int = 1,
         batch_invariant: bool = False,
         num_snapshot_slots: int = 0,
+        host_tier_bytes: int = 0,
     ) -> None:
         self.model = model
         self.device = model.embed.weight.device
         self.ops = kernels_for(self.device, batch_invariant=batch_invariant)
         spec = model.cache_spec(block_size, max_backtracking)
-        self.snapshot_base = num_state_slots - 1
-        num_slots = num_state_slots + num_snapshot_slots
-        state = plan_state_layout([StateRegion(r.name, r.num_bytes, r.stored) for r in spec.states], num_slots)
+        state = plan_state_layout([StateRegion(r.name, r.num_bytes, r.stored) for r in spec.states], num_state_slots)
+        layout = SnapshotLayout.for_spec(spec)
+        snapshot_pool_bytes = (num_snapshot_slots + 1) * layout.num_bytes if num_snapshot_slots else 0
         streams = [PagedStream(s.name, s.bytes_per_row, s.tokens_per_row) for s in spec.streams]
-        paged_budget = None if num_kv_blocks or budget_bytes is None else budget_bytes - state.total_bytes
+        fixed_bytes = state.total_bytes + snapshot_pool_bytes
+        paged_budget = None if num_kv_blocks or budget_bytes is None else budget_bytes - fixed_bytes
         if paged_budget is not None and paged_budget <= 0:
             raise ValueError(f"the cache budget of {budget_bytes} B does not even hold the {num_state_slots} state "
-                             f"slots and {num_snapshot_slots} prefix-cache snapshots ({state.total_bytes} B)")
+                             f"slots and {num_snapshot_slots} prefix-cache snapshots ({fixed_bytes} B)")
         if streams:
             paged = plan_paged_layout(streams, block_size, num_blocks=num_kv_blocks, budget_bytes=paged_budget)
             num_blocks, paged_bytes = paged.num_blocks, paged.total_bytes
@@ -139,10 +158,17 @@ class ModelRunner:
         state_buffer = torch.zeros(state.total_bytes, dtype=torch.uint8, device=self.device)
         self.cache = ModelCache.from_buffers(
             spec, paged_buffer, offsets, num_blocks, state_buffer,
-            {name: r.offset for name, r in state.regions.items()}, num_slots, state.slot_bytes,
+            {name: r.offset for name, r in state.regions.items()}, num_state_slots, state.slot_bytes,
         )
+        host = HostTierSize(0, 0)
+        if num_snapshot_slots and host_tier_bytes:
+            host = host_tier_size(host_tier_bytes, block_bytes(self.cache), layout.num_bytes, num_blocks - 1,
+                                  num_snapshot_slots)
+        self.prefix = PrefixMemory(self.cache, layout, num_snapshot_slots, host, self.device) \
+            if num_snapshot_slots else None
         self.plan = CachePlan(block_size, num_blocks, num_state_slots, paged_bytes, state.total_bytes,
-                              state.state_size_to_disk, num_snapshot_slots)
+                              state.state_size_to_disk, num_snapshot_slots, layout.num_bytes, host.num_blocks,
+                              host.num_snapshots, 0 if self.prefix is None else self.prefix.host_bytes)
         self.row_tokens = torch.zeros(0, dtype=torch.int64, device=self.device)   # [rows] last sampled token
         self.row_emitted = torch.zeros(0, dtype=torch.int64, device=self.device)  # [rows] tokens of its last step
         self.graphs = None
@@ -160,8 +186,11 @@ class ModelRunner:
             self.block_tables = RowBlockTables(self.block_tables.max_blocks, self.device)
 
     def apply_cache_ops(self, out: SchedulerOutput) -> None:
-        """Copy-on-write clones, zeroing and prefix-cache restores the scheduler asked for (before the
-        forward; its snapshot saves run after it, in `forward_all`)."""
+        """The prefix cache's copies to and from host memory, copy-on-write clones, zeroing and
+        prefix-cache restores the scheduler asked for (before the forward; its snapshot saves run
+        after it, in `forward_all`)."""
+        if self.prefix is not None:
+            self.prefix.copy_out_and_in(out)
         if len(out.clone_states):
             pairs = torch.as_tensor(np.asarray(out.clone_states), dtype=torch.int64, device=self.device)
             self.cache.copy_slots(pairs[:, 0], pairs[:, 1])
@@ -170,15 +199,8 @@ class ModelRunner:
             self.cache.copy_blocks(pairs[:, 0], pairs[:, 1])
         if len(out.zero_states):
             self.cache.zero_slots(torch.as_tensor(np.asarray(out.zero_states), dtype=torch.int64, device=self.device))
-        if len(out.restore_states):
-            pairs = self._snapshot_pairs(out.restore_states, snapshot_column=0)
-            self.cache.copy_slots(pairs[:, 0], pairs[:, 1])
-
-    def _snapshot_pairs(self, pairs: np.ndarray, snapshot_column: int) -> Tensor:
-        """[k, 2] scheduler pairs with the snapshot ids in `snapshot_column` turned into state slots."""
-        slots = np.array(pairs, dtype=np.int64)
-        slots[:, snapshot_column] += self.snapshot_base
-        return to_device(slots, self.device)
+        if self.prefix is not None:
+            self.prefix.restore(out)
 
     def prepare(self, out: SchedulerOutput, *, all_logits_for: frozenset[str] = frozenset()) -> StepBatch | None:
         """The model batch of a PREFILL or DECODE step (None for empty / idle steps).
@@ -205,7 +227,7 @@ class ModelRunner:
             logits="all" if wanted else "last", device=self.device,
         )
         done = [i for i, c in enumerate(chunks) if c.completes_prefill]
-        saves = self._snapshot_pairs(out.save_states, snapshot_column=1) if len(out.save_states) else None
+        saves = self._to_device(out.save_states.astype(np.int64)) if len(out.save_states) else None
         if not wanted:
             return StepBatch(batch, tuple(chunks[i].seq_id for i in done),
                              torch.tensor(done, dtype=torch.int64, device=self.device), save_states=saves)
@@ -261,7 +283,7 @@ class ModelRunner:
 
     @torch.no_grad()
     def verify_forward(self, d: DecodeBatch, tokens: Tensor, shift: Tensor | None = None,
-                       query_lens: Tensor | None = None) -> Tensor:
+                       query_lens: Tensor | None = None, graph_size: int | None = None) -> Tensor:
         """The verify forward of a speculative decode step: the model's multi-token decode
         (`ForwardBatch.multi_decode`, static shapes; DeepSeek-V4 and V4.1), replayed from the CUDA
         graph keyed by the step's total query tokens when there is one, else eager.
@@ -276,11 +298,14 @@ class ModelRunner:
             query_lens: ZOS: [num_seqs] int64 on the device, the query lengths split on the device (same
                 sum as d.query_lens, which they replace); the step's tokens are then laid out on the
                 device. None = d.query_lens.
+            graph_size: run the forward over this many tokens, padding past sum(query_lens) (lockstep DP
+                ranks under expert parallelism agree on it: `spec_lockstep`); None = no padding (the
+                graph of the step's own key).
         Returns:
             float32 logits [sum(query_lens), vocab] of every fed row, sequence by sequence.
         """
         if query_lens is not None:
-            return self._verify_forward_device_split(d, tokens, shift, query_lens)
+            return self._verify_forward_device_split(d, tokens, shift, query_lens, graph_size)
         query_lens = d.query_lens.astype(np.int64)
         width = tokens.shape[1]
         token_rows = np.repeat(np.arange(d.num_seqs), query_lens)          # the row of each fed token
@@ -291,7 +316,8 @@ class ModelRunner:
         fed = tokens.flatten().index_select(0, self._to_device(flat))
         total_q = len(flat)
         token_shift = None if shift is None else shift.index_select(0, self._to_device(token_rows))
-        if self.verify_replays_graph(total_q):
+        size = max(total_q, graph_size or 0)
+        if self.verify_replays_graph(size):
             # a replay of the graph keyed by total_q: per token (-1: filled below on the device), its
             # position, its row's state slot and scheduler row (the graphs gather the block tables by it)
             inputs = torch.empty((STAGED_ROWS, total_q), dtype=torch.int64, pin_memory=True)
@@ -301,19 +327,35 @@ class ModelRunner:
             host[2] = d.state_slots[token_rows]
             host[3] = d.rows[token_rows]
             self.block_tables.update(d.rows, d.table_versions, d.block_tables)
-            self.graphs.stage(inputs, self.block_tables)
+            self.graphs.stage(inputs, self.block_tables, self.graphs.bucket(size))
             self.graphs.token_ids[:total_q].copy_(fed)
             if token_shift is not None:
                 self.graphs.positions[:total_q].sub_(token_shift)
-            return self.graphs.replay(total_q)      # float32 [total_q, vocab], valid until the next replay
+            return self.graphs.replay(total_q, self.graphs.bucket(size))   # float32 [total_q, vocab], valid
+                                                                          # until the next replay
         placed = positions if token_shift is None else self._to_device(positions) - token_shift
-        batch = ForwardBatch.multi_decode(fed, placed, token_rows, d.block_tables, d.state_slots,
-                                          max_query_len=width, max_context_len=int(positions.max()) + 1,
+        return self._eager_verify(d, fed, placed, token_rows, width, int(positions.max()) + 1, size)
+
+    def _eager_verify(self, d: DecodeBatch, fed: Tensor, positions: np.ndarray | Tensor,
+                      token_rows: np.ndarray | Tensor, width: int, max_context_len: int, size: int) -> Tensor:
+        """The eager verify forward over [total_q] tokens (positions and rows on the host or the
+        device), padded to `size` tokens (token 0 at position 0 of a row with the dummy state slot 0
+        and an all-zero block table, as a graph pads); returns the float32 logits of the step's own."""
+        total_q = fed.shape[0]
+        block_tables, state_slots = d.block_tables, d.state_slots
+        if size > total_q:
+            fed = torch.cat((fed, fed.new_zeros(size - total_q)))
+            positions = _padded(positions, size, 0)
+            token_rows = _padded(token_rows, size, d.num_seqs)            # the padding row, after the others
+            block_tables = np.concatenate((block_tables, np.zeros((1, block_tables.shape[1]), block_tables.dtype)))
+            state_slots = np.concatenate((state_slots, np.zeros(1, state_slots.dtype)))
+        batch = ForwardBatch.multi_decode(fed, positions, token_rows, block_tables, state_slots,
+                                          max_query_len=width, max_context_len=max_context_len,
                                           device=self.device, to_device=self._to_device)
-        return self.model(batch, self.cache, self.ops).float()
+        return self.model(batch, self.cache, self.ops)[:total_q].float()
 
     def _verify_forward_device_split(self, d: DecodeBatch, tokens: Tensor, shift: Tensor | None,
-                                     query_lens: Tensor) -> Tensor:
+                                     query_lens: Tensor, graph_size: int | None) -> Tensor:
         """`verify_forward` with query lengths known only on the device: the token layout (each token's
         row, column and position) is computed there, without a host read."""
         n, width = d.num_seqs, tokens.shape[1]
@@ -330,16 +372,14 @@ class ModelRunner:
         columns = torch.arange(total_q, device=self.device) - starts.index_select(0, token_rows)
         fed = tokens.flatten().index_select(0, token_rows * width + columns)
         positions = first_positions.index_select(0, token_rows) + columns
-        if self.verify_replays_graph(total_q):
+        size = max(total_q, graph_size or 0)
+        if self.verify_replays_graph(size):
             inputs = torch.stack((fed, positions, state_slots.index_select(0, token_rows),
                                   rows.index_select(0, token_rows)))
             self.block_tables.update(d.rows, d.table_versions, d.block_tables)
-            self.graphs.stage(inputs, self.block_tables)
-            return self.graphs.replay(total_q)
-        batch = ForwardBatch.multi_decode(fed, positions, token_rows, d.block_tables, d.state_slots,
-                                          max_query_len=width, max_context_len=int(d.seq_lens.max()),
-                                          device=self.device, to_device=self._to_device)
-        return self.model(batch, self.cache, self.ops).float()
+            self.graphs.stage(inputs, self.block_tables, self.graphs.bucket(size))
+            return self.graphs.replay(total_q, self.graphs.bucket(size))
+        return self._eager_verify(d, fed, positions, token_rows, width, int(d.seq_lens.max()), size)
 
     def verify_replays_graph(self, total_q: int) -> bool:
         """Whether `verify_forward` of total_q query tokens replays a CUDA graph."""
@@ -392,10 +432,17 @@ class ModelRunner:
             logits = self.graphs.run(batch)
         else:
             logits = self.model(batch, self.cache, self.ops)
-        if step.save_states is not None:           # the state these chunks leave: prefix-cache snapshots
-            self.cache.copy_slots(step.save_states[:, 0], step.save_states[:, 1])
+        if step.save_states is not None and self.prefix is not None:    # the state these chunks leave
+            self.prefix.save(step.save_states)
         sampled = logits if step.logits_rows is None else logits[step.logits_rows]
         return sampled, logits if step.prompt_spans else None
+
+
+def _padded(values: np.ndarray | Tensor, size: int, fill: int) -> np.ndarray | Tensor:
+    """`values` ([n] on the host or the device) followed by `fill` up to `size` entries."""
+    if isinstance(values, Tensor):
+        return torch.cat((values, values.new_full((size - values.shape[0],), fill)))
+    return np.concatenate((values, np.full(size - len(values), fill, dtype=values.dtype)))
 
 
 def _stage_tokens(d: DecodeBatch, in_flight: bool, out: np.ndarray) -> None:

@@ -9,6 +9,27 @@ from dataclasses import dataclass
 
 
 @dataclass(frozen=True, slots=True)
+class HostCacheStats:
+    """The prefix cache's host tier (docs/prefix_cache.md), summed over DP ranks where there are several.
+
+    Attributes:
+        hits: prompt tokens whose KV blocks came back from host memory so far (of the prefix-cache hits).
+        spills: KV blocks copied to host memory so far.
+        num_blocks: KV blocks held in host memory now.
+        num_snapshots: state snapshots held in host memory now.
+    """
+
+    hits: int = 0
+    spills: int = 0
+    num_blocks: int = 0
+    num_snapshots: int = 0
+
+    def __add__(self, other: HostCacheStats) -> HostCacheStats:
+        return HostCacheStats(self.hits + other.hits, self.spills + other.spills, self.num_blocks + other.num_blocks,
+                              self.num_snapshots + other.num_snapshots)
+
+
+@dataclass(frozen=True, slots=True)
 class EngineStats:
     """A snapshot of one engine (or the sum over DP ranks) after its latest step.
 
@@ -18,6 +39,7 @@ class EngineStats:
             waiting for prefill.
         num_free_kv_blocks: free paged KV blocks (block 0, reserved, not counted).
         num_kv_blocks: usable paged KV blocks (block 0 excluded).
+        host_cache: the prefix cache's host tier (all 0 without one).
         kv_transfer: a prefill/decode pair's KV handed over so far; None for a NORMAL engine.
     """
 
@@ -25,6 +47,7 @@ class EngineStats:
     num_waiting: int
     num_free_kv_blocks: int
     num_kv_blocks: int
+    host_cache: HostCacheStats = HostCacheStats()
     kv_transfer: TransferStats | None = None
 
     @property

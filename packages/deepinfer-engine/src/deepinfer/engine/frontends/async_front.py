@@ -122,10 +122,12 @@ class OutputStream:
         return cut
 
     def fail(self, error: BaseException) -> None:
-        """End the stream with `error` (thread-safe; nothing happens once its event loop is closed)."""
+        """End the stream with `error` (thread-safe; nothing happens once its event loop is closed, nor
+        to a stream whose last output was posted first: the request did finish)."""
         def apply() -> None:
-            self.error = error
-            self.event.set()
+            if not self.ended:
+                self.error = error
+                self.event.set()
 
         with contextlib.suppress(RuntimeError):     # raised when the loop is closed: nobody waits on this stream
             self.loop.call_soon_threadsafe(apply)
@@ -293,9 +295,12 @@ class ProcessFront(StreamingFront):
     """What the fronts over engine processes share (`async_process.AsyncLLMProcess`,
     `parallel.DPAsyncLLM`): the shut-down / failed state, the checks a request passes before it is
     queued, and failing every stream when an engine process fails. A subclass sets `_stopping`,
-    `_failure`, `_reader` (its thread reading the processes' reports), `_model` and `max_num_waiting`."""
+    `_shutdown_begun`, `_failure`, `_reader` (its thread reading the processes' reports), `_model` and
+    `max_num_waiting`; it may set `_stop_reason` when its engine processes stop on their own (SIGTERM)."""
 
-    _stopping: bool
+    _stopping: bool               # no new requests: shut down, or the engine processes are stopping
+    _shutdown_begun: bool         # `shutdown` was called
+    _stop_reason: str = "the server is shutting down"
     _failure: str | None
     _reader: threading.Thread
     _model: ServedModel
@@ -308,7 +313,8 @@ class ProcessFront(StreamingFront):
 
     @property
     def is_running(self) -> bool:
-        """The engine processes are alive and the front takes requests (not shut down, not failed)."""
+        """The engine processes are alive and the front takes requests (not shut down or stopping, not
+        failed)."""
         return not self._stopping and self._failure is None and self._reader.is_alive()
 
     @property
@@ -326,7 +332,7 @@ class ProcessFront(StreamingFront):
         if self._failure is not None:
             raise EngineDead(self._failure)
         if self._stopping:
-            raise EngineStopped("the server is shutting down")
+            raise EngineStopped(self._stop_reason)
         if len(self._streams) - num_running >= self.max_num_waiting:
             raise EngineQueueFull(f"{self.max_num_waiting} requests are already waiting (max_num_waiting); retry later")
         request_id = f"req-{uuid.uuid4().hex}" if request_id is None else request_id
@@ -336,19 +342,21 @@ class ProcessFront(StreamingFront):
 
     def _begin_shutdown(self, drain: bool) -> bool:
         """Stop taking requests; without `drain`, abort every accepted one. False when a shutdown had
-        already begun (nothing done)."""
-        if self._stopping:
+        already begun (nothing done); True also when the engine processes had begun to stop on their
+        own (SIGTERM), so that this shutdown waits for them."""
+        if self._shutdown_begun:
             return False
-        self._stopping = True
+        self._shutdown_begun = self._stopping = True
         if not drain:
             for request_id in list(self._streams):
                 self.abort(request_id)
         return True
 
-    def _fail_streams(self, reason: str) -> None:
-        """Every open stream fails with EngineDead naming `reason`."""
+    def _fail_streams(self, reason: str, *, stopped: bool = False) -> None:
+        """Every open stream fails with EngineDead naming `reason` (with `stopped`: EngineStopped, the
+        engine stopped cleanly without answering it)."""
         for stream in list(self._streams.values()):
-            stream.fail(EngineDead(f"the server's engine failed: {reason}"))
+            stream.fail(EngineStopped(reason) if stopped else EngineDead(f"the server's engine failed: {reason}"))
 
 
 def _delta(out: RequestOutput, reported: list[tuple[int, int]]) -> RequestOutput:

@@ -29,6 +29,7 @@ from dataclasses import dataclass
 
 from ..core.intake import PromptInput
 from ..core.outputs import RequestOutput
+from ..core.prefix_caching import host_cache_stats
 from ..llm_engine import LLMEngine
 from ..sampling.sampling_params import SamplingParams
 from .async_front import (
@@ -174,7 +175,7 @@ class AsyncLLM(StreamingFront):
         num_running = engine.scheduler.num_running
         kv = engine.kv_blocks
         return EngineStats(num_running, max(0, len(self._streams) - num_running), kv.num_free, kv.num_blocks - 1,
-                           transfer_stats(engine))
+                           host_cache_stats(engine.scheduler.prefix_cache_stats), transfer_stats(engine))
 
 
 class _ThreadTransport:

@@ -13,9 +13,11 @@ the child's pipe; the reader thread takes one `StepReport` per engine step, turn
 into `RequestOutput`s (the prompt from the request's first output) and posts them to their
 `DeltaStream`s with one `call_soon_threadsafe` per step and event loop. When the child dies (or
 reports an error) every request in flight fails with `EngineDead`, `failure` says how, and the front
-takes no more requests. A child that exits cleanly on SIGTERM (having finished its requests) is a
-stop, not a failure: logged as such, `failure` stays None and the front takes no more requests.
-`shutdown` stops the child and waits for it: no process is left behind.
+takes no more requests. A SIGTERM to the child (a service manager signals every process of the
+server) is a stop, not a failure: the child finishes the requests it holds and says so in its next
+report, from which the front refuses new requests (`EngineStopped`, the server's 503); a request
+that reached the child after the signal is refused by it; the child then exits 0, logged as a clean
+stop, and `failure` stays None. `shutdown` stops the child and waits for it: no process is left behind.
 
 `AsyncLLM` (an engine in a thread of this process) stays for library use and `deepinfer serve
 --engine-in-thread`.
@@ -92,7 +94,7 @@ class AsyncLLMProcess(ProcessFront):
         self._num_unfinished = 0                        # submitted, not yet finished or refused
         self._load = EngineLoad(0, 0, 0)
         self._stopping = False
-        self._engine_exited = False                     # the process exited cleanly on its own (SIGTERM)
+        self._shutdown_begun = False
         self._failure: str | None = None
         self._send_lock = threading.Lock()
         self._wait_lock = threading.Lock()              # one waitpid at a time (`_wait_exit`)
@@ -125,7 +127,7 @@ class AsyncLLMProcess(ProcessFront):
         """The engine after its latest reported step; waiting = submitted, unfinished and not running."""
         load = self._load
         return EngineStats(load.num_running, max(0, self._num_unfinished - load.num_running), load.num_free_kv_blocks,
-                           load.num_kv_blocks, load.kv_transfer)
+                           load.num_kv_blocks, load.host_cache, load.kv_transfer)
 
     def parallel_stats(self) -> None:
         """None: one engine, no DP ranks."""
@@ -160,10 +162,8 @@ class AsyncLLMProcess(ProcessFront):
         """Stop taking requests; with drain, let every accepted request finish (else abort them); the
         engine process then exits and is waited for."""
         if not self._begin_shutdown(drain):
-            if not self._engine_exited:
-                return                          # a shutdown in progress waits for the process
-        else:
-            self._send(StopEngine())
+            return                              # a shutdown in progress waits for the process
+        self._send(StopEngine())                # lost (and not needed) when the process is stopping on SIGTERM
         await asyncio.to_thread(self._wait_exit, None)
         await asyncio.to_thread(self._reader.join)
         self._to_engine.close()
@@ -212,9 +212,9 @@ class AsyncLLMProcess(ProcessFront):
                 # fixed bound on a loaded machine; `shutdown` waits too). Else give it 60 s to say how (a
                 # process that closed its pipe is exiting; 10 s was outrun once on a loaded 2-core box).
                 code = self._wait_exit(None if self._stopping else 60)
-                if code == 0 and not self._stopping:
-                    self._stopped_by_signal()
-                elif code != 0:
+                if code == 0:
+                    self._exited_cleanly()
+                else:
                     self._fail(f"the engine process exited with code {code}")
                 self._from_engine.close()
                 return
@@ -250,21 +250,27 @@ class AsyncLLMProcess(ProcessFront):
                 stream.fail(refusal.error)
         self._load = report.load
         deliver(posts, self.abort)
+        if report.stopping and not self._stopping:
+            self._stop_reason = ("the engine process got SIGTERM: it finishes the requests it holds and the server "
+                                 "takes no new ones")
+            self._stopping = True
+            logger.warning("%s (%d in flight)", self._stop_reason, self._num_unfinished)
 
-    def _stopped_by_signal(self) -> None:
-        """The engine process exited cleanly without being asked by this front: a SIGTERM (a service
-        manager signals every process of the server) made it finish its requests first. The front
-        takes no more requests; one that slipped in after the engine stopped reading fails."""
-        self._engine_exited = True
+    def _exited_cleanly(self) -> None:
+        """The engine process exited 0: after `StopEngine`, or on a SIGTERM (a service manager signals
+        every process of the server) once it had finished its requests. The front takes no more
+        requests; a request sent after the engine's last read (possible only after SIGTERM) fails."""
+        if not self._stopping:                   # SIGTERM while idle: the process exited without a report
+            self._stop_reason = "the engine process got SIGTERM and stopped; the server takes no new requests"
         self._stopping = True
-        lost = len(self._streams)
-        if not lost:
+        lost = self._num_unfinished              # sent, and neither finished nor refused by the engine
+        if lost:
+            logger.error("the engine process stopped (SIGTERM: exit code 0) with %d request(s) it never received; "
+                         "they fail", lost)
+            self._fail_streams("the engine process stopped on SIGTERM before it received the request", stopped=True)
+        elif not self._shutdown_begun:
             logger.warning("the engine process stopped cleanly (SIGTERM: exit code 0, no request in flight); "
                            "the server takes no more requests")
-            return
-        logger.error("the engine process stopped (SIGTERM: exit code 0) with %d request(s) it never received; "
-                     "they fail", lost)
-        self._fail_streams("the engine process stopped on SIGTERM before it received the request")
 
     def _fail(self, reason: str) -> None:
         """The engine process died or failed: fail every stream with EngineDead(reason), take no more

@@ -16,8 +16,9 @@ report carries the common output, a running request of one sample without logpro
 the front has already seen, as three flat columns (id, new text, new token ids) and every other
 output whole. The process ignores SIGINT (a Ctrl-C reaches the whole process group: the front
 drains); SIGTERM (a service manager may send it to every process of the server) makes it finish the
-requests it holds, as `StopEngine` does, then exit; when the front's end of the pipe closes (the
-front died) it exits.
+requests it holds, as `StopEngine` does, then exit: its next report says so (`StepReport.stopping`,
+the front takes no more requests), and a request that reaches it after the signal is refused with
+`EngineStopped`. When the front's end of the pipe closes (the front died) it exits.
 """
 
 from __future__ import annotations
@@ -36,8 +37,10 @@ from ..config.engine_args import EngineArgs
 from ..core.intake import PromptInput
 from ..core.kv_handoff import KVTransfer, NullKVTransfer
 from ..core.outputs import OutputKind, RequestOutput
-from ..core.stats import TransferStats
+from ..core.prefix_caching import host_cache_stats
+from ..core.stats import HostCacheStats, TransferStats
 from ..sampling.sampling_params import SamplingParams
+from .async_front import EngineStopped
 from .core_loop import run_loop
 
 # ------------------------------------------------------------------ front -> engine
@@ -74,6 +77,7 @@ class EngineLoad:
     num_running: int
     num_free_kv_blocks: int
     num_kv_blocks: int            # usable blocks (block 0 excluded)
+    host_cache: HostCacheStats = HostCacheStats()
     kv_transfer: TransferStats | None = None     # a prefill/decode pair's engine: KV handed over so far
 
 
@@ -108,6 +112,7 @@ class StepReport:
             carries its prompt; finished ones; n > 1; logprobs; prompt logprobs).
         refusals: requests refused since the previous report.
         load: the engine after the step.
+        stopping: the process got SIGTERM: it finishes the requests it holds, refuses new ones and exits.
     """
 
     request_ids: tuple[str, ...]
@@ -116,6 +121,7 @@ class StepReport:
     outputs: tuple[RequestOutput, ...]
     refusals: tuple[Refused, ...]
     load: EngineLoad
+    stopping: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -188,7 +194,9 @@ class EngineLoop:
         self._engine = engine
         self._inbox = inbox
         self._outbox = outbox
-        self._stopping = False
+        self._stopping = False                    # StopEngine or SIGTERM: finish, refuse new requests, exit
+        self._signalled = False                   # SIGTERM came
+        self._said_stopping = False               # a report told the front
         self._refusals: list[Refused] = []
         self._reported: set[str] = set()          # requests whose first output was sent (whole)
         self._load = engine_load(engine)          # as last reported
@@ -202,10 +210,10 @@ class EngineLoop:
     # ------------------------------------------------------------------ core_loop.Transport
 
     def poll(self) -> None:
-        """Take every message waiting; report the requests refused."""
+        """Take every message waiting; report the requests refused, and a SIGTERM not yet told."""
         while self._inbox.poll():
             self._take(receive(self._inbox))
-        if self._refusals:
+        if self._refusals or self._signalled != self._said_stopping:
             self._report([])
 
     def has_work(self) -> bool:
@@ -228,14 +236,20 @@ class EngineLoop:
         return True
 
     def on_sigterm(self, signum: int, frame: object) -> None:
-        """SIGTERM: no work -> exit now (SystemExit); else exit once the requests taken have finished."""
-        self._stopping = True
+        """SIGTERM: no work -> exit now (SystemExit); else exit once the requests taken have finished,
+        refusing new ones (the next `poll` tells the front). Nothing is sent from here: the handler
+        may run in the middle of a send."""
+        self._stopping = self._signalled = True
         if self._idle:
             raise SystemExit(0)
 
     def _take(self, message: object) -> None:
         engine = self._engine
         if isinstance(message, SubmitRequest):
+            if self._stopping:   # after SIGTERM (the front sends nothing after StopEngine)
+                self._refusals.append(Refused(message.request_id, EngineStopped(
+                    "the engine process got SIGTERM: it finishes the requests it had taken and takes no new ones")))
+                return
             try:
                 engine.add_request(message.request_id, message.prompt, message.params, output_kind=OutputKind.DELTA)
             except Exception as err:   # refused: nothing was queued; the caller gets the error
@@ -270,14 +284,16 @@ class EngineLoop:
                 whole.append(out)
         self._load = engine_load(self._engine)
         refusals, self._refusals = tuple(self._refusals), []
+        self._said_stopping = self._signalled
         send(self._outbox, StepReport(tuple(request_ids), tuple(texts), tuple(token_ids), tuple(whole), refusals,
-                                      self._load))
+                                      self._load, self._signalled))
 
 
 def engine_load(engine: Any) -> EngineLoad:
     """The engine's scheduler and KV cache now."""
     kv = engine.kv_blocks
-    return EngineLoad(engine.scheduler.num_running, kv.num_free, kv.num_blocks - 1, transfer_stats(engine))
+    return EngineLoad(engine.scheduler.num_running, kv.num_free, kv.num_blocks - 1,
+                      host_cache_stats(engine.scheduler.prefix_cache_stats), transfer_stats(engine))
 
 
 def transfer_stats(engine: Any) -> TransferStats | None:

@@ -4,7 +4,8 @@
 torchrun): `launcher` starts them, `rank.DPRank` is one rank's engine and lockstep loop, and
 `eplb_live.LiveBalancer` re-places experts from the router's counts while serving. `deepinfer serve
 --data-parallel-size N` runs the ranks online: `dp_async.DPAsyncLLM` is the server's front, each
-rank process runs `serve_rank.RankServer`, and `messages` is what travels between them.
+rank process runs `serve_rank.RankServer`, `messages` is what travels between them, and
+`rank_processes` watches and reaps the rank processes.
 """
 
 from ..core.stats import ParallelStats, RebalanceStats

@@ -13,6 +13,11 @@ and sleep on their inboxes when none has. A reader thread takes the ranks' repor
 DELTA output to its request's cumulative one and posts that to the request's `OutputStream`, and it
 watches the rank processes: when one dies or reports an error, every request in flight fails with
 `EngineDead` naming the rank, the others are stopped, and the front takes no more requests.
+
+A SIGTERM to a rank (or to the whole server) stops the ranks as a SIGTERM stops one engine process:
+the rank says so (`RankStopping`), the front takes no more requests (`EngineStopped`: the server's
+503) and sends `Stop`, the ranks finish the requests they hold and exit 0; the front has then
+stopped, not failed (`failure` stays None).
 """
 
 from __future__ import annotations
@@ -30,9 +35,10 @@ import torch.multiprocessing as mp
 from ..config.engine_args import EngineArgs
 from ..core.intake import PromptInput
 from ..core.outputs import RequestOutput
-from ..core.stats import EngineStats, ParallelStats, RebalanceStats
+from ..core.stats import EngineStats, HostCacheStats, ParallelStats, RebalanceStats
 from ..frontends.async_front import (
     DEFAULT_MAX_NUM_WAITING,
+    EngineStopped,
     OutputStream,
     ProcessFront,
     ServedModel,
@@ -49,11 +55,13 @@ from .messages import (
     RankLoad,
     RankReady,
     RankReport,
+    RankStopping,
     Stop,
     Submit,
     Wake,
 )
 from .rank import RankFailure, RankSpec
+from .rank_processes import RankProcesses
 from .serve_rank import serve_rank_main
 
 logger = logging.getLogger(__name__)
@@ -97,6 +105,8 @@ class DPAsyncLLM(ProcessFront):
         self._rank_loads = [RankLoad(0, 0, 0)] * self._num_ranks
         self._rebalances: list[RebalanceStats] = []
         self._stopping = False
+        self._shutdown_begun = False
+        self._stop_sent = False                  # Stop sent to every rank: no counted message after it
         self._failure: str | None = None
         ctx = mp.get_context("spawn")
         init_method = f"tcp://127.0.0.1:{free_port()}"
@@ -107,6 +117,7 @@ class DPAsyncLLM(ProcessFront):
                        for rank, inbox in enumerate(self._inboxes)]
         for proc in self._procs:
             proc.start()
+        self._ranks = RankProcesses(self._procs)
         max_model_len = self._wait_ready()
         model_dir = resolve_model_dir(args.resolved().model)
         self._model = ServedModel(model_dir, load_tokenizer(model_dir), max_model_len, args.model is None)
@@ -125,7 +136,8 @@ class DPAsyncLLM(ProcessFront):
         """The sum of `parallel_stats().rank_stats`."""
         ranks = self._rank_stats()
         return EngineStats(sum(s.num_running for s in ranks), sum(s.num_waiting for s in ranks),
-                           sum(s.num_free_kv_blocks for s in ranks), sum(s.num_kv_blocks for s in ranks))
+                           sum(s.num_free_kv_blocks for s in ranks), sum(s.num_kv_blocks for s in ranks),
+                           sum((s.host_cache for s in ranks), HostCacheStats()))
 
     def parallel_stats(self) -> ParallelStats:
         """Per-rank running / waiting requests, KV cache and requests sent, and the EPLB re-placements so far."""
@@ -136,7 +148,8 @@ class DPAsyncLLM(ProcessFront):
     def _rank_stats(self) -> tuple[EngineStats, ...]:
         with self._lock:      # waiting: owned by the rank (queued here or there) and not running there
             return tuple(EngineStats(load.num_running, max(0, owned - load.num_running), load.num_free_kv_blocks,
-                                     load.num_kv_blocks) for load, owned in zip(self._rank_loads, self._num_owned))
+                                     load.num_kv_blocks, load.host_cache)
+                         for load, owned in zip(self._rank_loads, self._num_owned))
 
     # ------------------------------------------------------------------ event-loop side
 
@@ -145,8 +158,10 @@ class DPAsyncLLM(ProcessFront):
         request_id = self._accept(request_id, self.stats.num_running, self._owner.__contains__)
         prompt, num_prompt_tokens = self._tokenized(prompt)
         stream = OutputStream(asyncio.get_running_loop())
-        self._streams[request_id] = stream
         with self._lock:
+            if self._stop_sent:          # a rank's SIGTERM (reader thread) got in after `_accept`
+                raise EngineStopped(self._stop_reason)
+            self._streams[request_id] = stream
             rank = self._loads.index(min(self._loads))
             self._owner[request_id] = rank
             self._cost[request_id] = num_prompt_tokens
@@ -187,35 +202,23 @@ class DPAsyncLLM(ProcessFront):
         stop the ranks (they exit once none has work) and wait for them."""
         if not self._begin_shutdown(drain):
             return
-        with self._lock:
-            if self._failure is None:
-                self._send_counted(lambda seq, _: Stop(seq))
-        await asyncio.to_thread(self._join_ranks)
+        self._send_stop()
+        await asyncio.to_thread(self._ranks.join, self._timeout_s)   # a drained rank exits by itself
         await asyncio.to_thread(self._reader.join)
         await self._wait_streams_ended(poll_s)
 
-    def _join_ranks(self) -> None:
-        """Wait for every rank to exit (a drained rank exits by itself); terminate what is left after
-        the distributed timeout."""
-        deadline = time.monotonic() + self._timeout_s
-        for proc in self._procs:
-            proc.join(max(0.0, deadline - time.monotonic()))
-        self._terminate()
-
-    def _terminate(self) -> None:
-        for proc in self._procs:
-            if proc.is_alive():
-                proc.terminate()
-                proc.join(self._timeout_s)
-                if proc.is_alive():
-                    proc.kill()
-                    proc.join()
+    def _send_stop(self) -> None:
+        """`Stop` to every rank, once, unless a rank failed."""
+        with self._lock:
+            if not self._stop_sent and self._failure is None:
+                self._stop_sent = True
+                self._send_counted(lambda seq, _: Stop(seq))
 
     # ------------------------------------------------------------------ start-up
 
     def _wait_ready(self) -> int:
         """Wait for every rank's `RankReady`; the max_model_len they report. A rank that fails first
-        stops them all and raises RankFailure."""
+        stops them all and raises RankFailure; a rank's SIGTERM meanwhile stops them once all are up."""
         max_model_len = 0
         ready: set[int] = set()
         while len(ready) < self._num_ranks:
@@ -224,21 +227,22 @@ class DPAsyncLLM(ProcessFront):
             except queue.Empty:
                 dead = self._dead_ranks()
                 if dead:
-                    self._terminate()
+                    self._ranks.kill()
                     raise RankFailure(f"{dead} while starting") from None
                 continue
             if isinstance(message, RankError):
-                self._terminate()
+                self._ranks.kill()
                 raise RankFailure(f"DP rank {message.rank} failed while starting: {message.detail}")
             if isinstance(message, RankReady):
                 ready.add(message.rank)
                 max_model_len = message.max_model_len
+            elif isinstance(message, RankStopping):     # a ready rank got SIGTERM while a peer still starts
+                self._rank_signalled(message.rank)
         return max_model_len
 
     def _dead_ranks(self) -> str:
         """'DP rank R exited with code C; ...' for the ranks that exited (after Stop, exit code 0 is fine)."""
-        return "; ".join(f"DP rank {rank} exited with code {proc.exitcode}" for rank, proc in enumerate(self._procs)
-                         if not proc.is_alive() and not (self._stopping and proc.exitcode == 0))
+        return self._ranks.exited(clean_exit_expected=self._stop_sent)
 
     # ------------------------------------------------------------------ reader thread
 
@@ -258,8 +262,29 @@ class DPAsyncLLM(ProcessFront):
                 return
             if isinstance(message, RankReport):
                 self._take_report(message)
-            elif message is None and not any(proc.is_alive() for proc in self._procs):
-                return        # stopped: every rank exited cleanly and its reports are read
+            elif isinstance(message, RankStopping):
+                self._rank_signalled(message.rank)
+            elif message is None and not self._ranks.any_alive():
+                self._stopped()         # every rank exited cleanly and its reports are read
+                return
+
+    def _rank_signalled(self, rank: int) -> None:
+        """A rank got SIGTERM: take no more requests, stop every rank once their requests are done."""
+        if not self._stopping:
+            self._stop_reason = (f"DP rank {rank} got SIGTERM: the ranks finish the requests they hold and the server "
+                                 "takes no new ones")
+            self._stopping = True
+            logger.warning("%s (%d in flight)", self._stop_reason, len(self._owner))
+        self._send_stop()
+
+    def _stopped(self) -> None:
+        """Every rank exited 0 after `Stop`. A request none of them answered (none is expected: every
+        counted message comes before `Stop`) fails rather than waiting forever."""
+        with self._lock:
+            lost = len(self._owner)
+        if lost:
+            logger.error("the DP ranks stopped with %d request(s) unanswered; they fail", lost)
+            self._fail_streams("the DP ranks stopped before answering the request", stopped=True)
 
     def _wait_for_dead_peer(self) -> str:
         """A rank's error is often the echo of a peer that died (its collective lost the connection) and may
@@ -308,7 +333,7 @@ class DPAsyncLLM(ProcessFront):
         with self._lock:
             self._failure = reason
         self._fail_streams(reason)
-        self._terminate()
+        self._ranks.kill()
 
 
 __all__ = ["DPAsyncLLM"]

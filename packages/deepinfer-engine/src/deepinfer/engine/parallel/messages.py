@@ -7,7 +7,8 @@ counted too. The ranks compare how many counted messages each has taken before d
 to block on their inboxes (see `serve_rank`). `Abort` goes to the request's rank only, uncounted.
 
 Rank -> front: `RankReady` once, then a `RankReport` after each step (and after taking requests it
-refused), or `RankError` before the process exits on an error.
+refused), `RankStopping` once if the rank gets SIGTERM (the front then stops every rank with `Stop`),
+or `RankError` before the process exits on an error.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from dataclasses import dataclass
 
 from ..core.intake import PromptInput
 from ..core.outputs import RequestOutput
-from ..core.stats import RebalanceStats
+from ..core.stats import HostCacheStats, RebalanceStats
 from ..sampling.sampling_params import SamplingParams
 
 
@@ -78,6 +79,7 @@ class RankLoad:
     num_running: int
     num_free_kv_blocks: int
     num_kv_blocks: int            # usable blocks (block 0 excluded)
+    host_cache: HostCacheStats = HostCacheStats()
 
 
 @dataclass(frozen=True, slots=True)
@@ -103,6 +105,14 @@ class RankReport:
 
 
 @dataclass(frozen=True, slots=True)
+class RankStopping:
+    """The rank got SIGTERM: it refuses new requests, and the front stops every rank (`Stop`) once
+    they have finished the requests they hold, as one engine process does on SIGTERM."""
+
+    rank: int
+
+
+@dataclass(frozen=True, slots=True)
 class RankError:
     """The rank failed and is exiting; `detail` is the exception's one-line text."""
 
@@ -110,4 +120,4 @@ class RankError:
     detail: str
 
 
-RankMessage = RankReady | RankReport | RankError
+RankMessage = RankReady | RankReport | RankStopping | RankError

@@ -6,6 +6,8 @@ that `assign_least_loaded` gives it, and all ranks then step together while any 
 `LLMEngine.step()` runs the scheduler's step-kind vote over the gloo group, a rank whose vote says
 EMPTY_PROMPT / EMPTY_DECODE runs `run_ep_dummy_forward` of that kind so that its peers' all-to-alls
 find it, and the finished outputs are gathered so that every rank returns all of them in prompt order.
+Under speculative decoding with EP the ranks also agree on each decode step's verify size
+(`spec_lockstep`): a rank without decode rows runs a dummy verify forward of it (`idle_verify`).
 
 Under expert parallelism decode steps exchange fixed-capacity buffers (`deepinfer.model`'s
 `moe_ep_fixed`: static shapes, no host read), so ZOS stays on. The exchange is attached before the
@@ -168,7 +170,10 @@ class DPRank:
         left this rank without work, then the step's expert counts to the balancer."""
         outputs = self.engine.step()
         kind = self.engine.last_step_kind
-        if self.expert_parallel and kind in _EMPTY_STEPS:
+        spec = self.engine.spec
+        if self.expert_parallel and kind is StepKind.EMPTY_DECODE and spec is not None:
+            spec.idle_verify()          # the peers' verify size, agreed after the vote, as a dummy forward
+        elif self.expert_parallel and kind in _EMPTY_STEPS:
             run_ep_dummy_forward(self.engine.model, self.engine.runner.ops, decode_step=kind is StepKind.EMPTY_DECODE)
         if self.balancer is not None and kind is not None and kind is not StepKind.IDLE:
             self.balancer.after_forward()

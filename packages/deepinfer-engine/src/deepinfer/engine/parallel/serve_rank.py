@@ -10,9 +10,16 @@ The loop (`core_loop.run_loop`, `RankServer` its transport), on every rank:
     no work, nothing new        -> Stop taken: exit; else block on the inbox for the next counted message
 
 Every request reaches every rank as one counted message (`messages.Submit` or `Wake`), so an idle
-rank learns that a peer got work from its own inbox and sleeps until then (no polling). Comparing
-counts in the vote keeps the ranks from splitting: a rank that took a `Submit` after its own vote
-is caught up by the next vote, never left waiting in a collective while its peer sleeps on its inbox.
+rank learns that a peer got work from its own inbox and sleeps until then (waking only every
+`SIGNAL_CHECK_S` to see whether a SIGTERM came). Comparing counts in the vote keeps the ranks from
+splitting: a rank that took a `Submit` after its own vote is caught up by the next vote, never left
+waiting in a collective while its peer sleeps on its inbox.
+
+SIGTERM (a service manager may signal every process of the server, or one rank) is handled as the
+engine process of one engine handles it: the rank refuses the requests that reach it afterwards
+(`EngineStopped`) and tells the front (`RankStopping`), which takes no more requests and sends `Stop`
+to every rank; the ranks finish the requests they hold and exit 0 together. A rank never leaves its
+peers on its own (they would wait for it in the vote).
 """
 
 from __future__ import annotations
@@ -28,6 +35,8 @@ import torch
 
 from ..config.engine_args import EngineArgs
 from ..core.outputs import OutputKind, RequestOutput
+from ..core.prefix_caching import host_cache_stats
+from ..frontends.async_front import EngineStopped
 from ..frontends.core_loop import run_loop
 from ..frontends.engine_process import picklable_error
 from .messages import (
@@ -37,24 +46,29 @@ from .messages import (
     RankLoad,
     RankReady,
     RankReport,
+    RankStopping,
     Refusal,
     Stop,
     Submit,
 )
 from .rank import DPRank, RankFailure, RankSpec
 
+SIGNAL_CHECK_S = 0.2       # an idle rank wakes this often to see whether a SIGTERM came
+
 
 def serve_rank_main(spec: RankSpec, args: EngineArgs, inbox: Any, outbox: Any) -> None:
     """The entry point of a serving rank: build the rank, report `RankReady`, run `RankServer` until
     `Stop`. An error goes to `outbox` as `RankError` and exits the process with status 1. SIGINT is
-    the front's to handle (a Ctrl-C reaches the whole process group); the host's cores are shared out
-    among the ranks."""
+    the front's to handle (a Ctrl-C reaches the whole process group); SIGTERM stops every rank once
+    their requests have finished (module docstring); the host's cores are shared out among the ranks."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // spec.world_size))
     try:
         rank = DPRank(args, spec)
+        server = RankServer(rank, inbox, outbox)
+        signal.signal(signal.SIGTERM, server.on_sigterm)
         outbox.put(RankReady(spec.rank, rank.engine.max_model_len))
-        RankServer(rank, inbox, outbox).run()
+        server.run()
         rank.close()
     except BaseException as err:        # reported to the front, then the process exits
         detail = "".join(traceback.format_exception_only(type(err), err)).strip()
@@ -77,7 +91,9 @@ class RankServer:
         self._inbox = inbox
         self._outbox = outbox
         self._num_taken = 0                       # counted messages taken
-        self._stopping = False
+        self._stopping = False                    # Stop taken
+        self._signalled = False                   # SIGTERM came
+        self._said_stopping = False               # RankStopping sent
         self._refusals: list[Refusal] = []
         self._prompt_sent: set[str] = set()
         self._prompt_logprobs_sent: set[str] = set()
@@ -92,6 +108,7 @@ class RankServer:
 
     def poll(self) -> None:
         self._take_waiting()
+        self._tell_if_signalled()
 
     def has_work(self) -> bool:
         """The vote (module docstring): whether any rank has work; also how many counted messages
@@ -118,6 +135,17 @@ class RankServer:
             self._wait_until(self._most + 1)
         return True
 
+    def on_sigterm(self, signum: int, frame: object) -> None:
+        """SIGTERM: refuse new requests and ask the front to stop every rank (at the next `poll`, or
+        within SIGNAL_CHECK_S when idle). Nothing is sent from here: the handler may run in the
+        middle of a put."""
+        self._signalled = True
+
+    def _tell_if_signalled(self) -> None:
+        if self._signalled and not self._said_stopping:
+            self._said_stopping = True
+            self._outbox.put(RankStopping(self._rank.spec.rank))
+
     def _step(self) -> list[RequestOutput]:
         try:
             return self._rank.step()
@@ -136,9 +164,15 @@ class RankServer:
         self._report_refusals()
 
     def _wait_until(self, num_taken: int) -> None:
-        """Block on the inbox until `num_taken` counted messages are taken (aborts applied meanwhile)."""
+        """Block on the inbox until `num_taken` counted messages are taken (aborts applied meanwhile),
+        waking every SIGNAL_CHECK_S to tell the front of a SIGTERM."""
         while self._num_taken < num_taken:
-            self._take(self._inbox.get())
+            try:
+                message = self._inbox.get(timeout=SIGNAL_CHECK_S)
+            except queue.Empty:
+                self._tell_if_signalled()
+                continue
+            self._take(message)
         self._report_refusals()
 
     def _take(self, message: FrontMessage) -> None:
@@ -150,6 +184,11 @@ class RankServer:
         if isinstance(message, Stop):
             self._stopping = True
         elif isinstance(message, Submit):
+            if self._signalled:
+                self._refusals.append(Refusal(message.request_id, EngineStopped(
+                    f"DP rank {self._rank.spec.rank} got SIGTERM: the ranks finish the requests they hold and take "
+                    "no new ones")))
+                return
             try:
                 self._engine.add_request(message.request_id, message.prompt, message.params,
                                          output_kind=OutputKind.DELTA)
@@ -163,7 +202,8 @@ class RankServer:
     def _report(self, outputs: list[RequestOutput]) -> None:
         engine = self._engine
         kv = engine.kv_blocks
-        load = RankLoad(engine.scheduler.num_running, kv.num_free, kv.num_blocks - 1)
+        load = RankLoad(engine.scheduler.num_running, kv.num_free, kv.num_blocks - 1,
+                        host_cache_stats(engine.scheduler.prefix_cache_stats))
         rebalances = self._rank.rebalances[self._num_rebalances_sent:] if self._rank.spec.rank == 0 else ()
         self._num_rebalances_sent += len(rebalances)
         refusals, self._refusals = tuple(self._refusals), []

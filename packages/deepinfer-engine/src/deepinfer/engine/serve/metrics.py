@@ -4,9 +4,13 @@ Names (all prefixed `deepinfer_`): `request_success_total{finished_reason}`, `nu
 `num_requests_waiting`, `kv_cache_usage_perc` (0..1), `kv_cache_free_blocks`,
 `prompt_tokens_total`, `generation_tokens_total`, `prefix_cache_queries_total` and
 `prefix_cache_hits_total` (prompt tokens of finished requests looked up in / served from the prefix
-cache; ignored requests count nothing), on either server of a prefill/decode pair
-`kv_transfers_total`, `kv_transfer_bytes_total` and `kv_transfer_seconds_total` (KV handed over: sent
-by the prefill server, received by the decode server, whose time includes the prefill), and the histograms
+cache; ignored requests count nothing), the prefix cache's host tier as of the engine's latest step
+(`prefix_cache_host_hits_total`: prompt tokens whose KV came back from host memory,
+`prefix_cache_host_spills_total`: KV blocks copied to host memory, `prefix_cache_host_blocks` and
+`prefix_cache_host_snapshots`: held there now; all 0 without a host tier), on either server of a
+prefill/decode pair `kv_transfers_total`, `kv_transfer_bytes_total` and `kv_transfer_seconds_total` (KV
+handed over: sent by the prefill server, received by the decode server, whose time includes the
+prefill), and the histograms
 `time_to_first_token_seconds`, `inter_token_latency_seconds`, `e2e_request_latency_seconds`.
 
 The gauges read the front's `stats`: with an engine process, the scheduler and KV cache as of the
@@ -64,6 +68,7 @@ class ServerMetrics:
                   "deepinfer_kv_cache_free_blocks": ("Free KV blocks", lambda: llm.stats.num_free_kv_blocks)}
         for name, (text, read) in gauges.items():
             Gauge(name, text, registry=r).set_function(read)
+        r.register(_HostCacheCollector(llm))
         if llm.parallel_stats() is not None:
             r.register(_ParallelCollector(llm))
         # A prefill server's own counts are read live from its transfer (`pd_routes` sets this): its
@@ -98,6 +103,25 @@ class _TransferCollector(Collector):
             family = CounterMetricFamily(name, text)
             family.add_metric([], value)
             yield family
+
+
+class _HostCacheCollector(Collector):
+    """The prefix cache's host tier, read from `llm.stats` when scraped (its counters are the engine's)."""
+
+    def __init__(self, llm: EngineClient) -> None:
+        self._llm = llm
+
+    def collect(self) -> Iterator[Metric]:
+        host = self._llm.stats.host_cache
+        yield CounterMetricFamily("deepinfer_prefix_cache_host_hits",
+                                  "Prompt tokens whose KV blocks came back from the prefix cache's host memory",
+                                  value=host.hits)
+        yield CounterMetricFamily("deepinfer_prefix_cache_host_spills",
+                                  "KV blocks copied to the prefix cache's host memory", value=host.spills)
+        yield GaugeMetricFamily("deepinfer_prefix_cache_host_blocks",
+                                "KV blocks held in the prefix cache's host memory", value=host.num_blocks)
+        yield GaugeMetricFamily("deepinfer_prefix_cache_host_snapshots",
+                                "State snapshots held in the prefix cache's host memory", value=host.num_snapshots)
 
 
 class _ParallelCollector(Collector):

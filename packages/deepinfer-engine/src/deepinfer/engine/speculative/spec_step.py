@@ -31,11 +31,16 @@ the scheduler had placed N + 1 after all of them, so its positions move back by 
 Under ZOS the varlen policy splits step N + 1's verify lengths on the host from the confidences of
 step N − 1 (the last one read); the seed recomputes the split on the device from step N's.
 
-The varlen policy's estimators learn from real steps: each step's verify forward and its
-verification + sampling are timed on the device's own timeline (`_Stopwatch`: CUDA events, read at
-the commit once the step's results are on the host, so never a wait of their own; the host clock on
-the CPU, where the work runs synchronously), with ZOS on and off alike, and fed to
-`ForwardRuntimeEstimator.observe` (total query tokens) and `SamplerRuntimeEstimator.observe` (rows).
+The varlen policy's estimators learn from real steps: each step's draft walk, verify forward and
+verification + sampling are timed on the device's own timeline (`_Stopwatch`: CUDA events, read once
+they have happened — at the step's commit or a later one, never a wait of their own; the host clock
+on the CPU, where the work runs synchronously), with ZOS on and off alike, and fed to
+`DraftRuntimeEstimator.observe` (drafting rows), `ForwardRuntimeEstimator.observe` (total query
+tokens) and `SamplerRuntimeEstimator.observe` (rows).
+
+Lockstep ranks (DP attention + EP MoE, `spec_lockstep.SpecLockstep`) agree on each decode step's
+verify size after the vote: a rank pads its verify forward to it, and a rank without decode rows
+runs a dummy verify forward of it (`idle_verify`).
 """
 
 from __future__ import annotations
@@ -53,8 +58,6 @@ from deepinfer.sched import DecodeBatch, SchedulerOutput
 from deepinfer.spec import (
     DraftSampler,
     FixedVerifyPolicy,
-    ForwardRuntimeEstimator,
-    SamplerRuntimeEstimator,
     VarlenVerifyPolicy,
     VerifyInput,
     gather_verify_logits,
@@ -73,7 +76,9 @@ from ..device.sync_guard import forbid_cuda_sync
 from ..sampling.sampler import MAX_LOGIT_MAGNITUDE
 from ..sampling.sampling_stage import NON_FINITE_LOGITS, InFlightSampling
 from ..sampling.token_bitmask import allocate_token_bitmask, apply_token_bitmask, unpack_token_bitmask
-from .varlen_profile import varlen_step_time_curve
+from .spec_dummy import DummySpecSteps
+from .spec_lockstep import SpecLockstep
+from .varlen_profile import varlen_policy
 
 
 @dataclass(frozen=True, slots=True)
@@ -85,12 +90,18 @@ class SpeculativeStats:
         spec_verify_rows: request rows verified by `deepinfer.spec.verify` over those steps.
         spec_draft_tokens: drafts fed to the verify forwards (sum of query_len − 1 over those rows).
         spec_accepted_tokens: drafts accepted (before a stop or max_tokens cut the run).
+        spec_draft_ms / spec_verify_ms / spec_sample_ms: the device time of every speculative decode
+            step's draft walk, verify forward and verification + sampling (`_Stopwatch`; a step
+            counts once its marks have been read, at its commit or a later one).
     """
 
     spec_verify_steps: int = 0
     spec_verify_rows: int = 0
     spec_draft_tokens: int = 0
     spec_accepted_tokens: int = 0
+    spec_draft_ms: float = 0.0
+    spec_verify_ms: float = 0.0
+    spec_sample_ms: float = 0.0
 
     @property
     def mean_accepted_length(self) -> float:
@@ -178,64 +189,46 @@ class SpeculativeDecoder:
         host: the engine (its runner's cache holds the draft rings; its scheduler, sampling stage and
             requests are read at each step).
         plain: the engine's plain step: the sampling parameters of rows that do not draft.
-        args / env: the engine's; varlen_verify measures the step-time curve here, at start-up
-            (or loads it from DEEPINFER_VARLEN_PROFILE_CACHE: varlen_profile.py).
+        args / env: the engine's; varlen_verify measures the policy's curves here, at start-up
+            (or loads them from DEEPINFER_VARLEN_PROFILE_CACHE: varlen_profile.py).
+        lockstep: the DP + EP group this rank steps with (None: a rank of its own).
     """
 
     def __init__(self, draft: DSparkDraft, host: StepHost, plain: PlainStep, args: EngineArgs,
-                 env: EngineEnv) -> None:
+                 env: EngineEnv, lockstep: SpecLockstep | None = None) -> None:
         runner = host.runner
         self.draft, self.runner, self.k = draft, runner, draft.block_size
         self._host, self._plain = host, plain
         self._stopwatch = _Stopwatch(runner.device)
         self._force_top_k = env.sampler_force_topk
         self._noise = np.random.default_rng(args.seed)      # seeds of unseeded sampled rows, drawn per step
+        self.lockstep = lockstep
+        self.dummy = DummySpecSteps(draft, runner)
         self.varlen: VarlenVerifyPolicy | None = None
         if args.varlen_verify:
-            curve = varlen_step_time_curve(self._time_dummy_step, draft, runner, args, env)   # cached in a file
-            self.varlen = VarlenVerifyPolicy(ForwardRuntimeEstimator(curve, interval=env.cudagraph_batch_size_interval),
-                                             SamplerRuntimeEstimator())
+            self.varlen = varlen_policy(self.dummy, runner, args, env, lockstep)     # curves cached in a file
+        self._timings: list[SpecTimings] = []     # measured steps whose marks the device has not all passed
         self.gate = DraftGate(self.varlen or FixedVerifyPolicy(), host._seq, self._force_top_k)
         self._observed: set[str] = set()
         self._row_confidence = torch.full((0, self.k), -1.0, dtype=torch.float32, device=runner.device)
-        self._counts = np.zeros(4, dtype=np.int64)           # SpeculativeStats' fields, in order
+        self._counts = np.zeros(4, dtype=np.int64)           # SpeculativeStats' counts, in order
+        self._measured_ms = np.zeros(3, dtype=np.float64)     # and its measured ms, in order
 
     @property
     def stats(self) -> SpeculativeStats:
-        return SpeculativeStats(*map(int, self._counts))
+        return SpeculativeStats(*map(int, self._counts), *map(float, self._measured_ms))
 
     @torch.no_grad()
-    def _time_dummy_step(self, total_q: int) -> float:
-        """ms of one verify forward of total_q tokens in rows of up to k + 1 at the start of the dummy slot
-        0 and block 0: the graph replay `verify_forward` runs for that many tokens, else the eager
-        forward it runs."""
-        graphs, device = self.runner.graphs, self.runner.device
-        cuda = device.type == "cuda"
-        if self.runner.verify_replays_graph(total_q):
-            graphs.inputs.zero_()                   # every token: position 0 of the dummy slot 0, block 0
-            graphs.block_tables.zero_()
-            torch.cuda.synchronize(device)
-            started = time.perf_counter()
-            graphs.replay(total_q)
-            torch.cuda.synchronize(device)
-            return (time.perf_counter() - started) * 1e3
-        width = self.k + 1
-        num_rows = -(-total_q // width)
-        query_lens = np.full(num_rows, width, dtype=np.int32)
-        query_lens[-1] = total_q - width * (num_rows - 1)
-        zeros = np.zeros(num_rows, dtype=np.int32)
-        d = DecodeBatch(seq_ids=tuple(map(str, range(num_rows))), rows=zeros, query_lens=query_lens,
-                        seq_lens=np.full(num_rows, width, dtype=np.int32), block_tables=zeros[:, None],
-                        state_slots=zeros, last_token_ids=zeros, table_versions=zeros.astype(np.int64),
-                        in_flight=np.zeros(num_rows, dtype=np.bool_), rows_generation=0)
-        tokens = torch.zeros((num_rows, width), dtype=torch.int64, device=device)
-        if cuda:
-            torch.cuda.synchronize(device)
-        started = time.perf_counter()
-        self.runner.verify_forward(d, tokens)
-        if cuda:
-            torch.cuda.synchronize(device)
-        return (time.perf_counter() - started) * 1e3
+    def idle_verify(self) -> int:
+        """A lockstep rank without decode rows while its peers decode: join the step's size agreement
+        and run a dummy verify forward of that size (its MoE exchanges meet the peers'). Returns the
+        size (0: no rank had decode rows, nothing ran)."""
+        if self.lockstep is None:
+            return 0
+        size = self.lockstep.graph_size(0)
+        if size:
+            self.dummy.verify_forward(size)
+        return size
 
     # ------------------------------------------------------------------ the Step protocol
 
@@ -243,6 +236,7 @@ class SpeculativeDecoder:
         """Draft and launch the verify forward of decode step `out` (`launch_forward`)."""
         d = out.decode
         if d is None or not d.num_seqs:
+            self.idle_verify()             # a lockstep rank's peers may verify: join them
             return None
         lookup = self._host._seq
         reqs = [lookup(seq_id) for seq_id in d.seq_ids]
@@ -296,6 +290,7 @@ class SpeculativeDecoder:
             tokens = torch.empty((n, k + 1), dtype=torch.int64, device=device)
             tokens[:, 0] = anchors
         verifying = query_lens = None
+        drafted_from = self._stopwatch.mark()
         if len(drafting):
             sub_rows = to_device(drafting, device)
             verifying = self._draft([reqs[i] for i in drafting], drafting, sub_rows, tokens, positions, outputs,
@@ -304,13 +299,15 @@ class SpeculativeDecoder:
                 with forbid_cuda_sync(device, enabled=guarded):
                     query_lens = self._split_on_device(d, verifying, rows, known)
         total_q = int(d.query_lens.sum())
-        with forbid_cuda_sync(device, enabled=guarded and runner.verify_replays_graph(total_q)):
+        size = total_q if self.lockstep is None else self.lockstep.graph_size(total_q)   # the group's, >= own key
+        with forbid_cuda_sync(device, enabled=guarded and runner.verify_replays_graph(size)):
             started = self._stopwatch.mark()
-            logits = runner.verify_forward(d, tokens, shift, query_lens)
+            logits = runner.verify_forward(d, tokens, shift, query_lens, graph_size=size)
             forwarded = self._stopwatch.mark()
         if query_lens is None:
             query_lens = to_device(d.query_lens.astype(np.int64), device)
-        return SpecLaunch(d, reqs, drafting, rows, logits, tokens, verifying, query_lens, (started, forwarded))
+        return SpecLaunch(d, reqs, drafting, rows, logits, tokens, verifying, query_lens,
+                          (drafted_from, started, forwarded), size)
 
     def _split_on_device(self, d: DecodeBatch, v: _Verifying, rows: Tensor, known: Tensor) -> Tensor:
         """docs/design.md §7.5, under ZOS: the drafting rows' total query tokens stay the host's choice (it
@@ -387,13 +384,12 @@ class SpeculativeDecoder:
             if self.varlen is not None:
                 self._ensure_confidence_rows(self.runner.row_tokens.shape[0])
                 self._row_confidence.index_fill_(0, plain_rows, -1.0)
+        sampled = self._stopwatch.mark()            # before the copy back, whose event the commit waits for
         host, done = to_host(results + logprob_parts + confidence)
-        sampled = self._stopwatch.mark()
         num_parts = len(logprob_parts)
-        started, forwarded = launched.marks
+        timings = SpecTimings((*launched.marks, sampled), len(launched.drafting), launched.size, d.num_seqs)
         return SpecFlight(reqs, launched.drafting, plain, host[0] if host else None, host[1:1 + num_parts],
-                          host[-1] if confidence else None, done, flight, wanted, dead,
-                          (started, forwarded, sampled), int(d.query_lens.sum()))
+                          host[-1] if confidence else None, done, flight, wanted, dead, timings)
 
     def _launch_verify(self, launched: SpecLaunch, v: _Verifying, guarded: bool
                        ) -> tuple[tuple[Tensor, ...], tuple[Tensor, ...], tuple[Tensor, ...], dict[int, str]]:
@@ -493,17 +489,28 @@ class SpeculativeDecoder:
         self._commit(flight.reqs, rows, changed, preempted, recomputed)
 
     def _observe_times(self, flight: SpecFlight) -> None:
-        """Feed the varlen policy's estimators the step's measured verify forward and verification +
-        sampling times (read now that its results are on the host: no wait of their own)."""
-        if self.varlen is None:
-            return
-        started, forwarded, sampled = flight.marks
-        forward_ms = self._stopwatch.elapsed_ms(started, forwarded)
-        sampler_ms = self._stopwatch.elapsed_ms(forwarded, sampled)
-        if forward_ms is not None:
-            self.varlen.forward.observe(flight.total_q, forward_ms)
-        if sampler_ms is not None:
-            self.varlen.sampler.observe(len(flight.reqs), sampler_ms)
+        """Count (`SpeculativeStats`) and feed the varlen policy's estimators the measured draft walk,
+        verify forward and verification + sampling times of every step whose marks the device has
+        passed (this one's, read now that its results are on the host, or a later commit's: never a
+        wait of their own)."""
+        self._timings.append(flight.timings)
+        pending: list[SpecTimings] = []
+        for timings in self._timings:
+            drafted_from, started, forwarded, sampled = timings.marks
+            times = [self._stopwatch.elapsed_ms(*pair) for pair in
+                     ((drafted_from, started), (started, forwarded), (forwarded, sampled))]
+            if any(ms is None for ms in times):
+                pending.append(timings)
+                continue
+            draft_ms, forward_ms, sampler_ms = times
+            self._measured_ms += times
+            if self.varlen is None:
+                continue
+            if timings.num_drafting:
+                self.varlen.draft.observe(timings.num_drafting, draft_ms)
+            self.varlen.forward.observe(timings.total_q, forward_ms)
+            self.varlen.sampler.observe(timings.num_rows, sampler_ms)
+        self._timings = pending[-8:]        # a mark the device never reaches (a failed step) is not kept forever
 
     def _verified_rows(self, flight: SpecFlight) -> list[_RowTokens]:
         """The drafting rows' tokens, logprobs and errors from the host copies."""
@@ -521,6 +528,13 @@ class SpeculativeDecoder:
             if confidence is not None:
                 self.varlen.observe(req.seq_id, confidence[j])
         if confidence is not None:
+            # how far the confidences over- or under-stated acceptance: the drafts they predicted accepted
+            # (cumulative products over the drafts fed) against those accepted
+            fed = np.arange(k) < host[:, k + 3, None]
+            predicted = (np.cumprod(np.clip(confidence, 0.0, 1.0), axis=1) * fed).sum(axis=1)
+            for expected, accepted, drafts in zip(predicted.tolist(), host[:, k + 1].tolist(), host[:, k + 3].tolist()):
+                if drafts:
+                    self.varlen.calibration.observe(expected, accepted)
             live = {r.seq_id for r in reqs}
             for seq_id in self._observed - live:
                 self.varlen.forget(seq_id)
@@ -585,7 +599,10 @@ class SpecLaunch:
     verifying: _Verifying | None   # the drafting rows' sampler, q and confidences; None when m = 0
     query_lens: Tensor             # [num_seqs] int64 query length of each row (device): d.query_lens, or
                                    # their split on the device under ZOS + varlen
-    marks: tuple[object, object]   # `_Stopwatch` marks before and after the verify forward
+    marks: tuple[object, object, object]   # `_Stopwatch` marks before the draft walk, before and after the
+                                           # verify forward
+    size: int                      # tokens the verify forward ran: total query tokens, padded to the
+                                   # lockstep group's size
 
 
 @dataclass(frozen=True, slots=True)
@@ -603,8 +620,7 @@ class SpecFlight:
         done: the CUDA event after the copies (None on the CPU).
         wanted: SamplingParams.logprobs of each drafting row.
         dead: drafting rows (index among them) whose grammar allows no token -> why (they fail).
-        marks: `_Stopwatch` marks before and after the verify forward and after the verification
-            and sampling; total_q: the step's query tokens.
+        timings: the step's marks, for the varlen policy's estimators.
     """
 
     reqs: list[Request]
@@ -617,8 +633,19 @@ class SpecFlight:
     sampling: InFlightSampling | None
     wanted: list[int | None]
     dead: dict[int, str]
-    marks: tuple[object, object, object]
+    timings: SpecTimings
+
+
+@dataclass(frozen=True, slots=True)
+class SpecTimings:
+    """The `_Stopwatch` marks of one speculative step: before the draft walk, before and after the verify
+    forward, after the verification and sampling; what they measured: drafting rows (0: no walk ran),
+    tokens of the verify forward, rows."""
+
+    marks: tuple[object, object, object, object]
+    num_drafting: int
     total_q: int
+    num_rows: int
 
 
 @dataclass(slots=True, eq=False)
