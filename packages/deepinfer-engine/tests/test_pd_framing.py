@@ -16,9 +16,10 @@ from deepinfer.engine.disagg.framing import handoff_frames, order_from_json, ord
 
 def _handoff() -> PrefilledRequest:
     gen = torch.Generator().manual_seed(0)
-    blocks = {"layers.0.kv": torch.randn(3, 4, 8, generator=gen).to(torch.bfloat16),
-              "layers.1.kv": torch.randn(3, 2, 16, generator=gen).to(torch.float8_e4m3fn)}
-    state = {"layers.0.window": torch.randn(10, 8, generator=gen), "layers.0.compressor.kv": torch.zeros(0, 4)}
+    blocks = torch.randint(0, 256, (3, 40), generator=gen, dtype=torch.int64).to(torch.uint8)
+    state = {"layers.0.window": torch.randn(10, 8, generator=gen).to(torch.bfloat16),
+             "layers.0.indexer.kv": torch.randn(6, 16, generator=gen).to(torch.float8_e4m3fn),
+             "layers.0.compressor.kv": torch.zeros(0, 4)}
     return PrefilledRequest("r1", (5, 6, 7), 42, {42: -0.25, 7: -1.5}, 0, KVPayload(blocks, state), "k" * 64)
 
 
@@ -32,11 +33,11 @@ def test_a_handoff_round_trips_bit_for_bit() -> None:
     assert (got.request_id, got.prompt_token_ids, got.first_token_id, got.first_logprobs, got.first_rank,
             got.fingerprint_key) == (sent.request_id, sent.prompt_token_ids, 42, {42: -0.25, 7: -1.5}, 0, "k" * 64)
     assert got.kv is not None and sent.kv is not None and got.kv.num_bytes == sent.kv.num_bytes
-    for mine, theirs in ((got.kv.blocks, sent.kv.blocks), (got.kv.state, sent.kv.state)):
-        assert list(mine) == list(theirs)
-        for name, tensor in theirs.items():
-            assert mine[name].dtype == tensor.dtype and mine[name].shape == tensor.shape
-            assert torch.equal(mine[name].view(torch.uint8), tensor.view(torch.uint8))
+    assert torch.equal(got.kv.blocks, sent.kv.blocks)
+    assert list(got.kv.state) == list(sent.kv.state)
+    for name, tensor in sent.kv.state.items():
+        assert got.kv.state[name].dtype == tensor.dtype and got.kv.state[name].shape == tensor.shape
+        assert torch.equal(got.kv.state[name].view(torch.uint8), tensor.view(torch.uint8))
     no_kv = PrefilledRequest("r2", (1,), 3, None, None, None, "k")
     assert read_handoff(io.BytesIO(_wire(no_kv)).read).kv is None
 
@@ -52,7 +53,7 @@ def test_a_cut_stream_says_where(cut_at: int) -> None:
 def test_bad_frames_are_refused() -> None:
     with pytest.raises(ValueError, match="claims 18446744073709551615 bytes"):
         read_handoff(io.BytesIO(b"\xff" * 8).read)
-    header = b'{"tensors": [["block", "x", "torch.complex64", [1]]]}'
+    header = b'{"tensors": [["blocks", "x", "torch.complex64", [1]]]}'
     with pytest.raises(ValueError, match="dtype 'torch.complex64'"):
         read_handoff(io.BytesIO(len(header).to_bytes(8, "big") + header).read)
 

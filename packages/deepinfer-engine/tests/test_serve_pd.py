@@ -209,7 +209,7 @@ def test_a_transfer_cut_mid_way_fails_the_order() -> None:
     listener.listen(4)
     url = f"http://127.0.0.1:{listener.getsockname()[1]}"
 
-    header = json.dumps({"tensors": [["block", "s", "torch.uint8", [10]]]}).encode()
+    header = json.dumps({"tensors": [["blocks", "blocks", "torch.uint8", [10]]]}).encode()
     cut = struct.pack(">Q", len(header)) + header + struct.pack(">Q", 10) + b"abc"     # 3 of the tensor's 10 bytes
 
     def serve() -> None:

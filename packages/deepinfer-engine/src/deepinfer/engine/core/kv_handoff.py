@@ -33,6 +33,7 @@ from deepinfer.model import ModelCache
 
 from ..config.engine_args import EngineArgs
 from ..sampling.sampling_params import SamplingParams
+from .cache_copies import block_bytes, gather_blocks, scatter_blocks
 from .stats import TransferStats
 
 
@@ -56,18 +57,19 @@ class KVPayload:
     """A sequence's KV blocks and state slot in host memory.
 
     Attributes:
-        blocks: by paged stream name (streams that share another's rows are left out), [num_blocks,
-            rows_per_block, row_dim] of the stream's dtype: the blocks of positions [0, num_prompt_tokens).
+        blocks: [num_blocks, block_bytes] uint8, the blocks of positions [0, num_prompt_tokens) as
+            `cache_copies.gather_blocks` lays them out (each block's rows of every paged stream).
         state: by state region name, [*region shape] of its dtype: the whole slot (stored and dropped
-            regions: the compressors' open windows, Engram's look-back and the draft rings are state too).
+            regions: the compressors' open windows, Engram's look-back and the draft rings are state
+            too; a prompt's end is no block boundary, so a prefix-cache snapshot would not do).
     """
 
-    blocks: Mapping[str, Tensor]
+    blocks: Tensor
     state: Mapping[str, Tensor]
 
     @property
     def num_bytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (*self.blocks.values(), *self.state.values()))
+        return self.blocks.numel() + sum(t.numel() * t.element_size() for t in self.state.values())
 
 
 @dataclass(frozen=True, slots=True, eq=False)
@@ -188,22 +190,11 @@ def model_fingerprint(args: EngineArgs, model_dir: Path, cache: ModelCache, max_
     return ModelFingerprint("the embedded model" if args.model is None else str(args.model), key)
 
 
-def _distinct_streams(cache: ModelCache) -> dict[str, Tensor]:
-    """The paged streams that own their rows (a stream sharing an earlier one's rows is left out)."""
-    seen: set[int] = set()
-    streams: dict[str, Tensor] = {}
-    for name, view in cache.paged.items():
-        if view.data_ptr() not in seen:
-            seen.add(view.data_ptr())
-            streams[name] = view
-    return streams
-
-
 def export_kv(cache: ModelCache, block_ids: Sequence[int], state_slot: int, *, with_state: bool = True) -> KVPayload:
     """Copy a sequence's blocks ([k] block ids) and (with_state) its state slot into host memory."""
     ids = torch.as_tensor(np.asarray(block_ids, dtype=np.int64), device=_device(cache))
-    blocks = {name: view.index_select(0, ids).cpu() for name, view in _distinct_streams(cache).items()}
     state = {name: view[state_slot].cpu() for name, view in cache.state.items()} if with_state else {}
+    blocks = gather_blocks(cache, ids).cpu() if cache.paged else torch.zeros((len(ids), 0), dtype=torch.uint8)
     return KVPayload(blocks, state)
 
 
@@ -211,17 +202,19 @@ def import_kv(cache: ModelCache, block_ids: np.ndarray, state_slot: int, payload
     """Write a `KVPayload` into fresh blocks ([k] int block ids, in order) and a state slot.
 
     Raises:
-        ValueError: the payload does not fit this cache (a stream or region missing or extra, another
-            shape or dtype); nothing is written then.
+        ValueError: the payload does not fit this cache (another block count or size, a state region
+            missing or extra, another shape or dtype); nothing is written then.
     """
-    streams = _distinct_streams(cache)
-    _check_fits("stream", {n: (len(block_ids), *v.shape[1:], v.dtype) for n, v in streams.items()},
-                {n: (*t.shape, t.dtype) for n, t in payload.blocks.items()})
-    _check_fits("state region", {n: (*v.shape[1:], v.dtype) for n, v in cache.state.items()},
+    wanted = (len(block_ids), block_bytes(cache) if cache.paged else 0)
+    if tuple(payload.blocks.shape) != wanted or payload.blocks.dtype != torch.uint8:
+        raise ValueError(f"the transferred KV blocks are {tuple(payload.blocks.shape)} {payload.blocks.dtype}, this "
+                         f"engine expects {wanted} torch.uint8")
+    _check_fits({n: (*v.shape[1:], v.dtype) for n, v in cache.state.items()},
                 {n: (*t.shape, t.dtype) for n, t in payload.state.items()})
-    ids = torch.as_tensor(np.asarray(block_ids, dtype=np.int64), device=_device(cache))
-    for name, view in streams.items():
-        view.index_copy_(0, ids, payload.blocks[name].to(view.device))
+    device = _device(cache)
+    if cache.paged:                  # a model of sliding-window layers only keeps no paged KV
+        scatter_blocks(cache, torch.as_tensor(np.asarray(block_ids, dtype=np.int64), device=device),
+                       payload.blocks.to(device))
     for name, view in cache.state.items():
         view[state_slot].copy_(payload.state[name])
 
@@ -230,12 +223,12 @@ def _device(cache: ModelCache) -> torch.device:
     return next(iter((*cache.paged.values(), *cache.state.values()))).device
 
 
-def _check_fits(what: str, wanted: Mapping[str, tuple], given: Mapping[str, tuple]) -> None:
+def _check_fits(wanted: Mapping[str, tuple], given: Mapping[str, tuple]) -> None:
     if wanted.keys() != given.keys():
-        raise ValueError(f"the transferred KV has {what}s {sorted(given)}, this engine {sorted(wanted)}")
+        raise ValueError(f"the transferred KV has state regions {sorted(given)}, this engine {sorted(wanted)}")
     for name, shape in wanted.items():
         if given[name] != shape:
-            raise ValueError(f"the transferred {what} {name!r} is {given[name]}, this engine expects {shape}")
+            raise ValueError(f"the transferred state region {name!r} is {given[name]}, this engine expects {shape}")
 
 
 @dataclass(slots=True)

@@ -30,7 +30,7 @@ def frame(payload: bytes | memoryview) -> list[bytes | memoryview]:
 
 def handoff_frames(handoff: PrefilledRequest) -> Iterator[bytes | memoryview]:
     """The buffers of a handoff's frames, in order (header, then each tensor's bytes)."""
-    tensors = [] if handoff.kv is None else [("block", n, t) for n, t in handoff.kv.blocks.items()] + \
+    tensors = [] if handoff.kv is None else [("blocks", "blocks", handoff.kv.blocks)] + \
         [("state", n, t) for n, t in handoff.kv.state.items()]
     header = {
         "request_id": handoff.request_id, "prompt_token_ids": list(handoff.prompt_token_ids),
@@ -54,21 +54,26 @@ def read_handoff(read: Callable[[int], bytes]) -> PrefilledRequest:
     header = json.loads(_read_frame(read, MAX_HEADER_BYTES, "header"))
     if not isinstance(header, dict) or not isinstance(header.get("tensors"), list):
         raise ValueError("the handoff header is not a JSON object with a 'tensors' list")
-    blocks: dict[str, torch.Tensor] = {}
+    blocks: torch.Tensor | None = None
     state: dict[str, torch.Tensor] = {}
     for kind, name, dtype_name, shape in header["tensors"]:
         dtype = _DTYPES.get(dtype_name)
-        if dtype is None or kind not in ("block", "state"):
+        if dtype is None or kind not in ("blocks", "state"):
             raise ValueError(f"the handoff tensor {name!r} has kind {kind!r} and dtype {dtype_name!r}")
         data = bytearray(_read_frame(read, MAX_TENSOR_BYTES, f"tensor {name!r}"))
         tensor = torch.frombuffer(data, dtype=torch.uint8) if data else torch.empty(0, dtype=torch.uint8)
-        (blocks if kind == "block" else state)[name] = tensor.view(dtype).reshape(shape)
+        if kind == "blocks":
+            blocks = tensor.view(dtype).reshape(shape)
+        else:
+            state[name] = tensor.view(dtype).reshape(shape)
+    if header["has_kv"] and blocks is None:
+        raise ValueError("the handoff has KV but no 'blocks' tensor")
     logprobs = header["first_logprobs"]
     return PrefilledRequest(
         str(header["request_id"]), tuple(int(t) for t in header["prompt_token_ids"]), int(header["first_token_id"]),
         None if logprobs is None else {int(t): float(lp) for t, lp in logprobs},
         None if header["first_rank"] is None else int(header["first_rank"]),
-        KVPayload(blocks, state) if header["has_kv"] else None, str(header["fingerprint_key"]),
+        KVPayload(blocks, state) if blocks is not None else None, str(header["fingerprint_key"]),
     )
 
 
