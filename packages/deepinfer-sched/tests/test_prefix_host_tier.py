@@ -61,6 +61,19 @@ def test_evicted_blocks_spill_to_host_and_a_hit_loads_them_back(make_sched) -> N
     sched.check_integrity()
 
 
+def test_a_hits_host_entries_are_not_overwritten_by_the_spills_of_its_own_step(make_sched) -> None:
+    sched = make_sched(enable_prefix_caching=True, num_blocks=5, host=(2, 2))
+    prefilled(sched, "a", A)
+    prefilled(sched, "x", [1] * 5)
+    assert prefilled(sched, "y", [2] * 9)[0].spill_blocks.tolist() == [[2, 1], [1, 2]]   # the host is full
+    sched.add_seq("b", A[:8] + [1, 2, 3], 4)
+    out = run_prefill(sched)                               # loads host 2 and 1 while evicting two blocks:
+    assert out.load_blocks.tolist() == [[2, 4], [1, 3]]    # no host entry is free for them, the loads'
+    assert not len(out.spill_blocks)                       # entries are held: those evictions are dropped
+    assert sched.prefix_cache_stats.num_host_blocks == 2
+    sched.check_integrity()                                # (the holds end with the step)
+
+
 def test_an_evicted_snapshot_is_restored_from_host_memory(make_sched) -> None:
     sched = make_sched(enable_prefix_caching=True, num_snapshots=1, host=(4, 2))
     prefilled(sched, "a", A)                               # snapshot slot 1 holds a's state at 8
