@@ -168,8 +168,8 @@ def test_completion_engine_takes_no_fresh_requests(tiny) -> None:
     from deepinfer.engine import EngineType
 
     engine = LLMEngine(EngineArgs(model=str(tiny[1]), engine_type=EngineType.COMPLETION))
-    with pytest.raises(ValueError, match="COMPLETION engine only decodes requests prefilled"):
-        engine.add_request(None, [3, 4, 5])
+    with pytest.raises(ValueError, match="COMPLETION engine takes requests only with a prefill peer"):
+        engine.add_request(None, [3, 4, 5])      # no KVTransfer that prefills: docs/design.md §15
 
 
 @pytest.mark.parametrize("expert_dtype", ["fp8", "fp4"])

@@ -183,6 +183,13 @@ def test_dataclass_flags_need_a_description_per_field() -> None:
          "argument --json-schema: cannot read '/nonexistent/schema.json': No such file or directory"),
         (["generate", "x", "--choice", ""], "argument --choice: structured.choice[0]='' must be a non-empty str"),
         (["generate"], "the following arguments are required: prompts"),
+        (["serve", "--pd-prefill-url", "http://h:1"], "argument --pd-prefill-url: only with --pd-role decode"),
+        (["serve", "--pd-role", "decode"], "argument --pd-prefill-url: needed with --pd-role decode, and only there"),
+        (["serve", "--pd-role", "prefill", "--engine-type", "COMPLETION"],
+         "argument --engine-type: COMPLETION does not go with --pd-role prefill (PROMPT)"),
+        (["serve", "--pd-role", "prefill", "--data-parallel-size", "2"],
+         "argument --data-parallel-size: a prefill/decode pair runs one rank a side (not supported yet)"),
+        (["serve", "--pd-role", "both"], "argument --pd-role: invalid choice: 'both'"),
         ([], "the following arguments are required: command"),
     ],
 )

@@ -20,6 +20,7 @@ import uvicorn
 from serve_helpers import start_uvicorn
 
 from deepinfer.engine import EngineArgs, RequestOutput
+from deepinfer.engine.core.kv_handoff import NullKVTransfer
 from deepinfer.engine.core.outputs import CompletionOutput
 from deepinfer.engine.frontends.async_front import EngineClient
 from deepinfer.engine.frontends.async_llm import AsyncLLM
@@ -263,6 +264,7 @@ class _HeldEngine:
         self.kv_blocks = SimpleNamespace(num_free=9, num_blocks=10)
         self.tokenizer, self.model_dir, self.max_model_len = None, ".", 64
         self.args = SimpleNamespace(model=".")
+        self.kv_transfer = NullKVTransfer()
 
     def add_request(self, request_id: str, prompt: object, params: object) -> None:
         self.requests.append(request_id)

@@ -22,6 +22,7 @@ from serve_helpers import (
 
 from deepinfer.engine import EngineArgs, LLMEngine, SamplingParams
 from deepinfer.engine.cli import main
+from deepinfer.engine.core.kv_handoff import NullKVTransfer
 from deepinfer.engine.frontends.async_llm import AsyncLLM, EngineQueueFull, EngineStopped
 from deepinfer.sched import PrefixCacheStats
 
@@ -63,6 +64,7 @@ class _CountingEngine:
         self.num_polls = 0
         self.scheduler = type("S", (), {"num_running": 0, "prefix_cache_stats": PrefixCacheStats()})()
         self.kv_blocks = type("K", (), {"num_free": 1, "num_blocks": 2})()
+        self.kv_transfer = NullKVTransfer()
 
     def has_unfinished_requests(self) -> bool:
         self.num_polls += 1

@@ -278,6 +278,7 @@ def _bench(ns: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
 def _serve(ns: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     engine_kwargs = dataclass_kwargs(ns, EngineArgs)
     model_name = _vllm_flags(ns, parser, engine_kwargs)
+    _pd_flags(ns, parser, engine_kwargs)
     if engine_kwargs.get("engine_type", EngineType.NORMAL) is not EngineType.COMPLETION:
         engine_kwargs.setdefault("stop_preempted_request", False)     # as LLM: every request gets its output
     _, args = _engine_args(ns, parser, allow_data_parallel=True, kwargs=engine_kwargs)
@@ -292,7 +293,9 @@ def _serve(ns: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
                                reasoning_parser=ns.reasoning_parser, enable_log_requests=ns.enable_log_requests)
     except ValueError as error:
         parser.error(str(error))
-    if args.data_parallel_size > 1:
+    if ns.pd_role is not None:
+        failure = _serve_pd(ns.pd_role, ns.pd_prefill_url, args, options, ns.engine_in_thread)
+    elif args.data_parallel_size > 1:
         if ns.engine_in_thread:
             parser.error("argument --engine-in-thread: not with --data-parallel-size > 1 (each rank is a process)")
         failure = serve_client(_start_ranks(args, options.max_num_waiting), options)
@@ -307,6 +310,50 @@ def _serve(ns: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     else:
         print(f"deepinfer serve: stopped; the engine had failed: {_one_line(failure)}", file=sys.stderr)
     return 0
+
+
+def _pd_flags(ns: argparse.Namespace, parser: argparse.ArgumentParser, engine_kwargs: dict[str, Any]) -> None:
+    """--pd-role / --pd-prefill-url: the engine type of the role, or usage errors naming the flag."""
+    if ns.pd_role is None:
+        if ns.pd_prefill_url is not None:
+            parser.error("argument --pd-prefill-url: only with --pd-role decode")
+        return
+    wanted = EngineType.PROMPT if ns.pd_role == "prefill" else EngineType.COMPLETION
+    given = engine_kwargs.get("engine_type", wanted)
+    if given is not wanted:
+        parser.error(f"argument --engine-type: {given.name} does not go with --pd-role {ns.pd_role} ({wanted.name})")
+    if (ns.pd_role == "decode") != (ns.pd_prefill_url is not None):
+        parser.error("argument --pd-prefill-url: needed with --pd-role decode, and only there")
+    if engine_kwargs.get("data_parallel_size", 1) != 1:
+        parser.error("argument --data-parallel-size: a prefill/decode pair runs one rank a side (not supported yet)")
+    engine_kwargs["engine_type"] = wanted
+
+
+def _serve_pd(role: str, prefill_url: str | None, args: EngineArgs, options: Any, in_thread: bool) -> str | None:
+    """Serve one side of a prefill/decode pair (docs/design.md §15); returns as `serve_client`."""
+    from functools import partial
+
+    from .disagg import HttpPrefillClient, PrefillExports
+    from .llm_engine import LLMEngine
+    from .serve import run_server, serve_client
+    from .serve.pd_routes import add_pd_routes
+
+    if role == "prefill":         # the engine in a thread: a handoff goes on the wire from this process
+        from .frontends.async_llm import AsyncLLM
+
+        exports = PrefillExports()
+        engine = _build(lambda: LLMEngine(args, kv_transfer=exports), args)
+        llm = AsyncLLM(engine, max_num_waiting=options.max_num_waiting)
+        return serve_client(llm, options, extra_routes=lambda app: add_pd_routes(app, llm, exports))
+    assert prefill_url is not None
+    try:
+        HttpPrefillClient(prefill_url)            # the URL's form, checked before the engine loads
+    except ValueError as error:
+        raise _CommandError(f"argument --pd-prefill-url: {error}") from None
+    if in_thread:
+        return run_server(_build(lambda: LLMEngine(args, kv_transfer=HttpPrefillClient(prefill_url)), args), options)
+    factory = partial(HttpPrefillClient, prefill_url)
+    return serve_client(_start_engine_process(args, options.max_num_waiting, factory), options)
 
 
 def _vllm_flags(ns: argparse.Namespace, parser: argparse.ArgumentParser, engine_kwargs: dict[str, Any]) -> str | None:
@@ -347,14 +394,14 @@ def _same_model(tokenizer: str, model: str | None) -> bool:
                                   and Path(tokenizer).resolve() == Path(model).resolve())
 
 
-def _start_engine_process(args: EngineArgs, max_num_waiting: int) -> Any:
+def _start_engine_process(args: EngineArgs, max_num_waiting: int, kv_transfer_factory: Any = None) -> Any:
     """The engine process of `deepinfer serve`, started, with its load line; an engine that cannot be
     built becomes _CommandError."""
     from .frontends.async_process import AsyncLLMProcess, EngineStartFailed
 
     _check_device(args)
     try:
-        llm = AsyncLLMProcess(args, max_num_waiting=max_num_waiting)
+        llm = AsyncLLMProcess(args, max_num_waiting=max_num_waiting, kv_transfer_factory=kv_transfer_factory)
     except (EngineStartFailed, *LOAD_ERRORS) as error:
         raise _CommandError(_one_line(error)) from None
     ready = llm.ready

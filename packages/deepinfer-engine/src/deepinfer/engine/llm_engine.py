@@ -32,7 +32,7 @@ import itertools
 import logging
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -63,8 +63,10 @@ from deepinfer.spec import cuda_graph_key
 from .config.engine_args import EngineArgs, InvalidEngineArgs
 from .config.env import EngineEnv, read_env
 from .core.intake import RequestIntake
+from .core.kv_handoff import KVTransfer, NullKVTransfer
 from .core.model_runner import ModelRunner, default_block_size, snapshot_bytes, state_slot_bytes
 from .core.outputs import OutputKind, RequestOutput
+from .core.pd_hooks import PrefillDecodeHooks
 from .core.plain_step import PlainStep
 from .core.prefix_caching import num_prefix_snapshots, prefix_cache_key, record_cached_tokens
 from .core.request import ParallelRequest, Request
@@ -142,9 +144,10 @@ def _check_v41_options(cfg: object, args: EngineArgs) -> None:
                                 "yoco_prefill_truncation_mode")
 
 
-class LLMEngine(RequestIntake):
+class LLMEngine(RequestIntake, PrefillDecodeHooks):
     """The engine of one DP rank: request intake (`add_request`, `prepare_request`, `enqueue`,
-    `abort_request`) comes from `RequestIntake` (intake.py), the step loop is here.
+    `abort_request`) comes from `RequestIntake` (intake.py), the prefill/decode disaggregation hooks
+    from `PrefillDecodeHooks` (pd_hooks.py), the step loop is here.
 
     Args:
         args: validated EngineArgs.
@@ -155,15 +158,21 @@ class LLMEngine(RequestIntake):
             other models whole; the exchange is attached (`apply_expert_parallel`, decode steps
             sized for max_num_seqs tokens per rank) before the decode CUDA graphs are captured, so
             they capture the fixed-capacity EP decode step.
+        kv_transfer: how prefilled requests travel (docs/design.md §15): a PROMPT engine sends each
+            prefilled request through it, a COMPLETION engine orders prefills and takes them from it
+            (`deepinfer.engine.disagg` has the transports); None = `NullKVTransfer` (a COMPLETION
+            engine then takes no request).
 
     Raises:
         InvalidEngineArgs: unknown model folder or inconsistent arguments.
+        ValueError / ConnectionError: `kv_transfer.connect` refused the peer (another model) or could
+            not reach it.
         ConfigError / WeightError: the model folder's config or weights are unusable.
     """
 
     def __init__(self, args: EngineArgs, *, env: EngineEnv | None = None,
                  vote_group: StepVoteGroup | None = None,
-                 expert_parallel: ExpertParallelSetup | None = None) -> None:
+                 expert_parallel: ExpertParallelSetup | None = None, kv_transfer: KVTransfer | None = None) -> None:
         self.args = args = args.resolved()       # "auto" device / dtype, cache budget, HF repo id
         if args.data_parallel_size > 1:
             raise InvalidEngineArgs("LLMEngine runs one rank; data_parallel_size > 1 runs through LLM(...) "
@@ -207,6 +216,7 @@ class LLMEngine(RequestIntake):
         self.zos = args.zos            # speculative steps too, CUDA included (test_spec_graphs_gpu.py decides)
         self._in_flight = InFlightQueue(depth=1 if self.zos else 0)    # launched steps not committed yet
         self.last_step_kind: StepKind | None = None      # the kind of step the last step() scheduled
+        self.kv_transfer: KVTransfer = NullKVTransfer() if kv_transfer is None else kv_transfer
         self.init_pd_split()
 
     def _load_model(self, cfg: DeepseekV4Config, ep: ExpertParallelSetup | None) -> DSparkDraft | None:
@@ -355,6 +365,7 @@ class LLMEngine(RequestIntake):
         with self._lock, self._not_reentered():
             self._wait_for_grammars_when_idle()
             changed: Changed = {}
+            self.take_transfers(changed)
             out = self._schedule(changed)
             if out is not None:
                 self._take_scheduler_news(out, changed)
@@ -479,33 +490,10 @@ class LLMEngine(RequestIntake):
         logger.exception("scheduling failed; every scheduled request finishes with reason 'error'")
         self._in_flight.clear()
         for request_id, req in list(self._requests.items()):
-            if request_id not in self._awaiting_grammar and not req.finished:
+            if request_id not in self._awaiting_grammar and not self._pd.holds(request_id) and not req.finished:
                 req.fail(f"engine fault: {type(err).__name__}: {err}")
                 changed[request_id] = req
         self.scheduler = self._new_scheduler()
-
-    # ------------------------------------------------------------------ disaggregation hooks
-    # No-ops in NORMAL engines. A prefill/decode-disaggregated deployment overrides them
-    # (docs/design.md §3.5): PROMPT engines save KV after prefill, COMPLETION engines load it.
-
-    def init_pd_split(self) -> None:
-        """Set up the prefill/decode transfer channels (no-op)."""
-
-    def do_save_kvcache(self, seq_ids: Sequence[str]) -> None:
-        """Save finished sequences' KV and the stored state region to a KV store (no-op)."""
-
-    def pe_prepare_save_kvcache(self, seq_ids: Sequence[str]) -> None:
-        """PROMPT engine: stage KV of just-prefilled sequences for saving (no-op)."""
-
-    def pe_do_save_kvcache(self, seq_ids: Sequence[str]) -> None:
-        """PROMPT engine: write staged KV out (no-op)."""
-
-    def send_processed_prompts(self, out: SchedulerOutput) -> None:
-        """PROMPT engine: hand prefilled sequences to a COMPLETION engine (no-op)."""
-
-    def should_copy_state(self, seq_id: str) -> bool:
-        """Whether a sequence's state slot must be copied with its KV (False: nothing to copy)."""
-        return False
 
 
 __all__ = ["ConfigError", "LLMEngine", "WeightError", "resolve_model_dir"]

@@ -12,7 +12,7 @@ import itertools
 import threading
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from deepinfer.model import CausalLM
 from deepinfer.sched import EngineType, Scheduler, canonical_id
@@ -25,6 +25,7 @@ from ..sampling.sampling_params import InvalidSamplingParams, SamplingParams
 from ..sampling.sampling_stage import SamplingStage
 from ..text.text_checks import check_unicode
 from ..text.tokenizer import Tokenizer, require_tokenizer
+from .kv_handoff import KVTransfer
 from .outputs import OutputKind
 from .request import ParallelRequest, Request
 
@@ -60,7 +61,12 @@ class RequestIntake:
     _seqs: dict[str, Request]
     _awaiting_grammar: dict[str, Request | ParallelRequest]
     _finished_between_steps: list[Request | ParallelRequest]
+    kv_transfer: KVTransfer
 
+    if TYPE_CHECKING:      # `pd_hooks.PrefillDecodeHooks`, the other base of `LLMEngine`
+        def order_prefill(self, req: Request) -> None: ...
+
+        def cancel_prefill(self, request_id: str) -> None: ...
 
     def add_request(self, request_id: str | None, prompt: PromptInput | Sequence[int],
                     params: SamplingParams | None = None, *,
@@ -76,8 +82,9 @@ class RequestIntake:
                 every step what is new, or only the final one).
         Raises:
             ValueError: a bad or duplicate id, text without a tokenizer, token ids outside the
-                vocabulary, or a COMPLETION engine (it only takes requests handed over by a PROMPT
-                engine). InvalidSamplingParams (a ValueError): params.max_tokens above what the
+                vocabulary; for a COMPLETION engine, one without a prefill peer (its `KVTransfer`), or a
+                request it cannot hand over (structured output, prompt logprobs, n > 1).
+                InvalidSamplingParams (a ValueError): params.max_tokens above what the
                 prompt leaves of max_model_len. A refused request leaves nothing behind.
             StructuredOutputUnavailable: params.structured without xgrammar, a tokenizer or an EOS id.
             An empty prompt or one longer than max_model_len is not an error: the request finishes
@@ -95,12 +102,11 @@ class RequestIntake:
 
         Raises: as `add_request`; nothing is registered either way.
         """
-        if self.args.engine_type is EngineType.COMPLETION:
-            raise ValueError("a COMPLETION engine only decodes requests prefilled by a PROMPT engine; the KV "
-                             "transfer that hands them over is not implemented, so it takes no add_request")
         params = params or SamplingParams()
         if not isinstance(params, SamplingParams):
             raise TypeError(f"params must be SamplingParams, got {type(params).__name__}")
+        if self.args.engine_type is EngineType.COMPLETION:
+            _check_prefillable(params, self.kv_transfer.prefills)
         with self._lock:
             request_id = str(next(self._ids)) if request_id is None else _checked_request_id(request_id)
             self._check_ids_free(request_id, params.n)
@@ -162,6 +168,8 @@ class RequestIntake:
                 if req.params.structured is not None:
                     self._awaiting_grammar[req.request_id] = req
                     self._grammar_pool().submit(req.request_id, req.params.structured)
+                elif self.args.engine_type is EngineType.COMPLETION:
+                    self.order_prefill(req.samples[0])       # admitted once its KV arrives (pd_hooks.py)
                 else:
                     # sample 0's token list is the sequence's history (kept once: `Request`)
                     self.scheduler.add_seq(req.request_id, req.samples[0].token_ids, req.max_tokens,
@@ -245,6 +253,7 @@ class RequestIntake:
             req = self._requests.get(request_id)
             if req is None or req.finished:
                 return
+            self.cancel_prefill(request_id)
             if self._awaiting_grammar.pop(request_id, None) is None:
                 for sample in req.samples:
                     if not sample.finished:
@@ -260,6 +269,18 @@ class RequestIntake:
             self.scheduler.abort_seq(seq_id)
         except KeyError:
             pass
+
+
+def _check_prefillable(params: SamplingParams, prefills: bool) -> None:
+    """What a COMPLETION engine refuses: everything without a prefill peer, and the requests a
+    handoff does not carry yet (docs/design.md §15)."""
+    if not prefills:
+        raise ValueError("a COMPLETION engine takes requests only with a prefill peer (LLMEngine(kv_transfer=...), "
+                         "`deepinfer serve --pd-role decode --pd-prefill-url URL`)")
+    for name, value in (("structured", params.structured), ("prompt_logprobs", params.prompt_logprobs)):
+        if value is not None:
+            raise InvalidSamplingParams(f"{name} is not supported yet with prefill/decode disaggregation (the "
+                                        "handoff does not carry a grammar state or prompt logprobs)")
 
 
 def _check_room(params: SamplingParams, prompt_len: int, max_model_len: int) -> None:

@@ -20,7 +20,7 @@ tokens are appended (`_fork`).
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from itertools import compress
 from typing import Protocol
@@ -39,9 +39,12 @@ from ..sampling.sampler import logprobs_of
 from ..sampling.sampling_stage import InFlightSampling, SampledStep, SamplingStage, StepRows
 from .decode_rows import SteadyRows
 from .model_runner import ModelRunner, StepBatch
-from .outputs import FINISH_PREFILLED
+from .outputs import FINISH_LENGTH, FINISH_PREFILLED, FINISH_STOP
 from .request import Request
 from .steps import Changed, Launched
+
+# A PROMPT engine's request that took its first token: handed on (those that ended at it too, with no KV)
+_HANDED_OVER = (FINISH_PREFILLED, FINISH_STOP, FINISH_LENGTH)
 
 
 class StepHost(Protocol):
@@ -57,9 +60,9 @@ class StepHost(Protocol):
 
     def _seq(self, seq_id: str) -> Request | None: ...
 
-    def pe_prepare_save_kvcache(self, seq_ids: list[str]) -> None: ...
+    def pe_prepare_save_kvcache(self, seq_ids: Sequence[str]) -> None: ...
 
-    def pe_do_save_kvcache(self, seq_ids: list[str]) -> None: ...
+    def pe_do_save_kvcache(self, seq_ids: Sequence[str]) -> None: ...
 
     def send_processed_prompts(self, out: SchedulerOutput) -> None: ...
 
@@ -253,21 +256,24 @@ class PlainStep:
         for req in handle.reqs:
             if req.unforked and not req.finished:
                 self._fork(req)
+        handed: list[str] = []
         self._post_process_rows(handle, sampled, range(len(handle.reqs)), changed, continuing_ids,
-                                continuing_tokens)
+                                continuing_tokens, handed)
         self._record_tokens(handle.out.kind, continuing_ids, continuing_tokens)
-        if self._host.args.engine_type is EngineType.PROMPT:     # only a PROMPT engine hands over
-            self._hand_over(handle.out, changed)
-
-    def _hand_over(self, out: SchedulerOutput, changed: Changed) -> None:
-        """A PROMPT engine: save and send the requests this step prefilled (`LLMEngine`'s hooks)."""
-        handed = [r.request_id for r in changed.values()
-                  if isinstance(r, Request) and r.finish_reason == FINISH_PREFILLED]
         if handed:
-            host = self._host
-            host.pe_prepare_save_kvcache(handed)
-            host.pe_do_save_kvcache(handed)
-            host.send_processed_prompts(out)
+            self._hand_over(handle.out, handed)
+
+    def _hand_over(self, out: SchedulerOutput, seq_ids: list[str]) -> None:
+        """A PROMPT engine: copy out the KV and state of the sequences this step prefilled while the
+        scheduler still holds them, finish them there, and send them on (`LLMEngine`'s hooks)."""
+        host = self._host
+        host.pe_prepare_save_kvcache(seq_ids)
+        for seq_id in seq_ids:
+            req = host._seq(seq_id)
+            reason = None if req is None else req.finish_reason
+            host.scheduler.finish_seq(seq_id, FINISH_PREFILLED if reason is None else reason)
+        host.pe_do_save_kvcache(seq_ids)
+        host.send_processed_prompts(out)
 
     def _post_process_steady(self, handle: PlainLaunched, sampled: SampledStep, token_array: np.ndarray,
                              seq_ids: tuple[str, ...], changed: Changed, steady: SteadyRows,
@@ -293,9 +299,12 @@ class PlainStep:
         self._record_tokens(StepKind.DECODE, kept_ids, kept_tokens.tolist())
 
     def _post_process_rows(self, handle: PlainLaunched, sampled: SampledStep, rows: Iterable[int],
-                           changed: Changed, continuing_ids: list[str], continuing_tokens: list[int]) -> None:
+                           changed: Changed, continuing_ids: list[str], continuing_tokens: list[int],
+                           handed: list[str] | None = None) -> None:
         """Take the sampled tokens of these rows (ascending) one by one: stop checks, finishing, and the
-        ids and tokens of the rows that go on (appended to continuing_ids / continuing_tokens)."""
+        ids and tokens of the rows that go on (appended to continuing_ids / continuing_tokens). A PROMPT
+        engine's rows that took their first token (`handed`, a prefill step's) are finished in the
+        scheduler by `_hand_over`, once their KV is copied out."""
         host = self._host
         prompt_engine = host.args.engine_type is EngineType.PROMPT
         errors, ranks = sampled.errors, sampled.ranks
@@ -317,6 +326,9 @@ class PlainStep:
             if preempted and seq_id in handle.preempted:
                 req.preempt()       # the scheduler has already freed it
                 changed[req.request_id] = req.owner
+            elif handed is not None and prompt_engine and req.finish_reason in _HANDED_OVER:
+                changed[req.request_id] = req.owner
+                handed.append(seq_id)
             elif req.finish_reason is not None:
                 changed[req.request_id] = req.owner
                 host.scheduler.finish_seq(seq_id, req.finish_reason)

@@ -40,6 +40,7 @@ class EngineStats:
         num_free_kv_blocks: free paged KV blocks (block 0, reserved, not counted).
         num_kv_blocks: usable paged KV blocks (block 0 excluded).
         host_cache: the prefix cache's host tier (all 0 without one).
+        kv_transfer: a prefill/decode pair's KV handed over so far; None for a NORMAL engine.
     """
 
     num_running: int
@@ -47,6 +48,7 @@ class EngineStats:
     num_free_kv_blocks: int
     num_kv_blocks: int
     host_cache: HostCacheStats = HostCacheStats()
+    kv_transfer: TransferStats | None = None
 
     @property
     def kv_cache_usage(self) -> float:
@@ -91,3 +93,19 @@ class ParallelStats:
     num_requests: tuple[int, ...]
     eplb: bool
     rebalances: tuple[RebalanceStats, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class TransferStats:
+    """KV handed over between the engines of a prefill/decode pair so far (`kv_handoff.KVTransfer`).
+
+    Attributes:
+        num_transfers: requests whose KV was sent (prefill side) or received (decode side).
+        num_bytes: their KV and state bytes (framing and metadata not counted).
+        seconds: wall time spent moving them (the prefill side: writing them out; the decode side:
+            from the prefill request until the last byte arrived, prefill included).
+    """
+
+    num_transfers: int = 0
+    num_bytes: int = 0
+    seconds: float = 0.0

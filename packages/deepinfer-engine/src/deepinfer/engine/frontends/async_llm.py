@@ -44,6 +44,7 @@ from .async_front import (
     deliver,
 )
 from .core_loop import run_loop
+from .engine_process import transfer_stats
 
 logger = logging.getLogger(__name__)
 
@@ -174,7 +175,7 @@ class AsyncLLM(StreamingFront):
         num_running = engine.scheduler.num_running
         kv = engine.kv_blocks
         return EngineStats(num_running, max(0, len(self._streams) - num_running), kv.num_free, kv.num_blocks - 1,
-                           host_cache_stats(engine.scheduler.prefix_cache_stats))
+                           host_cache_stats(engine.scheduler.prefix_cache_stats), transfer_stats(engine))
 
 
 class _ThreadTransport:

@@ -29,10 +29,11 @@ import asyncio
 import logging
 import multiprocessing as mp
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from ..config.engine_args import EngineArgs
 from ..core.intake import PromptInput
+from ..core.kv_handoff import KVTransfer
 from ..core.outputs import RequestOutput, running_output
 from ..sampling.sampling_params import SamplingParams
 from ..text.tokenizer import load_tokenizer
@@ -72,6 +73,8 @@ class AsyncLLMProcess(ProcessFront):
         args: the engine arguments (data_parallel_size 1; `parallel.DPAsyncLLM` runs more ranks).
         max_num_waiting: most requests accepted but not yet running; one more raises
             `EngineQueueFull` from `generate`.
+        kv_transfer_factory: a picklable callable the engine process calls for its engine's
+            `KVTransfer` (a decode server's: `functools.partial(disagg.HttpPrefillClient, url)`).
 
     Raises:
         ValueError: data_parallel_size > 1 or a bad max_num_waiting.
@@ -79,7 +82,8 @@ class AsyncLLMProcess(ProcessFront):
             has exited.
     """
 
-    def __init__(self, args: EngineArgs, *, max_num_waiting: int = DEFAULT_MAX_NUM_WAITING) -> None:
+    def __init__(self, args: EngineArgs, *, max_num_waiting: int = DEFAULT_MAX_NUM_WAITING,
+                 kv_transfer_factory: Callable[[], KVTransfer] | None = None) -> None:
         if isinstance(max_num_waiting, bool) or not isinstance(max_num_waiting, int) or max_num_waiting < 1:
             raise ValueError(f"max_num_waiting={max_num_waiting!r} must be an int >= 1")
         if args.data_parallel_size != 1:
@@ -98,7 +102,7 @@ class AsyncLLMProcess(ProcessFront):
         from_engine, engine_out = ctx.Pipe(duplex=False)
         engine_in, to_engine = ctx.Pipe(duplex=False)
         self._proc = ctx.Process(target=engine_process_main, name="deepinfer-engine", daemon=True,
-                                 args=(args, engine_in, engine_out))
+                                 args=(args, engine_in, engine_out, kv_transfer_factory))
         self._proc.start()
         engine_in.close()           # the child's ends: closed here, so that its death reads as EOF
         engine_out.close()
@@ -123,7 +127,7 @@ class AsyncLLMProcess(ProcessFront):
         """The engine after its latest reported step; waiting = submitted, unfinished and not running."""
         load = self._load
         return EngineStats(load.num_running, max(0, self._num_unfinished - load.num_running), load.num_free_kv_blocks,
-                           load.num_kv_blocks, load.host_cache)
+                           load.num_kv_blocks, load.host_cache, load.kv_transfer)
 
     def parallel_stats(self) -> None:
         """None: one engine, no DP ranks."""

@@ -27,7 +27,7 @@ import os
 import pickle
 import signal
 import traceback
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from pathlib import Path
@@ -35,9 +35,10 @@ from typing import Any
 
 from ..config.engine_args import EngineArgs
 from ..core.intake import PromptInput
+from ..core.kv_handoff import KVTransfer, NullKVTransfer
 from ..core.outputs import OutputKind, RequestOutput
 from ..core.prefix_caching import host_cache_stats
-from ..core.stats import HostCacheStats
+from ..core.stats import HostCacheStats, TransferStats
 from ..sampling.sampling_params import SamplingParams
 from .async_front import EngineStopped
 from .core_loop import run_loop
@@ -77,6 +78,7 @@ class EngineLoad:
     num_free_kv_blocks: int
     num_kv_blocks: int            # usable blocks (block 0 excluded)
     host_cache: HostCacheStats = HostCacheStats()
+    kv_transfer: TransferStats | None = None     # a prefill/decode pair's engine: KV handed over so far
 
 
 @dataclass(frozen=True, slots=True)
@@ -152,15 +154,17 @@ def picklable_error(err: BaseException) -> BaseException:
 # ------------------------------------------------------------------ the child
 
 
-def engine_process_main(args: EngineArgs, inbox: Connection, outbox: Connection) -> None:
-    """The entry point of the engine process: build the engine, report `EngineReady`, serve until
-    `StopEngine` (exit 0) or the front's end closes. An error goes to `outbox` as `EngineFailed`,
-    and the process exits with status 1."""
+def engine_process_main(args: EngineArgs, inbox: Connection, outbox: Connection,
+                        kv_transfer_factory: Callable[[], KVTransfer] | None = None) -> None:
+    """The entry point of the engine process: build the engine (with `kv_transfer_factory()` as its
+    `KVTransfer` when given: a decode server's), report `EngineReady`, serve until `StopEngine` (exit
+    0) or the front's end closes. An error goes to `outbox` as `EngineFailed`, and the process exits
+    with status 1."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     try:
         from ..llm_engine import LLMEngine
 
-        engine = LLMEngine(args)
+        engine = LLMEngine(args, kv_transfer=None if kv_transfer_factory is None else kv_transfer_factory())
         send(outbox, EngineReady(Path(engine.model_dir), engine.max_model_len, engine.load_seconds,
                                  engine.weight_bytes, os.getpid(), engine_load(engine)))
         loop = EngineLoop(engine, inbox, outbox)
@@ -289,4 +293,11 @@ def engine_load(engine: Any) -> EngineLoad:
     """The engine's scheduler and KV cache now."""
     kv = engine.kv_blocks
     return EngineLoad(engine.scheduler.num_running, kv.num_free, kv.num_blocks - 1,
-                      host_cache_stats(engine.scheduler.prefix_cache_stats))
+                      host_cache_stats(engine.scheduler.prefix_cache_stats), transfer_stats(engine))
+
+
+def transfer_stats(engine: Any) -> TransferStats | None:
+    """The KV an engine of a prefill/decode pair handed over so far; None for one without a transfer
+    (`NullKVTransfer`: a NORMAL engine)."""
+    transfer = engine.kv_transfer
+    return None if isinstance(transfer, NullKVTransfer) else transfer.stats()

@@ -82,6 +82,12 @@ SERVE_FLAGS: tuple[ServeFlag, ...] = (
     ServeFlag("--engine-in-thread", "step the engine in a thread of the server's process, as before the engine "
               "process (its steps and the per-token HTTP work then share one interpreter lock); off = a process of "
               "its own; not with --data-parallel-size > 1", False, None),
+    ServeFlag("--pd-role", "serve one side of a prefill/decode pair: prefill = a PROMPT engine answering "
+              "/v1/pd/prefill (in a thread of the server), decode = a COMPLETION engine that has each prompt "
+              "prefilled by --pd-prefill-url and streams the tokens (clients talk to it); unset = one NORMAL "
+              "engine", choices=("prefill", "decode"), metavar="ROLE"),
+    ServeFlag("--pd-prefill-url", "with --pd-role decode: the prefill server, http://HOST:PORT (it must serve the "
+              "same model; checked at start)", metavar="URL"),
     ServeFlag("--tokenizer", "vLLM's flag: DeepInfer reads the tokenizer from the model folder (tokenizer.json), "
               "so it may only name MODEL itself; another tokenizer is refused", metavar="MODEL"),
     ServeFlag("--revision", "the revision (branch, tag or commit) of a Hugging Face repo id MODEL, read from the "

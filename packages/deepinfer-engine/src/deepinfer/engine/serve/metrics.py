@@ -7,7 +7,10 @@ Names (all prefixed `deepinfer_`): `request_success_total{finished_reason}`, `nu
 cache; ignored requests count nothing), the prefix cache's host tier as of the engine's latest step
 (`prefix_cache_host_hits_total`: prompt tokens whose KV came back from host memory,
 `prefix_cache_host_spills_total`: KV blocks copied to host memory, `prefix_cache_host_blocks` and
-`prefix_cache_host_snapshots`: held there now; all 0 without a host tier), and the histograms
+`prefix_cache_host_snapshots`: held there now; all 0 without a host tier), on either server of a
+prefill/decode pair `kv_transfers_total`, `kv_transfer_bytes_total` and `kv_transfer_seconds_total` (KV
+handed over: sent by the prefill server, received by the decode server, whose time includes the
+prefill), and the histograms
 `time_to_first_token_seconds`, `inter_token_latency_seconds`, `e2e_request_latency_seconds`.
 
 The gauges read the front's `stats`: with an engine process, the scheduler and KV cache as of the
@@ -24,12 +27,13 @@ and for the layers it left alone).
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from ..core.stats import TransferStats
 from ..frontends.async_front import EngineClient
 
 _LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
@@ -67,6 +71,10 @@ class ServerMetrics:
         r.register(_HostCacheCollector(llm))
         if llm.parallel_stats() is not None:
             r.register(_ParallelCollector(llm))
+        # A prefill server's own counts are read live from its transfer (`pd_routes` sets this): its
+        # engine's snapshot is taken at steps, and a handoff goes out after the step that made it.
+        self.transfer_source: Callable[[], TransferStats | None] = lambda: llm.stats.kv_transfer
+        r.register(_TransferCollector(self))
 
     def render(self) -> bytes:
         """The Prometheus text exposition of every metric."""
@@ -75,6 +83,26 @@ class ServerMetrics:
     def track(self) -> RequestTracker:
         """A tracker for one request arriving now."""
         return RequestTracker(self)
+
+
+class _TransferCollector(Collector):
+    """A prefill/decode pair's KV transfer counts (`EngineStats.kv_transfer`; nothing for a NORMAL engine)."""
+
+    def __init__(self, metrics: ServerMetrics) -> None:
+        self._metrics = metrics
+
+    def collect(self) -> Iterator[Metric]:
+        stats = self._metrics.transfer_source()
+        if stats is None:
+            return
+        for name, text, value in (
+                ("deepinfer_kv_transfers", "Requests whose KV was handed over (sent or received)", stats.num_transfers),
+                ("deepinfer_kv_transfer_bytes", "KV and state bytes handed over", stats.num_bytes),
+                ("deepinfer_kv_transfer_seconds", "Time spent handing KV over (decode side: prefill included)",
+                 stats.seconds)):
+            family = CounterMetricFamily(name, text)
+            family.add_metric([], value)
+            yield family
 
 
 class _HostCacheCollector(Collector):

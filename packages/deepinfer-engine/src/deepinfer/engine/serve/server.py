@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import uvicorn
+from fastapi import FastAPI
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from ..frontends.async_front import DEFAULT_MAX_NUM_WAITING, EngineClient
@@ -80,12 +81,16 @@ def run_server(engine: LLMEngine, options: ServeOptions) -> str | None:
     return serve_client(AsyncLLM(engine, max_num_waiting=options.max_num_waiting), options)
 
 
-def serve_client(llm: EngineClient, options: ServeOptions) -> str | None:
+def serve_client(llm: EngineClient, options: ServeOptions,
+                 extra_routes: Callable[[FastAPI], None] | None = None) -> str | None:
     """Serve `llm` (built with options.max_num_waiting) as `run_server` does; it is shut down on return.
+    `extra_routes(app)` adds routes to the app first (a prefill server's, `pd_routes.add_pd_routes`).
     Returns None after a clean stop, else why the engine had failed (`llm.failure`)."""
     app = build_app(llm, served_model_name=options.served_model_name, api_key=options.api_key,
                     chat_template=options.chat_template, tool_call_parser=options.tool_call_parser,
                     enable_auto_tool_choice=options.enable_auto_tool_choice, reasoning_parser=options.reasoning_parser)
+    if extra_routes is not None:
+        extra_routes(app)
     config = uvicorn_config(app, host=options.host, port=options.port, log_level=options.log_level,
                             access_log=options.enable_log_requests)
     with _signals_end_quietly():
