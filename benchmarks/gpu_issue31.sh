@@ -28,15 +28,15 @@ step() {   # step NAME SECONDS COMMAND...: run with a time limit, log to OUT/NAM
 }
 
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$out/gpu.txt"
-step cython 90 python3 benchmarks/device_build_cython.py
-step tests 120 python3 -m pytest -q -rA -p no:cacheprovider -p no:warnings --tb=short -m gpu \
+step cython 60 python3 benchmarks/device_build_cython.py
+step tests 180 python3 -m pytest -q -rA -p no:cacheprovider -p no:warnings --tb=short -m gpu \
     packages/deepinfer-engine/tests/test_spec_graphs_gpu.py packages/deepinfer-engine/tests/test_cuda_graphs.py
 grep -hE "^(PASSED|FAILED|ERROR)" "$out/tests.log" | cut -c1-220
 
 bench() {   # bench NAME [FLAGS...]: the workload on the embedded model
     local name=$1
     shift
-    step "bench_$name" 75 python3 -m deepinfer.engine.cli bench --device cuda --dtype bfloat16 --num-prompts 8 \
+    step "bench_$name" 80 python3 -m deepinfer.engine.cli bench --device cuda --dtype bfloat16 --num-prompts 8 \
         --max-concurrency 1 --input-len 64 --output-len 128 --num-warmup 4 --output-json "$out/bench_$name.json" "$@"
 }
 bench plain
