@@ -38,6 +38,7 @@ from typing import Any
 
 import httpx
 import torch
+from serve_bench import stream_completion
 
 
 @dataclass(frozen=True, slots=True)
@@ -54,21 +55,8 @@ async def _one(http: httpx.AsyncClient, kind: str, prompt: list[int], output_len
                t0: float) -> Trace:
     await asyncio.sleep(max(0.0, t0 + delay - time.perf_counter()))
     start = time.perf_counter()
-    body = {"model": "m", "prompt": prompt, "max_tokens": output_len, "temperature": 0, "ignore_eos": True,
-            "stream": True, "stream_options": {"include_usage": True}}
-    times: list[float] = []
-    usage = None
-    async with http.stream("POST", "/v1/completions", json=body) as reply:
-        reply.raise_for_status()
-        async for line in reply.aiter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            chunk = json.loads(line[6:])
-            if chunk["choices"] and chunk["choices"][0]["text"]:
-                times.append(time.perf_counter())
-            usage = chunk.get("usage") or usage
-    assert usage is not None and usage["completion_tokens"] == output_len, usage
-    return Trace(kind, start, tuple(times), usage["completion_tokens"])
+    times = await stream_completion(http, {"model": "m", "prompt": prompt}, output_len)
+    return Trace(kind, start, times, output_len)
 
 
 def _stats(name: str, values: list[float]) -> dict[str, float | None]:

@@ -95,8 +95,10 @@ def metrics(traces: list[Trace], elapsed: float) -> dict[str, Any]:
     return result
 
 
-async def _one(http: httpx.AsyncClient, prompt: list[int], output_len: int, start: float) -> Trace:
-    body = {"prompt": prompt, "max_tokens": output_len, "temperature": 0, "ignore_eos": True, "stream": True,
+async def stream_completion(http: httpx.AsyncClient, body: dict[str, Any], output_len: int) -> tuple[float, ...]:
+    """POST `body` to /v1/completions as a stream (greedy, ignore_eos, usage asked for): the arrival
+    time of each chunk that carries text; the usage must say `output_len` tokens were made."""
+    body = {**body, "max_tokens": output_len, "temperature": 0, "ignore_eos": True, "stream": True,
             "stream_options": {"include_usage": True}}
     times: list[float] = []
     usage = None
@@ -110,7 +112,11 @@ async def _one(http: httpx.AsyncClient, prompt: list[int], output_len: int, star
                 times.append(time.perf_counter())
             usage = chunk.get("usage") or usage
     assert usage is not None and usage["completion_tokens"] == output_len, usage
-    return Trace(start, tuple(times), usage["completion_tokens"])
+    return tuple(times)
+
+
+async def _one(http: httpx.AsyncClient, prompt: list[int], output_len: int, start: float) -> Trace:
+    return Trace(start, await stream_completion(http, {"prompt": prompt}, output_len), output_len)
 
 
 def _stat(pid: int) -> list[str]:
