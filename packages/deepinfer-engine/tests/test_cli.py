@@ -7,6 +7,8 @@ import dataclasses
 import json
 import logging
 import re
+import subprocess
+import sys
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 
@@ -274,3 +276,12 @@ def test_generate_follows_a_choice(capsys: pytest.CaptureFixture[str]) -> None:
     code, out, err = _run(capsys, "generate", "answer: ", "--choice", "yes", "--choice", "no", "--max-tokens", "8")
     assert (code, out) == (0, "answer: yes\n")
     assert err.splitlines()[-1].endswith("finish_reason=stop]")
+
+
+def test_the_cli_imports_no_server_dependency_until_serve_runs() -> None:
+    """`deepinfer bench` / `generate` run where FastAPI, uvicorn and prometheus_client are missing (the
+    lent GPU machine has none): importing the CLI and the generated-docs module loads none of them."""
+    probe = ("import sys, deepinfer.engine.cli, deepinfer.engine.gen_docs\n"
+             "print(sorted(m for m in ('fastapi', 'uvicorn', 'prometheus_client') if m in sys.modules))")
+    ran = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True)
+    assert ran.stdout.strip() == "[]", ran.stdout

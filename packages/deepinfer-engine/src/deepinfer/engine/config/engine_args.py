@@ -134,8 +134,8 @@ class EngineArgs:
         zero_overhead_scheduling: ZOS (docs/design.md §6): the host schedules and launches decode step N + 1
             before it reads step N's sampled tokens, which feed step N + 1 on the device, so host work
             overlaps the GPU; a request's end is then seen one step late (its extra token is dropped).
-            None = on for NORMAL and COMPLETION engines (speculative decode steps included), off for
-            PROMPT engines.
+            None = on for NORMAL and COMPLETION engines (speculative decode steps included, except on
+            CUDA, where they need True), off for PROMPT engines.
         data_parallel_size: attention data-parallel ranks, one process each (docs/design.md §9): `LLM` spawns
             them (or, under torchrun, this process is rank RANK of WORLD_SIZE); each runs its own engine,
             requests go to the least-loaded rank and every rank runs the same kind of step. 1 = one
@@ -161,8 +161,8 @@ class EngineArgs:
             verifies the drafts in one forward and keeps the accepted ones plus one target token
             (docs/spec.md); greedy output is the same as without it.
             Its verify forwards replay CUDA graphs keyed by total query tokens, its draft walks CUDA
-            graphs keyed the same way by drafting rows. ZOS covers speculative steps by default, as
-            plain ones (zero_overhead_scheduling). With data_parallel_size > 1 each rank drafts and
+            graphs keyed the same way by drafting rows. ZOS covers speculative steps by default on
+            the CPU; on CUDA only with zero_overhead_scheduling=True (not yet verified on a GPU). With data_parallel_size > 1 each rank drafts and
             verifies its own requests; under expert_parallel the ranks agree on each step's verify
             size (a rank without decode rows runs a dummy verify forward of it).
         varlen_verify: with num_speculative_tokens > 0, how many of the k drafts each request verifies:

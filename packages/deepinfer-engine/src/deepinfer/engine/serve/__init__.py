@@ -8,12 +8,36 @@
 `deepinfer serve` runs the first (the engine in a process of its own, `async_process`), the second
 with --data-parallel-size N, the third with --engine-in-thread. `build_app(llm, served_model_name=...)`
 over any `async_front.EngineClient` gives the FastAPI app alone (to embed or test).
-FastAPI, uvicorn and prometheus_client are imported here only, so `import deepinfer.engine` stays light.
+FastAPI, uvicorn and prometheus_client are imported only when one of these names is first used, so
+`import deepinfer.engine` and the CLI's other commands (`deepinfer bench`, `generate`), which read
+`serve.flags`, stay light and run where no server dependency is installed.
 """
 
-from .app import build_app
-from .errors import APIError
-from .protocol import NOT_SUPPORTED_YET
-from .server import ServeOptions, run_server, serve_client
+from __future__ import annotations
 
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from .app import build_app
+    from .errors import APIError
+    from .protocol import NOT_SUPPORTED_YET
+    from .server import ServeOptions, run_server, serve_client
+
+_EXPORTS = {
+    "NOT_SUPPORTED_YET": ".protocol",
+    "APIError": ".errors",
+    "ServeOptions": ".server",
+    "build_app": ".app",
+    "run_server": ".server",
+    "serve_client": ".server",
+}
 __all__ = ["NOT_SUPPORTED_YET", "APIError", "ServeOptions", "build_app", "run_server", "serve_client"]
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _EXPORTS:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(_EXPORTS[name], __name__), name)
+    globals()[name] = value
+    return value
