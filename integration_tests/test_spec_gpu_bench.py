@@ -26,10 +26,13 @@ CONCURRENCY, LENGTHS = (1, 2), (2.0, 4.0)
 
 @pytest.fixture(scope="module")
 def report(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    # --no-varlen: every drafting row verifies its k drafts, so the figures below do not hang on this
+    # machine's timings (varlen may keep every row plain on a loaded CPU; its policy has tests of its own).
     output = tmp_path_factory.mktemp("spec_gpu") / "tiny.json"
     command = [sys.executable, str(ROOT / "benchmarks/spec_gpu.py"), "--tiny", "--device", "cpu", "--dtype",
                "float32", "--concurrency", *map(str, CONCURRENCY), "--accepted-lengths", *map(str, LENGTHS),
-               "--input-len", "8", "--output-len", "10", "--waves", "1", "--warmup", "1", "--out", str(output)]
+               "--input-len", "8", "--output-len", "10", "--waves", "1", "--warmup", "1", "--no-varlen", "--out",
+               str(output)]
     done = subprocess.run(command, capture_output=True, text=True, timeout=300,
                           env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert done.returncode == 0, done.stderr[-3000:]
@@ -37,7 +40,7 @@ def report(tmp_path_factory: pytest.TempPathFactory) -> dict:
 
 
 def test_plain_and_speculative_runs_report_every_figure(report: dict) -> None:
-    assert (report["shape"], report["device"], report["k"], report["varlen"]) == ("tiny", "cpu", 5, True)
+    assert (report["shape"], report["device"], report["k"], report["varlen"]) == ("tiny", "cpu", 5, False)
     assert sorted(report["plain"]) == sorted(map(str, CONCURRENCY))
     assert sorted(report["spec"]) == sorted(map(str, LENGTHS))
     for c in map(str, CONCURRENCY):
@@ -45,8 +48,8 @@ def test_plain_and_speculative_runs_report_every_figure(report: dict) -> None:
         for length in map(str, LENGTHS):
             run = report["spec"][length][c]
             assert run["mean_tpot_ms"] > 0 and run["output_tokens_per_s"] > 0 and run["tpot_vs_plain"] > 0
-            if run["spec_verify_steps"]:           # the varlen policy may keep every row plain on a CPU
-                assert 0 < run["draft_share_of_step"] < 1 and run["spec_mean_accepted_length"] > 1
+            assert run["spec_verify_steps"] > 0
+            assert 0 < run["draft_share_of_step"] < 1 and run["spec_mean_accepted_length"] > 1
 
 
 def test_acceptance_rates_give_the_mean_accepted_lengths() -> None:
