@@ -217,6 +217,11 @@ def test_a_transfer_cut_mid_way_fails_the_order() -> None:
             conn, _ = listener.accept()
             conn.recv(65536)
             conn.sendall(b"HTTP/1.1 200 OK\r\nConnection: close\r\n\r\n" + answer)
+            # Hang up cleanly: closing with request bytes still unread would reset the connection
+            # (ECONNRESET) instead of ending the answer where it was cut.
+            conn.shutdown(socket.SHUT_WR)
+            while conn.recv(65536):
+                pass
             conn.close()
 
     thread = threading.Thread(target=serve, daemon=True)
