@@ -162,9 +162,10 @@ class EngineArgs:
             (docs/spec.md); greedy output is the same as without it.
             Its verify forwards replay CUDA graphs keyed by total query tokens, its draft walks CUDA
             graphs keyed the same way by drafting rows. ZOS covers speculative steps by default on
-            the CPU; on CUDA only with zero_overhead_scheduling=True (not yet verified on a GPU). With data_parallel_size > 1 each rank drafts and
-            verifies its own requests; under expert_parallel the ranks agree on each step's verify
-            size (a rank without decode rows runs a dummy verify forward of it).
+            the CPU; on CUDA only with zero_overhead_scheduling=True (not yet verified on a GPU).
+            With data_parallel_size > 1 each rank drafts and verifies its own requests; under
+            expert_parallel the ranks agree on each step's verify size (a rank without decode rows
+            runs a dummy verify forward of it).
         varlen_verify: with num_speculative_tokens > 0, how many of the k drafts each request verifies:
             True = the choice by expected throughput (docs/design.md §7), from the verify forward's,
             the draft walk's and the verification's times measured at start-up (kept in
