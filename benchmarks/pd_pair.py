@@ -27,18 +27,16 @@ import json
 import os
 import platform
 import random
-import socket
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 from dataclasses import dataclass
 from typing import Any
 
 import httpx
 import torch
-from serve_bench import stream_completion
+from serve_bench import launch_serve, stream_completion
 
 
 @dataclass(frozen=True, slots=True)
@@ -92,39 +90,13 @@ async def run_workload(url: str, args: argparse.Namespace, vocab: int) -> dict[s
     return summary(list(traces), time.perf_counter() - t0)
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def start(args: argparse.Namespace, extra: list[str]) -> tuple[subprocess.Popen, str]:
-    port = _free_port()
-    command = [sys.executable, "-m", "deepinfer.engine.cli", "serve", "--port", str(port), "--log-level", "warning",
-               "--max-num-seqs", str(args.max_num_seqs), "--max-model-len", str(args.max_model_len),
-               "--kv-cache-memory-mb", str(args.kv_cache_memory_mb), "--seed", str(args.seed),
-               "--served-model-name", "m", *extra]
+    flags = ["--max-num-seqs", str(args.max_num_seqs), "--max-model-len", str(args.max_model_len),
+             "--kv-cache-memory-mb", str(args.kv_cache_memory_mb), "--seed", str(args.seed),
+             "--served-model-name", "m", *extra]
     if args.model:
-        command += ["--model", args.model]
-    log = tempfile.TemporaryFile()
-    child = subprocess.Popen(command, env={**os.environ, "OMP_NUM_THREADS": str(args.threads)},
-                             stdout=subprocess.DEVNULL, stderr=log)
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 180
-    while True:
-        if child.poll() is not None:
-            log.seek(0)
-            raise RuntimeError(f"deepinfer serve exited with {child.returncode}: "
-                               f"{log.read().decode(errors='replace')[-3000:]}")
-        try:
-            if httpx.get(f"{url}/health", timeout=1).status_code == 200:
-                return child, url
-        except httpx.TransportError:
-            pass
-        if time.monotonic() > deadline:
-            child.kill()
-            raise RuntimeError("deepinfer serve did not come up in 180 s")
-        time.sleep(0.2)
+        flags += ["--model", args.model]
+    return launch_serve(flags, args.threads, timeout_s=180)
 
 
 def stop(*children: subprocess.Popen) -> None:

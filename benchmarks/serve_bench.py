@@ -219,22 +219,20 @@ async def run_point(base_url: str, prompts: list[list[int]], output_len: int, *,
     return result
 
 
-def start_server(args: argparse.Namespace) -> tuple[subprocess.Popen, str]:
+def launch_serve(flags: list[str], threads: int, timeout_s: float) -> tuple[subprocess.Popen, str]:
+    """`deepinfer serve *flags` on a free port (OMP_NUM_THREADS=threads), waited for until /health
+    answers 200: the process and its URL. Raises RuntimeError with the end of its stderr when it exits
+    first, or when it is not up within timeout_s (it is killed)."""
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
     command = [sys.executable, "-m", "deepinfer.engine.cli", "serve", "--port", str(port), "--log-level", "warning",
-               "--max-num-seqs", str(args.max_num_seqs), "--seed", str(args.seed),
-               "--gpu-memory-utilization", str(args.gpu_memory_utilization)]
-    if args.model:
-        command += ["--model", args.model]
-    if args.engine_in_thread:
-        command += ["--engine-in-thread"]
+               *flags]
     log = tempfile.TemporaryFile()          # the server's stderr, shown if it does not come up
-    child = subprocess.Popen(command, env={**os.environ, "OMP_NUM_THREADS": str(args.threads)},
+    child = subprocess.Popen(command, env={**os.environ, "OMP_NUM_THREADS": str(threads)},
                              stdout=subprocess.DEVNULL, stderr=log)
     url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 120
+    deadline = time.monotonic() + timeout_s
     while True:
         if child.poll() is not None:
             log.seek(0)
@@ -247,8 +245,18 @@ def start_server(args: argparse.Namespace) -> tuple[subprocess.Popen, str]:
             pass
         if time.monotonic() > deadline:
             child.kill()
-            raise RuntimeError("deepinfer serve did not come up in 120 s")
+            raise RuntimeError(f"deepinfer serve did not come up in {timeout_s:.0f} s")
         time.sleep(0.2)
+
+
+def start_server(args: argparse.Namespace) -> tuple[subprocess.Popen, str]:
+    flags = ["--max-num-seqs", str(args.max_num_seqs), "--seed", str(args.seed),
+             "--gpu-memory-utilization", str(args.gpu_memory_utilization)]
+    if args.model:
+        flags += ["--model", args.model]
+    if args.engine_in_thread:
+        flags += ["--engine-in-thread"]
+    return launch_serve(flags, args.threads, timeout_s=120)
 
 
 def main() -> None:
