@@ -34,7 +34,7 @@ from .. import invariant, reference
 from ..torch_ops import moe_experts_grouped
 from ._launch import on_triton, precision
 from .gemv import linear_fused
-from .mxfp4 import DECODES, MX_DOT_SCALED, load_columns, mxfp4_dot, mxfp4_tile, runnable_decode
+from .mxfp4 import DECODES, MX_DOT_SCALED, group_scales, load_columns, mxfp4_dot, mxfp4_tile, runnable_decode
 
 FUSED_MAX_PAIRS = 2048
 GROUPED_MIN_PAIRS = FUSED_MAX_PAIRS + 1     # from here on the grouped GEMMs of `moe_grouped` (prefill)
@@ -211,9 +211,10 @@ def _rows_first(acc, WORDS: tl.constexpr):
 def _dot_tile(a, acc, w_rows, s_rows, k0, k_in, nm, block_scale, FORMAT: tl.constexpr, BLOCK_K: tl.constexpr,
               PRECISION: tl.constexpr, DECODE: tl.constexpr, BF16_MATH: tl.constexpr):
     """acc + a @ (weight columns k0 … k0 + BLOCK_K of the rows at `w_rows`)ᵀ, a [BLOCK_M, BLOCK_K]:
-    FP8 partial products scaled by the tile's `block_scale`; MXFP4 decoded by `DECODE` (`mxfp4`)."""
+    FP8 partial products scaled by the tile's `block_scale`; MXFP4 decoded by `DECODE` (`mxfp4`; for
+    MX_PACKED `block_scale` is the step's group scale bytes)."""
     if FORMAT == 2:
-        out = mxfp4_dot(a, acc, w_rows, s_rows, k0, k_in, nm, BLOCK_K, PRECISION, DECODE, BF16_MATH)
+        out = mxfp4_dot(a, acc, w_rows, s_rows, k0, k_in, nm, block_scale, BLOCK_K, PRECISION, DECODE, BF16_MATH)
     elif FORMAT == 1:
         w = tl.trans(_weight_tile(w_rows, s_rows, k0, k_in, nm, a.dtype, FORMAT, BLOCK_K))
         out = acc + tl.dot(a, w, input_precision=PRECISION) * block_scale
@@ -233,6 +234,8 @@ def _expert_up_kernel(x_ptr, order_ptr, meta_ptr, w13_ptr, s13_ptr, act_ptr, num
     (`w_row` bytes apart) with uint8 e8m0 scales per 32 inputs (`s_row` apart), decoded by `DECODE`
     (`mxfp4`; MX_GROUP_DOT takes each BLOCK_K in 32-column steps). BF16_MATH: bf16 arithmetic."""
     WORDS: tl.constexpr = FORMAT == 2 and DECODE != 0
+    PACKED: tl.constexpr = FORMAT == 2 and DECODE == 5
+    COLUMNS: tl.constexpr = WORDS + PACKED                              # `load_columns`' order
     STEP: tl.constexpr = 32 if FORMAT == 2 and DECODE == 2 else BLOCK_K
     expert, start, count = _slot(meta_ptr, num_slots)
     n0 = tl.program_id(1) * BLOCK_N
@@ -252,14 +255,19 @@ def _expert_up_kernel(x_ptr, order_ptr, meta_ptr, w13_ptr, s13_ptr, act_ptr, num
         if FORMAT == 1:
             next1 = _scale(s13_ptr, expert, n0, 0, s_expert, s_row, BLOCK_S)
             next3 = _scale(s13_ptr, expert, inter + n0, 0, s_expert, s_row, BLOCK_S)
+        if PACKED:                         # MX_PACKED: its group scale bytes, a step early too
+            next1, next3 = group_scales(s1, 0, hidden, nm, BLOCK_K), group_scales(s3, 0, hidden, nm, BLOCK_K)
         for k0 in range(0, hidden, BLOCK_K):
             bs1, bs3 = next1, next3
             if FORMAT == 1:
                 k_next = tl.minimum(k0 + BLOCK_K, hidden - 1)
                 next1 = _scale(s13_ptr, expert, n0, k_next, s_expert, s_row, BLOCK_S)
                 next3 = _scale(s13_ptr, expert, inter + n0, k_next, s_expert, s_row, BLOCK_S)
+            if PACKED:
+                next1 = group_scales(s1, k0 + BLOCK_K, hidden, nm, BLOCK_K)
+                next3 = group_scales(s3, k0 + BLOCK_K, hidden, nm, BLOCK_K)
             for ks in tl.static_range(0, BLOCK_K, STEP):
-                xs = load_columns(x_ptr + tokens[:, None] * hidden, k0 + ks, hidden, rm[:, None], STEP, WORDS)
+                xs = load_columns(x_ptr + tokens[:, None] * hidden, k0 + ks, hidden, rm[:, None], STEP, COLUMNS)
                 gate = _dot_tile(xs, gate, w1, s1, k0 + ks, hidden, nm, bs1, FORMAT, STEP, PRECISION, DECODE,
                                  BF16_MATH)
                 up = _dot_tile(xs, up, w3, s3, k0 + ks, hidden, nm, bs3, FORMAT, STEP, PRECISION, DECODE, BF16_MATH)
@@ -274,6 +282,8 @@ def _expert_down_kernel(act_ptr, order_ptr, meta_ptr, weights_ptr, w2_ptr, s2_pt
                         BLOCK_K: tl.constexpr, PRECISION: tl.constexpr, FORMAT: tl.constexpr,
                         BLOCK_S: tl.constexpr, DECODE: tl.constexpr, BF16_MATH: tl.constexpr):
     WORDS: tl.constexpr = FORMAT == 2 and DECODE != 0
+    PACKED: tl.constexpr = FORMAT == 2 and DECODE == 5
+    COLUMNS: tl.constexpr = WORDS + PACKED
     STEP: tl.constexpr = 32 if FORMAT == 2 and DECODE == 2 else BLOCK_K
     expert, start, count = _slot(meta_ptr, num_slots)
     n0 = tl.program_id(1) * BLOCK_N
@@ -286,15 +296,19 @@ def _expert_down_kernel(act_ptr, order_ptr, meta_ptr, weights_ptr, w2_ptr, s2_pt
         rm = m0 + tl.arange(0, BLOCK_M) < count
         pair = tl.load(order_ptr + r, mask=rm, other=0)
         acc = _zeros(BLOCK_M, BLOCK_N, WORDS)
-        next_bs = 1.0                      # FP8: as in the up kernel, a step early
+        next_bs = 1.0                      # FP8 and MX_PACKED: as in the up kernel, a step early
         if FORMAT == 1:
             next_bs = _scale(s2_ptr, expert, n0, 0, s_expert, s_row, BLOCK_S)
+        if PACKED:
+            next_bs = group_scales(s2, 0, inter, nm, BLOCK_K)
         for k0 in range(0, inter, BLOCK_K):
             bs = next_bs
             if FORMAT == 1:
                 next_bs = _scale(s2_ptr, expert, n0, tl.minimum(k0 + BLOCK_K, inter - 1), s_expert, s_row, BLOCK_S)
+            if PACKED:
+                next_bs = group_scales(s2, k0 + BLOCK_K, inter, nm, BLOCK_K)
             for ks in tl.static_range(0, BLOCK_K, STEP):
-                a = load_columns(act_ptr + r[:, None] * inter, k0 + ks, inter, rm[:, None], STEP, WORDS)
+                a = load_columns(act_ptr + r[:, None] * inter, k0 + ks, inter, rm[:, None], STEP, COLUMNS)
                 acc = _dot_tile(a, acc, w2, s2, k0 + ks, inter, nm, bs, FORMAT, STEP, PRECISION, DECODE, BF16_MATH)
         acc = _rows_first(acc, WORDS) * tl.load(weights_ptr + pair, mask=rm, other=0.0)[:, None]
         tl.store(y_ptr + pair[:, None] * hidden + n[None, :], acc, mask=rm[:, None] & nm[None, :])

@@ -26,6 +26,11 @@ Decoders (`DECODE`, a constexpr of the kernels; `moe.MXFP4_DECODE` picks one):
   - `MX_ASM` (4): `MX_WORDS` in PTX: `prmt` places the two nibbles of a byte, one multiply and
     mask make the word, one `mul.rn.bf16x2` scales it; the second multiply only for groups with
     s > 128 (a branch, not taken for weights under 12 in magnitude). A GPU only.
+- `MX_PACKED` (5): weights × activationsᵀ on codes re-packed at load time
+  (`deepinfer.kernels.mxfp4_layout`): word c of a group already holds lane c's column pairs c, c + 4,
+  c + 8, c + 12, so the decoded tile is in natural column order and the activations load contiguously
+  (no `load_columns` gathers); per word four rotations and masks give the bf16 bits of each pair, then
+  `MX_ASM`'s exact multiplies (`mxfp4_packed`). Needs weights in that layout; scales as stored.
 """
 
 from __future__ import annotations
@@ -34,14 +39,17 @@ import torch
 import triton
 import triton.language as tl
 
-MX_DOT_SCALED, MX_BITS, MX_GROUP_DOT, MX_WORDS, MX_ASM = 0, 1, 2, 3, 4
+from .mxfp4_packed import packed_pairs, packed_words_asm
+
+MX_DOT_SCALED, MX_BITS, MX_GROUP_DOT, MX_WORDS, MX_ASM, MX_PACKED = 0, 1, 2, 3, 4, 5
 DECODES = {"dot_scaled": MX_DOT_SCALED, "bits": MX_BITS, "group_dot": MX_GROUP_DOT, "words": MX_WORDS,
-           "asm": MX_ASM}
+           "asm": MX_ASM, "packed": MX_PACKED}
 
 
 def runnable_decode(decode: int, x: torch.Tensor) -> int:
     """The decoder the kernels run for `decode` and activations x: `MX_DOT_SCALED` needs bfloat16
-    activations on a GPU and `MX_ASM` a GPU (not Triton's interpreter); else `MX_WORDS`."""
+    activations on a GPU and `MX_ASM` a GPU (not Triton's interpreter); else `MX_WORDS`. `MX_PACKED`
+    runs everywhere (its weights' layout is its own: it never falls back)."""
     if (decode == MX_DOT_SCALED and not (x.is_cuda and x.dtype == torch.bfloat16)) or (
             decode == MX_ASM and not x.is_cuda):
         return MX_WORDS
@@ -51,10 +59,11 @@ def runnable_decode(decode: int, x: torch.Tensor) -> int:
 @triton.jit
 def load_columns(rows, k0, k_in, rm, BLOCK_K: tl.constexpr, WORDS: tl.constexpr):
     """Columns k0 … k0 + BLOCK_K of the rows at `rows` ([BLOCK_M, 1] pointers, `rm` their [BLOCK_M, 1]
-    mask), 0 past k_in: [BLOCK_M, BLOCK_K] in natural order, or for the code-word decoders (WORDS)
-    transposed, [BLOCK_K, BLOCK_M], reordered inside each 32 columns: logical column pair 4j + c
-    (16 pairs) is natural pair 4c + j, the j-th byte of code word c."""
-    if WORDS:
+    mask), 0 past k_in: WORDS = 0: [BLOCK_M, BLOCK_K] in natural order; 1 (the code-word decoders on
+    checkpoint-layout codes) transposed, [BLOCK_K, BLOCK_M], reordered inside each 32 columns: logical
+    column pair 4j + c (16 pairs) is natural pair 4c + j, the j-th byte of code word c; 2 (`MX_PACKED`)
+    transposed in natural order."""
+    if WORDS == 1:
         p = tl.arange(0, BLOCK_K // 2)
         pair = k0 // 2 + ((p & ~15) | ((p & 3) << 2) | ((p >> 2) & 3))
         k = 2 * pair[:, None, None] + tl.arange(0, 2)[None, :, None]               # [pairs, 2, 1]
@@ -63,6 +72,8 @@ def load_columns(rows, k0, k_in, rm, BLOCK_K: tl.constexpr, WORDS: tl.constexpr)
     else:
         k = k0 + tl.arange(0, BLOCK_K)
         out = tl.load(rows + k[None, :], mask=rm & (k < k_in)[None, :], other=0.0)
+        if WORDS == 2:
+            out = tl.trans(out)
     return out
 
 
@@ -87,15 +98,27 @@ def _spread(per_group, WIDTH: tl.constexpr):
 
 
 @triton.jit
-def _code_words(w_rows, s_rows, k0, k_in, nm, BLOCK_K: tl.constexpr):
-    """(code words [BLOCK_N, BLOCK_K / 8] uint32, 8 codes each, natural order; their groups' scale
-    bytes [BLOCK_N, BLOCK_K / 32] int32). Rows are a multiple of 16 bytes apart: words are aligned."""
-    v = k0 // 8 + tl.arange(0, BLOCK_K // 8)
-    words = tl.load(w_rows.to(tl.pointer_type(tl.uint32), bitcast=True) + v[None, :],
-                    mask=nm[:, None] & (v < k_in // 8)[None, :], other=0)
+def group_scales(s_rows, k0, k_in, nm, BLOCK_K: tl.constexpr):
+    """The e8m0 scale bytes of columns k0 … k0 + BLOCK_K of the rows at `s_rows` ([BLOCK_N, 1] pointers,
+    `nm` their [BLOCK_N] mask): [BLOCK_N, BLOCK_K / 32] int32, 0 where masked (codes there are 0)."""
     g = k0 // 32 + tl.arange(0, BLOCK_K // 32)
-    scale = tl.load(s_rows + g[None, :], mask=nm[:, None] & (g < k_in // 32)[None, :], other=127)
-    return words, scale.to(tl.int32)
+    return tl.load(s_rows + g[None, :], mask=nm[:, None] & (g < k_in // 32)[None, :], other=0).to(tl.int32)
+
+
+@triton.jit
+def _words(w_rows, k0, k_in, nm, BLOCK_K: tl.constexpr):
+    """Code words [BLOCK_N, BLOCK_K / 8] uint32 (8 codes each) of columns k0 … k0 + BLOCK_K, 0 where
+    masked. Rows are a multiple of 16 bytes apart: words are aligned."""
+    v = k0 // 8 + tl.arange(0, BLOCK_K // 8)
+    return tl.load(w_rows.to(tl.pointer_type(tl.uint32), bitcast=True) + v[None, :],
+                   mask=nm[:, None] & (v < k_in // 8)[None, :], other=0)
+
+
+@triton.jit
+def _code_words(w_rows, s_rows, k0, k_in, nm, BLOCK_K: tl.constexpr):
+    """(code words [BLOCK_N, BLOCK_K / 8] uint32, natural order; their groups' scale bytes [BLOCK_N,
+    BLOCK_K / 32] int32)."""
+    return _words(w_rows, k0, k_in, nm, BLOCK_K), group_scales(s_rows, k0, k_in, nm, BLOCK_K)
 
 
 @triton.jit
@@ -297,15 +320,35 @@ def _asm_tile(words, scale, BLOCK_K: tl.constexpr):
 
 
 @triton.jit
-def mxfp4_dot(a, acc, w_rows, s_rows, k0, k_in, nm, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr,
+def _packed_tile(words, scale, BLOCK_K: tl.constexpr, BF16_MATH: tl.constexpr):
+    """MX_PACKED: bf16 weights [rows, BLOCK_K] in natural order from re-packed code words; `scale` per
+    group [rows, groups]. PTX on a GPU; the same bits from Triton integer ops under the interpreter."""
+    if BF16_MATH:
+        o0, o1, o2, o3 = packed_words_asm(words, _spread(scale, 4))
+        w = _logical(o0, o1, o2, o3, BLOCK_K)
+    else:
+        r0, r1, r2, r3 = packed_pairs(words)
+        m1, m2 = _multipliers(scale)
+        w = _mul(_logical(r0, r1, r2, r3, BLOCK_K), _spread(_as_bf16(m1), 32), BF16_MATH)
+        w = _mul(w, _spread(_as_bf16(m2), 32), BF16_MATH)
+    return w
+
+
+@triton.jit
+def mxfp4_dot(a, acc, w_rows, s_rows, k0, k_in, nm, scale, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr,
               DECODE: tl.constexpr, BF16_MATH: tl.constexpr):
     """acc + a @ (MXFP4 weight columns k0 … k0 + BLOCK_K of the rows at `w_rows`)ᵀ for
     MX_DOT_SCALED (a [BLOCK_M, BLOCK_K], acc [BLOCK_M, BLOCK_N]); for the code-word decoders acc +
-    weights @ a with a from `load_columns` ([BLOCK_K, BLOCK_M], logical order) and acc [BLOCK_N,
-    BLOCK_M]. MX_GROUP_DOT takes BLOCK_K = 32 (one scale group)."""
+    weights @ a with a from `load_columns` ([BLOCK_K, BLOCK_M], logical order; MX_PACKED: natural)
+    and acc [BLOCK_N, BLOCK_M]. MX_GROUP_DOT takes BLOCK_K = 32 (one scale group). MX_PACKED takes the
+    step's scale bytes from the caller (`scale`, from `group_scales`: loaded a K step early); the
+    others read them here (`scale` unused)."""
     if DECODE == 0:
         packed, scale = mxfp4_tile(w_rows, s_rows, k0, k_in, nm, BLOCK_K)
         out = tl.dot_scaled(a, None, "bf16", tl.trans(packed), scale, "e2m1", acc=acc)
+    elif DECODE == 5:
+        w = _packed_tile(_words(w_rows, k0, k_in, nm, BLOCK_K), scale, BLOCK_K, BF16_MATH)
+        out = tl.dot(w.to(a.dtype), a, acc, input_precision=PRECISION)
     else:
         words, scale = _code_words(w_rows, s_rows, k0, k_in, nm, BLOCK_K)
         if DECODE == 2:
