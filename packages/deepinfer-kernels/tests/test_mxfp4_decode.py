@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import torch
 
-from deepinfer.kernels import reference
+from deepinfer.kernels import reference, repack_mxfp4_for_decode
 
 CUDA = torch.cuda.is_available()
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
@@ -27,8 +27,9 @@ mxfp4 = pytest.importorskip("deepinfer.kernels.triton_ops.mxfp4")
 from deepinfer.kernels.triton_ops import moe  # noqa: E402
 
 # Decoders that expose their weight tile (MX_DOT_SCALED does not), and those the op runs here.
-TILE_DECODES = [mxfp4.MX_BITS, mxfp4.MX_GROUP_DOT, mxfp4.MX_WORDS] + ([mxfp4.MX_ASM] if CUDA else [])
-OP_DECODES = sorted(mxfp4.DECODES.values()) if CUDA else [mxfp4.MX_BITS, mxfp4.MX_GROUP_DOT, mxfp4.MX_WORDS]
+TILE_DECODES = [mxfp4.MX_BITS, mxfp4.MX_GROUP_DOT, mxfp4.MX_WORDS, mxfp4.MX_PACKED] + ([mxfp4.MX_ASM] if CUDA else [])
+OP_DECODES = sorted(mxfp4.DECODES.values()) if CUDA else [mxfp4.MX_BITS, mxfp4.MX_GROUP_DOT, mxfp4.MX_WORDS,
+                                                          mxfp4.MX_PACKED]
 NAMES = {v: k for k, v in mxfp4.DECODES.items()}
 
 
@@ -36,8 +37,8 @@ NAMES = {v: k for k, v in mxfp4.DECODES.items()}
 def _decode_kernel(w_ptr, s_ptr, out_ptr, num_rows, k_in, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                    DECODE: tl.constexpr, BF16_MATH: tl.constexpr):
     """Columns 0 … BLOCK_K of MXFP4 rows (k_in columns stored) decoded as the expert kernels do,
-    stored in logical order: bf16 bits (int16), or for MX_GROUP_DOT the unscaled value × its
-    group's factor as float32."""
+    stored in logical order (MX_PACKED: natural): bf16 bits (int16), or for MX_GROUP_DOT the
+    unscaled value × its group's factor as float32."""
     n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     nm = n < num_rows
     words, scale = mxfp4._code_words(w_ptr + n[:, None] * (k_in // 2), s_ptr + n[:, None] * (k_in // 32), 0, k_in,
@@ -51,8 +52,10 @@ def _decode_kernel(w_ptr, s_ptr, out_ptr, num_rows, k_in, BLOCK_N: tl.constexpr,
             w = mxfp4._bits_tile(words, scale, BLOCK_K)
         elif DECODE == 3:
             w = mxfp4._words_tile(words, scale, BLOCK_K, BF16_MATH)
-        else:
+        elif DECODE == 4:
             w = mxfp4._asm_tile(words, scale, BLOCK_K)
+        else:
+            w = mxfp4._packed_tile(words, scale, BLOCK_K, BF16_MATH)
         out = w.to(tl.int16, bitcast=True)
     tl.store(out_ptr + n[:, None] * BLOCK_K + cols[None, :], out, mask=nm[:, None])
 
@@ -76,13 +79,16 @@ def logical_columns(block_k: int, k_in: int) -> torch.Tensor:
 
 
 def decode(packed: torch.Tensor, scale: torch.Tensor, decoder: int, block_k: int) -> torch.Tensor:
-    """Decoder `decoder`'s weights of `packed` / `scale` at natural columns: bf16 bits (int16) or,
-    for MX_GROUP_DOT, float32 bits (int32)."""
+    """Decoder `decoder`'s weights of `packed` / `scale` (checkpoint layout; re-packed here for
+    MX_PACKED) at natural columns: bf16 bits (int16) or, for MX_GROUP_DOT, float32 bits (int32)."""
     rows, k_in = packed.shape[0], 2 * packed.shape[1]
     dtype = torch.float32 if decoder == mxfp4.MX_GROUP_DOT else torch.int16
     out = torch.empty(rows, block_k, dtype=dtype, device=DEVICE)
-    _decode_kernel[(triton.cdiv(rows, 64),)](packed.to(DEVICE), scale.to(DEVICE), out, rows, k_in, BLOCK_N=64,
+    codes = repack_mxfp4_for_decode(packed) if decoder == mxfp4.MX_PACKED else packed
+    _decode_kernel[(triton.cdiv(rows, 64),)](codes.to(DEVICE), scale.to(DEVICE), out, rows, k_in, BLOCK_N=64,
                                             BLOCK_K=block_k, DECODE=decoder, BF16_MATH=CUDA)
+    if decoder == mxfp4.MX_PACKED:
+        return out.cpu()[:, :k_in].contiguous()
     cols = logical_columns(block_k, k_in)
     natural = torch.empty(rows, k_in, dtype=dtype)
     natural[:, cols[cols >= 0]] = out.cpu()[:, cols >= 0]
@@ -139,7 +145,7 @@ def test_runnable_decode_falls_back_to_words_where_a_decoder_cannot_run() -> Non
     cpu = torch.zeros(1)
     assert mxfp4.runnable_decode(mxfp4.MX_DOT_SCALED, cpu) == mxfp4.MX_WORDS
     assert mxfp4.runnable_decode(mxfp4.MX_ASM, cpu) == mxfp4.MX_WORDS
-    for decoder in (mxfp4.MX_BITS, mxfp4.MX_GROUP_DOT, mxfp4.MX_WORDS):
+    for decoder in (mxfp4.MX_BITS, mxfp4.MX_GROUP_DOT, mxfp4.MX_WORDS, mxfp4.MX_PACKED):
         assert mxfp4.runnable_decode(decoder, cpu) == decoder
     if CUDA:
         assert mxfp4.runnable_decode(mxfp4.MX_DOT_SCALED, cpu.cuda()) == mxfp4.MX_WORDS      # float32
@@ -161,6 +167,17 @@ def experts_case(seed: int, num_tokens: int, num_experts: int, hidden: int, inte
     return x, ids.to(DEVICE), weights.to(DEVICE), args
 
 
+def through(op, decoder: int, monkeypatch):
+    """`op` (an MXFP4 experts op) as (x, ids, weights, w13, w13_scale, w2, w2_scale) → output with the
+    swiglu limit 0.5, decoding by `decoder`: MX_PACKED on codes re-packed here (`packed=True`), the
+    others as `moe.MXFP4_DECODE`."""
+    if decoder != mxfp4.MX_PACKED:
+        monkeypatch.setattr(moe, "MXFP4_DECODE", decoder)
+        return lambda x, ids, weights, w13, s13, w2, s2: op(x, ids, weights, w13, s13, w2, s2, 0.5)
+    return lambda x, ids, weights, w13, s13, w2, s2: op(x, ids, weights, repack_mxfp4_for_decode(w13), s13,
+                                                         repack_mxfp4_for_decode(w2), s2, 0.5, packed=True)
+
+
 @pytest.fixture
 def checked(request):
     """Under the interpreter, every load and store of the expert kernels bounds-checked."""
@@ -177,9 +194,8 @@ def test_experts_through_each_decoder_match_the_reference(decoder, num_tokens, n
                                                           monkeypatch) -> None:
     """Top-6 routing; hidden and intermediate sizes multiples of 32 but not of 128 (partial tiles).
     The weights are exact, so only the accumulation order differs from the reference."""
-    monkeypatch.setattr(moe, "MXFP4_DECODE", decoder)
     x, ids, weights, args = experts_case(num_tokens * 7 + decoder, num_tokens, num_experts, hidden, inter)
-    got = moe.moe_experts_mxfp4_fused(x, ids, weights, *args, 0.5)
+    got = through(moe.moe_experts_mxfp4_fused, decoder, monkeypatch)(x, ids, weights, *args)
     want = reference.moe_experts_mxfp4(x, ids, weights, *args, 0.5)
     assert got.shape == want.shape and got.dtype == want.dtype and not torch.isnan(got).any()
     tol = 3e-2 if DTYPE == torch.bfloat16 else 1e-4
@@ -189,11 +205,11 @@ def test_experts_through_each_decoder_match_the_reference(decoder, num_tokens, n
 @pytest.mark.parametrize("decoder", OP_DECODES, ids=lambda d: NAMES[d])
 def test_a_token_gets_the_same_bits_alone_and_in_a_batch(decoder, monkeypatch) -> None:
     """`moe_experts_mxfp4_invariant`: token 0 alone and as row 9 of 17 tokens, bitwise equal."""
-    monkeypatch.setattr(moe, "MXFP4_DECODE", decoder)
     x, ids, weights, args = experts_case(50 + decoder, 17, 8, 96, 160)
     order = torch.arange(17, device=DEVICE).roll(9)                     # token 0 lands on row 9
-    alone = moe.moe_experts_mxfp4_invariant(x[:1], ids[:1], weights[:1], *args, 0.5)
-    batch = moe.moe_experts_mxfp4_invariant(x[order], ids[order], weights[order], *args, 0.5)
+    op = through(moe.moe_experts_mxfp4_invariant, decoder, monkeypatch)
+    alone = op(x[:1], ids[:1], weights[:1], *args)
+    batch = op(x[order], ids[order], weights[order], *args)
     assert torch.equal(alone[0], batch[9])
 
 
@@ -242,6 +258,12 @@ class PtxSubset:
                 put(args[0], val(args[1]) & val(args[2]))
             elif op == "shr.u32":
                 put(args[0], val(args[1]) >> val(args[2]))
+            elif op == "or.b32":
+                put(args[0], val(args[1]) | val(args[2]))
+            elif op == "shf.l.wrap.b32":                         # funnel shift of (b:a) left, high word
+                k = val(args[3]) & 31
+                put(args[0], ((val(args[2]).astype(np.uint64) << k) | (val(args[1]).astype(np.uint64) >> (32 - k)))
+                    .astype(np.uint32))
             elif op == "mul.lo.u32":
                 put(args[0], (val(args[1]).astype(np.uint64) * val(args[2])).astype(np.uint32))
             elif op == "mad.lo.u32":
@@ -304,4 +326,32 @@ def test_asm_text_decodes_every_code_at_every_scale_byte_when_emulated() -> None
                                                   np.zeros((codes.shape[0], 12), np.uint32)], 1).astype(np.uint8))
         want = expected_bits(packed, torch.from_numpy(scale.reshape(-1, 1).astype(np.uint8)), mxfp4.MX_ASM)[:, :8]
         got = np.stack([np.stack([regs[o] & 0xFFFF, regs[o] >> 16], -1) for o in outs], -2).reshape(-1, 8)
+        assert_same_bits(torch.from_numpy(got.astype(np.int64)).to(torch.int16), want)
+
+
+def test_packed_asm_text_decodes_every_code_at_every_scale_byte_when_emulated() -> None:
+    """`mxfp4_packed._PACKED_ASM` (what the GPU runs for MX_PACKED) under `PtxSubset`: four re-packed
+    code words per block with their scale bytes, every code at every nibble position; each scale byte
+    0–255 on word 0 with the others ordinary (127) or one of them large (200): both sides of the
+    shared s > 128 branch."""
+    from deepinfer.kernels.triton_ops import mxfp4_packed
+
+    gen = torch.Generator().manual_seed(3)
+    s = np.arange(256, dtype=np.uint32)
+    lanes = 3 * 256
+    scales = np.full((4, lanes), 127, np.uint32)
+    scales[0] = np.tile(s, 3)
+    scales[2, 512:] = 200
+    codes = torch.stack([torch.randperm(32, generator=gen) % 16 for _ in range(4 * lanes)])     # [4 · lanes, 32]
+    packed = (codes[:, 0::2] | (codes[:, 1::2] << 4)).to(torch.uint8)                           # one group a row
+    words = repack_mxfp4_for_decode(packed).view(torch.int32).numpy().astype(np.uint32)          # [4 · lanes, 4]
+    word_of = words[:, 0].reshape(4, lanes)                     # word c = 0 of each row: its pairs 0, 4, 8, 12
+    inputs = {f"${16 + i}": word_of[i] for i in range(4)} | {f"${20 + i}": scales[i] for i in range(4)}
+    regs = PtxSubset(mxfp4_packed._PACKED_ASM.value).run(inputs)
+    for i in range(4):
+        rows = slice(i * lanes, (i + 1) * lanes)
+        want = expected_bits(packed[rows], torch.from_numpy(scales[i].astype(np.uint8))[:, None], mxfp4.MX_PACKED)
+        want = want[:, [0, 1, 8, 9, 16, 17, 24, 25]]            # columns of pairs 0, 4, 8, 12
+        got = np.stack([np.stack([regs[f"${4 * i + j}"] & 0xFFFF, regs[f"${4 * i + j}"] >> 16], -1)
+                        for j in range(4)], -2).reshape(-1, 8)
         assert_same_bits(torch.from_numpy(got.astype(np.int64)).to(torch.int16), want)

@@ -26,6 +26,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from deepinfer.kernels import packed_layout_wanted
 from deepinfer.kernels.reference import dequant_fp8_block, dequant_mxfp4, scale_to_float
 
 from .checkpoint import TensorReader, WeightError, read_headers
@@ -33,7 +34,7 @@ from .config import DeepseekV4Config
 from .config_v41 import DeepseekV41Config
 from .dummy import dummy_model
 from .engram_vocab import compressed_token_map
-from .layers.moe import quantise_expert_matrix
+from .layers.moe import Experts, quantise_expert_matrix
 from .layers.moe_ep_setup import shard_experts
 from .load_plan import COPY, DRAFT, ENGRAM_TABLE, KEEP, PACKED_FP4, TABLE, Placement, plan_load
 from .model import DeepseekV4ForCausalLM, build_model
@@ -92,6 +93,8 @@ def load_model(
         The model in eval mode; `model.draft_weights` holds the `mtp.*` tensors on the CPU as stored
         (FP8 / MXFP4 weights with their scale under the official `….scale` name, checked finite after
         dequantisation): the MTP head of V4, the DSpark stages `mtp.0..2` (`dspark.DSparkDraft`).
+        MXFP4 routed experts on a device that wants it (`deepinfer.kernels.packed_layout_wanted`) are
+        re-packed for the expert kernels (`Experts.mxfp4_packed`).
 
     Raises:
         ConfigError: bad config.json. WeightError: an unusable checkpoint file, or a missing,
@@ -109,10 +112,11 @@ def load_model(
         raise ValueError("local_experts (a sharded expert load) works for DeepSeek-V4 checkpoints in the "
                          "safetensors format only")
     if isinstance(cfg, DeepseekV41Config):
-        return _load_v41(model_dir, cfg, dtype, torch.device(device), expert_dtype, progress, load_format, seed,
-                         engram_on_host)
+        return _for_kernels(_load_v41(model_dir, cfg, dtype, torch.device(device), expert_dtype, progress,
+                                      load_format, seed, engram_on_host))
     if load_format == "dummy":
-        return dummy_model(cfg, dtype=dtype, device=device, kv_quant=kv_quant, expert_dtype=expert_dtype, seed=seed)
+        return _for_kernels(dummy_model(cfg, dtype=dtype, device=device, kv_quant=kv_quant, expert_dtype=expert_dtype,
+                                        seed=seed))
     meta = build_model(cfg, device="meta", dtype=dtype, kv_quant=kv_quant, expert_dtype=expert_dtype)
     shards = shard_experts(meta, local_experts) if local_experts is not None else None
     plan = plan_load(read_headers(model_dir), meta.state_dict(), cfg, expert_dtype, Path(model_dir), shards)
@@ -121,7 +125,16 @@ def load_model(
     with torch.no_grad():
         model.draft_weights = _stream(plan, model.state_dict(), _Context(cfg, expert_dtype, torch.device(device)),
                                       progress)
-    return model.eval()
+    return _for_kernels(model.eval())
+
+
+def _for_kernels(model: Any) -> Any:
+    """`model` with its MXFP4 routed experts re-packed for the expert kernels' `packed` decoder where
+    their device wants it (`deepinfer.kernels.packed_layout_wanted`); the checkpoint is read as stored."""
+    for module in model.modules():
+        if isinstance(module, Experts) and module.expert_dtype == "fp4" and packed_layout_wanted(module.w13.device):
+            module.repack_for_decode_()
+    return model
 
 
 def _load_v41(model_dir: str | Path, cfg: DeepseekV41Config, dtype: torch.dtype, device: torch.device,

@@ -68,10 +68,11 @@ def moe_experts_fp8(
 
 def moe_experts_mxfp4(
     x: Tensor, expert_ids: Tensor, weights: Tensor, w13: Tensor, w13_scale: Tensor, w2: Tensor, w2_scale: Tensor,
-    limit: float,
+    limit: float, *, packed: bool = False,
 ) -> Tensor:
     """Same contract as `reference.moe_experts_mxfp4`."""
-    return _active_experts(x, expert_ids, weights, mxfp4_expert(w13, w13_scale, w2, w2_scale, x.dtype), limit)
+    expert = mxfp4_expert(w13, w13_scale, w2, w2_scale, x.dtype, packed=packed)
+    return _active_experts(x, expert_ids, weights, expert, limit)
 
 
 def _active_experts(x: Tensor, expert_ids: Tensor, weights: Tensor,

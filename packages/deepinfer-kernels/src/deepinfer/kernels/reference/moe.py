@@ -8,6 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from ..mxfp4_layout import unpack_mxfp4_from_decode
 from .quant import FP8_E4M3_MAX, dequant_fp8_block, dequant_mxfp4
 
 SCORING_FUNCS = ("sqrtsoftplus", "sigmoid", "softmax")
@@ -125,7 +126,7 @@ def moe_experts_fp8(
 
 def moe_experts_mxfp4(
     x: Tensor, expert_ids: Tensor, weights: Tensor, w13: Tensor, w13_scale: Tensor, w2: Tensor, w2_scale: Tensor,
-    limit: float,
+    limit: float, *, packed: bool = False,
 ) -> Tensor:
     """`moe_experts` with MXFP4 expert weights (each active expert dequantised, then the same
     computation in x's dtype).
@@ -135,10 +136,13 @@ def moe_experts_mxfp4(
         w13: [num_experts, 2 * inter, hidden / 2] uint8, two e2m1 codes per byte (low nibble first);
             w13_scale: [num_experts, 2 * inter, hidden / 32] uint8-coded e8m0; w2: [num_experts, hidden,
             inter / 2] uint8; w2_scale: [num_experts, hidden, inter / 32] uint8-coded e8m0.
+        packed: w13 and w2 hold their codes in the layout of `mxfp4_layout.repack_mxfp4_for_decode`
+            (same shapes; the scales as stored), not the checkpoint's.
     Returns:
         [num_tokens, hidden] in x's dtype.
     """
-    return _active_experts(x, expert_ids, weights, mxfp4_expert(w13, w13_scale, w2, w2_scale, x.dtype), limit)
+    expert = mxfp4_expert(w13, w13_scale, w2, w2_scale, x.dtype, packed=packed)
+    return _active_experts(x, expert_ids, weights, expert, limit)
 
 
 def fp8_expert(w13: Tensor, w13_scale: Tensor, w2: Tensor, w2_scale: Tensor, block: int,
@@ -149,11 +153,17 @@ def fp8_expert(w13: Tensor, w13_scale: Tensor, w2: Tensor, w2_scale: Tensor, blo
                       dequant_fp8_block(w2[e], w2_scale[e], block).to(dtype))
 
 
-def mxfp4_expert(w13: Tensor, w13_scale: Tensor, w2: Tensor, w2_scale: Tensor,
-                 dtype: torch.dtype) -> Callable[[int], tuple[Tensor, Tensor]]:
-    """e -> expert e's (w13, w2) dequantised from MXFP4 storage to `dtype` (shapes as
+def mxfp4_expert(w13: Tensor, w13_scale: Tensor, w2: Tensor, w2_scale: Tensor, dtype: torch.dtype, *,
+                 packed: bool = False) -> Callable[[int], tuple[Tensor, Tensor]]:
+    """e -> expert e's (w13, w2) dequantised from MXFP4 storage to `dtype` (shapes and `packed` as
     `moe_experts_mxfp4`); shared with the batch-invariant twin."""
-    return lambda e: (dequant_mxfp4(w13[e], w13_scale[e]).to(dtype), dequant_mxfp4(w2[e], w2_scale[e]).to(dtype))
+    codes = unpack_mxfp4_from_decode if packed else _as_stored
+    return lambda e: (dequant_mxfp4(codes(w13[e]), w13_scale[e]).to(dtype),
+                      dequant_mxfp4(codes(w2[e]), w2_scale[e]).to(dtype))
+
+
+def _as_stored(codes: Tensor) -> Tensor:
+    return codes
 
 
 def quant_fp8_groups(x: Tensor, group: int) -> tuple[Tensor, Tensor]:

@@ -34,7 +34,7 @@ from .. import invariant, reference
 from ..torch_ops import moe_experts_grouped
 from ._launch import on_triton, precision
 from .gemv import linear_fused
-from .mxfp4 import DECODES, MX_DOT_SCALED, group_scales, load_columns, mxfp4_dot, mxfp4_tile, runnable_decode
+from .mxfp4 import DECODES, MX_DOT_SCALED, MX_PACKED, group_scales, load_columns, mxfp4_dot, mxfp4_tile, runnable_decode
 
 FUSED_MAX_PAIRS = 2048
 GROUPED_MIN_PAIRS = FUSED_MAX_PAIRS + 1     # from here on the grouped GEMMs of `moe_grouped` (prefill)
@@ -45,10 +45,14 @@ GROUPED_MIN_PAIRS = FUSED_MAX_PAIRS + 1     # from here on the grouped GEMMs of 
 # With the twin dividing, every test of test_triton_moe_grouped.py passed on an H100 on 2026-12-07
 # (the V4-Flash shapes at 512 and 4096 tokens and the injected indexing bugs included): on.
 GROUPED_FP8 = True
-# How the small-batch expert kernels decode MXFP4 weights (`mxfp4.DECODES`; where the choice cannot
-# run, `mxfp4.runnable_decode` says what does), and their (BLOCK_N, BLOCK_K) per decoder.
+# How the small-batch expert kernels decode MXFP4 weights stored as the checkpoint has them
+# (`mxfp4.DECODES` but MX_PACKED, whose codes are re-packed; where the choice cannot run,
+# `mxfp4.runnable_decode` says what does), and their (BLOCK_N, BLOCK_K) per decoder.
 MXFP4_DECODE = MX_DOT_SCALED
 MXFP4_TILES = {decode: (64, 128) for decode in DECODES.values()}
+# Whether the model loader re-packs routed MXFP4 experts on CUDA for the `packed` decoder
+# (`mxfp4.MX_PACKED`, `deepinfer.kernels.mxfp4_layout`); their ops then run it at every batch.
+MXFP4_REPACK = False
 _SCORING = {"sqrtsoftplus": 0, "sigmoid": 1, "softmax": 2}
 
 
@@ -386,37 +390,38 @@ def moe_experts_fp8_invariant(
 
 def moe_experts_mxfp4_fused(
     x: Tensor, expert_ids: Tensor, weights: Tensor, w13: Tensor, w13_scale: Tensor, w2: Tensor, w2_scale: Tensor,
-    limit: float,
+    limit: float, *, packed: bool = False,
 ) -> Tensor:
     """Same contract as `reference.moe_experts_mxfp4`: below `GROUPED_MIN_PAIRS` pairs the expert
     kernels here, from there on the grouped GEMMs of `moe_grouped` (both decode the e2m1 codes in the
     kernel). Needs hidden and intermediate sizes divisible by 32 and uint8-coded scales; else the
-    reference."""
+    reference. Re-packed codes (`packed`): the expert kernels with `mxfp4.MX_PACKED` at every batch."""
     inter = 2 * w2.shape[-1]
-    if (expert_ids.numel() >= GROUPED_MIN_PAIRS and on_triton(x) and _grouped(x, MXFP4, inter, 32)
+    if (not packed and expert_ids.numel() >= GROUPED_MIN_PAIRS and on_triton(x) and _grouped(x, MXFP4, inter, 32)
             and w13_scale.dtype == torch.uint8 and w2_scale.dtype == torch.uint8
             and all(t.is_contiguous() for t in (x, w13, w13_scale, w2, w2_scale))):
         return _grouped_experts(x, expert_ids, weights, w13.view(torch.uint8), w2.view(torch.uint8), limit, MXFP4,
                                 w13_scale, w2_scale, 32, inter)
-    return moe_experts_mxfp4_invariant(x, expert_ids, weights, w13, w13_scale, w2, w2_scale, limit)
+    return moe_experts_mxfp4_invariant(x, expert_ids, weights, w13, w13_scale, w2, w2_scale, limit, packed=packed)
 
 
 def moe_experts_mxfp4_invariant(
     x: Tensor, expert_ids: Tensor, weights: Tensor, w13: Tensor, w13_scale: Tensor, w2: Tensor, w2_scale: Tensor,
-    limit: float,
+    limit: float, *, packed: bool = False,
 ) -> Tensor:
     """Same contract as `reference.moe_experts_mxfp4`, batch-invariant: the expert kernels here decode
     the packed e2m1 codes and their e8m0 group scales tile by tile (any number of pairs; decoder
-    `MXFP4_DECODE`). Needs hidden and intermediate sizes divisible by 32, uint8-coded scales and
-    codes at 4-byte-aligned addresses (read as 32-bit words); else the reference."""
+    `MXFP4_DECODE`, or `mxfp4.MX_PACKED` for re-packed codes). Needs hidden and intermediate sizes
+    divisible by 32, uint8-coded scales and codes at 4-byte-aligned addresses (read as 32-bit words);
+    else the reference."""
     tensors = (x, w13, w13_scale, w2, w2_scale)
     inter, hidden = 2 * w2.shape[-1], x.shape[-1]
     if (not on_triton(x) or expert_ids.numel() == 0 or inter % 32 or hidden % 32 or w13_scale.dtype != torch.uint8
             or w2_scale.dtype != torch.uint8 or not all(t.is_contiguous() for t in tensors)
             or w13.data_ptr() % 4 or w2.data_ptr() % 4):
-        return reference.moe_experts_mxfp4(x, expert_ids, weights, w13, w13_scale, w2, w2_scale, limit)
+        return reference.moe_experts_mxfp4(x, expert_ids, weights, w13, w13_scale, w2, w2_scale, limit, packed=packed)
     return _experts(x, expert_ids, weights, w13.view(torch.uint8), w2.view(torch.uint8), limit, MXFP4, w13_scale,
-                    w2_scale, 32, inter)
+                    w2_scale, 32, inter, decode=MX_PACKED if packed else None)
 
 
 def _grouped(x: Tensor, fmt: int, inter: int, block: int) -> bool:
@@ -471,8 +476,9 @@ def _experts(x: Tensor, expert_ids: Tensor, weights: Tensor, w13: Tensor, w2: Te
              s13: Tensor, s2: Tensor, block: int, inter: int, *, decode: int | None = None,
              tiles: dict[str, int] | None = None) -> Tensor:
     """Align the pairs, run the up and down kernels on weights of format `fmt` (scales s13 / s2 and
-    their block edge; for PLAIN any tensors, unused), sum each token's rows. `decode` (MXFP4's
-    decoder, default `MXFP4_DECODE`) and `tiles` (default `_tiles`) are for benchmarks."""
+    their block edge; for PLAIN any tensors, unused), sum each token's rows. `decode`: MXFP4's
+    decoder (default `MXFP4_DECODE`; `mxfp4.MX_PACKED` for re-packed codes); `tiles` (default `_tiles`)
+    for benchmarks."""
     num_tokens, top_k = expert_ids.shape
     pairs = num_tokens * top_k
     num_experts, hidden = w13.shape[0], x.shape[1]

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from deepinfer.kernels import KernelSet
+from deepinfer.kernels import KernelSet, repack_mxfp4_for_decode
 from deepinfer.kernels.reference import quant_fp8_block, quant_mxfp4
 
 from ..config import ConfigError, DeepseekV4Config
@@ -51,16 +51,23 @@ class Experts(nn.Module):
 
     Under expert parallelism (`moe_ep`) the module holds this rank's physical expert slots only:
     `num_experts` rows instead of the config's `n_routed_experts`.
+
+    `mxfp4_packed` ("fp4" only): w13 / w2 hold their codes re-packed for the expert kernels' `packed`
+    decoder (`repack_mxfp4_for_decode`, same shapes; `repack_for_decode_`), not in the checkpoint's
+    layout; the ops get `packed=True`.
     """
 
     def __init__(self, cfg: DeepseekV4Config | DeepseekV41Config, expert_dtype: str | None = None,
-                 num_experts: int | None = None) -> None:
+                 num_experts: int | None = None, *, mxfp4_packed: bool = False) -> None:
         super().__init__()
         e = cfg.n_routed_experts if num_experts is None else num_experts
         i, h = cfg.moe_intermediate_size, cfg.hidden_size
         if expert_dtype not in EXPERT_DTYPES:
             raise ConfigError(f"expert_dtype={expert_dtype!r} must be one of {EXPERT_DTYPES}")
+        if mxfp4_packed and expert_dtype != "fp4":
+            raise ValueError(f"mxfp4_packed needs expert_dtype 'fp4', got {expert_dtype!r}")
         self.expert_dtype = expert_dtype
+        self.mxfp4_packed = mxfp4_packed
         self.fp8_block = cfg.quant.fp8_block if cfg.quant else 128
         if expert_dtype is None:
             self.w13 = nn.Parameter(torch.empty(e, 2 * i, h))
@@ -94,17 +101,34 @@ class Experts(nn.Module):
         if self.expert_dtype == "fp8":
             return ops.moe_experts_fp8(x, expert_ids, weights, self.w13, self.w13_scale, self.w2, self.w2_scale,
                                        limit, self.fp8_block)
-        return ops.moe_experts_mxfp4(x, expert_ids, weights, self.w13, self.w13_scale, self.w2, self.w2_scale, limit)
+        return ops.moe_experts_mxfp4(x, expert_ids, weights, self.w13, self.w13_scale, self.w2, self.w2_scale, limit,
+                                     packed=self.mxfp4_packed)
+
+    def repack_for_decode_(self) -> None:
+        """Re-pack the MXFP4 codes of w13 and w2 in place, expert by expert, for the `packed` decoder
+        (`repack_mxfp4_for_decode`; scales unchanged) and set `mxfp4_packed`. No-op if already packed.
+
+        Raises:
+            ValueError: the experts are not "fp4"."""
+        if self.expert_dtype != "fp4":
+            raise ValueError(f"repack_for_decode_ needs expert_dtype 'fp4', got {self.expert_dtype!r}")
+        if self.mxfp4_packed:
+            return
+        with torch.no_grad():
+            for w in (self.w13, self.w2):
+                for e in range(w.shape[0]):
+                    w[e].copy_(repack_mxfp4_for_decode(w[e]))
+        self.mxfp4_packed = True
 
     def quantise_(self, e: int, w13: Tensor, w2: Tensor) -> None:
         """Store expert `e` from float matrices w13 [2·inter, hidden], w2 [hidden, inter] in this
-        module's quantised format (`quant_fp8_block` / `quant_mxfp4`)."""
+        module's quantised format (`quant_fp8_block` / `quant_mxfp4`, re-packed if `mxfp4_packed`)."""
         if self.expert_dtype is None:
             raise ValueError("quantise_ needs quantised experts (expert_dtype 'fp8' or 'fp4')")
         with torch.no_grad():
             for name, w in (("w13", w13), ("w2", w2)):
                 q, s = quantise_expert_matrix(w, self.expert_dtype, self.fp8_block)
-                getattr(self, name)[e].copy_(q)
+                getattr(self, name)[e].copy_(repack_mxfp4_for_decode(q) if self.mxfp4_packed else q)
                 getattr(self, f"{name}_scale")[e].copy_(s)
 
     def randomise_quantised_(self, inter: int, hidden: int, std: float, generator: torch.Generator) -> None:

@@ -53,7 +53,8 @@ def shard_experts(model: nn.Module, local_experts: Sequence[Sequence[int]]) -> d
                              f"got {list(ids)[:8]}")
         shards[names[id(moe.experts)]] = ids
         with torch.device("meta"):
-            moe.experts = Experts(moe.cfg, moe.experts.expert_dtype, num_experts=len(ids))
+            moe.experts = Experts(moe.cfg, moe.experts.expert_dtype, num_experts=len(ids),
+                                  mxfp4_packed=moe.experts.mxfp4_packed)
     return shards
 
 
@@ -98,7 +99,8 @@ def apply_expert_parallel(model: nn.Module, group: dist.ProcessGroup, slots: Seq
                                  f"gives each rank {layer_slots.slots_per_rank}")
         else:
             local_ids = layer_slots.local_logical_ids(rank).to(device)
-            local = Experts(moe.cfg, full.expert_dtype, num_experts=layer_slots.slots_per_rank).to(device)
+            local = Experts(moe.cfg, full.expert_dtype, num_experts=layer_slots.slots_per_rank,
+                            mxfp4_packed=full.mxfp4_packed).to(device)
             with torch.no_grad():
                 for name in full.param_names:
                     getattr(local, name).data = getattr(full, name).index_select(0, local_ids)
