@@ -60,9 +60,11 @@ def test_cuda_kernel_set_matches_transformers_under_the_interpreter() -> None:
             logits = ours(batch, cache, ops)
 
 
-@pytest.mark.parametrize("expert_dtype", ["fp8", "fp4"])
-def test_quantised_experts_through_the_cuda_kernel_set_match_the_reference_ops(expert_dtype) -> None:
-    """A model whose routed experts are FP8 (blocks of 16) or MXFP4: the CUDA kernel set under the
+@pytest.mark.parametrize(("expert_dtype", "repack"), [("fp8", False), ("fp4", False), ("fp4", True)],
+                         ids=["fp8", "fp4", "fp4-repacked"])
+def test_quantised_experts_through_the_cuda_kernel_set_match_the_reference_ops(expert_dtype, repack) -> None:
+    """A model whose routed experts are FP8 (blocks of 16) or MXFP4 (as stored, or re-packed for the
+    `packed` decoder as the loader does on CUDA with `MXFP4_REPACK`): the CUDA kernel set under the
     interpreter against the reference ops, through packed prefill and batched decode steps."""
     pytest.importorskip("triton")
     from deepinfer.kernels import kernels_for
@@ -77,6 +79,8 @@ def test_quantised_experts_through_the_cuda_kernel_set_match_the_reference_ops(e
     for block, source in zip(ours.layers, float_model.layers, strict=True):
         for e in range(source.ffn.experts.w13.shape[0]):
             block.ffn.experts.quantise_(e, source.ffn.experts.w13[e].detach(), source.ffn.experts.w2[e].detach())
+        if repack:
+            block.ffn.experts.repack_for_decode_()
     ours.eval()
     gen = torch.Generator().manual_seed(7)
     seqs = [torch.randint(0, 96, (n,), generator=gen).tolist() for n in (13, 6)]

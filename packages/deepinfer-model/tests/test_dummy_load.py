@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from deepinfer.kernels import unpack_mxfp4_from_decode
 from deepinfer.kernels.reference import dequant_fp8_block, dequant_mxfp4, scale_to_float
 from deepinfer.model import (
     LOAD_FORMATS,
@@ -21,6 +22,7 @@ from deepinfer.model import (
     load_model,
 )
 from deepinfer.model.dummy import NEAR_ONE, ROUTER_BIAS, SMALL_BIAS
+from deepinfer.model.layers.moe import Experts
 from deepinfer.model.model import build_model
 
 KINDS = ("sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention",
@@ -167,3 +169,22 @@ def test_load_format_and_seed_are_checked(tmp_path: Path) -> None:
         load_model(folder, load_format="dummy", seed=-1)
     with pytest.raises(WeightError, match=r"no model.safetensors or model.safetensors.index.json"):
         load_model(folder)                                     # the default still needs a checkpoint
+
+
+def test_fp4_experts_repacked_for_the_kernels_give_the_same_logits(tmp_path, monkeypatch) -> None:
+    """Where the device wants the expert kernels' `packed` layout (forced here on the CPU), load_model
+    re-packs every layer's MXFP4 experts (codes only); the ops read them (here the reference twins,
+    which unpack) to the same logits, bit for bit."""
+    import deepinfer.model.weights as weights
+
+    folder = _folder(tmp_path, _raw())
+    plain = load_model(folder, load_format="dummy", expert_dtype="fp4", seed=3)
+    monkeypatch.setattr(weights, "packed_layout_wanted", lambda device: True)
+    packed = load_model(folder, load_format="dummy", expert_dtype="fp4", seed=3)
+    pairs = [(p, q) for p, q in zip(plain.modules(), packed.modules(), strict=True) if isinstance(p, Experts)]
+    assert pairs and all(q.mxfp4_packed and not p.mxfp4_packed for p, q in pairs)
+    for p, q in pairs:
+        assert not torch.equal(q.w13, p.w13) and torch.equal(unpack_mxfp4_from_decode(q.w13), p.w13)
+        assert torch.equal(unpack_mxfp4_from_decode(q.w2), p.w2) and torch.equal(q.w13_scale, p.w13_scale)
+    tokens = [5, 17, 3, 60, 2, 9, 41]
+    assert torch.equal(_logits(packed, tokens), _logits(plain, tokens))
