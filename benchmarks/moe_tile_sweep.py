@@ -18,7 +18,9 @@ The last lines: the best tile per batch and format / decoder. `--cpu-smoke` runs
 the CPU (Triton's interpreter, float32 activations and "bf16" weights, 8 experts, hidden and
 intermediate 128, 3 tokens, the decoders the interpreter runs, one tile, one timed call each).
 
-The shipped MXFP4 decoder and its tile: `triton_ops.moe.MXFP4_DECODE`, `MXFP4_TILES`.
+The shipped MXFP4 decoder and its tile: `triton_ops.moe.MXFP4_DECODE`, `MXFP4_TILES` (`packed`, the
+decoder of codes re-packed at load time, runs on re-packed copies of the same experts; the loader
+re-packs with `moe.MXFP4_REPACK`).
 """
 
 from __future__ import annotations
@@ -38,7 +40,7 @@ import torch
 import triton
 from kernels_gpu import quantised
 
-from deepinfer.kernels import reference
+from deepinfer.kernels import reference, repack_mxfp4_for_decode
 from deepinfer.kernels.triton_ops import moe, mxfp4
 
 TOP_K, LIMIT = 6, 10.0
@@ -65,6 +67,11 @@ class Variant:
     def name(self) -> str:
         return self.fmt if self.decode is None else f"{self.fmt}/{DECODE_NAMES[self.decode]}"
 
+    @property
+    def weights(self) -> str:
+        """Its key in `experts`' result: MXFP4's `packed` decoder reads re-packed codes."""
+        return "mxfp4_packed" if self.decode == mxfp4.MX_PACKED else self.fmt
+
 
 def grid(block_n: list[int], block_k: list[int], warps: list[int], stages: list[int]) -> list[dict[str, int]]:
     return [dict(BLOCK_M=16, BLOCK_N=n, BLOCK_K=k, num_warps=w, num_stages=s)
@@ -88,9 +95,10 @@ def mxfp4_experts(shape: Shape, gen: torch.Generator, device: str) -> tuple[torc
     return (*codes(2 * i, h), *codes(h, i))
 
 
-def experts(shape: Shape, formats: list[str], gen: torch.Generator, device: str, dtype) -> dict[str, tuple]:
+def experts(shape: Shape, formats: list[str], gen: torch.Generator, device: str, dtype,
+            packed: bool = False) -> dict[str, tuple]:
     """The experts of each format asked for: bf16 (w13, w2), FP8 block 128 and MXFP4 (w13, scale,
-    w2, scale)."""
+    w2, scale); with `packed`, also the MXFP4 ones with their codes re-packed ("mxfp4_packed")."""
     out = {}
     if "bf16" in formats or "fp8" in formats:
         w13 = torch.randn(shape.experts, 2 * shape.inter, shape.hidden, generator=gen, device=device)
@@ -103,6 +111,9 @@ def experts(shape: Shape, formats: list[str], gen: torch.Generator, device: str,
             out["fp8"] = quantised(w13, w2, ("fp8",))["fp8"]
     if "mxfp4" in formats:
         out["mxfp4"] = mxfp4_experts(shape, gen, device)
+        if packed:
+            w13, s13, w2, s2 = out["mxfp4"]
+            out["mxfp4_packed"] = (repack_mxfp4_for_decode(w13), s13, repack_mxfp4_for_decode(w2), s2)
     return out
 
 
@@ -118,9 +129,10 @@ def calls(variant: Variant, weights: tuple, shape: Shape, x, ids, routing, tiles
         return (lambda: moe._experts(x, ids, routing, w13, w2, LIMIT, moe.FP8_BLOCK, s13, s2, 128, shape.inter,
                                      tiles=tiles),
                 lambda: reference.moe_experts_fp8(x, ids, routing, w13, s13, w2, s2, LIMIT, 128))
+    packed = variant.decode == mxfp4.MX_PACKED
     return (lambda: moe._experts(x, ids, routing, w13, w2, LIMIT, moe.MXFP4, s13, s2, 32, shape.inter,
                                  decode=variant.decode, tiles=tiles),
-            lambda: reference.moe_experts_mxfp4(x, ids, routing, w13, s13, w2, s2, LIMIT))
+            lambda: reference.moe_experts_mxfp4(x, ids, routing, w13, s13, w2, s2, LIMIT, packed=packed))
 
 
 @dataclass(frozen=True, slots=True)
@@ -173,7 +185,7 @@ def sweep(shape: Shape, variants: list[Variant], batches: list[Batch], weights: 
           tiles: list[dict[str, int]], threads: int, smoke: bool) -> list[dict]:
     cases = [(v, b, t) for v in variants for b in batches for t in tiles if runs(v, b) and fits(v, t)]
     jobs = [((v, t["BLOCK_N"], t["BLOCK_K"], t["num_warps"], t["num_stages"]),
-             lambda v=v, t=t: [calls(v, weights[v.fmt], shape, b.x, b.ids, b.routing, t)[0]()
+             lambda v=v, t=t: [calls(v, weights[v.weights], shape, b.x, b.ids, b.routing, t)[0]()
                                for b in batches if runs(v, b)])
             for v in variants for t in tiles if fits(v, t)]
     failed = {}
@@ -187,7 +199,7 @@ def sweep(shape: Shape, variants: list[Variant], batches: list[Batch], weights: 
     for v, b, t in cases:
         if (v, t["BLOCK_N"], t["BLOCK_K"], t["num_warps"], t["num_stages"]) in failed:
             continue
-        fused, ref = calls(v, weights[v.fmt], shape, b.x, b.ids, b.routing, t)
+        fused, ref = calls(v, weights[v.weights], shape, b.x, b.ids, b.routing, t)
         if (v.fmt, b.size) not in wants:
             wants[v.fmt, b.size] = ref().float()
         want = wants[v.fmt, b.size]
@@ -255,7 +267,7 @@ def main() -> None:
         args.batches, args.block_n, args.block_k, args.warps, args.stages = "3", "32", "128", "4", "3"
     variants = [Variant(f, d) for f in formats for d in (chosen if f == "mxfp4" else [None])]
     gen = torch.Generator(device=device).manual_seed(0)
-    weights = experts(shape, formats, gen, device, dtype)
+    weights = experts(shape, formats, gen, device, dtype, packed=mxfp4.MX_PACKED in chosen)
     batches = [batch(b, shape, gen, device, dtype) for b in ints(args.batches)]
     tiles = grid(ints(args.block_n), ints(args.block_k), ints(args.warps), ints(args.stages))
     rows = sweep(shape, variants, batches, weights, tiles, args.threads, smoke)

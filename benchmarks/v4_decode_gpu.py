@@ -13,7 +13,8 @@ is (weights touched + KV bytes read) / copy bandwidth measured in the same run; 
 attention + mHC + shared expert of every layer + the expected number of distinct routed experts
 for the batch (uniform routing: E·(1 − (1 − k/E)^B)) + the LM head. `--expert-dtype fp8|fp4` keeps
 the routed experts in FP8 (block-128 scales) or MXFP4 (ours only; the roofline counts the bytes as
-stored).
+stored); `--mxfp4-decode NAME` picks the small-batch kernels' MXFP4 decoder (`triton_ops.mxfp4.DECODES`;
+`packed` re-packs the experts' codes first, as the loader does with `moe.MXFP4_REPACK`).
 """
 
 from __future__ import annotations
@@ -34,7 +35,9 @@ import torch
 
 from deepinfer.engine.core.cuda_graphs import DecodeGraphs
 from deepinfer.kernels import kernels_for, reference
+from deepinfer.kernels.triton_ops import moe, mxfp4
 from deepinfer.model import DeepseekV4Config, ForwardBatch, ModelCache
+from deepinfer.model.layers.moe import Experts
 from deepinfer.model.model import build_model
 
 FLASH = dict(
@@ -221,10 +224,16 @@ def bench_hf_prefill(model, vocab_size: int, prompt_len: int) -> dict:
 
 def bench_ours(cfg: DeepseekV4Config, batches: list[int], context: int, steps: int, bandwidth: float,
                profile_batches: list[int] | None = None, prefill_len: int = 0,
-               expert_dtype: str | None = None) -> list[dict]:
+               expert_dtype: str | None = None, mxfp4_decode: str | None = None) -> list[dict]:
     model = build_model(cfg, device="cuda", dtype=torch.bfloat16, expert_dtype=expert_dtype)
     model.init_weights(seed=0, std=0.02)
     model.eval()
+    if mxfp4_decode == "packed":
+        for module in model.modules():
+            if isinstance(module, Experts) and module.expert_dtype == "fp4":
+                module.repack_for_decode_()
+    elif mxfp4_decode:
+        moe.MXFP4_DECODE = mxfp4.DECODES[mxfp4_decode]
     results = []
     for b in batches:
         try:
@@ -307,6 +316,8 @@ def main() -> None:
     ap.add_argument("--prefill-len", type=int, default=0, help="also time one prompt of this length (both engines)")
     ap.add_argument("--reference-ops", default="", help="ablation: run these ops with their reference twins")
     ap.add_argument("--expert-dtype", default=None, choices=["fp8", "fp4"], help="quantised routed experts (ours)")
+    ap.add_argument("--mxfp4-decode", default=None, choices=sorted(mxfp4.DECODES),
+                    help="the small-batch kernels' MXFP4 decoder (default: as shipped); packed re-packs the codes")
     ap.add_argument("--out", default="decode_results.json")
     args = ap.parse_args()
     ops = kernels_for("cuda")                     # the cached set every forward uses
@@ -323,7 +334,8 @@ def main() -> None:
               "context": args.context, "copy_bandwidth_Bps": bandwidth,
               "ours": bench_ours(cfg, [int(x) for x in args.batches.split(",") if x], args.context, args.steps,
                                  bandwidth, [int(x) for x in args.profile_batches.split(",") if x], args.prefill_len,
-                                 args.expert_dtype)}
+                                 args.expert_dtype, args.mxfp4_decode),
+              "mxfp4_decode": args.mxfp4_decode}
     if args.hf_batches or args.prefill_len:
         try:
             report["transformers"] = bench_hf(raw, [int(x) for x in args.hf_batches.split(",") if x], args.context, 8,

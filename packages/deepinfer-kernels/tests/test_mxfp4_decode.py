@@ -355,3 +355,18 @@ def test_packed_asm_text_decodes_every_code_at_every_scale_byte_when_emulated() 
         got = np.stack([np.stack([regs[f"${4 * i + j}"] & 0xFFFF, regs[f"${4 * i + j}"] >> 16], -1)
                         for j in range(4)], -2).reshape(-1, 8)
         assert_same_bits(torch.from_numpy(got.astype(np.int64)).to(torch.int16), want)
+
+
+@pytest.mark.skipif(not CUDA, reason="V4-Flash shapes: a GPU")
+@pytest.mark.parametrize("num_tokens", [1, 8, 40])
+def test_packed_experts_at_v4_flash_shapes_match_the_reference(num_tokens) -> None:
+    """MX_PACKED at V4-Flash's hidden 4096 / intermediate 2048 (whole K steps, the shipped tile),
+    16 experts, top-6, bf16: against the reference op and against the checkpoint-layout kernels."""
+    x, ids, weights, (w13, s13, w2, s2) = experts_case(900 + num_tokens, num_tokens, 16, 4096, 2048)
+    want = reference.moe_experts_mxfp4(x, ids, weights, w13, s13, w2, s2, 7.0)
+    got = moe.moe_experts_mxfp4_invariant(x, ids, weights, repack_mxfp4_for_decode(w13), s13,
+                                          repack_mxfp4_for_decode(w2), s2, 7.0, packed=True)
+    stored = moe.moe_experts_mxfp4_invariant(x, ids, weights, w13, s13, w2, s2, 7.0)
+    scale = want.float().abs().max().item()
+    torch.testing.assert_close(got.float(), want.float(), atol=2e-2 * scale, rtol=0)
+    torch.testing.assert_close(got.float(), stored.float(), atol=2e-2 * scale, rtol=0)
