@@ -45,7 +45,7 @@ def cases():
     from deepinfer.kernels.triton_ops.moe_grouped import GemmTiles, expert_tiles
 
     formats = (("bf16", moe.PLAIN, "*bf16", "*bf16"), ("fp8", moe.FP8_BLOCK, "*fp8e4nv", "*fp32"),
-               ("mxfp4", moe.MXFP4, "*u8", "*u8"))
+               ("mxfp4", moe.MXFP4, "*u8", "*u8"), ("mxfp4-packed", moe.MXFP4_PACKED, "*u8", "*u8"))
     for name, fmt, weight, scale in formats:
         tiles = expert_tiles(fmt, 4096, 2048, 128)
         plain = GemmTiles(64, 128, 128 if fmt == moe.FP8_BLOCK else 64, 4, 3)       # one warpgroup, no halves
@@ -118,7 +118,8 @@ def test_small_batch_mxfp4_kernels_compile_for_hopper(kernel, decode, block_n, b
     """V4-Flash shapes (hidden 4096, intermediate 2048: the sizes and strides the launch specialises
     as divisible by 16). Every decoder must compile for sm_90 without local memory, with the matrix
     instructions on the tensor cores (HGMMA: weights × activationsᵀ puts BLOCK_N ≥ 64 weight rows on
-    a wgmma's M) and pipelined copies; the PTX decoder's prmt / bf16x2 multiplies must be there."""
+    a wgmma's M) and pipelined copies; the PTX decoders' prmt / rotations and bf16x2 multiplies must
+    be there, and `packed` must read its activations without 2-byte gathers."""
     from deepinfer.kernels.triton_ops import moe, mxfp4
 
     fn = moe._expert_up_kernel if kernel == "up" else moe._expert_down_kernel
@@ -132,3 +133,6 @@ def test_small_batch_mxfp4_kernels_compile_for_hopper(kernel, decode, block_n, b
     assert "LDL" not in sass and "STL" not in sass and re.search(r"STACK:0\b", usage), "local memory (spills)"
     if decode == mxfp4.MX_ASM:
         assert "PRMT" in sass and re.search(r"\bHMUL2\.BF16", sass), "the PTX decoder is missing"
+    if decode == mxfp4.MX_PACKED:       # rotations, exact bf16 multiplies; natural activations: no gathers
+        assert re.search(r"\bSHF\.L\.W", sass) and re.search(r"\bHMUL2\.BF16", sass), "the PTX decoder is missing"
+        assert not re.search(r"\bLD(G|S)\.E?\.?U16\b", sass), "2-byte loads (gathers, or scales through shared memory)"

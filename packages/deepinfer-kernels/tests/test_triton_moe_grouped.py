@@ -14,7 +14,7 @@ import os
 import pytest
 import torch
 
-from deepinfer.kernels import reference
+from deepinfer.kernels import reference, repack_mxfp4_for_decode
 from deepinfer.kernels.reference.moe import down_fp8_w8a8, quant_fp8_groups, swiglu_fp8_w8a8
 
 CUDA = torch.cuda.is_available()
@@ -185,7 +185,7 @@ def test_quant_groups_matches_its_twin(dtype) -> None:
     assert torch.equal(q.float(), q_want.float())
 
 
-FORMATS = ["bf16", "fp8", "mxfp4"]
+FORMATS = ["bf16", "fp8", "mxfp4", "mxfp4-packed"]          # mxfp4-packed: codes re-packed (`mxfp4_layout`)
 SMALL = [(40, 8, 3, 64, 64, False), (29, 8, 2, 128, 96, True)]      # tokens, experts, top_k, hidden, inter, skew
 
 
@@ -205,9 +205,20 @@ def run_format(fmt: str, x, ids, weights, w13, w2, *, block: int, tiles=None):
                                 w2.shape[-1], tiles),
                 fp8_stages(x, ids, weights, args, 0.5, block, tiles))
     args = quantised(w13, w2, reference.quant_mxfp4)
-    return (grouped_experts(x, ids, weights, args[0], args[2], 0.5, moe.MXFP4, args[1], args[3], 32, w2.shape[-1],
-                            tiles),
+    w13q, w2q, code = args[0], args[2], moe.MXFP4
+    if fmt == "mxfp4-packed":
+        w13q, w2q, code = repack_mxfp4_for_decode(w13q), repack_mxfp4_for_decode(w2q), moe.MXFP4_PACKED
+    return (grouped_experts(x, ids, weights, w13q, w2q, 0.5, code, args[1], args[3], 32, w2.shape[-1], tiles),
             reference.moe_experts_mxfp4(x, ids, weights, *args, 0.5))
+
+
+def mxfp4_op(op, fmt: str):
+    """The MXFP4 experts op `op` on checkpoint-layout arguments; "mxfp4-packed": on codes re-packed
+    here (`packed=True`)."""
+    if fmt != "mxfp4-packed":
+        return op
+    return lambda x, ids, weights, w13, s13, w2, s2, limit: op(x, ids, weights, repack_mxfp4_for_decode(w13), s13,
+                                                               repack_mxfp4_for_decode(w2), s2, limit, packed=True)
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
@@ -222,8 +233,10 @@ def test_grouped_experts_match_their_twins(fmt, num_tokens, num_experts, top_k, 
     from deepinfer.kernels.triton_ops import moe
     from deepinfer.kernels.triton_ops.moe_grouped import ExpertTiles, expert_tiles, grouped_supported
 
+    if fmt == "mxfp4-packed" and shape != "shipped":
+        pytest.skip("the mxfp4 cases cover the tile shapes: re-packed codes change the decode alone")
     block = 32
-    code = {"bf16": moe.PLAIN, "fp8": moe.FP8_BLOCK, "mxfp4": moe.MXFP4}[fmt]
+    code = {"bf16": moe.PLAIN, "fp8": moe.FP8_BLOCK, "mxfp4": moe.MXFP4, "mxfp4-packed": moe.MXFP4_PACKED}[fmt]
     tiles = expert_tiles(code, hidden, inter, block)
     if shape != "shipped":
         rows, half = (32, True) if shape == "32 / 16 rows" else (16, False)
@@ -317,7 +330,7 @@ def test_large_batches_take_the_grouped_kernels(fmt, monkeypatch) -> None:
                 close(got, plain)
         else:
             args = quantised(w13, w2, reference.quant_mxfp4)
-            close(moe.moe_experts_mxfp4_fused(x, ids, weights, *args, 0.5),
+            close(mxfp4_op(moe.moe_experts_mxfp4_fused, fmt)(x, ids, weights, *args, 0.5),
                   reference.moe_experts_mxfp4(x, ids, weights, *args, 0.5))
 
 
@@ -347,7 +360,7 @@ def test_grouped_experts_at_v4_flash_shapes(fmt, num_tokens, monkeypatch) -> Non
     else:
         args = quantised(w13, w2, reference.quant_mxfp4)
         del w13, w2
-        got, want = (moe.moe_experts_mxfp4_fused(x, ids, weights, *args, 10.0),
+        got, want = (mxfp4_op(moe.moe_experts_mxfp4_fused, fmt)(x, ids, weights, *args, 10.0),
                      reference.moe_experts_mxfp4(x, ids, weights, *args, 10.0))
     close(got, want)
     torch.cuda.empty_cache()

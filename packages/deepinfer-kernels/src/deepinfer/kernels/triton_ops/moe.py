@@ -34,7 +34,17 @@ from .. import invariant, reference
 from ..torch_ops import moe_experts_grouped
 from ._launch import on_triton, precision
 from .gemv import linear_fused
-from .mxfp4 import DECODES, MX_DOT_SCALED, MX_PACKED, group_scales, load_columns, mxfp4_dot, mxfp4_tile, runnable_decode
+from .mxfp4 import (
+    DECODES,
+    MX_DOT_SCALED,
+    MX_PACKED,
+    group_scales,
+    load_columns,
+    mxfp4_dot,
+    mxfp4_tile,
+    packed_weights,
+    runnable_decode,
+)
 
 FUSED_MAX_PAIRS = 2048
 GROUPED_MIN_PAIRS = FUSED_MAX_PAIRS + 1     # from here on the grouped GEMMs of `moe_grouped` (prefill)
@@ -155,7 +165,9 @@ def _clamped_silu_mul(gate, up, limit):
     return gate / (1.0 + tl.exp(-gate)) * tl.minimum(tl.maximum(up, -limit), limit)
 
 
-PLAIN, FP8_BLOCK, MXFP4 = 0, 1, 2          # weight formats of the expert kernels
+# Weight formats of the expert kernels. MXFP4_PACKED (codes re-packed, `deepinfer.kernels.mxfp4_layout`)
+# is the grouped kernels' alone: the small-batch ones take MXFP4 with the decoder `mxfp4.MX_PACKED`.
+PLAIN, FP8_BLOCK, MXFP4, MXFP4_PACKED = 0, 1, 2, 3
 
 
 @triton.jit
@@ -177,8 +189,11 @@ def _e2m1(code):
 @triton.jit
 def _weight_tile(w_rows, s_rows, k0, k_in, nm, dtype, FORMAT: tl.constexpr, BLOCK_K: tl.constexpr):
     """Columns k0 … k0 + BLOCK_K of the weight rows at `w_rows` ([BLOCK_N, 1] pointers) in `dtype`:
-    as stored (FP8 converted; its block scale is the caller's), or MXFP4 codes decoded and scaled."""
-    if FORMAT == 2:
+    as stored (FP8 converted; its block scale is the caller's), or MXFP4 codes decoded and scaled
+    (MXFP4_PACKED: re-packed codes, `mxfp4.packed_weights`)."""
+    if FORMAT == 3:
+        return packed_weights(w_rows, s_rows, k0, k_in, nm, BLOCK_K).to(dtype)
+    elif FORMAT == 2:
         packed, scale = mxfp4_tile(w_rows, s_rows, k0, k_in, nm, BLOCK_K)
         values = tl.interleave(_e2m1(packed & 0xF), _e2m1(packed >> 4))
         scale = tl.exp2(scale.to(tl.float32) - 127.0)
@@ -395,12 +410,13 @@ def moe_experts_mxfp4_fused(
     """Same contract as `reference.moe_experts_mxfp4`: below `GROUPED_MIN_PAIRS` pairs the expert
     kernels here, from there on the grouped GEMMs of `moe_grouped` (both decode the e2m1 codes in the
     kernel). Needs hidden and intermediate sizes divisible by 32 and uint8-coded scales; else the
-    reference. Re-packed codes (`packed`): the expert kernels with `mxfp4.MX_PACKED` at every batch."""
-    inter = 2 * w2.shape[-1]
-    if (not packed and expert_ids.numel() >= GROUPED_MIN_PAIRS and on_triton(x) and _grouped(x, MXFP4, inter, 32)
+    reference. Re-packed codes (`packed`): `mxfp4.MX_PACKED` in the expert kernels, MXFP4_PACKED in the
+    grouped ones."""
+    inter, fmt = 2 * w2.shape[-1], MXFP4_PACKED if packed else MXFP4
+    if (expert_ids.numel() >= GROUPED_MIN_PAIRS and on_triton(x) and _grouped(x, fmt, inter, 32)
             and w13_scale.dtype == torch.uint8 and w2_scale.dtype == torch.uint8
             and all(t.is_contiguous() for t in (x, w13, w13_scale, w2, w2_scale))):
-        return _grouped_experts(x, expert_ids, weights, w13.view(torch.uint8), w2.view(torch.uint8), limit, MXFP4,
+        return _grouped_experts(x, expert_ids, weights, w13.view(torch.uint8), w2.view(torch.uint8), limit, fmt,
                                 w13_scale, w2_scale, 32, inter)
     return moe_experts_mxfp4_invariant(x, expert_ids, weights, w13, w13_scale, w2, w2_scale, limit, packed=packed)
 

@@ -10,12 +10,13 @@ expert, programs mapped to (expert, row tile) by a precomputed tile schedule.
   `sum_slots` adds each token's top-k rows in slot order (deterministic, no atomics).
 - `grouped_experts`: the three, the op `moe.moe_experts*_fused` runs from `moe.GROUPED_MIN_PAIRS` pairs.
 
-Weight formats (`moe.PLAIN`, `moe.FP8_BLOCK`, `moe.MXFP4`): plain weights in the activations' dtype;
-FP8 block-scaled (e4m3 weights, float32 scales per block × block): the activations are quantised per
+Weight formats (`moe.PLAIN`, `moe.FP8_BLOCK`, `moe.MXFP4`, `moe.MXFP4_PACKED`): plain weights in the
+activations' dtype; FP8 block-scaled (e4m3 weights, float32 scales per block × block): the activations are quantised per
 1 × block group (x by `quant_groups` once per token, the SwiGLU output in the up kernel's epilogue),
 the dot products run on e4m3 operands (Hopper's FP8 tensor cores) and each K block's partial product
-is scaled by its row and weight-block scales into the float32 accumulator; MXFP4: the codes decoded
-to the activations' dtype tile by tile, then the plain dot product.
+is scaled by its row and weight-block scales into the float32 accumulator; MXFP4: the codes (as
+stored, or re-packed: MXFP4_PACKED) decoded to the activations' dtype tile by tile, then the plain
+dot product.
 The PyTorch twins: `reference.moe_experts`, `reference.moe.moe_experts_fp8_w8a8` (`quant_groups`:
 `reference.moe.quant_fp8_groups`), `reference.moe_experts_mxfp4`.
 """
@@ -29,7 +30,7 @@ import triton
 from torch import Tensor
 
 from ._launch import precision
-from .moe import FP8_BLOCK, MXFP4, _sum_slots_kernel
+from .moe import FP8_BLOCK, MXFP4, MXFP4_PACKED, _sum_slots_kernel
 from .moe_grouped_kernels import _down_kernel, _quant_groups_kernel, _up_kernel
 
 
@@ -119,7 +120,7 @@ def expert_tiles(fmt: int, hidden: int, inter: int, block: int = 128) -> ExpertT
     if fmt == FP8_BLOCK:
         up, down = GemmTiles(64, block, block, 8, 4), GemmTiles(128, 128, block, 8, 4, True)
         return ExpertTiles(up, replace(down, block_n=_fit(hidden, down.block_n)))
-    if fmt == MXFP4:
+    if fmt in (MXFP4, MXFP4_PACKED):
         up, down = GemmTiles(128, 64, 64, 8, 3, True), GemmTiles(128, 128, 64, 8, 3, True)
     else:
         up, down = GemmTiles(128, 128, 64, 8, 3, True), GemmTiles(128, 256, 64, 8, 3, True)
@@ -145,7 +146,7 @@ def grouped_supported(fmt: int, hidden: int, inter: int, block: int, tiles: Expe
         return False
     if fmt == FP8_BLOCK:
         return t.up.block_k == block == t.down.block_k and t.up.block_n % block == 0
-    return fmt != MXFP4 or (t.up.block_k % 32 == 0 and t.down.block_k % 32 == 0)
+    return fmt not in (MXFP4, MXFP4_PACKED) or (t.up.block_k % 32 == 0 and t.down.block_k % 32 == 0)
 
 
 def quant_groups(x: Tensor, group: int) -> tuple[Tensor, Tensor]:

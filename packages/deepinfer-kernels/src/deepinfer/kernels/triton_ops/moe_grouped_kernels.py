@@ -89,7 +89,7 @@ def _step(a, a_scale, acc, w_ptrs, s_ptrs, w_rows, k0, k_in, scale_ptr, scale_ba
         part = tl.dot(a, tl.trans(w), input_precision=PRECISION)
         w_scale = tl.load(scale_ptr + scale_base + (w_rows // GROUP) * s_row + k0 // GROUP)
         acc += part * a_scale[:, None] * w_scale[None, :]
-    elif FORMAT == 2:
+    elif FORMAT >= 2:                                         # MXFP4, as stored or re-packed
         w = _weight_tile(w_ptrs, s_ptrs, k0, k_in, w_rows >= 0, a.dtype, FORMAT, BLOCK_K)
         acc = tl.dot(a, tl.trans(w), acc, input_precision=PRECISION)
     else:

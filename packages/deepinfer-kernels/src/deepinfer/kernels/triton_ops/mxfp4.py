@@ -335,6 +335,15 @@ def _packed_tile(words, scale, BLOCK_K: tl.constexpr, BF16_MATH: tl.constexpr):
 
 
 @triton.jit
+def packed_weights(w_rows, s_rows, k0, k_in, nm, BLOCK_K: tl.constexpr):
+    """Columns k0 … k0 + BLOCK_K of re-packed MXFP4 rows at `w_rows` ([rows, 1] pointers, `nm` their
+    mask; scales at `s_rows`) as exact bf16 weights [rows, BLOCK_K] in natural order, by integer ops
+    and float32 products (the interpreter's twin of MX_PACKED): the grouped kernels' decode."""
+    words = _words(w_rows, k0, k_in, nm, BLOCK_K)
+    return _packed_tile(words, group_scales(s_rows, k0, k_in, nm, BLOCK_K), BLOCK_K, False)
+
+
+@triton.jit
 def mxfp4_dot(a, acc, w_rows, s_rows, k0, k_in, nm, scale, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr,
               DECODE: tl.constexpr, BF16_MATH: tl.constexpr):
     """acc + a @ (MXFP4 weight columns k0 … k0 + BLOCK_K of the rows at `w_rows`)ᵀ for
