@@ -3,12 +3,10 @@
 column pairs c, c + 4, c + 8, c + 12 (lane c's A-fragment columns, in natural order) with each pair's
 two codes where four rotations and masks make them bfloat16 bits of code × 2^-126 (`mxfp4_layout`).
 
-- On a GPU, `packed_words_asm`, four words per block: per word one `mad` (m1 = 2^(s − 1), the
-  bf16 bits of the multiplier for s ≤ 128), nine integer instructions (`shf.l.wrap` rotations, `and`
-  / `or`: lop3 after ptxas) and four `mul.rn.bf16x2` by m1, exact. Where any of the four scale bytes
-  s > 128 (one branch per block, not taken for weights under 12 in magnitude) the block decodes
-  again with `mxfp4._ASM`'s split: m1 = 2^(min(s, 128) − 1), then four more multiplies by
-  m2 = 2^(max(s, 128) − 128) (s = 255: inf).
+- On a GPU, `packed_words_asm`: per word nine integer instructions (`shf.l.wrap` rotations, `and` /
+  `or`: lop3 after ptxas) and four `mul.rn.bf16x2` by m1 = 2^(min(s, 128) − 1), exact; where the
+  group's scale byte s > 128 (a branch, not taken for weights under 12 in magnitude) four more by
+  m2 = 2^(s − 128) (s = 255: inf), as `mxfp4._ASM` does.
 - Under Triton's interpreter, `packed_pairs`: the same rotations and masks in Triton integer ops (the
   caller scales them with `mxfp4._multipliers`, as `MX_WORDS` does).
 """
@@ -22,9 +20,10 @@ _M = tl.constexpr(0x81C081C0)  # bf16 bits 6–8 and 15 of both halves: a code's
 
 _PACKED_ASM = tl.constexpr("""
 {
-.reg .b32 t, a, m, b;
+.reg .b32 t, a, m;
 .reg .pred big;
-mad.lo.u32 m, $20, 0x00800080, 0x3F003F00;
+min.u32 t, $20, 128;
+mad.lo.u32 m, t, 0x00800080, 0x3F003F00;
 and.b32 t, $16, 0x81C081C0;
 mul.rn.bf16x2 $0, t, m;
 shf.l.wrap.b32 t, $16, $16, 4;
@@ -39,7 +38,8 @@ and.b32 t, t, 0x80C080C0;
 and.b32 a, a, 0x01000100;
 or.b32 t, t, a;
 mul.rn.bf16x2 $3, t, m;
-mad.lo.u32 m, $21, 0x00800080, 0x3F003F00;
+min.u32 t, $21, 128;
+mad.lo.u32 m, t, 0x00800080, 0x3F003F00;
 and.b32 t, $17, 0x81C081C0;
 mul.rn.bf16x2 $4, t, m;
 shf.l.wrap.b32 t, $17, $17, 4;
@@ -54,7 +54,8 @@ and.b32 t, t, 0x80C080C0;
 and.b32 a, a, 0x01000100;
 or.b32 t, t, a;
 mul.rn.bf16x2 $7, t, m;
-mad.lo.u32 m, $22, 0x00800080, 0x3F003F00;
+min.u32 t, $22, 128;
+mad.lo.u32 m, t, 0x00800080, 0x3F003F00;
 and.b32 t, $18, 0x81C081C0;
 mul.rn.bf16x2 $8, t, m;
 shf.l.wrap.b32 t, $18, $18, 4;
@@ -69,7 +70,8 @@ and.b32 t, t, 0x80C080C0;
 and.b32 a, a, 0x01000100;
 or.b32 t, t, a;
 mul.rn.bf16x2 $11, t, m;
-mad.lo.u32 m, $23, 0x00800080, 0x3F003F00;
+min.u32 t, $23, 128;
+mad.lo.u32 m, t, 0x00800080, 0x3F003F00;
 and.b32 t, $19, 0x81C081C0;
 mul.rn.bf16x2 $12, t, m;
 shf.l.wrap.b32 t, $19, $19, 4;
@@ -93,22 +95,6 @@ max.u32 t, $20, 128;
 mad.lo.u32 m, t, 0x00800080, 0xFF7FFF80;
 setp.eq.u32 big, $20, 255;
 selp.b32 m, 0x7F807F80, m, big;
-min.u32 t, $20, 128;
-mad.lo.u32 b, t, 0x00800080, 0x3F003F00;
-and.b32 t, $16, 0x81C081C0;
-mul.rn.bf16x2 $0, t, b;
-shf.l.wrap.b32 t, $16, $16, 4;
-and.b32 t, t, 0x81C081C0;
-mul.rn.bf16x2 $1, t, b;
-shf.l.wrap.b32 t, $16, $16, 10;
-and.b32 t, t, 0x81C081C0;
-mul.rn.bf16x2 $2, t, b;
-shf.l.wrap.b32 t, $16, $16, 6;
-shf.l.wrap.b32 a, $16, $16, 14;
-and.b32 t, t, 0x80C080C0;
-and.b32 a, a, 0x01000100;
-or.b32 t, t, a;
-mul.rn.bf16x2 $3, t, b;
 mul.rn.bf16x2 $0, $0, m;
 mul.rn.bf16x2 $1, $1, m;
 mul.rn.bf16x2 $2, $2, m;
@@ -117,22 +103,6 @@ max.u32 t, $21, 128;
 mad.lo.u32 m, t, 0x00800080, 0xFF7FFF80;
 setp.eq.u32 big, $21, 255;
 selp.b32 m, 0x7F807F80, m, big;
-min.u32 t, $21, 128;
-mad.lo.u32 b, t, 0x00800080, 0x3F003F00;
-and.b32 t, $17, 0x81C081C0;
-mul.rn.bf16x2 $4, t, b;
-shf.l.wrap.b32 t, $17, $17, 4;
-and.b32 t, t, 0x81C081C0;
-mul.rn.bf16x2 $5, t, b;
-shf.l.wrap.b32 t, $17, $17, 10;
-and.b32 t, t, 0x81C081C0;
-mul.rn.bf16x2 $6, t, b;
-shf.l.wrap.b32 t, $17, $17, 6;
-shf.l.wrap.b32 a, $17, $17, 14;
-and.b32 t, t, 0x80C080C0;
-and.b32 a, a, 0x01000100;
-or.b32 t, t, a;
-mul.rn.bf16x2 $7, t, b;
 mul.rn.bf16x2 $4, $4, m;
 mul.rn.bf16x2 $5, $5, m;
 mul.rn.bf16x2 $6, $6, m;
@@ -141,22 +111,6 @@ max.u32 t, $22, 128;
 mad.lo.u32 m, t, 0x00800080, 0xFF7FFF80;
 setp.eq.u32 big, $22, 255;
 selp.b32 m, 0x7F807F80, m, big;
-min.u32 t, $22, 128;
-mad.lo.u32 b, t, 0x00800080, 0x3F003F00;
-and.b32 t, $18, 0x81C081C0;
-mul.rn.bf16x2 $8, t, b;
-shf.l.wrap.b32 t, $18, $18, 4;
-and.b32 t, t, 0x81C081C0;
-mul.rn.bf16x2 $9, t, b;
-shf.l.wrap.b32 t, $18, $18, 10;
-and.b32 t, t, 0x81C081C0;
-mul.rn.bf16x2 $10, t, b;
-shf.l.wrap.b32 t, $18, $18, 6;
-shf.l.wrap.b32 a, $18, $18, 14;
-and.b32 t, t, 0x80C080C0;
-and.b32 a, a, 0x01000100;
-or.b32 t, t, a;
-mul.rn.bf16x2 $11, t, b;
 mul.rn.bf16x2 $8, $8, m;
 mul.rn.bf16x2 $9, $9, m;
 mul.rn.bf16x2 $10, $10, m;
@@ -165,22 +119,6 @@ max.u32 t, $23, 128;
 mad.lo.u32 m, t, 0x00800080, 0xFF7FFF80;
 setp.eq.u32 big, $23, 255;
 selp.b32 m, 0x7F807F80, m, big;
-min.u32 t, $23, 128;
-mad.lo.u32 b, t, 0x00800080, 0x3F003F00;
-and.b32 t, $19, 0x81C081C0;
-mul.rn.bf16x2 $12, t, b;
-shf.l.wrap.b32 t, $19, $19, 4;
-and.b32 t, t, 0x81C081C0;
-mul.rn.bf16x2 $13, t, b;
-shf.l.wrap.b32 t, $19, $19, 10;
-and.b32 t, t, 0x81C081C0;
-mul.rn.bf16x2 $14, t, b;
-shf.l.wrap.b32 t, $19, $19, 6;
-shf.l.wrap.b32 a, $19, $19, 14;
-and.b32 t, t, 0x80C080C0;
-and.b32 a, a, 0x01000100;
-or.b32 t, t, a;
-mul.rn.bf16x2 $15, t, b;
 mul.rn.bf16x2 $12, $12, m;
 mul.rn.bf16x2 $13, $13, m;
 mul.rn.bf16x2 $14, $14, m;
