@@ -15,8 +15,8 @@ kernels' `packed` decoder (`mxfp4_layout`; `packed_layout_wanted` says when), th
 from importlib.metadata import version as _version
 
 from . import invariant, reference
-from .backends import register_builtin_backends
-from .mxfp4_layout import packed_layout_wanted, repack_mxfp4_for_decode, unpack_mxfp4_from_decode
+from .backends import packed_layout_wanted, register_builtin_backends
+from .mxfp4_layout import repack_mxfp4_for_decode, unpack_mxfp4_from_decode
 from .registry import OP_NAMES, KernelSet, kernels_for, register
 
 register_builtin_backends()

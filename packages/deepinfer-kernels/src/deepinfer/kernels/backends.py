@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import functools
 
+import torch
+
 from .registry import register
 
 
@@ -82,6 +84,19 @@ _INVARIANT_CUDA: dict[str, tuple[str, dict[str, str]]] = {
     "v41_attention": ("v41_attention_invariant", {}),             # fixed tiles and splits
     "v41_index_scores": ("v41_index_scores_fused", {}),           # one program per (query, entry block)
 }
+
+
+def packed_layout_wanted(device: torch.device | str) -> bool:
+    """Whether routed MXFP4 experts placed on `device` should be re-packed at load time: CUDA, with
+    Triton's expert kernels installed and `triton_ops.moe.MXFP4_REPACK` on (their ops then take
+    `packed=True`; elsewhere the reference ops would unpack the codes at every call)."""
+    if torch.device(device).type != "cuda":
+        return False
+    try:
+        from .triton_ops import moe
+    except ImportError:
+        return False
+    return moe.MXFP4_REPACK
 
 
 def register_builtin_backends() -> None:

@@ -37,19 +37,6 @@ SOURCE_BITS: tuple[tuple[tuple[int, ...], ...], ...] = tuple(
     for j in range(4))
 
 
-def packed_layout_wanted(device: torch.device | str) -> bool:
-    """Whether routed MXFP4 experts placed on `device` should be re-packed at load time: CUDA, with
-    Triton's expert kernels installed and `triton_ops.moe.MXFP4_REPACK` on (their ops then take
-    `packed=True`; elsewhere the reference ops would unpack the codes at every call)."""
-    if torch.device(device).type != "cuda":
-        return False
-    try:
-        from .triton_ops import moe
-    except ImportError:
-        return False
-    return moe.MXFP4_REPACK
-
-
 def _check_codes(codes: Tensor) -> Tensor:
     if codes.dtype not in (torch.uint8, torch.int8):
         raise ValueError(f"codes.dtype={codes.dtype} must be uint8 or int8 (two e2m1 codes per byte)")
