@@ -40,20 +40,25 @@ ops = kernels_for(torch.device("cpu"))
 result = {}
 # 8 experts in 10 slots: experts 0 and 5 have two copies, one on each rank.
 phy2log = [0, 1, 2, 3, 4, 5, 6, 7, 0, 5]
-for expert_dtype in (None, "fp8", "fp4"):
+for expert_dtype in (None, "fp8", "fp4", "fp4-packed"):      # fp4-packed: codes re-packed for the kernels
     torch.manual_seed(0)
-    whole = MoE(cfg, layer=1, expert_dtype=expert_dtype)
+    packed = expert_dtype == "fp4-packed"
+    whole = MoE(cfg, layer=1, expert_dtype="fp4" if packed else expert_dtype)
     for p in whole.parameters():
         if p.dtype == torch.float32:
             torch.nn.init.normal_(p, std=0.2)
     if expert_dtype is not None:
         whole.experts.randomise_quantised_(cfg.moe_intermediate_size, cfg.hidden_size, 0.2,
                                            torch.Generator().manual_seed(1))
+    if packed:
+        whole.experts.repack_for_decode_()
     x = torch.randn(2 + 3 * rank, cfg.hidden_size, generator=torch.Generator().manual_seed(7 + rank))
     tokens = torch.arange(x.shape[0])
     with torch.no_grad():
         expected = whole(x, tokens, ops)
-        sharded = MoE(cfg, layer=1, expert_dtype=expert_dtype)
+        sharded = MoE(cfg, layer=1, expert_dtype="fp4" if packed else expert_dtype)
+        if packed:
+            sharded.experts.repack_for_decode_()        # the layout is the module's, not in its state dict
         sharded.load_state_dict(whole.state_dict())
         container = torch.nn.ModuleList([sharded])
         apply_expert_parallel(container, dist.group.WORLD, [ExpertSlots(torch.tensor(phy2log), 8, 2)],
@@ -61,6 +66,7 @@ for expert_dtype in (None, "fp8", "fp4"):
         got = sharded(x, tokens, ops)
         result[f"max_err_{expert_dtype}"] = (got - expected).abs().max().item()
         result[f"local_rows_{expert_dtype}"] = sharded.experts.w13.shape[0]
+        result[f"packed_{expert_dtype}"] = sharded.experts.mxfp4_packed
         if expert_dtype is None:
             result["counts"] = take_expert_counts(container).tolist()
             result["counts_after_take"] = take_expert_counts(container).tolist()
@@ -144,10 +150,11 @@ def results() -> list[dict]:
     return outputs
 
 
-@pytest.mark.parametrize("expert_dtype", [None, "fp8", "fp4"])
+@pytest.mark.parametrize("expert_dtype", [None, "fp8", "fp4", "fp4-packed"])
 def test_sharded_layer_matches_the_whole_layer(results: list[dict], expert_dtype: str | None) -> None:
     for rank in results:
         assert rank[f"local_rows_{expert_dtype}"] == 5            # 10 slots over 2 ranks
+        assert rank[f"packed_{expert_dtype}"] == (expert_dtype == "fp4-packed")       # the shards keep the layout
         assert rank[f"max_err_{expert_dtype}"] < 1e-5
 
 
@@ -166,7 +173,7 @@ def test_idle_rank_takes_part_and_moves_keep_outputs(results: list[dict]) -> Non
         assert rank["slots_after_move"] == [0, 6, 2, 3, 4, 5, 1, 7, 0, 5]
 
 
-@pytest.mark.parametrize("expert_dtype", [None, "fp8", "fp4"])
+@pytest.mark.parametrize("expert_dtype", [None, "fp8", "fp4", "fp4-packed"])
 def test_fixed_capacity_decode_exchange_matches_variable_splits(results: list[dict], expert_dtype: str | None) -> None:
     # quantised experts quantise their activations per row block: a different row order of the exchange can
     # move a value across an FP8 rounding boundary (1.1e-5 seen on an AMD EPYC CPU)
