@@ -1,6 +1,6 @@
 """benchmarks/moe_tile_sweep.py --cpu-smoke: the sweep's code on the CPU under Triton's interpreter
-(tiny experts, one tile, 3 tokens) writes a row per format and MXFP4 decoder, each close to the
-reference, and prints the summary (a function check only)."""
+(tiny experts, one tile, 3 tokens) writes a row per format and MXFP4 decoder (`packed` on re-packed
+copies of the experts), each close to the reference, and prints the summary (a function check only)."""
 
 from __future__ import annotations
 
@@ -29,7 +29,8 @@ def test_one_row_per_format_and_interpretable_decoder(smoke) -> None:
     report, _ = smoke
     assert report["shape"] == {"name": "smoke", "experts": 8, "hidden": 128, "inter": 128, "top_k": 6}
     assert [(r["format"], r["decode"]) for r in report["rows"]] == [
-        ("bf16", None), ("fp8", None), ("mxfp4", "bits"), ("mxfp4", "group_dot"), ("mxfp4", "words")]
+        ("bf16", None), ("fp8", None), ("mxfp4", "bits"), ("mxfp4", "group_dot"), ("mxfp4", "words"),
+        ("mxfp4", "packed")]
     for row in report["rows"]:
         assert (row["batch"], row["BLOCK_N"], row["BLOCK_K"], row["num_warps"], row["num_stages"]) == (3, 32, 128, 4, 3)
         assert row["us"] > 0 and row["weight_GBps"] > 0 and row["distinct_experts"] <= 8
@@ -40,8 +41,9 @@ def test_shipped_choice_and_summary(smoke) -> None:
     report, stdout = smoke
     assert report["shipped"]["mxfp4_decode"] in report["shipped"]["mxfp4_tiles"]
     lines = stdout.strip().splitlines()
-    assert lines[-6].split()[:2] == ["batch", "format/decoder"]
-    assert [line.split()[1] for line in lines[-5:]] == ["bf16", "fp8", "mxfp4/bits", "mxfp4/group_dot", "mxfp4/words"]
+    assert lines[-7].split()[:2] == ["batch", "format/decoder"]
+    assert [line.split()[1] for line in lines[-6:]] == ["bf16", "fp8", "mxfp4/bits", "mxfp4/group_dot", "mxfp4/packed",
+                                                        "mxfp4/words"]
 
 
 def test_a_tile_that_fails_to_build_is_reported_and_skipped(monkeypatch, capsys) -> None:
