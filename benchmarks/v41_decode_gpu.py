@@ -41,7 +41,8 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--engram-vocab", type=int, default=65536, help="start of the Engram prime search (16M released)")
     ap.add_argument("--no-graphs", action="store_true", help="eager steps only")
     ap.add_argument("--mxfp4-decode", default=None,
-                    help="the small-batch expert kernels' MXFP4 decoder (triton_ops.mxfp4.DECODES; default: shipped)")
+                    help="the small-batch expert kernels' MXFP4 decoder (triton_ops.mxfp4.DECODES; default: shipped; "
+                         "packed re-packs the experts' codes first)")
     ap.add_argument("--out", required=True, help="where the JSON report goes")
     return ap.parse_args()
 
@@ -84,6 +85,7 @@ def main() -> None:
     from deepinfer.model import DeepseekV41Config
     from deepinfer.model.dummy import dummy_model
     from deepinfer.model.layers.engram import table_rows
+    from deepinfer.model.layers.moe import Experts
 
     if not torch.cuda.is_available():
         raise SystemExit("this benchmark needs a CUDA device")
@@ -98,9 +100,13 @@ def main() -> None:
     model.eval()
     ops = kernels_for("cuda")
     from deepinfer.kernels.triton_ops import moe, mxfp4
-    if args.mxfp4_decode is not None:
+    if args.mxfp4_decode == "packed":            # its own code layout: re-pack, as the loader does
+        for module in model.modules():
+            if isinstance(module, Experts) and module.expert_dtype == "fp4":
+                module.repack_for_decode_()
+    elif args.mxfp4_decode is not None:
         moe.MXFP4_DECODE = mxfp4.DECODES[args.mxfp4_decode]
-    decoder = next(k for k, v in mxfp4.DECODES.items() if v == moe.MXFP4_DECODE)
+    decoder = args.mxfp4_decode or next(k for k, v in mxfp4.DECODES.items() if v == moe.MXFP4_DECODE)
     report = {"mxfp4_decode": decoder, "gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
               "layers": args.layers,
               "compress_ratios": list(cfg.compress_ratios)[:args.layers], "context": args.context,
