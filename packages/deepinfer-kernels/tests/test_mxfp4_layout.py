@@ -85,3 +85,15 @@ def test_only_cuda_wants_the_packed_layout(monkeypatch) -> None:
     assert packed_layout_wanted("cuda") and not packed_layout_wanted("cpu")
     monkeypatch.setattr(moe, "MXFP4_REPACK", False)
     assert not packed_layout_wanted("cuda")
+
+
+def test_the_packed_decoder_is_refused_as_the_decoder_of_codes_as_stored(monkeypatch) -> None:
+    pytest.importorskip("triton")
+    from deepinfer.kernels.triton_ops import moe, mxfp4
+
+    monkeypatch.setattr(moe, "MXFP4_DECODE", mxfp4.MX_PACKED)
+    codes = torch.zeros(2, 64, 16, dtype=torch.uint8)
+    scales = torch.zeros(2, 64, 1, dtype=torch.uint8)
+    with pytest.raises(ValueError, match="MXFP4_DECODE"):
+        moe._experts(torch.zeros(1, 32), torch.zeros(1, 1, dtype=torch.int64), torch.ones(1, 1), codes, codes, 1.0,
+                     moe.MXFP4, scales, scales, 32, 64)

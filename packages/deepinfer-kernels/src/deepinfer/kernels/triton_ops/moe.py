@@ -495,6 +495,9 @@ def _experts(x: Tensor, expert_ids: Tensor, weights: Tensor, w13: Tensor, w2: Te
     their block edge; for PLAIN any tensors, unused), sum each token's rows. `decode`: MXFP4's
     decoder (default `MXFP4_DECODE`; `mxfp4.MX_PACKED` for re-packed codes); `tiles` (default `_tiles`)
     for benchmarks."""
+    if fmt == MXFP4 and decode is None and MXFP4_DECODE == MX_PACKED:
+        raise ValueError("moe.MXFP4_DECODE must decode codes as stored; MX_PACKED reads re-packed ones (the ops' "
+                         "packed=True, with moe.MXFP4_REPACK)")
     num_tokens, top_k = expert_ids.shape
     pairs = num_tokens * top_k
     num_experts, hidden = w13.shape[0], x.shape[1]
