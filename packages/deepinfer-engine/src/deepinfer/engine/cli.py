@@ -294,7 +294,8 @@ def _serve(ns: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     except ValueError as error:
         parser.error(str(error))
     if ns.pd_role is not None:
-        failure = _serve_pd(ns.pd_role, ns.pd_prefill_url, args, options, ns.engine_in_thread)
+        failure = _serve_pd(ns.pd_role, ns.pd_prefill_url, args, options, ns.engine_in_thread,
+                            options.api_key if ns.pd_prefill_api_key is None else ns.pd_prefill_api_key)
     elif args.data_parallel_size > 1:
         if ns.engine_in_thread:
             parser.error("argument --engine-in-thread: not with --data-parallel-size > 1 (each rank is a process)")
@@ -313,7 +314,13 @@ def _serve(ns: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
 
 
 def _pd_flags(ns: argparse.Namespace, parser: argparse.ArgumentParser, engine_kwargs: dict[str, Any]) -> None:
-    """--pd-role / --pd-prefill-url: the engine type of the role, or usage errors naming the flag."""
+    """--pd-role / --pd-prefill-url / --pd-prefill-api-key: the engine type of the role, or usage errors
+    naming the flag."""
+    if ns.pd_prefill_api_key is not None and ns.pd_role != "decode":
+        parser.error("argument --pd-prefill-api-key: only with --pd-role decode (a prefill server checks its own "
+                     "--api-key)")
+    if ns.pd_prefill_api_key == "":
+        parser.error("argument --pd-prefill-api-key: must not be empty (leave it out to send --api-key)")
     if ns.pd_role is None:
         if ns.pd_prefill_url is not None:
             parser.error("argument --pd-prefill-url: only with --pd-role decode")
@@ -329,8 +336,10 @@ def _pd_flags(ns: argparse.Namespace, parser: argparse.ArgumentParser, engine_kw
     engine_kwargs["engine_type"] = wanted
 
 
-def _serve_pd(role: str, prefill_url: str | None, args: EngineArgs, options: Any, in_thread: bool) -> str | None:
-    """Serve one side of a prefill/decode pair (docs/design.md §15); returns as `serve_client`."""
+def _serve_pd(role: str, prefill_url: str | None, args: EngineArgs, options: Any, in_thread: bool,
+              prefill_api_key: str | None) -> str | None:
+    """Serve one side of a prefill/decode pair (docs/design.md §15); a decode server sends
+    `prefill_api_key` to its prefill server. Returns as `serve_client`."""
     from functools import partial
 
     from .disagg import HttpPrefillClient, PrefillExports
@@ -346,13 +355,13 @@ def _serve_pd(role: str, prefill_url: str | None, args: EngineArgs, options: Any
         llm = AsyncLLM(engine, max_num_waiting=options.max_num_waiting)
         return serve_client(llm, options, extra_routes=lambda app: add_pd_routes(app, llm, exports))
     assert prefill_url is not None
+    factory = partial(HttpPrefillClient, prefill_url, api_key=prefill_api_key)
     try:
-        HttpPrefillClient(prefill_url)            # the URL's form, checked before the engine loads
+        factory()                                 # the URL's form, checked before the engine loads
     except ValueError as error:
         raise _CommandError(f"argument --pd-prefill-url: {error}") from None
     if in_thread:
-        return run_server(_build(lambda: LLMEngine(args, kv_transfer=HttpPrefillClient(prefill_url)), args), options)
-    factory = partial(HttpPrefillClient, prefill_url)
+        return run_server(_build(lambda: LLMEngine(args, kv_transfer=factory()), args), options)
     return serve_client(_start_engine_process(args, options.max_num_waiting, factory), options)
 
 

@@ -70,13 +70,14 @@ def check_parser_options(tool_call_parser: str | None, enable_auto_tool_choice: 
 
 
 class _Server:
-    """The state behind the routes: the engine, the served name, the chat template, the output
-    parsers' names and the metrics."""
+    """The state behind the routes: the engine, the served name, the API key, the chat template, the
+    output parsers' names and the metrics."""
 
-    def __init__(self, llm: EngineClient, served_model_name: str, chat_template: str | None,
+    def __init__(self, llm: EngineClient, served_model_name: str, api_key: str | None, chat_template: str | None,
                  tool_call_parser: str | None, enable_auto_tool_choice: bool, reasoning_parser: str | None) -> None:
         self.llm = llm
         self.name = served_model_name
+        self._api_key = api_key
         self.metrics = ServerMetrics(llm)
         self.created = int(time.time())
         self._template_override = chat_template
@@ -119,6 +120,15 @@ class _Server:
         if tool_parser is None and reasoning is None:
             return None
         return OutputParsers(reasoning, tool_parser, tools.parallel_tool_calls if tools is not None else True)
+
+    def check_key(self, request: Request) -> None:
+        """Raises APIError 401 (invalid_api_key) unless the request carries the server's API key
+        (`_bearer_matches`); nothing is checked without one. Every route that needs the key calls
+        this (/v1/*, /tokenize, /detokenize, a prefill server's /v1/pd/*)."""
+        # A check in each route rather than an HTTP middleware: Starlette's BaseHTTPMiddleware
+        # relays every chunk of a streamed response through an extra task, which costs per token.
+        if self._api_key is not None and not _bearer_matches(request.headers.get("authorization"), self._api_key):
+            raise APIError(401, "a valid API key is required: Authorization: Bearer <key>", code="invalid_api_key")
 
     def check_model(self, model: str | None) -> None:
         if model is not None and model != self.name:
@@ -257,7 +267,7 @@ def build_app(llm: EngineClient, *, served_model_name: str, api_key: str | None 
     check_parser_options(tool_call_parser, enable_auto_tool_choice, reasoning_parser)
     if isinstance(max_body_bytes, bool) or not isinstance(max_body_bytes, int) or max_body_bytes < 1:
         raise ValueError(f"max_body_bytes={max_body_bytes!r} must be an int >= 1")
-    server = _Server(llm, served_model_name, chat_template, tool_call_parser, enable_auto_tool_choice,
+    server = _Server(llm, served_model_name, api_key, chat_template, tool_call_parser, enable_auto_tool_choice,
                      reasoning_parser)
 
     @asynccontextmanager
@@ -279,11 +289,7 @@ def build_app(llm: EngineClient, *, served_model_name: str, api_key: str | None 
         logger.exception("request failed")
         return JSONResponse(APIError(500, f"internal error: {type(error).__name__}: {error}").body(), status_code=500)
 
-    def check_key(request: Request) -> None:
-        # A check in each /v1 route rather than an HTTP middleware: Starlette's BaseHTTPMiddleware
-        # relays every chunk of a streamed response through an extra task, which costs per token.
-        if api_key is not None and not _bearer_matches(request.headers.get("authorization"), api_key):
-            raise APIError(401, "a valid API key is required: Authorization: Bearer <key>", code="invalid_api_key")
+    check_key = server.check_key
 
     @app.post("/v1/completions")
     @_internal_errors_answered

@@ -66,8 +66,8 @@ SERVE_FLAGS: tuple[ServeFlag, ...] = (
     ServeFlag("--port", "TCP port", 8000, int),
     ServeFlag("--served-model-name", "the model name clients send and /v1/models lists; unset = MODEL (--model) "
               "as given, or deepinfer-embedded", metavar="NAME"),
-    ServeFlag("--api-key", "require `Authorization: Bearer KEY` on /v1/*, /tokenize and /detokenize; unset = "
-              "no check", metavar="KEY"),
+    ServeFlag("--api-key", "require `Authorization: Bearer KEY` on /v1/* (a prefill server's /v1/pd/* "
+              "included), /tokenize and /detokenize; unset = no check", metavar="KEY"),
     ServeFlag("--chat-template", "deepseek_v4, plain, or a jinja file; unset = the model folder's",
               metavar="NAME|FILE"),
     ServeFlag("--max-num-waiting", "requests waiting to run before new ones get 503", DEFAULT_MAX_NUM_WAITING, int,
@@ -88,6 +88,9 @@ SERVE_FLAGS: tuple[ServeFlag, ...] = (
               "engine", choices=("prefill", "decode"), metavar="ROLE"),
     ServeFlag("--pd-prefill-url", "with --pd-role decode: the prefill server, http://HOST:PORT (it must serve the "
               "same model; checked at start)", metavar="URL"),
+    ServeFlag("--pd-prefill-api-key", "with --pd-role decode: the prefill server's --api-key, sent as "
+              "`Authorization: Bearer KEY` on /v1/pd/*; a key it refuses stops the start (401 invalid_api_key); "
+              "unset = this server's --api-key", metavar="KEY"),
     ServeFlag("--tokenizer", "vLLM's flag: DeepInfer reads the tokenizer from the model folder (tokenizer.json), "
               "so it may only name MODEL itself; another tokenizer is refused", metavar="MODEL"),
     ServeFlag("--revision", "the revision (branch, tag or commit) of a Hugging Face repo id MODEL, read from the "
