@@ -29,6 +29,7 @@ from .serve.flags import ENGINE_DEFAULTS_BY_COMMAND, add_serve_flags
 if TYPE_CHECKING:
     from .core.outputs import CompletionOutput
     from .llm_engine import LLMEngine
+    from .serve import ServeEnd
     from .text.tokenizer import Tokenizer
 
 __all__ = ["DISTRIBUTIONS", "build_parser", "finish_text", "main", "make_sampling_params", "run_bench", "version_text"]
@@ -290,26 +291,31 @@ def _serve(ns: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
                                chat_template=ns.chat_template, max_num_waiting=ns.max_num_waiting,
                                log_level=ns.log_level, tool_call_parser=ns.tool_call_parser,
                                enable_auto_tool_choice=ns.enable_auto_tool_choice,
-                               reasoning_parser=ns.reasoning_parser, enable_log_requests=ns.enable_log_requests)
+                               reasoning_parser=ns.reasoning_parser, enable_log_requests=ns.enable_log_requests,
+                               shutdown_timeout_s=ns.shutdown_timeout_s)
     except ValueError as error:
         parser.error(str(error))
     if ns.pd_role is not None:
-        failure = _serve_pd(ns.pd_role, ns.pd_prefill_url, args, options, ns.engine_in_thread,
+        end = _serve_pd(ns.pd_role, ns.pd_prefill_url, args, options, ns.engine_in_thread,
                             options.api_key if ns.pd_prefill_api_key is None else ns.pd_prefill_api_key)
     elif args.data_parallel_size > 1:
         if ns.engine_in_thread:
             parser.error("argument --engine-in-thread: not with --data-parallel-size > 1 (each rank is a process)")
-        failure = serve_client(_start_ranks(args, options.max_num_waiting), options)
+        end = serve_client(_start_ranks(args, options.max_num_waiting), options)
     elif not ns.engine_in_thread:
-        failure = serve_client(_start_engine_process(args, options.max_num_waiting), options)
+        end = serve_client(_start_engine_process(args, options.max_num_waiting), options)
     else:
         from .llm_engine import LLMEngine
 
-        failure = run_server(_build(lambda: LLMEngine(args), args), options)
-    if failure is None:
-        print("deepinfer serve: stopped cleanly (every request finished, the engine exited)", file=sys.stderr)
+        end = run_server(_build(lambda: LLMEngine(args), args), options)
+    if end.failure is not None:
+        print(f"deepinfer serve: stopped; the engine had failed: {_one_line(end.failure)}", file=sys.stderr)
+    elif end.num_cut:
+        print(f"deepinfer serve: stopped after --shutdown-timeout-s {options.shutdown_timeout_s:g}: cut {end.num_cut} "
+              "request(s) still running (their connections closed, the engine aborted them), the engine exited",
+              file=sys.stderr)
     else:
-        print(f"deepinfer serve: stopped; the engine had failed: {_one_line(failure)}", file=sys.stderr)
+        print("deepinfer serve: stopped cleanly (every request finished, the engine exited)", file=sys.stderr)
     return 0
 
 
@@ -337,7 +343,7 @@ def _pd_flags(ns: argparse.Namespace, parser: argparse.ArgumentParser, engine_kw
 
 
 def _serve_pd(role: str, prefill_url: str | None, args: EngineArgs, options: Any, in_thread: bool,
-              prefill_api_key: str | None) -> str | None:
+              prefill_api_key: str | None) -> ServeEnd:
     """Serve one side of a prefill/decode pair (docs/design.md §15); a decode server sends
     `prefill_api_key` to its prefill server. Returns as `serve_client`."""
     from functools import partial

@@ -49,6 +49,7 @@ from .metrics import RequestTracker, ServerMetrics
 from .protocol import GenerateRequest, parse_chat, parse_completion
 from .reasoning import REASONING_PARSERS, thinking_requested
 from .responses import ResponseWriter
+from .shutdown import CutRequests, RequestCounts
 from .tool_parsers import TOOL_PARSERS, NamedCallParser, RequiredCallsParser, ToolParser
 from .utility_routes import add_utility_routes, model_card
 
@@ -71,7 +72,7 @@ def check_parser_options(tool_call_parser: str | None, enable_auto_tool_choice: 
 
 class _Server:
     """The state behind the routes: the engine, the served name, the API key, the chat template, the
-    output parsers' names and the metrics."""
+    output parsers' names, the metrics and the requests in progress (`requests`)."""
 
     def __init__(self, llm: EngineClient, served_model_name: str, api_key: str | None, chat_template: str | None,
                  tool_call_parser: str | None, enable_auto_tool_choice: bool, reasoning_parser: str | None) -> None:
@@ -79,6 +80,7 @@ class _Server:
         self.name = served_model_name
         self._api_key = api_key
         self.metrics = ServerMetrics(llm)
+        self.requests = RequestCounts()
         self.created = int(time.time())
         self._template_override = chat_template
         self._template: ChatTemplate | None = None
@@ -255,7 +257,10 @@ def build_app(llm: EngineClient, *, served_model_name: str, api_key: str | None 
             included, does not count).
         chat_template: a named chat template or a jinja file; None = the model folder's.
         drain_on_shutdown: at shutdown (SIGTERM), let accepted requests finish before the engine
-            thread stops (else abort them).
+            stops (else abort them). Requests that uvicorn's graceful shutdown cut (its
+            timeout_graceful_shutdown, `--shutdown-timeout-s`) are aborted in any case
+            (`shutdown.CutRequests`; their number is `app.state.server.requests.num_cut` once the server
+            has stopped).
         tool_call_parser: finds tool calls in the output of tool_choice="auto" requests (a name of
             `tool_parsers.TOOL_PARSERS`: "deepseek_v4", "hermes"); used with enable_auto_tool_choice.
         enable_auto_tool_choice: accept tool_choice="auto" (else such requests get 400).
@@ -273,10 +278,15 @@ def build_app(llm: EngineClient, *, served_model_name: str, api_key: str | None 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         yield
-        await llm.shutdown(drain=drain_on_shutdown)
+        num_cut = server.requests.num_open_or_cut
+        if num_cut:
+            logger.warning("%d request(s) still open when the graceful shutdown timed out were cut; the engine "
+                           "aborts them and stops", num_cut)
+        await llm.shutdown(drain=drain_on_shutdown and not num_cut)
 
     app = FastAPI(title="DeepInfer", lifespan=lifespan, redoc_url=None)      # /docs and /openapi.json
     app.state.server = server
+    app.add_middleware(CutRequests, counts=server.requests)
 
     @app.exception_handler(APIError)
     async def _api_error(_: Request, error: APIError) -> JSONResponse:

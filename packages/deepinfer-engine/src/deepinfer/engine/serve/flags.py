@@ -14,6 +14,8 @@ from dataclasses import dataclass
 
 from ..frontends.async_front import DEFAULT_MAX_NUM_WAITING
 
+SHUTDOWN_TIMEOUT_S = 30.0    # the longest a SIGTERM drain waits for the requests in flight (`ServeOptions`' default)
+
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
 MODEL_HELP = "model folder or cached Hugging Face repo id, as --model (give one of the two)"
 _RECOMPUTE = "False (True with --engine-type COMPLETION)"
@@ -73,6 +75,10 @@ SERVE_FLAGS: tuple[ServeFlag, ...] = (
     ServeFlag("--max-num-waiting", "requests waiting to run before new ones get 503", DEFAULT_MAX_NUM_WAITING, int,
               metavar="N"),
     ServeFlag("--log-level", "server log level", "info", choices=LOG_LEVELS),
+    ServeFlag("--shutdown-timeout-s", "on SIGTERM, how long the requests in flight may take to finish (> 0); those "
+              "still running then (say, a stream its client stopped reading) are cut: their connections closed, the "
+              "engine aborts them, and the server exits 0 saying how many", SHUTDOWN_TIMEOUT_S, float,
+              metavar="SECONDS"),
     ServeFlag("--enable-log-requests", "log one access line per HTTP request (client, method, path, status) at "
               "--log-level info", False, None),
     ServeFlag("--tool-call-parser", "deepseek_v4 or hermes: finds tool calls in tool_choice=auto output",
