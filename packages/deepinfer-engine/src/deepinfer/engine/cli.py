@@ -87,9 +87,10 @@ def build_parser() -> argparse.ArgumentParser:
     serve = sub.add_parser("serve", help="an OpenAI-compatible HTTP server",
                            description="Serve the model over HTTP: /v1/completions, /v1/chat/completions, "
                                        "/v1/models, /tokenize, /detokenize, /health, /version, /metrics, /docs. "
-                                       "SIGTERM drains the requests in "
-                                       "flight, then exits. The engine steps in a process of its own (the HTTP "
-                                       "work runs beside it on another core; --engine-in-thread keeps it in a "
+                                       "SIGTERM drains the requests in flight (for up to "
+                                       "--shutdown-timeout-s), then exits. The engine steps in a process of its "
+                                       "own (the HTTP work runs beside it on another core; --engine-in-thread "
+                                       "keeps it in a "
                                        "thread of the server's process); --data-parallel-size N runs N engine "
                                        "processes (with --expert-parallel sharding the experts over them).")
     add_serve_flags(serve)
