@@ -106,9 +106,6 @@ def test_serve_flags(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["serve", "--port", "70000"]) == 2
     assert "port=70000 must be an int in [0, 65535]" in capsys.readouterr().err
     assert main(["serve", "--max-num-seqs", "0"]) == 2
-    for bad in ("0", "-1", "nan", "inf"):
-        assert main(["serve", "--shutdown-timeout-s", bad]) == 2
-        assert f"shutdown_timeout_s={float(bad)!r} must be a number of seconds > 0" in capsys.readouterr().err
 
 
 def _start_serve(*flags: str) -> tuple[subprocess.Popen, int]:

@@ -243,19 +243,6 @@ def test_deepinfer_serve_decode_with_a_wrong_key_refuses_to_start(servers, capsy
            "invalid_api_key)" in err and "wrong" not in err
 
 
-@pytest.mark.parametrize(("argv", "message"), [
-    (["--pd-prefill-api-key", "k"], "argument --pd-prefill-api-key: only with --pd-role decode"),
-    (["--pd-role", "prefill", "--pd-prefill-api-key", "k"],
-     "argument --pd-prefill-api-key: only with --pd-role decode"),
-    (["--pd-role", "decode", "--pd-prefill-url", "http://h:1", "--pd-prefill-api-key", ""],
-     "argument --pd-prefill-api-key: must not be empty"),
-])
-def test_the_prefill_key_flag_is_for_the_decode_role(argv: list[str], message: str,
-                                                      capsys: pytest.CaptureFixture[str]) -> None:
-    assert main(["serve", *argv]) == 2
-    assert message in capsys.readouterr().err
-
-
 def test_a_transfer_cut_mid_way_fails_the_order() -> None:
     """A fake prefill server that answers half a handoff and hangs up."""
     listener = tcp_socket()

@@ -90,9 +90,9 @@ def build_parser() -> argparse.ArgumentParser:
                                        "SIGTERM drains the requests in flight (for up to "
                                        "--shutdown-timeout-s), then exits. The engine steps in a process of its "
                                        "own (the HTTP work runs beside it on another core; --engine-in-thread "
-                                       "keeps it in a "
-                                       "thread of the server's process); --data-parallel-size N runs N engine "
-                                       "processes (with --expert-parallel sharding the experts over them).")
+                                       "keeps it in a thread of the server's process); --data-parallel-size N "
+                                       "runs N engine processes (with --expert-parallel sharding the experts over "
+                                       "them).")
     add_serve_flags(serve)
     _engine_flags(serve, "serve", "engine arguments (EngineArgs; a flag left out is not passed; preempted requests "
                                   "are recomputed unless --stop-preempted-request)")
@@ -298,7 +298,7 @@ def _serve(ns: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         parser.error(str(error))
     if ns.pd_role is not None:
         end = _serve_pd(ns.pd_role, ns.pd_prefill_url, args, options, ns.engine_in_thread,
-                            options.api_key if ns.pd_prefill_api_key is None else ns.pd_prefill_api_key)
+                        options.api_key if ns.pd_prefill_api_key is None else ns.pd_prefill_api_key)
     elif args.data_parallel_size > 1:
         if ns.engine_in_thread:
             parser.error("argument --engine-in-thread: not with --data-parallel-size > 1 (each rank is a process)")
@@ -326,8 +326,6 @@ def _pd_flags(ns: argparse.Namespace, parser: argparse.ArgumentParser, engine_kw
     if ns.pd_prefill_api_key is not None and ns.pd_role != "decode":
         parser.error("argument --pd-prefill-api-key: only with --pd-role decode (a prefill server checks its own "
                      "--api-key)")
-    if ns.pd_prefill_api_key == "":
-        parser.error("argument --pd-prefill-api-key: must not be empty (leave it out to send --api-key)")
     if ns.pd_role is None:
         if ns.pd_prefill_url is not None:
             parser.error("argument --pd-prefill-url: only with --pd-role decode")
@@ -340,6 +338,15 @@ def _pd_flags(ns: argparse.Namespace, parser: argparse.ArgumentParser, engine_kw
         parser.error("argument --pd-prefill-url: needed with --pd-role decode, and only there")
     if engine_kwargs.get("data_parallel_size", 1) != 1:
         parser.error("argument --data-parallel-size: a prefill/decode pair runs one rank a side (not supported yet)")
+    key_flag = "--api-key" if ns.pd_prefill_api_key is None else "--pd-prefill-api-key"
+    key = ns.api_key if ns.pd_prefill_api_key is None else ns.pd_prefill_api_key
+    if ns.pd_role == "decode" and key is not None:
+        from .disagg.http_client import check_api_key
+
+        try:
+            check_api_key(key)
+        except ValueError as error:
+            parser.error(f"argument {key_flag}: {error}")
     engine_kwargs["engine_type"] = wanted
 
 

@@ -41,7 +41,7 @@ class HttpPrefillClient:
         api_key: the prefill server's `--api-key`, sent with every request; None = no header.
 
     Raises:
-        ValueError: a URL that is not http://HOST:PORT, or an empty api_key.
+        ValueError: a URL that is not http://HOST:PORT, or an api_key `check_api_key` refuses.
     """
 
     prefills = True
@@ -51,8 +51,8 @@ class HttpPrefillClient:
         parsed = urllib.parse.urlsplit(url)
         if parsed.scheme != "http" or not parsed.hostname or parsed.path not in ("", "/"):
             raise ValueError(f"pd_prefill_url={url!r} must be http://HOST:PORT")
-        if api_key is not None and (not isinstance(api_key, str) or not api_key):
-            raise ValueError("pd_prefill_api_key must be a non-empty str or None")
+        if api_key is not None:
+            check_api_key(api_key)
         self.url = url.rstrip("/")
         self._headers = {} if api_key is None else {"Authorization": f"Bearer {api_key}"}
         self._host, self._port = parsed.hostname, parsed.port or 80
@@ -186,6 +186,14 @@ class HttpPrefillClient:
             self._arrived.put(item)
 
 
+def check_api_key(api_key: str) -> None:
+    """Raises ValueError unless `api_key` can go in an `Authorization` header: a non-empty str of
+    printable ASCII (the message does not repeat the key)."""
+    if not isinstance(api_key, str) or not api_key or not (api_key.isascii() and api_key.isprintable()):
+        raise ValueError("the prefill server's API key must be a non-empty str of printable ASCII characters (it "
+                         "goes in an HTTP header)")
+
+
 def _said(err: BaseException) -> str:
     return f"{type(err).__name__}: {err}" if str(err) else type(err).__name__
 
@@ -198,4 +206,4 @@ def _error_message(body: bytes) -> str:
         return body[:200].decode(errors="replace") or "(no body)"
 
 
-__all__ = ["HttpPrefillClient"]
+__all__ = ["HttpPrefillClient", "check_api_key"]
