@@ -45,9 +45,7 @@ def _assert_all_in_graphs(engine: LLMEngine) -> None:
 
 
 def test_a_speculative_decode_step_launches_no_kernel_outside_its_graphs() -> None:
-    # ZOS with drafts on CUDA is opt-in until this file passes on a GPU (issue #31)
-    engine = LLMEngine(EngineArgs(**COMMON, num_speculative_tokens=5, varlen_verify=False,
-                                  zero_overhead_scheduling=True))
+    engine = LLMEngine(EngineArgs(**COMMON, num_speculative_tokens=5, varlen_verify=False))
     assert engine.zos
     _assert_all_in_graphs(engine)
     for i, prompt in enumerate(PROMPTS[:2]):

@@ -94,13 +94,6 @@ def max_decode_tokens(args: EngineArgs, env: EngineEnv) -> int:
     return cuda_graph_key(args.max_num_seqs * (args.num_speculative_tokens + 1), env.cudagraph_batch_size_interval)
 
 
-def _zos_with_drafts(args: EngineArgs) -> bool:
-    """Whether speculative decode steps run under ZOS: on CUDA only when zero_overhead_scheduling=True
-    asks for it, until a GPU run of test_spec_graphs_gpu.py shows greedy tokens equal with it on and off
-    (issue #31: the one device run of 2026-12-07 ran out of time before that test ended)."""
-    return torch.device(args.device).type != "cuda" or args.zero_overhead_scheduling is True
-
-
 @dataclass(frozen=True, slots=True)
 class ExpertParallelSetup:
     """An expert-parallel rank's share of the routed experts, for `LLMEngine(expert_parallel=...)`.
@@ -220,7 +213,7 @@ class LLMEngine(RequestIntake, PrefillDecodeHooks):
         # One caller at a time: add_request / abort_request / step / has_unfinished_requests take it.
         self._lock = threading.RLock()
         self._in_step = False          # a step() is running (re-entry from it is refused)
-        self.zos = args.zos and (draft is None or _zos_with_drafts(args))
+        self.zos = args.zos
         self._in_flight = InFlightQueue(depth=1 if self.zos else 0)    # launched steps not committed yet
         self.last_step_kind: StepKind | None = None      # the kind of step the last step() scheduled
         self.kv_transfer: KVTransfer = NullKVTransfer() if kv_transfer is None else kv_transfer
