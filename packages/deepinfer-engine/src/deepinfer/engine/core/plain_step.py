@@ -165,8 +165,14 @@ class PlainStep:
 
     def _requests(self, seq_ids: tuple[str, ...], steady: SteadyRows | None) -> list[Request]:
         """The request of each row (the steady rows' when the step has them)."""
-        if steady is not None:
-            return steady.reqs
+        return steady.reqs if steady is not None else self.requests_of(seq_ids)
+
+    def requests_of(self, seq_ids: tuple[str, ...]) -> list[Request]:
+        """The request running as each of these scheduler sequences.
+
+        Raises:
+            KeyError: no request runs as one of them.
+        """
         seqs = self._host._seqs
         try:
             return list(map(seqs.__getitem__, seq_ids))     # the common case: no fork branch id
