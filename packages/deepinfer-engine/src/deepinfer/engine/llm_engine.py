@@ -205,7 +205,7 @@ class LLMEngine(RequestIntake, PrefillDecodeHooks):
                                       self.eos_token_ids, cfg.vocab_size, sync_guard=not self.env.disable_sync_guard,
                                       history=TokenHistory(cfg.vocab_size, self.runner.device))
         self._requests: dict[str, Request | ParallelRequest] = {}   # by request id: what is reported
-        self._seqs: dict[str, Request] = {}        # by scheduler sequence id (canonical_id): one per sample
+        self._seqs: dict[str, Request] = {}        # by scheduler sequence key (`seq_key`): one per sample
         self._ids = itertools.count()
         # Structured output (docs/design.md §11): requests wait here, outside the scheduler, until the
         # pool has compiled their grammar; `_pump_grammars` (pre_sampler_sync) hands them over.

@@ -28,7 +28,7 @@ from typing import Protocol
 import numpy as np
 import torch
 
-from deepinfer.sched import EngineType, Scheduler, SchedulerOutput, StepKind, branch_id
+from deepinfer.sched import BranchId, EngineType, Scheduler, SchedulerOutput, StepKind
 
 from ..config.engine_args import EngineArgs
 from ..device.staging import to_device
@@ -357,7 +357,7 @@ class PlainStep:
         samples, req.unforked = req.unforked, []
         branch_ids = self._host.scheduler.fork_seq(req.seq_id, len(samples),
                                                    branch_lists=[s.token_ids for s in samples])
-        expected = tuple(branch_id(s.seq_id, uncopied=True) for s in samples)
+        expected = tuple(BranchId(s.seq_id) for s in samples)
         if branch_ids != expected:     # the ids _check_ids_free reserved
             raise RuntimeError(f"fork of {req.seq_id!r} gave {branch_ids}, expected {expected}")
 

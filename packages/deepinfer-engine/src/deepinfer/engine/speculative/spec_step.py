@@ -312,8 +312,7 @@ class SpeculativeDecoder:
             else:
                 tokens, shift, rows, flying = self._anchors(d, in_flight)
                 if drafted is not None:
-                    walk, drafters = drafted
-                    tokens[:, 1:].index_copy_(0, drafters.rows, walk.tokens[:len(drafting), 1:])
+                    tokens[:, 1:].index_copy_(0, drafted[1].rows, drafted[0].tokens[:len(drafting), 1:])
             query_lens = None
             if flying is not None and self.varlen is not None and verifying is not None:
                 query_lens = self._split_on_device(d, verifying, rows, flying, self.varlen)
