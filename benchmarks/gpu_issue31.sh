@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Issue #31's device run (run once, on purpose, on an H100; under 5 minutes):
-#     bash benchmarks/gpu_issue31.sh [OUT_DIR]        # OUT_DIR defaults to $OUT
+#     [BENCHES="plain spec5"] [TESTS_S=180] bash benchmarks/gpu_issue31.sh [OUT_DIR]   # OUT_DIR defaults to $OUT
 # 1. builds the Cython modules in place (benchmarks/device_build_cython.py), 2. runs the speculative GPU
 # tests (packages/deepinfer-engine/tests/test_spec_graphs_gpu.py: no eager kernel launch in a
 # speculative decode step; greedy = plain greedy with ZOS on and off under graphs, V4 and V4.1; and
@@ -29,7 +29,7 @@ step() {   # step NAME SECONDS COMMAND...: run with a time limit, log to OUT/NAM
 
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$out/gpu.txt"
 step cython 60 python3 benchmarks/device_build_cython.py
-step tests 180 python3 -m pytest -q -rA -p no:cacheprovider -p no:warnings --tb=short -m gpu \
+step tests "${TESTS_S:-180}" python3 -m pytest -q -rA -p no:cacheprovider -p no:warnings --tb=short -m gpu \
     packages/deepinfer-engine/tests/test_spec_graphs_gpu.py packages/deepinfer-engine/tests/test_cuda_graphs.py
 grep -hE "^(PASSED|FAILED|ERROR)" "$out/tests.log" | cut -c1-220
 
@@ -39,9 +39,10 @@ bench() {   # bench NAME [FLAGS...]: the issue's workload on the embedded model
     step "bench_$name" 80 python3 -m deepinfer.engine.cli bench --device cuda --dtype bfloat16 --num-prompts 8 \
         --max-concurrency 1 --input-len 64 --output-len 128 --num-warmup 4 --output-json "$out/bench_$name.json" "$@"
 }
-bench plain
-bench spec5 --num-speculative-tokens 5
-bench spec5_fixed --num-speculative-tokens 5 --no-varlen-verify
+benches=" ${BENCHES:-plain spec5 spec5_fixed} "      # BENCHES: which of the three to run (device time is scarce)
+[[ $benches == *" plain "* ]] && bench plain
+[[ $benches == *" spec5 "* ]] && bench spec5 --num-speculative-tokens 5
+[[ $benches == *" spec5_fixed "* ]] && bench spec5_fixed --num-speculative-tokens 5 --no-varlen-verify
 
 python3 - "$out" <<'PY'
 import json, pathlib, re, sys

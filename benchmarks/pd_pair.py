@@ -1,6 +1,6 @@
 """Prefill/decode pair vs one engine (issue #33): TTFT and TPOT of a mixed workload, served over HTTP.
 
-    .venv/bin/python benchmarks/pd_pair.py [--num-decode 8] [--decode-output-len 64] [--num-long 4]
+    .venv/bin/python benchmarks/pd_pair.py [--device cuda] [--num-decode 8] [--decode-output-len 64] [--num-long 4]
         [--long-input-len 1536] [--long-interval-s 1.0] [--threads 1] [--output-json FILE]
 
 Starts `deepinfer serve` (the embedded model unless --model) as one NORMAL server, then as a pair
@@ -96,6 +96,8 @@ def start(args: argparse.Namespace, extra: list[str]) -> tuple[subprocess.Popen,
              "--served-model-name", "m", *extra]
     if args.model:
         flags += ["--model", args.model]
+    if args.device:
+        flags += ["--device", args.device, "--dtype", args.dtype]
     return launch_serve(flags, args.threads, timeout_s=180)
 
 
@@ -114,6 +116,8 @@ def transfer_metrics(url: str) -> dict[str, float]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--model", default=None, help="model folder (default: the embedded model)")
+    parser.add_argument("--device", default=None, help="the engines' device (default: the server's, the CPU)")
+    parser.add_argument("--dtype", default="bfloat16", help="the engines' dtype when --device is given")
     parser.add_argument("--num-decode", type=int, default=8)
     parser.add_argument("--decode-input-len", type=int, default=32)
     parser.add_argument("--decode-output-len", type=int, default=64)
