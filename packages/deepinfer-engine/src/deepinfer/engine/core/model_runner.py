@@ -264,8 +264,8 @@ class ModelRunner:
         n = d.num_seqs
         self.ensure_rows(int(d.rows.max()) + 1)
         in_flight = bool(d.in_flight.any())              # ZOS: some rows' tokens are still on the device
-        graphs = self._graphs_for(n)
-        if graphs is not None:
+        graphs = self.graphs
+        if graphs is not None and graphs.bucket(n) is not None:
             return self._staged_decode_step(d, in_flight, graphs)
         host_tokens_and_rows = np.empty((2, n), dtype=np.int64)
         _stage_tokens(d, in_flight, host_tokens_and_rows[0])
@@ -469,15 +469,15 @@ class ModelRunner:
 
     def replays_graph(self, step: StepBatch) -> bool:
         """Whether `forward(step)` replays a CUDA graph (rather than running the model eagerly)."""
-        return self._graphs_running(step) is not None
+        return self.graphs is not None and self._graphs_running(step) is not None
 
     def _graphs_running(self, step: StepBatch) -> DecodeGraphs | None:
         """The graphs that run `step`: those it was staged into, or for a uniform decode batch one
         of them holds (`DecodeGraphs.run`); None: the model runs eagerly."""
         batch = step.batch
-        if batch is None or batch.uniform_decode:
-            return self._graphs_for(step.graph_seqs if batch is None else batch.num_seqs)
-        return None
+        if self.graphs is None or (batch is not None and not batch.uniform_decode):
+            return None
+        return self._graphs_for(step.graph_seqs if batch is None else batch.num_seqs)
 
     @torch.no_grad()
     def forward(self, step: StepBatch) -> Tensor:
