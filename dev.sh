@@ -41,26 +41,37 @@ case "$job" in
     "$VENV/bin/lint-imports"
     "$VENV/bin/python" tools/code_checks.py   # no import cycle, no function over complexity 20
     "$VENV/bin/mypy"                          # pyproject.toml [tool.mypy]; incremental cache in .mypy_cache
-    # The Triton-interpreter pass (one core's worth of Python) runs beside the main suite, each with one
-    # torch thread: two busy processes on two cores, instead of one after the other.
+    # Two busy processes on two cores, each with one torch thread: the Triton-interpreter pass, then the
+    # kernel / model / integration tests (SIDE), beside the engine's and the other packages' tests (MAIN);
+    # the halves take about as long (the interpreter pass alone was half the main suite, leaving a core idle).
+    side=(packages/deepinfer-kernels/tests packages/deepinfer-model/tests integration_tests)
+    main=(packages/deepinfer-engine/tests packages/deepinfer-sched/tests packages/deepinfer-cache/tests
+                packages/deepinfer-spec/tests packages/deepinfer-eplb/tests)
+    [[ $(ls -d packages/*/tests | wc -l) -eq $(( ${#side[@]} + ${#main[@]} - 1 )) ]] || {
+        echo "dev.sh test: a package's tests are in neither half (update SIDE / MAIN)"; exit 1; }
     interp_log=$(mktemp)
-    TRITON_INTERPRET=1 OMP_NUM_THREADS=1 "$VENV/bin/python" -m pytest -rA -p no:cacheprovider \
+    side_log=$(mktemp)
+    (TRITON_INTERPRET=1 OMP_NUM_THREADS=1 "$VENV/bin/python" -m pytest -rA -p no:cacheprovider \
         -W ignore::DeprecationWarning \
         packages/deepinfer-kernels/tests/test_triton_ops.py packages/deepinfer-kernels/tests/test_triton_v41.py \
         packages/deepinfer-kernels/tests/test_triton_moe_grouped.py packages/deepinfer-model/tests/test_v41_kernels.py \
         packages/deepinfer-model/tests/test_moe_grouped_prefill.py integration_tests/test_triton_path.py \
-        > "$interp_log" 2>&1 &
-    interp=$!
+        > "$interp_log" 2>&1 || echo "interp" >> "$side_log.failed"
+     OMP_NUM_THREADS=1 "$VENV/bin/python" -m pytest "${side[@]}" "$@" > "$side_log" 2>&1 \
+        || echo "side" >> "$side_log.failed") &
+    side_job=$!
     status=0
-    OMP_NUM_THREADS=1 "$VENV/bin/python" -m pytest packages/*/tests integration_tests "$@" || status=$?
-    interp_status=0
-    wait "$interp" || interp_status=$?
-    if [[ $interp_status -ne 0 ]]; then
+    OMP_NUM_THREADS=1 "$VENV/bin/python" -m pytest "${main[@]}" "$@" || status=$?
+    wait "$side_job"
+    echo "--- kernels, model and integration tests:"
+    cat "$side_log"
+    if grep -qx side "$side_log.failed" 2>/dev/null; then status=1; fi
+    if grep -qx interp "$side_log.failed" 2>/dev/null; then
         cat "$interp_log"; echo "--- the Triton-interpreter pass (TRITON_INTERPRET=1) FAILED"; status=1
     else
         echo "--- the Triton-interpreter pass (TRITON_INTERPRET=1) passed: $(grep -c PASSED "$interp_log") tests"
     fi
-    rm -f "$interp_log"
+    rm -f "$interp_log" "$side_log" "$side_log.failed"
     exit "$status" ;;
   shell)    setup; exec bash --rcfile <(echo "source $VENV/bin/activate") ;;
   *) sed -n '2,8p' "$0"; exit 2 ;;
