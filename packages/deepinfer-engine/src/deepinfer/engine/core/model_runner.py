@@ -134,6 +134,7 @@ class ModelRunner:
         num_snapshot_slots: int = 0,
         max_verify_tokens: int = 0,
         host_tier_bytes: int = 0,
+        emulate_graphs: bool = False,
     ) -> None:
         self.model = model
         self.device = model.embed.weight.device
@@ -176,10 +177,12 @@ class ModelRunner:
         # None: every forward runs eagerly. A step replays a graph where `_graphs_for` finds one that holds it.
         self.graphs: DecodeGraphs | None = None
         # CUDA graphs need the graph-safe kernels, which run in bfloat16 (grouped-GEMM MoE).
-        if graph_max_seqs and self.device.type == "cuda" and model.embed.weight.dtype == torch.bfloat16:
+        # Emulated (tests), they are CPU stand-ins of the same static buffers.
+        cuda_bf16 = self.device.type == "cuda" and model.embed.weight.dtype == torch.bfloat16
+        if graph_max_seqs and (cuda_bf16 or emulate_graphs):
             self.graphs = DecodeGraphs(model, self.cache, max_seqs=graph_max_seqs, max_blocks=max_blocks_per_seq,
                                        max_context_len=max_model_len, interval=graph_interval, ops=self.ops,
-                                       max_query_len=graph_max_query_len)
+                                       max_query_len=graph_max_query_len, emulate=emulate_graphs)
         self.fed_tokens, self.fed_positions = self._verify_inputs(graph_max_query_len, max_verify_tokens)
 
     def _verify_inputs(self, max_query_len: int, max_verify_tokens: int) -> tuple[Tensor | None, Tensor | None]:
