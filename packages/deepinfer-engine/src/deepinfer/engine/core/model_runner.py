@@ -289,7 +289,7 @@ class ModelRunner:
         n = d.num_seqs
         if d.seq_lens.min() < 1:
             raise ValueError(f"seq_lens must be >= 1, got {int(d.seq_lens.min())}")
-        inputs = torch.empty((STAGED_ROWS, n), dtype=torch.int64, pin_memory=True)
+        inputs = torch.empty((STAGED_ROWS, n), dtype=torch.int64, pin_memory=self.device.type == "cuda")
         host = inputs.numpy()
         _stage_tokens(d, in_flight, host[0])
         np.subtract(d.seq_lens, 1, out=host[1])
@@ -343,7 +343,7 @@ class ModelRunner:
         if graphs is not None:
             # a replay of the graph keyed by total_q: per token (-1: filled below on the device), its
             # position, its row's state slot and scheduler row (the graphs gather the block tables by it)
-            inputs = torch.empty((STAGED_ROWS, total_q), dtype=torch.int64, pin_memory=True)
+            inputs = torch.empty((STAGED_ROWS, total_q), dtype=torch.int64, pin_memory=self.device.type == "cuda")
             host = inputs.numpy()
             host[0] = -1
             host[1] = positions
