@@ -26,7 +26,7 @@ from deepinfer.kernels import kernels_for
 from deepinfer.model import CausalLM, ForwardBatch, ModelCache
 from deepinfer.sched import DecodeBatch, SchedulerOutput, StepKind
 
-from ..device.staging import to_device
+from ..device.staging import host_staging, to_device
 from .cache_copies import SnapshotLayout, block_bytes
 from .cuda_graphs import STAGED_ROWS, DecodeGraphs
 from .prefix_memory import HostTierSize, PrefixMemory, host_tier_size
@@ -289,8 +289,7 @@ class ModelRunner:
         n = d.num_seqs
         if d.seq_lens.min() < 1:
             raise ValueError(f"seq_lens must be >= 1, got {int(d.seq_lens.min())}")
-        inputs = torch.empty((STAGED_ROWS, n), dtype=torch.int64, pin_memory=self.device.type == "cuda")
-        host = inputs.numpy()
+        host, inputs = host_staging((STAGED_ROWS, n), self.device)
         _stage_tokens(d, in_flight, host[0])
         np.subtract(d.seq_lens, 1, out=host[1])
         host[2] = d.state_slots
@@ -343,8 +342,7 @@ class ModelRunner:
         if graphs is not None:
             # a replay of the graph keyed by total_q: per token (-1: filled below on the device), its
             # position, its row's state slot and scheduler row (the graphs gather the block tables by it)
-            inputs = torch.empty((STAGED_ROWS, total_q), dtype=torch.int64, pin_memory=self.device.type == "cuda")
-            host = inputs.numpy()
+            host, inputs = host_staging((STAGED_ROWS, total_q), self.device)
             host[0] = -1
             host[1] = positions
             host[2] = d.state_slots[token_rows]
