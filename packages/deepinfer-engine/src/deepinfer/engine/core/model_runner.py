@@ -175,15 +175,21 @@ class ModelRunner:
         self.row_tokens = torch.zeros(0, dtype=torch.int64, device=self.device)   # [rows] last sampled token
         self.row_emitted = torch.zeros(0, dtype=torch.int64, device=self.device)  # [rows] tokens of its last step
         # None: every forward runs eagerly. A step replays a graph where `_graphs_for` finds one that holds it.
-        self.graphs: DecodeGraphs | None = None
-        # CUDA graphs need the graph-safe kernels, which run in bfloat16 (grouped-GEMM MoE).
-        # Emulated (tests), they are CPU stand-ins of the same static buffers.
-        cuda_bf16 = self.device.type == "cuda" and model.embed.weight.dtype == torch.bfloat16
-        if graph_max_seqs and (cuda_bf16 or emulate_graphs):
-            self.graphs = DecodeGraphs(model, self.cache, max_seqs=graph_max_seqs, max_blocks=max_blocks_per_seq,
-                                       max_context_len=max_model_len, interval=graph_interval, ops=self.ops,
-                                       max_query_len=graph_max_query_len, emulate=emulate_graphs)
+        self.graphs = self._decode_graphs(graph_max_seqs, max_blocks_per_seq, max_model_len, graph_interval,
+                                          graph_max_query_len, emulate_graphs)
         self.fed_tokens, self.fed_positions = self._verify_inputs(graph_max_query_len, max_verify_tokens)
+
+    def _decode_graphs(self, max_seqs: int | None, max_blocks: int, max_context_len: int, interval: int,
+                       max_query_len: int, emulate: bool) -> DecodeGraphs | None:
+        """The decode graphs, where they are wanted (max_seqs) and can run: CUDA graphs need the graph-safe
+        kernels, which run in bfloat16 (grouped-GEMM MoE); emulated (tests), they are CPU stand-ins of
+        the same static buffers on any device and dtype."""
+        cuda_bf16 = self.device.type == "cuda" and self.model.embed.weight.dtype == torch.bfloat16
+        if not max_seqs or not (cuda_bf16 or emulate):
+            return None
+        return DecodeGraphs(self.model, self.cache, max_seqs=max_seqs, max_blocks=max_blocks,
+                            max_context_len=max_context_len, interval=interval, ops=self.ops,
+                            max_query_len=max_query_len, emulate=emulate)
 
     def _verify_inputs(self, max_query_len: int, max_verify_tokens: int) -> tuple[Tensor | None, Tensor | None]:
         """Speculative decoding: the flat token ids and positions of a verify forward as the draft walk
