@@ -15,20 +15,7 @@ cd "$(dirname "$0")/.."
 [ -f .device/activate.sh ] && source .device/activate.sh
 source benchmarks/device_env.sh
 export PYTHONUNBUFFERED=1 DEEPINFER_VARLEN_PROFILE_CACHE="$out/varlen_profile.json"
-summary=()
-
-step() {   # step NAME SECONDS COMMAND...: run with a time limit, log to OUT/NAME.log, note the status
-    local name=$1 limit=$2
-    shift 2
-    local start=$SECONDS
-    timeout "$limit" "$@" > "$out/$name.log" 2>&1
-    local rc=$?
-    summary+=("$name: rc=$rc in $((SECONDS - start)) s; $(tail -1 "$out/$name.log" | cut -c1-160)")
-    printf '%s\n' "${summary[@]}" > "$out/steps.txt"
-    # ARCHIVE: a .tgz of OUT_DIR kept up to date after every step (a lease call returns only a few files
-    # of $OUT: point OUT_DIR elsewhere and ARCHIVE into $OUT)
-    [ -n "${ARCHIVE:-}" ] && tar czf "$ARCHIVE" -C "$(dirname "$out")" "$(basename "$out")"
-}
+source benchmarks/device_steps.sh
 
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$out/gpu.txt"
 step cython 60 python3 benchmarks/device_build_cython.py
@@ -72,4 +59,4 @@ summary = {"gpu": (out / "gpu.txt").read_text().strip(), "tests": tests, "runs":
 print(json.dumps(summary))
 PY
 printf '%s\n' "${summary[@]}"
-[ -n "${ARCHIVE:-}" ] && tar czf "$ARCHIVE" -C "$(dirname "$out")" "$(basename "$out")"
+archive

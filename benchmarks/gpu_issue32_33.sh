@@ -14,18 +14,7 @@ cd "$(dirname "$0")/.."
 [ -f .device/activate.sh ] && source .device/activate.sh
 source benchmarks/device_env.sh
 export PYTHONUNBUFFERED=1
-summary=()
-step() {   # step NAME SECONDS COMMAND...: run with a time limit, log to OUT/NAME.log, note the status
-    local name=$1 limit=$2
-    shift 2
-    local start=$SECONDS
-    timeout "$limit" "$@" > "$out/$name.log" 2>&1
-    summary+=("$name: rc=$? in $((SECONDS - start)) s; $(tail -1 "$out/$name.log" | cut -c1-200)")
-    printf '%s\n' "${summary[@]}" > "$out/steps.txt"
-    # ARCHIVE: a .tgz of OUT_DIR kept up to date after every step (a lease call returns only a few files
-    # of $OUT: point OUT_DIR elsewhere and ARCHIVE into $OUT)
-    [ -n "${ARCHIVE:-}" ] && tar czf "$ARCHIVE" -C "$(dirname "$out")" "$(basename "$out")"
-}
+source benchmarks/device_steps.sh
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$out/gpu.txt"
 step cython 60 python3 benchmarks/device_build_cython.py
 flash=(--flash-layers 8 --device cuda --expert-dtype fp8 --conversations 64 --turns 6 --system-tokens 2048
@@ -55,4 +44,4 @@ if (out / "pd_pair.json").exists():
                                  if side in r}))
 PY
 printf '%s\n' "${summary[@]}"
-[ -n "${ARCHIVE:-}" ] && tar czf "$ARCHIVE" -C "$(dirname "$out")" "$(basename "$out")"
+archive
