@@ -238,7 +238,7 @@ class CpuGraph:
         self.outputs = fn()
 
     def replay(self) -> None:
-        with torch._C.DisableTorchFunction():
+        with torch.no_grad(), torch._C.DisableTorchFunction():
             _copy_outputs(self.outputs, self._fn())
 
     def pool(self) -> None:
