@@ -1,6 +1,7 @@
 """Host time of one steady-state decode step of `LLMEngine` (issue #17), without the model forward.
 
     .venv/bin/python benchmarks/engine_host_step.py [--num-seqs 32 256 1024] [--steps 100] [--repeats 5]
+    .venv/bin/python benchmarks/engine_host_step.py --emulate-graphs --num-speculative-tokens 5 [--num-seqs 1 16 64]
 
 The engine is built on the embedded model (bf16, CPU) with max_num_seqs and num_kv_blocks large
 enough for N running requests, then its model forward is replaced by a stand-in that returns
@@ -22,6 +23,15 @@ Phases, timed with time.perf_counter around the engine's calls (the methods are 
              engine before the Step protocol, `LLMEngine._post_process`)
   outputs    the rest of `step()`: building the RequestOutputs of the changed requests
 The sampler math is in the total; "host" = total − sampler math − forward stand-in.
+
+--emulate-graphs runs the CUDA-graph code paths (`DEEPINFER_EMULATE_CUDA_GRAPHS`: `CpuGraph` stand-ins
+of the decode / verify graphs, the real staging): the graphs are captured on the real model, then each
+replay runs the stand-in model; the replay is the "forward" taken out of "host".
+--num-speculative-tokens K builds a speculative engine (the embedded model's DSpark head, varlen on)
+whose varlen policy keeps every row plain (issue #31: a speculative engine's step where no row drafts):
+the policy's start-up curves are faked, for this process only, to a verify forward whose every query
+token costs as much as a whole step, under which drafting cannot pay (`VarlenVerifyPolicy.plain_only`);
+"post" is then `PlainStep._post_process` or `SpeculativeDecoder._commit`, whichever the step ran.
 
 --clock thread times the CPU time of the stepping thread instead of wall time: on a shared machine it
 leaves out the time other processes hold the core (the sampler math then counts only this thread's
@@ -45,6 +55,8 @@ import numpy as np
 import torch
 
 from deepinfer.engine import EngineArgs, LLMEngine, OutputKind, SamplingParams
+from deepinfer.engine.config.env import EngineEnv
+from deepinfer.engine.speculative.spec_dummy import DummySpecSteps
 from deepinfer.sched import StepKind
 
 PHASES = ("schedule", "prepare", "sampling", "sampler math", "post", "outputs")
@@ -84,23 +96,44 @@ class PhaseClock:
         return taken
 
 
-def build_engine(num_seqs: int, prompt_len: int, block_size: int, max_decode_tokens: int) -> LLMEngine:
-    blocks_per_seq = -(-(prompt_len + max_decode_tokens + 8) // block_size)
+# Start-up curves under which drafting never pays (`--num-speculative-tokens`): each verify token costs a
+# whole step, the draft walk more; the measurement itself is skipped.
+NEVER_PAYS = {"verify_forward": lambda tokens: 10.0 * tokens, "draft_walk": lambda rows: 50.0 * rows,
+              "verification": lambda rows: 1.0}
+
+
+def build_engine(num_seqs: int, prompt_len: int, block_size: int, max_decode_tokens: int,
+                 num_speculative_tokens: int = 0, emulate_graphs: bool = False) -> LLMEngine:
+    k = num_speculative_tokens
+    blocks_per_seq = -(-(prompt_len + max_decode_tokens + 8 + 3 * k) // block_size)
     args = EngineArgs(
         model=None, device="cpu", dtype="bfloat16", seed=0, block_size=block_size,
         max_model_len=prompt_len + max_decode_tokens + 8 * block_size, max_num_seqs=num_seqs,
         num_kv_blocks=num_seqs * blocks_per_seq + 2, max_num_batched_tokens=max(8192, prompt_len),
-        max_num_prompts=num_seqs,
+        max_num_prompts=num_seqs, num_speculative_tokens=k,
     )
-    engine = LLMEngine(args)
-    engine.runner.model = StandInModel(engine.model.cfg.vocab_size, max(num_seqs, 64))
+    env = EngineEnv(emulate_cuda_graphs=emulate_graphs, varlen_profile_cache="off")
+    timed = DummySpecSteps.timed
+    DummySpecSteps.timed = lambda self, work: NEVER_PAYS[work.__name__]     # this process only
+    try:
+        engine = LLMEngine(args, env=env)
+    finally:
+        DummySpecSteps.timed = timed
+    if engine.spec is not None and not (engine.spec.varlen is not None and engine.spec.varlen.plain_only):
+        raise RuntimeError("the speculative engine's varlen policy would draft")
+    stand_in = StandInModel(engine.model.cfg.vocab_size, max(num_seqs * (k + 1), 64))
+    engine.runner.model = stand_in
+    if engine.runner.graphs is not None:       # captured on the real model; replays run the stand-in
+        engine.runner.graphs.model = stand_in
     return engine
 
 
 def run_repeat(num_seqs: int, steps: int, warmup: int, prompt_len: int, block_size: int,
-               output_kind: OutputKind, now: Callable[[], float] = time.perf_counter) -> dict[str, list[float]]:
+               output_kind: OutputKind, now: Callable[[], float] = time.perf_counter,
+               num_speculative_tokens: int = 0, emulate_graphs: bool = False) -> dict[str, list[float]]:
     # Requests admitted early decode while later ones prefill: room for those steps too.
-    engine = build_engine(num_seqs, prompt_len, block_size, steps + warmup + 1024)
+    engine = build_engine(num_seqs, prompt_len, block_size, steps + warmup + 1024, num_speculative_tokens,
+                          emulate_graphs)
     rng = np.random.default_rng(num_seqs)
     vocab = engine.model.cfg.vocab_size
     params = SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=steps + warmup + 1000)
@@ -125,12 +158,18 @@ def run_repeat(num_seqs: int, steps: int, warmup: int, prompt_len: int, block_si
     scheduler.schedule = clock.wrap("schedule", schedule_and_note)
     runner.apply_cache_ops = clock.wrap("prepare", runner.apply_cache_ops)
     runner.prepare = clock.wrap("prepare", runner.prepare)
-    runner.forward = clock.wrap("forward", runner.forward)
+    if runner.graphs is not None:              # the replay (the stand-in model) is the forward
+        runner.graphs.replay = clock.wrap("forward", runner.graphs.replay)
+    else:
+        runner.forward = clock.wrap("forward", runner.forward)
+        runner.verify_forward = clock.wrap("forward", runner.verify_forward)
     sampling.launch = clock.wrap("sampling", sampling.launch)
     sampling.collect = clock.wrap("sampling", sampling.collect)
     sampling.sampler = clock.wrap("sampler math", sampling.sampler)
     plain = getattr(engine, "plain_step", engine)      # engines before the Step protocol: the engine's own
     plain._post_process = clock.wrap("post", plain._post_process)
+    if getattr(engine, "spec", None) is not None:
+        engine.spec._commit = clock.wrap("post", engine.spec._commit)
     times: dict[str, list[float]] = defaultdict(list)
     for step in range(warmup + steps):
         kinds.clear()
@@ -163,6 +202,10 @@ def main() -> None:
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--output-kind", choices=[k.value for k in OutputKind], default="cumulative",
                         help="the requests' OutputKind (LLM.generate uses final_only, a server delta)")
+    parser.add_argument("--num-speculative-tokens", type=int, default=0,
+                        help="> 0: a speculative engine whose varlen policy keeps every row plain (module docstring)")
+    parser.add_argument("--emulate-graphs", action="store_true",
+                        help="run the CUDA-graph code paths with CpuGraph stand-ins (module docstring)")
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
     parser.add_argument("--clock", choices=["wall", "thread"], default="wall",
                         help="wall: time.perf_counter; thread: CPU time of the stepping thread (time.thread_time), "
@@ -172,7 +215,8 @@ def main() -> None:
         torch.set_num_threads(args.threads)
     print(f"{platform.processor() or platform.machine()}, torch {torch.__version__}, {torch.get_num_threads()} "
           f"threads; steps={args.steps} warmup={args.warmup} repeats={args.repeats} prompt_len={args.prompt_len} "
-          f"block_size={args.block_size} output_kind={args.output_kind} clock={args.clock}")
+          f"block_size={args.block_size} output_kind={args.output_kind} clock={args.clock} "
+          f"num_speculative_tokens={args.num_speculative_tokens} emulate_graphs={args.emulate_graphs}")
     columns = ("total", "host", *PHASES)
     print("| N | " + " | ".join(f"{c} ms" for c in columns) + " | total p90 ms |")
     print("|---:|" + "---:|" * (len(columns) + 1))
@@ -181,7 +225,7 @@ def main() -> None:
         now = time.thread_time if args.clock == "thread" else time.perf_counter
         for _ in range(args.repeats):
             times = run_repeat(num_seqs, args.steps, args.warmup, args.prompt_len, args.block_size,
-                               OutputKind(args.output_kind), now)
+                               OutputKind(args.output_kind), now, args.num_speculative_tokens, args.emulate_graphs)
             for name, values in times.items():
                 medians[name].append(statistics.median(values))
             medians["p90"].append(float(np.percentile(times["total"], 90)))
