@@ -9,7 +9,10 @@ the host already knows (new, or after a prefill) read it from the step's pinned 
 others stage `ON_DEVICE`, replaced on the device). Under
 speculative decoding a verify step emits 1 … k + 1 tokens per row: `row_tokens` then holds the last of
 them and `row_emitted[row]` how many (`record_emitted`), from which the next step, launched before the
-host has read them, places its tokens (`verify_forward`'s `shift`).
+host has read them, places its tokens (`verify_forward`'s `shift`). A speculative engine's decode step in
+which no row drafts runs as a plain one (`prepare`, the decode graphs' replay): each row's token sits at
+the first of the k + 1 positions reserved for it, moved back on the device for rows in flight by what
+their step in flight did not use, and the step records one emitted token per row (`record_sampled`).
 """
 
 from __future__ import annotations
@@ -174,6 +177,7 @@ class ModelRunner:
                               host.num_snapshots, 0 if self.prefix is None else self.prefix.host_bytes)
         self.row_tokens = torch.zeros(0, dtype=torch.int64, device=self.device)   # [rows] last sampled token
         self.row_emitted = torch.zeros(0, dtype=torch.int64, device=self.device)  # [rows] tokens of its last step
+        self.max_query_len = graph_max_query_len     # positions the scheduler reserves per decode row and step
         # None: every forward runs eagerly. A step replays a graph where `_graphs_for` finds one that holds it.
         self.graphs = self._decode_graphs(graph_max_seqs, max_blocks_per_seq, max_model_len, graph_interval,
                                           graph_max_query_len, emulate_graphs)
@@ -281,11 +285,40 @@ class ModelRunner:
         host_tokens_and_rows[1] = d.rows
         staged = self._to_device(host_tokens_and_rows)
         tokens, rows = staged[0], staged[1]
+        flying = None
         if in_flight:
-            tokens = torch.where(tokens == ON_DEVICE, self.row_tokens.index_select(0, rows), tokens)
-        batch = ForwardBatch.decode(tokens, d.seq_lens, d.block_tables, d.state_slots, device=self.device,
-                                    to_device=self._to_device)
+            flying = tokens == ON_DEVICE
+            tokens = torch.where(flying, self.row_tokens.index_select(0, rows), tokens)
+        if self.max_query_len == 1:
+            batch = ForwardBatch.decode(tokens, d.seq_lens, d.block_tables, d.state_slots, device=self.device,
+                                        to_device=self._to_device)
+        else:
+            positions: np.ndarray | Tensor = self._first_reserved_positions(d, in_flight)
+            if flying is not None:
+                positions = self._to_device(positions) + self._emitted_in_flight(flying, rows)
+            batch = ForwardBatch.multi_decode(tokens, positions, np.arange(n), d.block_tables, d.state_slots,
+                                              max_query_len=1, max_context_len=int(d.seq_lens.max()),
+                                              device=self.device, to_device=self._to_device)
         return StepBatch(batch, tuple(d.seq_ids), None, rows)
+
+    def _first_reserved_positions(self, d: DecodeBatch, in_flight: bool) -> np.ndarray:
+        """[num_seqs] int64 position of each row's token in a decode step of one token per row: the first
+        of the max_query_len positions reserved for it (seq_len − 1 in a plain engine); for a row in flight
+        under speculative decoding, as if its step in flight had used none of its own (the device adds
+        what it used: `_emitted_in_flight`)."""
+        reserved = self.max_query_len
+        positions = d.seq_lens.astype(np.int64) - reserved
+        if in_flight and reserved > 1:
+            positions -= reserved * d.in_flight
+        if positions.min() < 0:
+            raise ValueError(f"seq_lens must be >= {reserved}, got {int(d.seq_lens.min())}")
+        return positions
+
+    def _emitted_in_flight(self, flying: Tensor, rows: Tensor) -> Tensor:
+        """Speculative decoding: [num_seqs] int64 on the device, the tokens the step in flight of each row
+        emitted (`row_emitted`), 0 for rows without one (`flying` [num_seqs] bool); added to
+        `_first_reserved_positions`."""
+        return torch.where(flying, self.row_emitted.index_select(0, rows), 0)
 
     def _staged_decode_step(self, d: DecodeBatch, in_flight: bool, graphs: DecodeGraphs) -> StepBatch:
         """A decode step that replays one of `graphs`: its inputs go straight into the graph's static
@@ -293,11 +326,9 @@ class ModelRunner:
         the device from `graphs.row_tables`, which copies only new rows and appended blocks (no
         `ForwardBatch`)."""
         n = d.num_seqs
-        if d.seq_lens.min() < 1:
-            raise ValueError(f"seq_lens must be >= 1, got {int(d.seq_lens.min())}")
         host, inputs = host_staging((STAGED_ROWS, n), self.device)
         _stage_tokens(d, in_flight, host[0])
-        np.subtract(d.seq_lens, 1, out=host[1])
+        host[1] = self._first_reserved_positions(d, in_flight)
         host[2] = d.state_slots
         host[3] = d.rows
         graphs.row_tables.update(d.rows, d.table_versions, d.block_tables)    # new rows, appended blocks
@@ -305,7 +336,10 @@ class ModelRunner:
         rows = graphs.seq_rows[:n]
         if in_flight:
             tokens = graphs.token_ids[:n]
-            tokens.copy_(torch.where(tokens == ON_DEVICE, self.row_tokens.index_select(0, rows), tokens))
+            flying = tokens == ON_DEVICE
+            tokens.copy_(torch.where(flying, self.row_tokens.index_select(0, rows), tokens))
+            if self.max_query_len > 1:
+                graphs.positions[:n].add_(self._emitted_in_flight(flying, rows))
         return StepBatch(None, tuple(d.seq_ids), None, rows, graph_seqs=n)
 
     @torch.no_grad()
@@ -451,9 +485,12 @@ class ModelRunner:
 
     def record_sampled(self, step: StepBatch, token_ids: Tensor) -> None:
         """Keep a decode step's sampled tokens ([num_seqs] int64, on the device) by row, for the next
-        step's input (no host copy, no wait)."""
+        step's input (no host copy, no wait); under speculative decoding also that the step emitted one
+        token per row (`row_emitted`)."""
         if step.rows is not None:
             self.row_tokens.index_copy_(0, step.rows, token_ids)
+            if self.max_query_len > 1:
+                self.row_emitted.index_fill_(0, step.rows, 1)
 
     def record_emitted(self, rows: Tensor, last_tokens: Tensor, num_emitted: Tensor) -> None:
         """Keep, by scheduler row, the last token a speculative decode step emitted for each of its rows

@@ -96,7 +96,8 @@ class PlainStep:
         self.steady: SteadyRows | None = None
 
     def forget_rows(self) -> None:
-        """A new scheduler: nothing of the last decode step's rows carries over."""
+        """Nothing of the last decode step's rows carries over: a new scheduler, or a speculative step
+        committed tokens that the steady rows do not count (spec_step.py)."""
         self.steady = None
 
     # ------------------------------------------------------------------ launch

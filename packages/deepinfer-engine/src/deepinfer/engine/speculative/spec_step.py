@@ -38,9 +38,19 @@ on the CPU, where the work runs synchronously), with ZOS on and off alike, and f
 `DraftRuntimeEstimator.observe` (drafting rows), `ForwardRuntimeEstimator.observe` (total query
 tokens) and `SamplerRuntimeEstimator.observe` (rows).
 
+A decode step in which no row drafts (the varlen policy kept every row plain, or no row may draft) is
+a plain step: `PlainStep`'s launch, sampling and commit (on CUDA the decode graph replay, its staging
+and its steady rows), as in an engine without a draft head; the runner places each row's token at the
+first of its reserved positions and records one emitted token per row (model_runner.py), and the step
+clears the rows' last confidences (`_row_confidence`) for the device split. Its forward still writes
+the target features of its positions into the draft rings, so the rows draft again whenever the policy
+gives them drafts (a re-probe). Such steps feed none of the varlen estimators (no draft walk, no
+verification ran). A step with drafting rows forgets `PlainStep`'s steady rows: it commits tokens
+they do not count.
+
 Lockstep ranks (DP attention + EP MoE, `spec_lockstep.SpecLockstep`) agree on each decode step's
 verify size after the vote: a rank pads its verify forward to it, and a rank without decode rows
-runs a dummy verify forward of it (`idle_verify`).
+runs a dummy verify forward of it (`idle_verify`); their steps without drafts stay verify steps.
 """
 
 from __future__ import annotations
@@ -69,7 +79,7 @@ from deepinfer.spec import (
 
 from ..config.engine_args import EngineArgs, InvalidEngineArgs
 from ..config.env import EngineEnv, env_var_name
-from ..core.plain_step import PlainStep, StepHost
+from ..core.plain_step import PlainLaunched, PlainStep, StepHost
 from ..core.request import Request
 from ..core.steps import Changed, Launched
 from ..device.staging import to_device, to_host
@@ -253,28 +263,43 @@ class SpeculativeDecoder:
 
     # ------------------------------------------------------------------ the Step protocol
 
-    def launch(self, out: SchedulerOutput, *, guarded: bool) -> SpecLaunched | None:
-        """Draft and launch the verify forward of decode step `out` (`launch_forward`)."""
+    def launch(self, out: SchedulerOutput, *, guarded: bool) -> SpecLaunched | PlainLaunched | None:
+        """Draft and launch the verify forward of decode step `out` (`launch_forward`); a step in which
+        no row drafts, on a rank of its own, is launched as a plain step (module docstring)."""
         d = out.decode
         if d is None or not d.num_seqs:
             self.idle_verify()             # a lockstep rank's peers may verify: join them
             return None
+        if self.lockstep is None and int(d.query_lens.max()) == 1:
+            return self._plain.launch(out, guarded=guarded)
         reqs = self._plain.requests_of(d.seq_ids)
         return SpecLaunched(out, reqs, work=self.launch_forward(d, reqs, guarded=guarded), guarded=guarded)
 
-    def sample(self, handle: SpecLaunched) -> None:
-        """Verify the drafting rows and sample the others (`launch_accept`)."""
+    def sample(self, handle: SpecLaunched | PlainLaunched) -> None:
+        """Verify the drafting rows and sample the others (`launch_accept`); a plain step's rows are
+        sampled by `PlainStep`, and their last confidences cleared (no draft of theirs is in flight)."""
+        if isinstance(handle, PlainLaunched):
+            self._plain.sample(handle)
+            rows = handle.batch.rows
+            if self.varlen is not None and rows is not None:
+                with forbid_cuda_sync(self.runner.device, enabled=handle.guarded):
+                    self._ensure_confidence_rows(self.runner.row_tokens.shape[0])
+                    self._row_confidence.index_fill_(0, rows, -1.0)
+            return
         launched = handle.work
         if not isinstance(launched, SpecLaunch):
             raise RuntimeError("SpeculativeDecoder.sample: this step was sampled already")
         handle.work = self.launch_accept(launched, guarded=handle.guarded)   # drops the verify logits
 
-    def commit(self, handle: SpecLaunched, *, rows_unchanged: bool = False) -> Changed:
-        """Read the step's results and commit its tokens (`commit_flight`)."""
+    def commit(self, handle: SpecLaunched | PlainLaunched, *, rows_unchanged: bool = False) -> Changed:
+        """Read the step's results and commit its tokens (`commit_flight`; a plain step's: `PlainStep`)."""
+        if isinstance(handle, PlainLaunched):
+            return self._plain.commit(handle, rows_unchanged=rows_unchanged)
         flight = handle.work
         if not isinstance(flight, SpecFlight):
             raise RuntimeError("SpeculativeDecoder.commit: this step was not sampled")
         changed: Changed = {}
+        self._plain.forget_rows()          # its steady rows would not count the tokens committed here
         self.commit_flight(flight, changed, preempted=handle.preempted, recomputed=handle.recomputed)
         return changed
 
