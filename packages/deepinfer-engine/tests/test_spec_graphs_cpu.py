@@ -7,6 +7,7 @@ plain for good, as it is on the CPU; the re-probe brings it back).
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
@@ -15,6 +16,7 @@ from deepinfer.engine.bench import run_bench
 from deepinfer.engine.config.env import EngineEnv
 from deepinfer.engine.speculative.draft_graphs import DraftGraphs
 from deepinfer.model import embedded_model_dir
+from deepinfer.sched import StepKind
 
 ENGINE = {"device": "cpu", "kv_cache_memory_mb": 16, "max_num_seqs": 4, "max_model_len": 512,
           "num_speculative_tokens": 5}
@@ -82,3 +84,67 @@ def test_varlen_keeps_drafting_after_bad_first_drafts(zos: bool) -> None:
     assert engine.spec.varlen is not None and not engine.spec.varlen.plain_only
     result = run_bench(engine, num_prompts=2, input_len=32, output_len=40)
     assert result["spec_verify_steps"] > 4 and result["spec_accepted_tokens"] > 0, result
+
+
+class _EveryFourthStep:
+    """A verify policy for the test: every row drafts all k at every fourth decode step, none between."""
+
+    def __init__(self) -> None:
+        self.num_steps = 0
+
+    def query_lens(self, seq_ids: tuple[str, ...], seq_lens: np.ndarray, max_query_len: int) -> np.ndarray:
+        self.num_steps += 1
+        return np.full(len(seq_ids), max_query_len if self.num_steps % 4 == 0 else 1, dtype=np.int32)
+
+
+@pytest.mark.parametrize("zos", [False, True])
+def test_a_step_without_drafts_runs_as_a_plain_step(zos: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Issue #31: a speculative step in which no row drafts replays the decode graph as a plain engine's
+    step does: no draft walk, no verify forward, no verification tails. Its forward still fills the draft
+    rings, so the rows' drafts after plain steps are accepted as usual, and the greedy tokens are a plain
+    engine's."""
+    env = EngineEnv(emulate_cuda_graphs=True, varlen_profile_cache="off")
+    engine = LLMEngine(EngineArgs(**ENGINE, zero_overhead_scheduling=zos), env=env)
+    assert engine.spec is not None and engine.spec.varlen is not None and engine.runner.graphs is not None
+    monkeypatch.setattr(engine.spec.gate, "inner", _EveryFourthStep())
+    calls: dict[str, int] = {}
+
+    def counted(label: str, owner: object, name: str) -> None:
+        method = getattr(owner, name)
+
+        def run(*args, **kwargs):
+            calls[label] = calls.get(label, 0) + 1
+            return method(*args, **kwargs)
+
+        monkeypatch.setattr(owner, name, run)
+
+    counted("draft walk", engine.spec.draft_graphs, "replay")
+    counted("tails", engine.spec.tails, "replay")
+    counted("verify forward", engine.runner, "verify_forward")
+    counted("verify forward", engine.runner, "verify_forward_static")
+    counted("decode graph", engine.runner.graphs, "replay")
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    for i, prompt in enumerate(code_prompts()):
+        engine.add_request(f"r{i}", prompt, params)
+    kinds: list[str] = []                    # per decode step: "plain" (no row drafts) or "verify"
+    tokens = {}
+    while engine.has_unfinished_requests():
+        calls.clear()
+        for out in engine.step():
+            if out.finished:
+                tokens[out.request_id] = list(out.outputs[0].token_ids)
+        if engine.last_step_kind is StepKind.DECODE and "verify forward" in calls:
+            kinds.append("verify")
+        elif engine.last_step_kind is StepKind.DECODE:
+            assert calls == {"decode graph": 1}, calls      # nothing else
+            kinds.append("plain")
+    assert kinds.count("verify") >= 3 and kinds.count("plain") >= 3 * kinds.count("verify") - 3, kinds
+    stats = engine.stats()
+    assert stats.mean_accepted_length >= 1.5, stats
+    plain = LLMEngine(EngineArgs(**{**ENGINE, "num_speculative_tokens": 0}, zero_overhead_scheduling=zos), env=env)
+    for i, prompt in enumerate(code_prompts()):
+        plain.add_request(f"r{i}", prompt, params)
+    expected = {}
+    while plain.has_unfinished_requests():
+        expected.update({out.request_id: list(out.outputs[0].token_ids) for out in plain.step() if out.finished})
+    assert tokens == expected
