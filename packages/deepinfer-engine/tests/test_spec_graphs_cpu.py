@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from deepinfer.engine import EngineArgs, LLMEngine, SamplingParams
+from deepinfer.engine import EngineArgs, LLMEngine, OutputKind, SamplingParams
 from deepinfer.engine.bench import run_bench
 from deepinfer.engine.config.env import EngineEnv
 from deepinfer.engine.speculative.draft_graphs import DraftGraphs
@@ -97,15 +97,18 @@ class _EveryFourthStep:
         return np.full(len(seq_ids), max_query_len if self.num_steps % 4 == 0 else 1, dtype=np.int32)
 
 
-@pytest.mark.parametrize("zos", [False, True])
-def test_a_step_without_drafts_runs_as_a_plain_step(zos: bool, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Issue #31: a speculative step in which no row drafts replays the decode graph as a plain engine's
-    step does: no draft walk, no verify forward, no verification tails. Its forward still fills the draft
-    rings, so the rows' drafts after plain steps are accepted as usual, and the greedy tokens are a plain
-    engine's."""
-    env = EngineEnv(emulate_cuda_graphs=True, varlen_profile_cache="off")
+@pytest.mark.parametrize(("zos", "emulate"), [(False, True), (True, True), (True, False)],
+                         ids=["zos-off-graphs", "zos-on-graphs", "zos-on-eager"])
+def test_a_step_without_drafts_runs_as_a_plain_step(zos: bool, emulate: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Issue #31: a speculative step in which no row drafts runs a plain engine's decode forward (on the
+    graph path: the decode graph's replay): no draft walk, no verify forward, no verification tails. Its
+    forward still fills the draft rings, so the rows' drafts after plain steps are accepted as usual; under
+    ZOS a plain step after a verify step places its rows after the tokens that step accepted (on the
+    device); the greedy tokens are a plain engine's."""
+    env = EngineEnv(emulate_cuda_graphs=emulate, varlen_profile_cache="off")
     engine = LLMEngine(EngineArgs(**ENGINE, zero_overhead_scheduling=zos), env=env)
-    assert engine.spec is not None and engine.spec.varlen is not None and engine.runner.graphs is not None
+    assert engine.spec is not None and engine.spec.varlen is not None
+    assert (engine.runner.graphs is not None) is emulate
     monkeypatch.setattr(engine.spec.gate, "inner", _EveryFourthStep())
     calls: dict[str, int] = {}
 
@@ -122,10 +125,12 @@ def test_a_step_without_drafts_runs_as_a_plain_step(zos: bool, monkeypatch: pyte
     counted("tails", engine.spec.tails, "replay")
     counted("verify forward", engine.runner, "verify_forward")
     counted("verify forward", engine.runner, "verify_forward_static")
-    counted("decode graph", engine.runner.graphs, "replay")
+    counted("forward", engine.runner, "forward")
+    if engine.runner.graphs is not None:
+        counted("decode graph", engine.runner.graphs, "replay")
     params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
-    for i, prompt in enumerate(code_prompts()):
-        engine.add_request(f"r{i}", prompt, params)
+    for i, prompt in enumerate(code_prompts()):       # FINAL_ONLY: plain steps take their tokens in bulk
+        engine.add_request(f"r{i}", prompt, params, output_kind=OutputKind.FINAL_ONLY)
     kinds: list[str] = []                    # per decode step: "plain" (no row drafts) or "verify"
     tokens = {}
     while engine.has_unfinished_requests():
@@ -133,10 +138,14 @@ def test_a_step_without_drafts_runs_as_a_plain_step(zos: bool, monkeypatch: pyte
         for out in engine.step():
             if out.finished:
                 tokens[out.request_id] = list(out.outputs[0].token_ids)
+        steady = engine.plain_step.steady      # the rows plain steps take tokens in bulk for count them all
+        if steady is not None:
+            live = [i for i, r in enumerate(steady.reqs) if not r.finished]
+            assert steady.num_out[live].tolist() == [steady.reqs[i].num_output_tokens for i in live]
         if engine.last_step_kind is StepKind.DECODE and "verify forward" in calls:
             kinds.append("verify")
         elif engine.last_step_kind is StepKind.DECODE:
-            assert calls == {"decode graph": 1}, calls      # nothing else
+            assert calls == ({"forward": 1, "decode graph": 1} if emulate else {"forward": 1}), calls
             kinds.append("plain")
     assert kinds.count("verify") >= 3 and kinds.count("plain") >= 3 * kinds.count("verify") - 3, kinds
     stats = engine.stats()
