@@ -67,7 +67,7 @@ from .core.kv_handoff import KVTransfer, NullKVTransfer
 from .core.model_runner import ModelRunner, default_block_size, snapshot_bytes, state_slot_bytes
 from .core.outputs import OutputKind, RequestOutput
 from .core.pd_hooks import PrefillDecodeHooks
-from .core.plain_step import PlainStep
+from .core.plain_step import PlainLaunched, PlainStep
 from .core.prefix_caching import num_prefix_snapshots, prefix_cache_key, record_cached_tokens
 from .core.request import ParallelRequest, Request
 from .core.steps import Changed, HandleT, InFlightQueue, Step
@@ -76,7 +76,7 @@ from .sampling.logit_controls import TokenHistory
 from .sampling.sampler import Sampler
 from .sampling.sampling_stage import SamplingStage
 from .speculative.spec_lockstep import SpecLockstep
-from .speculative.spec_step import SpeculativeDecoder, SpeculativeStats, attach_draft_head
+from .speculative.spec_step import SpecLaunched, SpeculativeDecoder, SpeculativeStats, attach_draft_head
 from .text.tokenizer import Tokenizer, load_tokenizer
 
 logger = logging.getLogger(__name__)
@@ -391,9 +391,11 @@ class LLMEngine(RequestIntake, PrefillDecodeHooks):
             self._in_step = False
 
     def _run(self, out: SchedulerOutput, changed: Changed) -> None:
-        """One step by the `Step` that runs its kind: speculative decode steps with a draft head, else plain."""
+        """One step by the `Step` that runs its kind: decode steps with a draft head, else plain (a decode
+        step without drafts runs as a plain one inside `SpeculativeDecoder`)."""
         if self.spec is not None and out.kind is StepKind.DECODE:
-            self._run_phases(self.spec, out, changed)
+            spec: Step[SpecLaunched | PlainLaunched] = self.spec
+            self._run_phases(spec, out, changed)
         else:
             self._run_phases(self.plain_step, out, changed)
 
