@@ -187,6 +187,8 @@ class DraftGate:
         self.inner, self._lookup, self._force_top_k = inner, lookup, force_top_k
 
     def query_lens(self, seq_ids: tuple[str, ...], seq_lens: np.ndarray, max_query_len: int) -> np.ndarray:
+        if isinstance(self.inner, VarlenVerifyPolicy) and self.inner.plain_only:   # no row drafts: no row to check
+            return np.ones(len(seq_ids), dtype=np.int32)
         lookup, force_top_k = self._lookup, self._force_top_k
         drafting = [i for i, seq_id in enumerate(seq_ids)
                     if (req := lookup(seq_id)) is not None and may_draft(req, force_top_k)]
