@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Issue #31's device run (run once, on purpose, on an H100; under 5 minutes):
-#     [BENCHES="plain spec5"] [TESTS_S=180] bash benchmarks/gpu_issue31.sh [OUT_DIR]   # OUT_DIR defaults to $OUT
+#     [BENCHES="plain spec5"] [TESTS_S=180] [ARCHIVE=$OUT/i31.tgz] bash benchmarks/gpu_issue31.sh [OUT_DIR]
 # 1. builds the Cython modules in place (benchmarks/device_build_cython.py), 2. runs the speculative GPU
 # tests (packages/deepinfer-engine/tests/test_spec_graphs_gpu.py: no eager kernel launch in a
 # speculative decode step; greedy = plain greedy with ZOS on and off under graphs, V4 and V4.1; and
@@ -15,17 +15,7 @@ cd "$(dirname "$0")/.."
 [ -f .device/activate.sh ] && source .device/activate.sh
 source benchmarks/device_env.sh
 export PYTHONUNBUFFERED=1 DEEPINFER_VARLEN_PROFILE_CACHE="$out/varlen_profile.json"
-summary=()
-
-step() {   # step NAME SECONDS COMMAND...: run with a time limit, log to OUT/NAME.log, note the status
-    local name=$1 limit=$2
-    shift 2
-    local start=$SECONDS
-    timeout "$limit" "$@" > "$out/$name.log" 2>&1
-    local rc=$?
-    summary+=("$name: rc=$rc in $((SECONDS - start)) s; $(tail -1 "$out/$name.log" | cut -c1-160)")
-    printf '%s\n' "${summary[@]}" > "$out/steps.txt"
-}
+source benchmarks/device_steps.sh
 
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$out/gpu.txt"
 step cython 60 python3 benchmarks/device_build_cython.py
@@ -69,3 +59,4 @@ summary = {"gpu": (out / "gpu.txt").read_text().strip(), "tests": tests, "runs":
 print(json.dumps(summary))
 PY
 printf '%s\n' "${summary[@]}"
+archive

@@ -13,7 +13,7 @@ import torch
 
 from deepinfer.cache import BlockManager
 from deepinfer.engine.core.block_tables import RowBlockTables
-from deepinfer.sched import Scheduler, SchedulerConfig, SeqStatus, StepKind
+from deepinfer.sched import BranchId, Scheduler, SchedulerConfig, SeqStatus, StepKind
 
 
 def _drive(seed: int, nextn: int, stop_preempted_request: bool) -> tuple[int, int]:
@@ -50,7 +50,7 @@ def _drive(seed: int, nextn: int, stop_preempted_request: bool) -> tuple[int, in
             sched.finish_seq(rng.choice(live), "stop") if rng.random() < 0.5 else sched.abort_seq(rng.choice(live))
         elif op < 0.25 and live:
             view = sched.get_seq(rng.choice(live))
-            if view.status in (SeqStatus.PROMPTED, SeqStatus.RUNNING) and not view.seq_id.startswith("_") \
+            if view.status in (SeqStatus.PROMPTED, SeqStatus.RUNNING) and not isinstance(view.seq_id, BranchId) \
                     and view.num_inflight_tokens == 0:
                 sched.fork_seq(view.seq_id, rng.randint(1, 2))
         else:

@@ -2,8 +2,10 @@
 decode server (COMPLETION engine, `HttpPrefillClient`) on the embedded model answer completions and
 chat streams as one NORMAL server does; /metrics on both count the KV handed over; a closed stream, a
 prefill cancelled while its KV is in flight, a killed and restarted prefill server, a transfer cut
-mid-way and another model are handled, with nothing left held on either side. The last test runs the
-two `deepinfer serve` commands as processes on the tiny random V4.1 model."""
+mid-way and another model are handled, with nothing left held on either side. The prefill server
+checks its API key (the decode side sends it; a wrong or missing one stops the decode side's start).
+The last test runs the two `deepinfer serve` commands as processes on the tiny random V4.1 model, with
+one API key for both."""
 
 from __future__ import annotations
 
@@ -26,6 +28,7 @@ from engine_tiny_v41 import CONFIG as V41_CONFIG
 from serve_helpers import start_uvicorn, tcp_socket
 
 from deepinfer.engine import EngineArgs, LLMEngine, SamplingParams
+from deepinfer.engine.cli import main
 from deepinfer.engine.core.kv_handoff import ModelFingerprint, PrefillOrder, TransferFailed
 from deepinfer.engine.disagg import HttpPrefillClient, PrefillExports
 from deepinfer.engine.frontends.async_llm import AsyncLLM
@@ -34,6 +37,8 @@ from deepinfer.engine.serve.pd_routes import add_pd_routes
 from deepinfer.sched import EngineType
 
 MODEL = "pair"
+KEY = "prefill-key"          # the prefill server's --api-key
+AUTH = {"Authorization": f"Bearer {KEY}"}
 EMBEDDED = {"device": "cpu", "max_num_seqs": 4, "kv_cache_memory_mb": 16, "max_model_len": 512, "seed": 0}
 
 
@@ -50,7 +55,7 @@ class Prefill:
         sock = tcp_socket() if not self.port else _bound(self.port)
         self.port = sock.getsockname()[1]
         self.llm = AsyncLLM(self.engine)
-        app = build_app(self.llm, served_model_name=MODEL)
+        app = build_app(self.llm, served_model_name=MODEL, api_key=KEY)
         add_pd_routes(app, self.llm, self.exports)
         self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
         self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [sock]}, daemon=True)
@@ -79,7 +84,7 @@ def servers() -> Iterator[tuple[Prefill, LLMEngine, str, str]]:
     """(the prefill server, the decode engine, the decode server's URL, a NORMAL server's URL)."""
     prefill = Prefill()
     decode = LLMEngine(EngineArgs(**EMBEDDED, engine_type=EngineType.COMPLETION),
-                       kv_transfer=HttpPrefillClient(prefill.url, timeout_s=60))
+                       kv_transfer=HttpPrefillClient(prefill.url, timeout_s=60, api_key=KEY))
     decode_url, decode_server, decode_thread = start_uvicorn(build_app(AsyncLLM(decode), served_model_name=MODEL))
     normal_url, normal_server, normal_thread = start_uvicorn(
         build_app(AsyncLLM(LLMEngine(EngineArgs(**EMBEDDED))), served_model_name=MODEL))
@@ -90,8 +95,8 @@ def servers() -> Iterator[tuple[Prefill, LLMEngine, str, str]]:
     prefill.stop()
 
 
-def _post(url: str, path: str, body: dict) -> httpx.Response:
-    return httpx.post(f"{url}{path}", json={"model": MODEL, **body}, timeout=60)
+def _post(url: str, path: str, body: dict, headers: dict | None = None) -> httpx.Response:
+    return httpx.post(f"{url}{path}", json={"model": MODEL, **body}, headers=headers, timeout=60)
 
 
 def _streamed(url: str, path: str, body: dict) -> list[dict]:
@@ -166,7 +171,7 @@ def test_closing_a_stream_frees_both_sides(servers) -> None:
 
 def test_a_prefill_cancelled_while_in_flight_leaves_nothing(servers) -> None:
     prefill, decode, _, _ = servers
-    client = HttpPrefillClient(prefill.url)
+    client = HttpPrefillClient(prefill.url, api_key=KEY)
     client.connect(decode.fingerprint)
     for delay in (0.0, 0.3):             # before the prefill ran, and (likely) while its KV is on the wire
         client.request_prefill(PrefillOrder(f"c{delay}", tuple(range(5, 300)), SamplingParams(max_tokens=5)))
@@ -196,11 +201,46 @@ def test_another_model_is_refused_at_connect_naming_both(servers, tmp_path: Path
                       max_model_len=256, engine_type=EngineType.COMPLETION)
     with pytest.raises(ValueError, match=rf"prefill server at {prefill.url} serves the embedded model .*this decode "
                                          rf"server {tmp_path}"):
-        LLMEngine(args, kv_transfer=HttpPrefillClient(prefill.url))
+        LLMEngine(args, kv_transfer=HttpPrefillClient(prefill.url, api_key=KEY))
     response = httpx.post(f"{prefill.url}/v1/pd/prefill", json={"request_id": "x", "prompt_token_ids": [1],
-                                                                "params": {}, "fingerprint_key": "f00", "model": "M2"})
+                                                                "params": {}, "fingerprint_key": "f00", "model": "M2"},
+                          headers=AUTH)
     message = response.json()["error"]["message"]
     assert response.status_code == 409 and "serves the embedded model" in message and "decode server M2" in message
+
+
+def test_the_pd_routes_want_the_api_key(servers) -> None:
+    prefill = servers[0]
+    order = {"request_id": "k", "prompt_token_ids": [1], "params": {}, "fingerprint_key": "f00", "model": "M2"}
+    for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": KEY}):
+        for response in (httpx.get(f"{prefill.url}/v1/pd/info", headers=headers),
+                         httpx.post(f"{prefill.url}/v1/pd/prefill", json=order, headers=headers)):
+            assert response.status_code == 401, response.text
+            assert response.json()["error"]["code"] == "invalid_api_key"
+    assert httpx.get(f"{prefill.url}/v1/pd/info", headers=AUTH).json()["model"] == "the embedded model"
+    assert len(prefill.exports) == 0 and not prefill.engine.has_unfinished_requests()
+
+
+@pytest.mark.parametrize(("api_key", "said"), [("wrong", "refused this decode server's API key"),
+                                               (None, "wants an API key; none was sent")])
+def test_a_decode_side_without_the_key_fails_at_connect(servers, api_key: str | None, said: str) -> None:
+    prefill, decode = servers[0], servers[1]
+    client = HttpPrefillClient(prefill.url, api_key=api_key)
+    with pytest.raises(ConnectionError) as caught:
+        client.connect(decode.fingerprint)
+    message = str(caught.value)
+    assert f"the prefill server at {prefill.url} {said} (401 invalid_api_key)" in message
+    assert "wrong" not in message          # the key is never repeated
+
+
+def test_deepinfer_serve_decode_with_a_wrong_key_refuses_to_start(servers, capsys: pytest.CaptureFixture[str]) -> None:
+    prefill = servers[0]
+    argv = ["serve", "--device", "cpu", "--max-num-seqs", "4", "--kv-cache-memory-mb", "16", "--max-model-len", "512",
+            "--seed", "0", "--engine-in-thread", "--pd-role", "decode", "--pd-prefill-url", prefill.url]
+    assert main([*argv, "--api-key", "mine", "--pd-prefill-api-key", "wrong"]) == 1
+    err = " ".join(capsys.readouterr().err.split())
+    assert f"deepinfer: error: the prefill server at {prefill.url} refused this decode server's API key (401 " \
+           "invalid_api_key)" in err and "wrong" not in err
 
 
 def test_a_transfer_cut_mid_way_fails_the_order() -> None:
@@ -253,7 +293,7 @@ def test_deepinfer_serve_pair_as_two_processes_tiny_v41(tmp_path: Path) -> None:
     (tmp_path / "config.json").write_text(json.dumps(V41_CONFIG))
     common = ["--model", str(tmp_path), "--load-format", "dummy", "--device", "cpu", "--max-num-seqs", "2",
               "--kv-cache-memory-mb", "4", "--max-model-len", "256", "--served-model-name", MODEL,
-              "--log-level", "warning"]
+              "--log-level", "warning", "--api-key", KEY]     # one key: the decode side sends its own
     ports = [tcp_socket().getsockname()[1] for _ in range(2)]
     urls = [f"http://127.0.0.1:{port}" for port in ports]
     serve = [sys.executable, "-m", "deepinfer.engine.cli", "serve", *common]
@@ -266,7 +306,7 @@ def test_deepinfer_serve_pair_as_two_processes_tiny_v41(tmp_path: Path) -> None:
         _wait_healthy(urls[1], procs[1])
         prompt = [5, 17, 33, 8, 61, 2, 40, 9, 12, 77, 3]
         out = _post(urls[1], "/v1/completions", {"prompt": prompt, "max_tokens": 6, "temperature": 0, "logprobs": 0,
-                                                 "ignore_eos": True}).json()
+                                                 "ignore_eos": True}, AUTH).json()
         tokens = [int(t.removeprefix("token_id:")) for t in out["choices"][0]["logprobs"]["tokens"]]
         engine = LLMEngine(EngineArgs(model=str(tmp_path), load_format="dummy", device="cpu", max_num_seqs=2,
                                       kv_cache_memory_mb=4, max_model_len=256))

@@ -29,7 +29,7 @@ def started(monkeypatch: pytest.MonkeyPatch) -> dict:
 
     def serve_client(llm, options):
         seen["options"] = options
-        return None
+        return serve.ServeEnd(None, 0)
 
     monkeypatch.setattr(cli, "_start_engine_process", start)
     monkeypatch.setattr(serve, "serve_client", serve_client)

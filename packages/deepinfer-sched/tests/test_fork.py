@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import copy
+import pickle
+
 import pytest
 
-from deepinfer.sched import SeqStatus, StepKind
+from deepinfer.sched import BranchId, SeqStatus, StepKind, seq_key
 
 
 def prefill(sched, seq_id, prompt, first_token=7):
@@ -13,6 +16,23 @@ def prefill(sched, seq_id, prompt, first_token=7):
     assert [c.seq_id for c in out.prefill] == [seq_id]
     sched.append_tokens(seq_id, [first_token])
     return out
+
+
+def test_branch_ids_are_typed_until_the_copy(make_sched) -> None:
+    sched = make_sched()
+    prefill(sched, "p", list(range(6)))
+    branches = sched.fork_seq("p", 2)
+    assert [type(b) for b in branches] == [BranchId, BranchId] and [b.key for b in branches] == ["p.1", "p.2"]
+    assert BranchId("p.1") == "_p.1" and hash(BranchId("p.1")) == hash("_p.1")   # keys dicts as its spelling
+    assert isinstance(sched.get_seq("p.1").seq_id, BranchId)
+    for seq_id in (branches[0], "_p.1", "p.1"):                         # every id of the branch finds it
+        assert seq_key(seq_id) == "p.1"
+    assert seq_key("p") == "p"
+    for clone in (pickle.loads(pickle.dumps(branches[0])), copy.deepcopy(branches[0])):
+        assert type(clone) is BranchId and clone == "_p.1" and clone.key == "p.1"
+    out = sched.schedule()                                              # the copy-on-write
+    assert [type(seq_id) for seq_id in out.decode.seq_ids] == [str, str, str]
+    assert type(sched.get_seq(branches[1]).seq_id) is str
 
 
 def test_fork_copies_the_partial_last_block_and_the_state_slot(make_sched) -> None:

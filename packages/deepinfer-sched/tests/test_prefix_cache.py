@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from deepinfer.cache import BlockManager
-from deepinfer.sched import ConfigError, PrefixCacheStats, Scheduler, SchedulerConfig, StepKind
+from deepinfer.sched import ConfigError, PrefixCacheStats, Scheduler, SchedulerConfig, StepKind, seq_key
 
 A = list(range(100, 110))            # 10 tokens: blocks [100..103], [104..107], then 2 tokens
 
@@ -170,7 +170,7 @@ def test_fork_branches_share_cached_blocks(make_sched) -> None:
     out = sched.schedule()
     assert out.kind is StepKind.DECODE and len(out.clone_blocks) == 2     # each copies the partial block 3
     sched.append_decode_tokens(out.decode.seq_ids, [[1]] * 3, [1] * 3)
-    for seq_id in ("a", *[b.lstrip("_") for b in branches]):
+    for seq_id in ("a", *[seq_key(b) for b in branches]):
         sched.finish_seq(seq_id, "stop")
     sched.check_integrity()
     sched.add_seq("b", A[:8] + [4], 4)

@@ -12,7 +12,7 @@ from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
 from deepinfer.cache import BlockManager
-from deepinfer.sched import Scheduler, SchedulerConfig, SeqStatus, StepKind, TokenLog
+from deepinfer.sched import BranchId, Scheduler, SchedulerConfig, SeqStatus, StepKind, TokenLog, seq_key
 
 OPS = st.lists(
     st.tuples(st.sampled_from(["add", "add", "step", "step", "step", "step", "step", "finish", "abort",
@@ -69,9 +69,9 @@ class EngineModel:
         return sorted(self.sched._st.seqs)   # test-only peek, to pick targets
 
     def forget(self, seq_id: str) -> None:
-        key = seq_id.lstrip("_")
+        key = seq_key(seq_id)
         for step in self.in_flight:
-            step[:] = [s for s in step if s.lstrip("_") != key]
+            step[:] = [s for s in step if seq_key(s) != key]
 
     def post_process(self, seq_ids: list[str], query_len: int) -> None:
         accepted = [self.rng.randint(1, query_len) for _ in seq_ids]
@@ -133,7 +133,7 @@ class EngineModel:
             self.forget(seq_id)
         elif op == "fork" and live:
             view = self.sched.get_seq(live[arg % len(live)])
-            if (view.status in (SeqStatus.PROMPTED, SeqStatus.RUNNING) and not view.seq_id.startswith("_")
+            if (view.status in (SeqStatus.PROMPTED, SeqStatus.RUNNING) and not isinstance(view.seq_id, BranchId)
                     and view.num_inflight_tokens == 0):
                 self.fork(view.seq_id, 1 + arg % 2)
 
@@ -154,12 +154,12 @@ class SharedListEngine(EngineModel):
         self.sched.add_seq(seq_id, self.lists[seq_id], max_tokens, share_list=True)
 
     def append(self, seq_id: str, tokens: list[int]) -> None:
-        self.lists.get(seq_id.lstrip("_"), []).extend(tokens)
+        self.lists.get(seq_key(seq_id), []).extend(tokens)
         super().append(seq_id, tokens)
 
     def append_decode(self, seq_ids: tuple[str, ...], tokens: list[list[int]], accepted: list[int]) -> None:
         for seq_id, row, count in zip(seq_ids, tokens, accepted):
-            self.lists.get(seq_id.lstrip("_"), []).extend(row[:count])
+            self.lists.get(seq_key(seq_id), []).extend(row[:count])
         super().append_decode(seq_ids, tokens, accepted)
 
     def fork(self, seq_id: str, num_branches: int) -> None:
@@ -169,7 +169,7 @@ class SharedListEngine(EngineModel):
             return
         lists = [TokenLog(parent) for _ in range(num_branches)]
         for branch_id, tokens in zip(self.sched.fork_seq(seq_id, num_branches, branch_lists=lists), lists):
-            self.lists[branch_id.lstrip("_")] = tokens
+            self.lists[seq_key(branch_id)] = tokens
 
     def check_shared(self) -> None:
         for key, seq in self.sched._st.seqs.items():     # test-only peek at the list each one reads

@@ -8,7 +8,7 @@ import dataclasses
 import numpy as np
 import pytest
 
-from deepinfer.sched import EngineType, SeqStatus, StepKind, TokenLog
+from deepinfer.sched import EngineType, SeqStatus, StepKind, TokenLog, seq_key
 
 
 def history(sched, seq_id):
@@ -21,8 +21,8 @@ def decode(sched, tokens_by_id, lists):
     assert out.kind is StepKind.DECODE
     ids = out.decode.seq_ids
     for seq_id in ids:
-        if seq_id.lstrip("_") in lists:
-            lists[seq_id.lstrip("_")].append(tokens_by_id[seq_id])
+        if seq_key(seq_id) in lists:
+            lists[seq_key(seq_id)].append(tokens_by_id[seq_id])
     sched.append_decode_tokens(ids, np.array([[tokens_by_id[s]] for s in ids]), np.ones(len(ids), dtype=np.int64))
     return out
 

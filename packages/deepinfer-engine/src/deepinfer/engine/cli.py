@@ -29,6 +29,7 @@ from .serve.flags import ENGINE_DEFAULTS_BY_COMMAND, add_serve_flags
 if TYPE_CHECKING:
     from .core.outputs import CompletionOutput
     from .llm_engine import LLMEngine
+    from .serve import ServeEnd
     from .text.tokenizer import Tokenizer
 
 __all__ = ["DISTRIBUTIONS", "build_parser", "finish_text", "main", "make_sampling_params", "run_bench", "version_text"]
@@ -86,11 +87,12 @@ def build_parser() -> argparse.ArgumentParser:
     serve = sub.add_parser("serve", help="an OpenAI-compatible HTTP server",
                            description="Serve the model over HTTP: /v1/completions, /v1/chat/completions, "
                                        "/v1/models, /tokenize, /detokenize, /health, /version, /metrics, /docs. "
-                                       "SIGTERM drains the requests in "
-                                       "flight, then exits. The engine steps in a process of its own (the HTTP "
-                                       "work runs beside it on another core; --engine-in-thread keeps it in a "
-                                       "thread of the server's process); --data-parallel-size N runs N engine "
-                                       "processes (with --expert-parallel sharding the experts over them).")
+                                       "SIGTERM drains the requests in flight (for up to "
+                                       "--shutdown-timeout-s), then exits. The engine steps in a process of its "
+                                       "own (the HTTP work runs beside it on another core; --engine-in-thread "
+                                       "keeps it in a thread of the server's process); --data-parallel-size N "
+                                       "runs N engine processes (with --expert-parallel sharding the experts over "
+                                       "them).")
     add_serve_flags(serve)
     _engine_flags(serve, "serve", "engine arguments (EngineArgs; a flag left out is not passed; preempted requests "
                                   "are recomputed unless --stop-preempted-request)")
@@ -290,30 +292,40 @@ def _serve(ns: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
                                chat_template=ns.chat_template, max_num_waiting=ns.max_num_waiting,
                                log_level=ns.log_level, tool_call_parser=ns.tool_call_parser,
                                enable_auto_tool_choice=ns.enable_auto_tool_choice,
-                               reasoning_parser=ns.reasoning_parser, enable_log_requests=ns.enable_log_requests)
+                               reasoning_parser=ns.reasoning_parser, enable_log_requests=ns.enable_log_requests,
+                               shutdown_timeout_s=ns.shutdown_timeout_s)
     except ValueError as error:
         parser.error(str(error))
     if ns.pd_role is not None:
-        failure = _serve_pd(ns.pd_role, ns.pd_prefill_url, args, options, ns.engine_in_thread)
+        end = _serve_pd(ns.pd_role, ns.pd_prefill_url, args, options, ns.engine_in_thread,
+                        options.api_key if ns.pd_prefill_api_key is None else ns.pd_prefill_api_key)
     elif args.data_parallel_size > 1:
         if ns.engine_in_thread:
             parser.error("argument --engine-in-thread: not with --data-parallel-size > 1 (each rank is a process)")
-        failure = serve_client(_start_ranks(args, options.max_num_waiting), options)
+        end = serve_client(_start_ranks(args, options.max_num_waiting), options)
     elif not ns.engine_in_thread:
-        failure = serve_client(_start_engine_process(args, options.max_num_waiting), options)
+        end = serve_client(_start_engine_process(args, options.max_num_waiting), options)
     else:
         from .llm_engine import LLMEngine
 
-        failure = run_server(_build(lambda: LLMEngine(args), args), options)
-    if failure is None:
-        print("deepinfer serve: stopped cleanly (every request finished, the engine exited)", file=sys.stderr)
+        end = run_server(_build(lambda: LLMEngine(args), args), options)
+    if end.failure is not None:
+        print(f"deepinfer serve: stopped; the engine had failed: {_one_line(end.failure)}", file=sys.stderr)
+    elif end.num_cut:
+        print(f"deepinfer serve: stopped after --shutdown-timeout-s {options.shutdown_timeout_s:g}: cut {end.num_cut} "
+              "request(s) still running (their connections closed, the engine aborted them), the engine exited",
+              file=sys.stderr)
     else:
-        print(f"deepinfer serve: stopped; the engine had failed: {_one_line(failure)}", file=sys.stderr)
+        print("deepinfer serve: stopped cleanly (every request finished, the engine exited)", file=sys.stderr)
     return 0
 
 
 def _pd_flags(ns: argparse.Namespace, parser: argparse.ArgumentParser, engine_kwargs: dict[str, Any]) -> None:
-    """--pd-role / --pd-prefill-url: the engine type of the role, or usage errors naming the flag."""
+    """--pd-role / --pd-prefill-url / --pd-prefill-api-key: the engine type of the role, or usage errors
+    naming the flag."""
+    if ns.pd_prefill_api_key is not None and ns.pd_role != "decode":
+        parser.error("argument --pd-prefill-api-key: only with --pd-role decode (a prefill server checks its own "
+                     "--api-key)")
     if ns.pd_role is None:
         if ns.pd_prefill_url is not None:
             parser.error("argument --pd-prefill-url: only with --pd-role decode")
@@ -326,11 +338,22 @@ def _pd_flags(ns: argparse.Namespace, parser: argparse.ArgumentParser, engine_kw
         parser.error("argument --pd-prefill-url: needed with --pd-role decode, and only there")
     if engine_kwargs.get("data_parallel_size", 1) != 1:
         parser.error("argument --data-parallel-size: a prefill/decode pair runs one rank a side (not supported yet)")
+    key_flag = "--api-key" if ns.pd_prefill_api_key is None else "--pd-prefill-api-key"
+    key = ns.api_key if ns.pd_prefill_api_key is None else ns.pd_prefill_api_key
+    if ns.pd_role == "decode" and key is not None:
+        from .disagg.http_client import check_api_key
+
+        try:
+            check_api_key(key)
+        except ValueError as error:
+            parser.error(f"argument {key_flag}: {error}")
     engine_kwargs["engine_type"] = wanted
 
 
-def _serve_pd(role: str, prefill_url: str | None, args: EngineArgs, options: Any, in_thread: bool) -> str | None:
-    """Serve one side of a prefill/decode pair (docs/design.md §15); returns as `serve_client`."""
+def _serve_pd(role: str, prefill_url: str | None, args: EngineArgs, options: Any, in_thread: bool,
+              prefill_api_key: str | None) -> ServeEnd:
+    """Serve one side of a prefill/decode pair (docs/design.md §15); a decode server sends
+    `prefill_api_key` to its prefill server. Returns as `serve_client`."""
     from functools import partial
 
     from .disagg import HttpPrefillClient, PrefillExports
@@ -346,13 +369,13 @@ def _serve_pd(role: str, prefill_url: str | None, args: EngineArgs, options: Any
         llm = AsyncLLM(engine, max_num_waiting=options.max_num_waiting)
         return serve_client(llm, options, extra_routes=lambda app: add_pd_routes(app, llm, exports))
     assert prefill_url is not None
+    factory = partial(HttpPrefillClient, prefill_url, api_key=prefill_api_key)
     try:
-        HttpPrefillClient(prefill_url)            # the URL's form, checked before the engine loads
+        factory()                                 # the URL's form, checked before the engine loads
     except ValueError as error:
         raise _CommandError(f"argument --pd-prefill-url: {error}") from None
     if in_thread:
-        return run_server(_build(lambda: LLMEngine(args, kv_transfer=HttpPrefillClient(prefill_url)), args), options)
-    factory = partial(HttpPrefillClient, prefill_url)
+        return run_server(_build(lambda: LLMEngine(args, kv_transfer=factory()), args), options)
     return serve_client(_start_engine_process(args, options.max_num_waiting, factory), options)
 
 

@@ -70,7 +70,7 @@ from .core.pd_hooks import PrefillDecodeHooks
 from .core.plain_step import PlainStep
 from .core.prefix_caching import num_prefix_snapshots, prefix_cache_key, record_cached_tokens
 from .core.request import ParallelRequest, Request
-from .core.steps import Changed, InFlightQueue
+from .core.steps import Changed, HandleT, InFlightQueue, Step
 from .sampling.grammar_compiler import GrammarCompilePool
 from .sampling.logit_controls import TokenHistory
 from .sampling.sampler import Sampler
@@ -92,13 +92,6 @@ def max_decode_tokens(args: EngineArgs, env: EngineEnv) -> int:
     if not args.num_speculative_tokens:
         return args.max_num_seqs
     return cuda_graph_key(args.max_num_seqs * (args.num_speculative_tokens + 1), env.cudagraph_batch_size_interval)
-
-
-def _zos_with_drafts(args: EngineArgs) -> bool:
-    """Whether speculative decode steps run under ZOS: on CUDA only when zero_overhead_scheduling=True
-    asks for it, until a GPU run of test_spec_graphs_gpu.py shows greedy tokens equal with it on and off
-    (issue #31: the one device run of 2026-12-07 ran out of time before that test ended)."""
-    return torch.device(args.device).type != "cuda" or args.zero_overhead_scheduling is True
 
 
 @dataclass(frozen=True, slots=True)
@@ -205,13 +198,13 @@ class LLMEngine(RequestIntake, PrefillDecodeHooks):
                                       self.eos_token_ids, cfg.vocab_size, sync_guard=not self.env.disable_sync_guard,
                                       history=TokenHistory(cfg.vocab_size, self.runner.device))
         self._requests: dict[str, Request | ParallelRequest] = {}   # by request id: what is reported
-        self._seqs: dict[str, Request] = {}        # by scheduler sequence id (canonical_id): one per sample
+        self._seqs: dict[str, Request] = {}        # by scheduler sequence key (`seq_key`): one per sample
         self._ids = itertools.count()
         # Structured output (docs/design.md §11): requests wait here, outside the scheduler, until the
         # pool has compiled their grammar; `_pump_grammars` (pre_sampler_sync) hands them over.
         self.grammars: GrammarCompilePool | None = None     # made at the first constrained request
         self._awaiting_grammar: dict[str, Request | ParallelRequest] = {}
-        self._finished_between_steps: list[Request] = []   # reported by the next step()
+        self._finished_between_steps: list[Request | ParallelRequest] = []   # reported by the next step()
         # The steps (steps.py): plain ones, and speculative decode steps with a draft head
         self.plain_step = PlainStep(self)
         self.spec = None if draft is None else SpeculativeDecoder(draft, self, self.plain_step, args, self.env,
@@ -220,13 +213,14 @@ class LLMEngine(RequestIntake, PrefillDecodeHooks):
         # One caller at a time: add_request / abort_request / step / has_unfinished_requests take it.
         self._lock = threading.RLock()
         self._in_step = False          # a step() is running (re-entry from it is refused)
-        self.zos = args.zos and (draft is None or _zos_with_drafts(args))
+        self.zos = args.zos
         self._in_flight = InFlightQueue(depth=1 if self.zos else 0)    # launched steps not committed yet
         self.last_step_kind: StepKind | None = None      # the kind of step the last step() scheduled
         self.kv_transfer: KVTransfer = NullKVTransfer() if kv_transfer is None else kv_transfer
         self.init_pd_split()
 
-    def _load_model(self, cfg: DeepseekV4Config, ep: ExpertParallelSetup | None) -> DSparkDraft | None:
+    def _load_model(self, cfg: DeepseekV4Config | DeepseekV41Config,
+                    ep: ExpertParallelSetup | None) -> DSparkDraft | None:
         """Load the weights (an expert-parallel rank's experts alone, where the loader can: a V4
         safetensors checkpoint), attach the EP exchange, YOCO truncation and the draft head."""
         args, env = self.args, self.env
@@ -339,6 +333,9 @@ class LLMEngine(RequestIntake, PrefillDecodeHooks):
         kv_cache_memory_mb."""
         args = self.args
         if args.gpu_memory_utilization is None or torch.device(args.device).type != "cuda":
+            if args.kv_cache_memory_mb is None:      # `EngineArgs.resolved()` sets it
+                raise InvalidEngineArgs("kv_cache_memory_mb is unset: LLMEngine budgets the cache from "
+                                        "EngineArgs.resolved()", "kv_cache_memory_mb")
             return int(args.kv_cache_memory_mb * 2**20)
         device = torch.device(args.device)
         total = torch.cuda.get_device_properties(device).total_memory
@@ -393,10 +390,16 @@ class LLMEngine(RequestIntake, PrefillDecodeHooks):
             self._in_step = False
 
     def _run(self, out: SchedulerOutput, changed: Changed) -> None:
+        """One step by the `Step` that runs its kind: speculative decode steps with a draft head, else plain."""
+        if self.spec is not None and out.kind is StepKind.DECODE:
+            self._run_phases(self.spec, out, changed)
+        else:
+            self._run_phases(self.plain_step, out, changed)
+
+    def _run_phases(self, step: Step[HandleT], out: SchedulerOutput, changed: Changed) -> None:
         """The phases of one step (module docstring); a failure fails the step's rows and those of the
         steps in flight."""
         queue = self._in_flight
-        step = self.spec if self.spec is not None and out.kind is StepKind.DECODE else self.plain_step
         keep = queue.keeps(out)
         generation = None if out.decode is None else out.decode.rows_generation
         try:

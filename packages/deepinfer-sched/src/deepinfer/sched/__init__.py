@@ -12,7 +12,7 @@ from .config import ConfigError, EngineType, SchedulerConfig
 from .output import DecodeBatch, IgnoredSeq, PrefillChunk, PrefilledSeq, SchedulerOutput, StepKind
 from .prefix_cache import PrefixCacheStats
 from .scheduler import Scheduler
-from .sequence import FinishReason, IgnoreReason, SeqStatus, SeqView, TokenLog, branch_id, canonical_id
+from .sequence import BranchId, FinishReason, IgnoreReason, SeqStatus, SeqView, TokenLog, seq_key
 from .verify import VerifyLengthPolicy
 from .vote import AttemptPoint, SingleRankVoteGroup, StepVoteGroup
 
@@ -23,6 +23,7 @@ except PackageNotFoundError:  # a source tree that was never installed
 
 __all__ = [
     "AttemptPoint",
+    "BranchId",
     "ConfigError",
     "DecodeBatch",
     "EngineType",
@@ -41,8 +42,7 @@ __all__ = [
     "StepKind",
     "StepVoteGroup",
     "TokenLog",
-    "branch_id",
-    "canonical_id",
+    "seq_key",
     "VerifyLengthPolicy",
     "__version__",
 ]

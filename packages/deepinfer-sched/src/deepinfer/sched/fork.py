@@ -1,19 +1,19 @@
 """Fork (docs/design.md §3.4): branches share the parent's block table and state slot (references
 pinned); the copy-on-write of the state slot and of the last, partly written block happens when a
-branch is first scheduled. Branch ids carry a "_" prefix until then."""
+branch is first scheduled. Until then a branch's id is a `BranchId` ("_" + its key)."""
 
 from __future__ import annotations
 
 import numpy as np
 
-from .sequence import SeqStatus, Sequence, TokenLog
+from .sequence import BranchId, SeqStatus, Sequence, TokenLog
 from .state import SchedState
 
 
 def fork_seq(
     st: SchedState, parent: Sequence, num_branches: int, branch_lists: list[TokenLog] | None = None
-) -> tuple[str, ...]:
-    """Makes `num_branches` PROMPTED copies of `parent` sharing its KV; returns their "_" ids.
+) -> tuple[BranchId, ...]:
+    """Makes `num_branches` PROMPTED copies of `parent` sharing its KV; returns their `BranchId`s.
     `branch_lists`: the branches' shared token lists (each equal to the parent's tokens), or None
     for copies of their own."""
     if isinstance(num_branches, bool) or not isinstance(num_branches, int) or num_branches < 1:
@@ -65,7 +65,7 @@ def fork_seq(
         st.register(branch)
         st.prompted[key] = branch
     parent.num_forks += num_branches
-    return tuple("_" + key for key in keys)
+    return tuple(map(BranchId, keys))
 
 
 def _check_branch_lists(parent: Sequence, num_branches: int, branch_lists: list[TokenLog]) -> None:

@@ -20,7 +20,7 @@ from .integrity import check_integrity
 from .output import DecodeBatch, PrefillChunk, PrefilledSeq, SchedulerOutput, StepKind
 from .pools import BlockPool, HashedBlockPool, is_hashed
 from .prefix_cache import PrefixCacheStats
-from .sequence import FinishReason, SeqView, TokenLog
+from .sequence import BranchId, FinishReason, SeqView, TokenLog
 from .state import SchedState
 from .verify import VerifyLengthPolicy
 from .vote import SingleRankVoteGroup, StepVoteGroup, attempt_point, cast_vote, confirm_prefill
@@ -213,7 +213,7 @@ class Scheduler:
 
     def fork_seq(
         self, parent_id: str, num_branches: int, *, branch_lists: Iterable[TokenLog] | None = None
-    ) -> tuple[str, ...]:
+    ) -> tuple[BranchId, ...]:
         """Makes `num_branches` copies of a prefilled sequence that share its KV blocks and state
         slot (copy-on-write at their first decode step).
 
@@ -224,8 +224,9 @@ class Scheduler:
                 `add_seq(..., share_list=True)` (read in place, appended by the caller).
 
         Returns:
-            The branch ids "_{parent_id}.{k}", k counting forks of this parent from 1; the "_"
-            drops once the branch is copied (both spellings are accepted everywhere).
+            The branches' ids, `BranchId("{parent_id}.{k}")` (spelled "_{parent_id}.{k}"), k counting
+            forks of this parent from 1; once a branch is copied its id is its key "{parent_id}.{k}"
+            (both ids are accepted everywhere).
 
         Raises:
             KeyError: unknown parent. ValueError: num_branches < 1, a parent that is not PROMPTED

@@ -7,9 +7,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-__all__ = ["FinishReason", "IgnoreReason", "SeqStatus", "SeqView", "TokenLog", "branch_id", "canonical_id"]
+__all__ = ["BranchId", "FinishReason", "IgnoreReason", "SeqStatus", "SeqView", "TokenLog", "seq_key"]
 
-BRANCH_PREFIX = "_"
+BRANCH_PREFIX = "_"     # how a `BranchId` is spelled; no other sequence id starts with it (`add_seq` refuses)
 
 
 @dataclass(frozen=True, slots=True)
@@ -90,14 +90,33 @@ class TokenLog(list):
     __slots__ = ()
 
 
-def canonical_id(seq_id: str) -> str:
-    """The key a sequence is stored under: a fork branch's id without its "_" prefix."""
-    return seq_id[1:] if seq_id.startswith(BRANCH_PREFIX) else seq_id
+class BranchId(str):
+    """The id of a fork branch whose copy-on-write is still pending (docs/design.md §3.4):
+    `BranchId(key)` for the branch stored under `key`, spelled "_" + key. Once the branch has its own
+    state slot and last block, its id is its key alone (`Sequence.seq_id`).
+
+    It is a `str`, so it keys dicts, compares equal to its spelling and travels wherever an id does;
+    `seq_key` maps either id of a branch (this one, its spelling as a plain str, or its key) to the key.
+    """
+
+    __slots__ = ()
+
+    def __new__(cls, key: str) -> BranchId:
+        return super().__new__(cls, BRANCH_PREFIX + key)
+
+    def __getnewargs__(self) -> tuple[str]:      # pickle and copy rebuild it from its key
+        return (self.key,)
+
+    @property
+    def key(self) -> str:
+        """The key the branch is stored under, and its id once copied."""
+        return self[len(BRANCH_PREFIX):]
 
 
-def branch_id(key: str, uncopied: bool) -> str:
-    """A branch's public id: "_" + key until its copy-on-write happened, then the key itself."""
-    return BRANCH_PREFIX + key if uncopied else key
+def seq_key(seq_id: str) -> str:
+    """The key a sequence is stored under, from any of its ids: a fork branch's `BranchId` (or its
+    spelling as a plain str) gives the branch's key; every other id is its own key."""
+    return seq_id[len(BRANCH_PREFIX):] if seq_id.startswith(BRANCH_PREFIX) else seq_id
 
 
 class Sequence:
@@ -155,7 +174,8 @@ class Sequence:
 
     @property
     def seq_id(self) -> str:
-        return branch_id(self.key, self.uncopied)
+        """The sequence's id: its key, or a `BranchId` while it is a fork branch awaiting its copy."""
+        return BranchId(self.key) if self.uncopied else self.key
 
     @property
     def num_tokens(self) -> int:
@@ -170,7 +190,7 @@ class SeqView:
     """Snapshot of one live sequence, as returned by `Scheduler.get_seq`.
 
     Attributes:
-        seq_id: current id ("_"-prefixed while a fork branch awaits its copy-on-write).
+        seq_id: current id (a `BranchId` while a fork branch awaits its copy-on-write).
         status: where the sequence is (`SeqStatus`).
         prompt_token_ids: the prompt's token ids.
         output_token_ids: the tokens appended so far (sampled first token included).

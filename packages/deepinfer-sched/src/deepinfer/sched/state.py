@@ -12,7 +12,7 @@ from .output import EMPTY_PAIRS, EMPTY_SLOTS, EMPTY_TRIPLES, IgnoredSeq
 from .pools import BlockPool, HashedBlockPool, is_hashed
 from .prefix_cache import PrefixCache
 from .seq_table import SeqTable
-from .sequence import SeqStatus, Sequence, canonical_id
+from .sequence import SeqStatus, Sequence, seq_key
 
 
 class SchedState:
@@ -60,10 +60,10 @@ class SchedState:
         self.recomputed: list[str] = []      # the preempted ones queued for recompute
 
     def lookup(self, seq_id: str) -> Sequence:
-        """The live sequence with this id ("_"-prefixed or not). Raises KeyError if none."""
+        """The live sequence with this id (a fork branch's `BranchId` or its key). Raises KeyError if none."""
         if not isinstance(seq_id, str):
             raise KeyError(f"seq_id must be a str, got {type(seq_id).__name__}")
-        seq = self.seqs.get(canonical_id(seq_id))
+        seq = self.seqs.get(seq_key(seq_id))
         if seq is None:
             raise KeyError(f"seq_id={seq_id!r} is not a live sequence")
         return seq

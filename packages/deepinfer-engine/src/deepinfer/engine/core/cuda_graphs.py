@@ -78,12 +78,18 @@ class DecodeGraphs:
         self.inputs = torch.zeros(STAGED_ROWS, max_seqs + extra, dtype=torch.int64, device=device)
         self.token_ids, self.positions, self.state_slots, self.seq_rows = self.inputs
         self.block_tables = torch.zeros(max_seqs, max_blocks, dtype=torch.int32, device=device)
+        # every scheduler row's block table, brought up to date by diff; `stage` gathers a step's rows
+        self.row_tables = RowBlockTables(max_blocks, device)
         self.rows = torch.arange(max_seqs, dtype=torch.int64, device=device)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, Tensor] = {}
         self.pool = None
         for size in reversed(self.sizes):          # largest first, so smaller graphs reuse its pool
             self._capture(size)
+
+    def forget_rows(self) -> None:
+        """A new scheduler: its rows and table versions say nothing about what `row_tables` holds."""
+        self.row_tables = RowBlockTables(self.row_tables.max_blocks, self.row_tables.device)
 
     def _batch(self, size: int) -> ForwardBatch:
         return ForwardBatch(
@@ -135,30 +141,26 @@ class DecodeGraphs:
         self.graphs[size].replay()
         return self.outputs[size][:n].clone()
 
-    def stage(self, inputs: Tensor, tables: RowBlockTables, size: int | None = None) -> int:
+    def stage(self, inputs: Tensor, size: int | None = None) -> int:
         """Copy one step's inputs into the static buffers (asynchronously, from pinned host memory)
-        and gather its block tables on the device, for `replay`; returns the graph size the step replays.
+        and gather its block tables on the device from `row_tables`, for `replay`; returns the graph
+        size the step replays.
 
         Args:
             inputs: [STAGED_ROWS, n] int64 on the host (pinned) or the device: token ids (-1 where the
-                caller fills the token on the device afterwards), positions, state slots, scheduler rows.
-            tables: the block tables by scheduler row, already brought up to date for these rows
-                (`RowBlockTables.update`), as wide as the captured tables.
+                caller fills the token on the device afterwards), positions, state slots, scheduler rows,
+                whose rows of `row_tables` the caller has brought up to date (`RowBlockTables.update`).
             size: replay this graph size, >= n (lockstep DP ranks agree on one: `replay(n, size)`);
                 None = the smallest that holds n.
         Raises:
-            ValueError: no graph holds n sequences (or `size` is not a captured size >= n), or the
-                tables' width differs from the captured one.
+            ValueError: no graph holds n sequences (or `size` is not a captured size >= n).
         """
         n = inputs.shape[1]
         size = self.bucket(n) if size is None else size
         if size is None or size < n or size not in self.graphs or inputs.shape[0] != STAGED_ROWS:
             raise ValueError(f"no graph for a batch of {n} sequences (inputs {list(inputs.shape)})")
-        if tables.max_blocks != self.block_tables.shape[1]:
-            raise ValueError(f"block tables of width {tables.max_blocks}; the graphs captured "
-                             f"{self.block_tables.shape[1]}")
         self.inputs[:, :n].copy_(inputs, non_blocking=True)
-        tables.gather(self.seq_rows[:n], self.block_tables[:n])     # after the copy: same stream
+        self.row_tables.gather(self.seq_rows[:n], self.block_tables[:n])     # after the copy: same stream
         if size > n:
             self.block_tables[n:size].zero_()
             self.inputs[:, n:size].zero_()

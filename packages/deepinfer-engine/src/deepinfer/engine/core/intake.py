@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from deepinfer.model import CausalLM
-from deepinfer.sched import EngineType, Scheduler, canonical_id
+from deepinfer.sched import EngineType, Scheduler, seq_key
 
 from ..config.engine_args import EngineArgs
 from ..sampling.grammar_backend import StructuredOutputUnavailable, XGrammarBackend
@@ -37,7 +37,7 @@ def _checked_request_id(request_id: object) -> str:
     if not isinstance(request_id, str) or not request_id or len(request_id) > MAX_REQUEST_ID_LEN:
         raise ValueError(f"request_id={request_id!r} must be a non-empty str of at most {MAX_REQUEST_ID_LEN} "
                          "characters")
-    if request_id.startswith("_"):
+    if seq_key(request_id) != request_id:          # spelled as a fork branch's id (`BranchId`)
         raise ValueError(f"request_id={request_id!r} must not start with '_' (reserved for fork branches)")
     return request_id
 
@@ -189,8 +189,8 @@ class RequestIntake:
                 sample.history_slot = None
 
     def _seq(self, seq_id: str) -> Request | None:
-        """The sample running as scheduler sequence `seq_id` (either spelling of a fork branch)."""
-        return self._seqs.get(canonical_id(seq_id))
+        """The sample running as scheduler sequence `seq_id` (a fork branch's `BranchId` or its key)."""
+        return self._seqs.get(seq_key(seq_id))
 
     def _grammar_pool(self) -> GrammarCompilePool:
         if self.grammars is None:

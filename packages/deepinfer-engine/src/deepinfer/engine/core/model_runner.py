@@ -27,7 +27,6 @@ from deepinfer.model import CausalLM, ForwardBatch, ModelCache
 from deepinfer.sched import DecodeBatch, SchedulerOutput, StepKind
 
 from ..device.staging import to_device
-from .block_tables import RowBlockTables
 from .cache_copies import SnapshotLayout, block_bytes
 from .cuda_graphs import STAGED_ROWS, DecodeGraphs
 from .prefix_memory import HostTierSize, PrefixMemory, host_tier_size
@@ -61,7 +60,7 @@ class CachePlan:
 class StepBatch:
     """A scheduler step turned into model input, plus which sequence each logits row belongs to."""
 
-    batch: ForwardBatch | None          # None: a decode step staged into the CUDA graphs (graph_seqs)
+    batch: ForwardBatch | None          # None exactly when graph_seqs > 0: staged into the CUDA graphs
     sample_seq_ids: tuple[str, ...]     # sequences to sample, in logits-row order
     logits_rows: Tensor | None          # [len(sample_seq_ids)] rows of the forward's logits; None = all, in order
     rows: Tensor | None = None          # decode steps: [num_seqs] int64 scheduler row of each sequence (device)
@@ -174,14 +173,13 @@ class ModelRunner:
                               host.num_snapshots, 0 if self.prefix is None else self.prefix.host_bytes)
         self.row_tokens = torch.zeros(0, dtype=torch.int64, device=self.device)   # [rows] last sampled token
         self.row_emitted = torch.zeros(0, dtype=torch.int64, device=self.device)  # [rows] tokens of its last step
-        self.graphs = None
-        self.block_tables: RowBlockTables | None = None   # by scheduler row, for the graphs' decode steps
+        # None: every forward runs eagerly. A step replays a graph where `_graphs_for` finds one that holds it.
+        self.graphs: DecodeGraphs | None = None
         # CUDA graphs need the graph-safe kernels, which run in bfloat16 (grouped-GEMM MoE).
         if graph_max_seqs and self.device.type == "cuda" and model.embed.weight.dtype == torch.bfloat16:
             self.graphs = DecodeGraphs(model, self.cache, max_seqs=graph_max_seqs, max_blocks=max_blocks_per_seq,
                                        max_context_len=max_model_len, interval=graph_interval, ops=self.ops,
                                        max_query_len=graph_max_query_len)
-            self.block_tables = RowBlockTables(self.graphs.block_tables.shape[1], self.device)
         self.fed_tokens, self.fed_positions = self._verify_inputs(graph_max_query_len, max_verify_tokens)
 
     def _verify_inputs(self, max_query_len: int, max_verify_tokens: int) -> tuple[Tensor | None, Tensor | None]:
@@ -197,8 +195,14 @@ class ModelRunner:
 
     def forget_rows(self) -> None:
         """A new scheduler: its rows and table versions say nothing about what the per-row buffers hold."""
-        if self.block_tables is not None:
-            self.block_tables = RowBlockTables(self.block_tables.max_blocks, self.device)
+        if self.graphs is not None:
+            self.graphs.forget_rows()
+
+    def _graphs_for(self, size: int) -> DecodeGraphs | None:
+        """The decode graphs when one of them holds a step of `size` sequences (query tokens under
+        multi-token decode); None: the step runs eagerly."""
+        graphs = self.graphs
+        return graphs if graphs is not None and graphs.bucket(size) is not None else None
 
     def apply_cache_ops(self, out: SchedulerOutput) -> None:
         """The prefix cache's copies to and from host memory, copy-on-write clones, zeroing and
@@ -260,8 +264,9 @@ class ModelRunner:
         n = d.num_seqs
         self.ensure_rows(int(d.rows.max()) + 1)
         in_flight = bool(d.in_flight.any())              # ZOS: some rows' tokens are still on the device
-        if self.graphs is not None and self.graphs.bucket(n) is not None:
-            return self._staged_decode_step(d, in_flight)
+        graphs = self.graphs
+        if graphs is not None and graphs.bucket(n) is not None:
+            return self._staged_decode_step(d, in_flight, graphs)
         host_tokens_and_rows = np.empty((2, n), dtype=np.int64)
         _stage_tokens(d, in_flight, host_tokens_and_rows[0])
         host_tokens_and_rows[1] = d.rows
@@ -273,10 +278,10 @@ class ModelRunner:
                                     to_device=self._to_device)
         return StepBatch(batch, tuple(d.seq_ids), None, rows)
 
-    def _staged_decode_step(self, d: DecodeBatch, in_flight: bool) -> StepBatch:
-        """A decode step that replays a CUDA graph: its inputs go straight into the graph's static
+    def _staged_decode_step(self, d: DecodeBatch, in_flight: bool, graphs: DecodeGraphs) -> StepBatch:
+        """A decode step that replays one of `graphs`: its inputs go straight into the graph's static
         buffers in one host-to-device copy from pinned memory, and its block tables are gathered on
-        the device from `block_tables`, which copies only new rows and appended blocks (no
+        the device from `graphs.row_tables`, which copies only new rows and appended blocks (no
         `ForwardBatch`)."""
         n = d.num_seqs
         if d.seq_lens.min() < 1:
@@ -287,9 +292,8 @@ class ModelRunner:
         np.subtract(d.seq_lens, 1, out=host[1])
         host[2] = d.state_slots
         host[3] = d.rows
-        self.block_tables.update(d.rows, d.table_versions, d.block_tables)    # new rows, appended blocks
-        graphs = self.graphs
-        graphs.stage(inputs, self.block_tables)
+        graphs.row_tables.update(d.rows, d.table_versions, d.block_tables)    # new rows, appended blocks
+        graphs.stage(inputs)
         rows = graphs.seq_rows[:n]
         if in_flight:
             tokens = graphs.token_ids[:n]
@@ -332,7 +336,8 @@ class ModelRunner:
         total_q = len(flat)
         token_shift = None if shift is None else shift.index_select(0, self._to_device(token_rows))
         size = max(total_q, graph_size or 0)
-        if self.verify_replays_graph(size):
+        graphs = self._graphs_for(size)
+        if graphs is not None:
             # a replay of the graph keyed by total_q: per token (-1: filled below on the device), its
             # position, its row's state slot and scheduler row (the graphs gather the block tables by it)
             inputs = torch.empty((STAGED_ROWS, total_q), dtype=torch.int64, pin_memory=True)
@@ -341,13 +346,13 @@ class ModelRunner:
             host[1] = positions
             host[2] = d.state_slots[token_rows]
             host[3] = d.rows[token_rows]
-            self.block_tables.update(d.rows, d.table_versions, d.block_tables)
-            self.graphs.stage(inputs, self.block_tables, self.graphs.bucket(size))
-            self.graphs.token_ids[:total_q].copy_(fed)
+            graphs.row_tables.update(d.rows, d.table_versions, d.block_tables)
+            graphs.stage(inputs, graphs.bucket(size))
+            graphs.token_ids[:total_q].copy_(fed)
             if token_shift is not None:
-                self.graphs.positions[:total_q].sub_(token_shift)
-            return self.graphs.replay(total_q, self.graphs.bucket(size))   # float32 [total_q, vocab], valid
-                                                                          # until the next replay
+                graphs.positions[:total_q].sub_(token_shift)
+            return graphs.replay(total_q, graphs.bucket(size))   # float32 [total_q, vocab], valid until
+                                                                # the next replay
         placed = positions if token_shift is None else self._to_device(positions) - token_shift
         return self._eager_verify(d, fed, placed, token_rows, width, int(positions.max()) + 1, size)
 
@@ -388,12 +393,13 @@ class ModelRunner:
         fed = tokens.flatten().index_select(0, token_rows * width + columns)
         positions = first_positions.index_select(0, token_rows) + columns
         size = max(total_q, graph_size or 0)
-        if self.verify_replays_graph(size):
+        graphs = self._graphs_for(size)
+        if graphs is not None:
             inputs = torch.stack((fed, positions, state_slots.index_select(0, token_rows),
                                   rows.index_select(0, token_rows)))
-            self.block_tables.update(d.rows, d.table_versions, d.block_tables)
-            self.graphs.stage(inputs, self.block_tables, self.graphs.bucket(size))
-            return self.graphs.replay(total_q, self.graphs.bucket(size))
+            graphs.row_tables.update(d.rows, d.table_versions, d.block_tables)
+            graphs.stage(inputs, graphs.bucket(size))
+            return graphs.replay(total_q, graphs.bucket(size))
         return self._eager_verify(d, fed, positions, token_rows, width, int(d.seq_lens.max()), size)
 
     def stage_verify_static(self, d: DecodeBatch, token_rows: np.ndarray) -> int:
@@ -406,12 +412,13 @@ class ModelRunner:
             d: the decode step; token_rows: [total_q] int64 each token's row in it.
         """
         total_q = len(token_rows)
-        if not self.verify_replays_graph(total_q):
+        graphs = self._graphs_for(total_q)
+        if graphs is None:
             return total_q
         inputs = np.zeros((STAGED_ROWS, total_q), dtype=np.int64)     # token ids and positions: the walk's
         inputs[2] = d.state_slots[token_rows]
         inputs[3] = d.rows[token_rows]
-        return self.graphs.stage_host(inputs, d.block_tables[token_rows])
+        return graphs.stage_host(inputs, d.block_tables[token_rows])
 
     @torch.no_grad()
     def verify_forward_static(self, d: DecodeBatch, token_rows: np.ndarray) -> Tensor:
@@ -419,8 +426,11 @@ class ModelRunner:
         else the eager multi-token decode over `fed_tokens` / `fed_positions`. Returns float32 logits
         [total_q, vocab] (on CUDA a view of the graph's output, padding rows after them in it)."""
         total_q = len(token_rows)
-        if self.verify_replays_graph(total_q):
-            return self.graphs.replay(total_q)
+        graphs = self._graphs_for(total_q)
+        if graphs is not None:
+            return graphs.replay(total_q)
+        if self.fed_tokens is None or self.fed_positions is None:
+            raise ValueError("verify_forward_static needs the runner's verify inputs (max_verify_tokens > 0)")
         width = self.graphs.max_query_len if self.graphs is not None else int(d.query_lens.max())
         batch = ForwardBatch.multi_decode(self.fed_tokens[:total_q], self.fed_positions[:total_q], token_rows,
                                           d.block_tables, d.state_slots, max_query_len=width,
@@ -430,7 +440,7 @@ class ModelRunner:
 
     def verify_replays_graph(self, total_q: int) -> bool:
         """Whether `verify_forward` of total_q query tokens replays a CUDA graph."""
-        return self.graphs is not None and self.graphs.bucket(total_q) is not None
+        return self._graphs_for(total_q) is not None
 
     def record_sampled(self, step: StepBatch, token_ids: Tensor) -> None:
         """Keep a decode step's sampled tokens ([num_seqs] int64, on the device) by row, for the next
@@ -459,9 +469,15 @@ class ModelRunner:
 
     def replays_graph(self, step: StepBatch) -> bool:
         """Whether `forward(step)` replays a CUDA graph (rather than running the model eagerly)."""
+        return self.graphs is not None and self._graphs_running(step) is not None
+
+    def _graphs_running(self, step: StepBatch) -> DecodeGraphs | None:
+        """The graphs that run `step`: those it was staged into, or for a uniform decode batch one
+        of them holds (`DecodeGraphs.run`); None: the model runs eagerly."""
         batch = step.batch
-        return step.graph_seqs > 0 or (self.graphs is not None and batch.uniform_decode
-                                       and self.graphs.bucket(batch.num_seqs) is not None)
+        if self.graphs is None or (batch is not None and not batch.uniform_decode):
+            return None
+        return self._graphs_for(step.graph_seqs if batch is None else batch.num_seqs)
 
     @torch.no_grad()
     def forward(self, step: StepBatch) -> Tensor:
@@ -472,11 +488,14 @@ class ModelRunner:
     @torch.no_grad()
     def forward_all(self, step: StepBatch) -> tuple[Tensor, Tensor | None]:
         """`forward`, plus the logits of every row when the step has `prompt_spans` (else None)."""
-        batch = step.batch
-        if step.graph_seqs:
-            logits = self.graphs.replay(step.graph_seqs)
-        elif self.replays_graph(step):
-            logits = self.graphs.run(batch)
+        batch, graphs = step.batch, self._graphs_running(step)
+        if batch is None:                   # staged into the graphs' static inputs (`_staged_decode_step`)
+            if graphs is None:
+                raise ValueError(f"a decode step of {step.graph_seqs} sequences staged for CUDA graphs that "
+                                 "this runner has not captured")
+            logits = graphs.replay(step.graph_seqs)
+        elif graphs is not None:
+            logits = graphs.run(batch)
         else:
             logits = self.model(batch, self.cache, self.ops)
         if step.save_states is not None and self.prefix is not None:    # the state these chunks leave

@@ -28,7 +28,7 @@ from typing import Protocol
 import numpy as np
 import torch
 
-from deepinfer.sched import EngineType, Scheduler, SchedulerOutput, StepKind, branch_id
+from deepinfer.sched import BranchId, EngineType, Scheduler, SchedulerOutput, StepKind
 
 from ..config.engine_args import EngineArgs
 from ..device.staging import to_device
@@ -165,8 +165,14 @@ class PlainStep:
 
     def _requests(self, seq_ids: tuple[str, ...], steady: SteadyRows | None) -> list[Request]:
         """The request of each row (the steady rows' when the step has them)."""
-        if steady is not None:
-            return steady.reqs
+        return steady.reqs if steady is not None else self.requests_of(seq_ids)
+
+    def requests_of(self, seq_ids: tuple[str, ...]) -> list[Request]:
+        """The request running as each of these scheduler sequences.
+
+        Raises:
+            KeyError: no request runs as one of them.
+        """
         seqs = self._host._seqs
         try:
             return list(map(seqs.__getitem__, seq_ids))     # the common case: no fork branch id
@@ -351,7 +357,7 @@ class PlainStep:
         samples, req.unforked = req.unforked, []
         branch_ids = self._host.scheduler.fork_seq(req.seq_id, len(samples),
                                                    branch_lists=[s.token_ids for s in samples])
-        expected = tuple(branch_id(s.seq_id, uncopied=True) for s in samples)
+        expected = tuple(BranchId(s.seq_id) for s in samples)
         if branch_ids != expected:     # the ids _check_ids_free reserved
             raise RuntimeError(f"fork of {req.seq_id!r} gave {branch_ids}, expected {expected}")
 

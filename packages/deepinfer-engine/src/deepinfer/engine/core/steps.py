@@ -33,7 +33,7 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Protocol, TypeVar
+from typing import Any, Protocol, TypeVar
 
 from deepinfer.sched import SchedulerOutput, StepKind
 
@@ -68,21 +68,21 @@ class Launched:
         return None if decode is None else decode.rows_generation
 
 
-H = TypeVar("H", bound=Launched)
+HandleT = TypeVar("HandleT", bound=Launched)   # the handle type of one `Step` implementation
 
 
-class Step(Protocol[H]):
+class Step(Protocol[HandleT]):
     """One kind of engine step (module docstring): launch the forward, launch the sampling, commit."""
 
-    def launch(self, out: SchedulerOutput, *, guarded: bool) -> H | None:
+    def launch(self, out: SchedulerOutput, *, guarded: bool) -> HandleT | None:
         """Queue step `out`'s forward on the device (None: nothing to run). `guarded`: the handle
         may stay in flight, so the launch must not wait for the device."""
 
-    def sample(self, handle: H) -> None:
+    def sample(self, handle: HandleT) -> None:
         """Queue the step's sampling (or verification) and start copying its results to the host;
         every step launched before it has been committed."""
 
-    def commit(self, handle: H, *, rows_unchanged: bool = False) -> Changed:
+    def commit(self, handle: HandleT, *, rows_unchanged: bool = False) -> Changed:
         """Read the step's results (waiting only for their copy) and hand its tokens to the requests
         and the scheduler; returns the requests to report. `rows_unchanged`: the caller knows that
         no request of the step has ended since it was launched."""
@@ -90,8 +90,8 @@ class Step(Protocol[H]):
 
 @dataclass(slots=True, eq=False)
 class _Entry:
-    step: Step
-    handle: Launched
+    step: Step[Any]
+    handle: Launched              # of `step`'s handle type (`InFlightQueue.push`)
 
 
 class InFlightQueue:
@@ -115,7 +115,7 @@ class InFlightQueue:
         """Whether the handle of step `out` may stay in flight after its `step()` (ZOS decode steps)."""
         return self.depth > 0 and out.kind is StepKind.DECODE
 
-    def push(self, step: Step, handle: Launched) -> None:
+    def push(self, step: Step[HandleT], handle: HandleT) -> None:
         self._entries.append(_Entry(step, handle))
 
     def commit_down_to(self, size: int, changed: Changed, *, generation: int | None = None) -> None:
@@ -149,4 +149,4 @@ class InFlightQueue:
         return handles
 
 
-__all__ = ["Changed", "InFlightQueue", "Launched", "Step"]
+__all__ = ["Changed", "HandleT", "InFlightQueue", "Launched", "Step"]

@@ -2,7 +2,9 @@
 (`deepinfer serve --pd-role prefill`, `prefill_side`, `serve.pd_routes`).
 
 At start (`connect`) it reads the prefill server's fingerprint (GET /v1/pd/info; a server not up yet
-is waited for a while) and refuses another model, naming both. Each prefill order is one POST
+is waited for a while) and refuses another model, naming both, or a server that refuses its API key
+(401: every request carries `Authorization: Bearer <api_key>` when one is given; the key itself is
+never put in a message or log). Each prefill order is one POST
 /v1/pd/prefill on a connection of its own, run by a worker thread: the answer is the handoff's frames
 (`framing`), or an error naming why; either ends up in the queue `poll` reads. `cancel` shuts the
 order's socket, which cuts the transfer there and tells the prefill server the request is gone.
@@ -36,18 +38,23 @@ class HttpPrefillClient:
         timeout_s: the longest a prefill may stay silent (queueing and prefill included) before its
             order fails.
         start_wait_s: how long `connect` waits for a prefill server that is not listening yet.
+        api_key: the prefill server's `--api-key`, sent with every request; None = no header.
 
     Raises:
-        ValueError: a URL that is not http://HOST:PORT.
+        ValueError: a URL that is not http://HOST:PORT, or an api_key `check_api_key` refuses.
     """
 
     prefills = True
 
-    def __init__(self, url: str, *, timeout_s: float = 600.0, start_wait_s: float = 60.0) -> None:
+    def __init__(self, url: str, *, timeout_s: float = 600.0, start_wait_s: float = 60.0,
+                 api_key: str | None = None) -> None:
         parsed = urllib.parse.urlsplit(url)
         if parsed.scheme != "http" or not parsed.hostname or parsed.path not in ("", "/"):
             raise ValueError(f"pd_prefill_url={url!r} must be http://HOST:PORT")
+        if api_key is not None:
+            check_api_key(api_key)
         self.url = url.rstrip("/")
+        self._headers = {} if api_key is None else {"Authorization": f"Bearer {api_key}"}
         self._host, self._port = parsed.hostname, parsed.port or 80
         self._timeout_s, self._start_wait_s = timeout_s, start_wait_s
         self._fingerprint: ModelFingerprint | None = None
@@ -75,6 +82,11 @@ class HttpPrefillClient:
                 time.sleep(0.2)
                 continue
             break
+        if status == 401:
+            sent = "refused this decode server's API key" if self._headers else "wants an API key; none was sent"
+            raise ConnectionError(f"the prefill server at {self.url} {sent} (401 invalid_api_key): give the decode "
+                                  "server --pd-prefill-api-key set to the prefill server's --api-key (by default "
+                                  "its own --api-key is sent)")
         if status != 200 or not isinstance(body, dict) or "fingerprint_key" not in body:
             raise ConnectionError(f"{self.url} is not a prefill server (GET /v1/pd/info answered {status}; "
                                   "start it with `deepinfer serve --pd-role prefill`)")
@@ -89,7 +101,7 @@ class HttpPrefillClient:
         """(status, JSON body) of GET /v1/pd/info."""
         conn = http.client.HTTPConnection(self._host, self._port, timeout=CONNECT_TIMEOUT_S)
         try:
-            conn.request("GET", "/v1/pd/info")
+            conn.request("GET", "/v1/pd/info", headers=self._headers)
             response = conn.getresponse()
             return response.status, json.loads(response.read() or b"null")
         finally:
@@ -148,7 +160,7 @@ class HttpPrefillClient:
                     return
                 self._sockets[order.request_id] = conn.sock
             conn.request("POST", "/v1/pd/prefill", json.dumps(order_json(order, fingerprint)).encode(),
-                         {"Content-Type": "application/json"})
+                         {"Content-Type": "application/json", **self._headers})
             response = conn.getresponse()
             if response.status != 200:
                 message = _error_message(response.read())
@@ -174,6 +186,14 @@ class HttpPrefillClient:
             self._arrived.put(item)
 
 
+def check_api_key(api_key: str) -> None:
+    """Raises ValueError unless `api_key` can go in an `Authorization` header: a non-empty str of
+    printable ASCII (the message does not repeat the key)."""
+    if not isinstance(api_key, str) or not api_key or not (api_key.isascii() and api_key.isprintable()):
+        raise ValueError("the prefill server's API key must be a non-empty str of printable ASCII characters (it "
+                         "goes in an HTTP header)")
+
+
 def _said(err: BaseException) -> str:
     return f"{type(err).__name__}: {err}" if str(err) else type(err).__name__
 
@@ -186,4 +206,4 @@ def _error_message(body: bytes) -> str:
         return body[:200].decode(errors="replace") or "(no body)"
 
 
-__all__ = ["HttpPrefillClient"]
+__all__ = ["HttpPrefillClient", "check_api_key"]

@@ -1,7 +1,8 @@
 """deepinfer.engine.serve — the OpenAI-compatible HTTP server (`deepinfer serve`).
 
     from deepinfer.engine.serve import ServeOptions, run_server, serve_client
-    serve_client(AsyncLLMProcess(EngineArgs()), ServeOptions(port=8000))   # blocks; SIGTERM drains, then returns
+    serve_client(AsyncLLMProcess(EngineArgs()), ServeOptions(port=8000))   # blocks; SIGTERM drains (up to
+                                                    # shutdown_timeout_s), then returns a ServeEnd
     serve_client(DPAsyncLLM(EngineArgs(data_parallel_size=2)), ServeOptions(port=8000))   # DP ranks
     run_server(LLMEngine(EngineArgs()), ServeOptions(port=8000))      # the engine in a thread of this process
 
@@ -22,17 +23,18 @@ if TYPE_CHECKING:
     from .app import build_app
     from .errors import APIError
     from .protocol import NOT_SUPPORTED_YET
-    from .server import ServeOptions, run_server, serve_client
+    from .server import ServeEnd, ServeOptions, run_server, serve_client
 
 _EXPORTS = {
     "NOT_SUPPORTED_YET": ".protocol",
     "APIError": ".errors",
+    "ServeEnd": ".server",
     "ServeOptions": ".server",
     "build_app": ".app",
     "run_server": ".server",
     "serve_client": ".server",
 }
-__all__ = ["NOT_SUPPORTED_YET", "APIError", "ServeOptions", "build_app", "run_server", "serve_client"]
+__all__ = ["NOT_SUPPORTED_YET", "APIError", "ServeEnd", "ServeOptions", "build_app", "run_server", "serve_client"]
 
 
 def __getattr__(name: str) -> Any:

@@ -49,6 +49,7 @@ from .metrics import RequestTracker, ServerMetrics
 from .protocol import GenerateRequest, parse_chat, parse_completion
 from .reasoning import REASONING_PARSERS, thinking_requested
 from .responses import ResponseWriter
+from .shutdown import CutRequests, RequestCounts
 from .tool_parsers import TOOL_PARSERS, NamedCallParser, RequiredCallsParser, ToolParser
 from .utility_routes import add_utility_routes, model_card
 
@@ -70,14 +71,16 @@ def check_parser_options(tool_call_parser: str | None, enable_auto_tool_choice: 
 
 
 class _Server:
-    """The state behind the routes: the engine, the served name, the chat template, the output
-    parsers' names and the metrics."""
+    """The state behind the routes: the engine, the served name, the API key, the chat template, the
+    output parsers' names, the metrics and the requests in progress (`requests`)."""
 
-    def __init__(self, llm: EngineClient, served_model_name: str, chat_template: str | None,
+    def __init__(self, llm: EngineClient, served_model_name: str, api_key: str | None, chat_template: str | None,
                  tool_call_parser: str | None, enable_auto_tool_choice: bool, reasoning_parser: str | None) -> None:
         self.llm = llm
         self.name = served_model_name
+        self._api_key = api_key
         self.metrics = ServerMetrics(llm)
+        self.requests = RequestCounts()
         self.created = int(time.time())
         self._template_override = chat_template
         self._template: ChatTemplate | None = None
@@ -119,6 +122,15 @@ class _Server:
         if tool_parser is None and reasoning is None:
             return None
         return OutputParsers(reasoning, tool_parser, tools.parallel_tool_calls if tools is not None else True)
+
+    def check_key(self, request: Request) -> None:
+        """Raises APIError 401 (invalid_api_key) unless the request carries the server's API key
+        (`_bearer_matches`); nothing is checked without one. Every route that needs the key calls
+        this (/v1/*, /tokenize, /detokenize, a prefill server's /v1/pd/*)."""
+        # A check in each route rather than an HTTP middleware: Starlette's BaseHTTPMiddleware
+        # relays every chunk of a streamed response through an extra task, which costs per token.
+        if self._api_key is not None and not _bearer_matches(request.headers.get("authorization"), self._api_key):
+            raise APIError(401, "a valid API key is required: Authorization: Bearer <key>", code="invalid_api_key")
 
     def check_model(self, model: str | None) -> None:
         if model is not None and model != self.name:
@@ -245,7 +257,10 @@ def build_app(llm: EngineClient, *, served_model_name: str, api_key: str | None 
             included, does not count).
         chat_template: a named chat template or a jinja file; None = the model folder's.
         drain_on_shutdown: at shutdown (SIGTERM), let accepted requests finish before the engine
-            thread stops (else abort them).
+            stops (else abort them). Requests that uvicorn's graceful shutdown cut (its
+            timeout_graceful_shutdown, `--shutdown-timeout-s`) are aborted in any case
+            (`shutdown.CutRequests`; their number is `app.state.server.requests.num_cut` once the server
+            has stopped).
         tool_call_parser: finds tool calls in the output of tool_choice="auto" requests (a name of
             `tool_parsers.TOOL_PARSERS`: "deepseek_v4", "hermes"); used with enable_auto_tool_choice.
         enable_auto_tool_choice: accept tool_choice="auto" (else such requests get 400).
@@ -257,16 +272,21 @@ def build_app(llm: EngineClient, *, served_model_name: str, api_key: str | None 
     check_parser_options(tool_call_parser, enable_auto_tool_choice, reasoning_parser)
     if isinstance(max_body_bytes, bool) or not isinstance(max_body_bytes, int) or max_body_bytes < 1:
         raise ValueError(f"max_body_bytes={max_body_bytes!r} must be an int >= 1")
-    server = _Server(llm, served_model_name, chat_template, tool_call_parser, enable_auto_tool_choice,
+    server = _Server(llm, served_model_name, api_key, chat_template, tool_call_parser, enable_auto_tool_choice,
                      reasoning_parser)
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         yield
-        await llm.shutdown(drain=drain_on_shutdown)
+        num_cut = server.requests.num_open_or_cut
+        if num_cut:
+            logger.warning("%d request(s) still open when the graceful shutdown timed out were cut; the engine "
+                           "aborts them and stops", num_cut)
+        await llm.shutdown(drain=drain_on_shutdown and not num_cut)
 
     app = FastAPI(title="DeepInfer", lifespan=lifespan, redoc_url=None)      # /docs and /openapi.json
     app.state.server = server
+    app.add_middleware(CutRequests, counts=server.requests)
 
     @app.exception_handler(APIError)
     async def _api_error(_: Request, error: APIError) -> JSONResponse:
@@ -279,11 +299,7 @@ def build_app(llm: EngineClient, *, served_model_name: str, api_key: str | None 
         logger.exception("request failed")
         return JSONResponse(APIError(500, f"internal error: {type(error).__name__}: {error}").body(), status_code=500)
 
-    def check_key(request: Request) -> None:
-        # A check in each /v1 route rather than an HTTP middleware: Starlette's BaseHTTPMiddleware
-        # relays every chunk of a streamed response through an extra task, which costs per token.
-        if api_key is not None and not _bearer_matches(request.headers.get("authorization"), api_key):
-            raise APIError(401, "a valid API key is required: Authorization: Bearer <key>", code="invalid_api_key")
+    check_key = server.check_key
 
     @app.post("/v1/completions")
     @_internal_errors_answered

@@ -14,6 +14,8 @@ from dataclasses import dataclass
 
 from ..frontends.async_front import DEFAULT_MAX_NUM_WAITING
 
+SHUTDOWN_TIMEOUT_S = 30.0    # the longest a SIGTERM drain waits for the requests in flight (`ServeOptions`' default)
+
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
 MODEL_HELP = "model folder or cached Hugging Face repo id, as --model (give one of the two)"
 _RECOMPUTE = "False (True with --engine-type COMPLETION)"
@@ -66,13 +68,17 @@ SERVE_FLAGS: tuple[ServeFlag, ...] = (
     ServeFlag("--port", "TCP port", 8000, int),
     ServeFlag("--served-model-name", "the model name clients send and /v1/models lists; unset = MODEL (--model) "
               "as given, or deepinfer-embedded", metavar="NAME"),
-    ServeFlag("--api-key", "require `Authorization: Bearer KEY` on /v1/*, /tokenize and /detokenize; unset = "
-              "no check", metavar="KEY"),
+    ServeFlag("--api-key", "require `Authorization: Bearer KEY` on /v1/* (a prefill server's /v1/pd/* "
+              "included), /tokenize and /detokenize; unset = no check", metavar="KEY"),
     ServeFlag("--chat-template", "deepseek_v4, plain, or a jinja file; unset = the model folder's",
               metavar="NAME|FILE"),
     ServeFlag("--max-num-waiting", "requests waiting to run before new ones get 503", DEFAULT_MAX_NUM_WAITING, int,
               metavar="N"),
     ServeFlag("--log-level", "server log level", "info", choices=LOG_LEVELS),
+    ServeFlag("--shutdown-timeout-s", "on SIGTERM, how long the requests in flight may take to finish (> 0); those "
+              "still running then (say, a stream its client stopped reading) are cut: their connections closed, the "
+              "engine aborts them, and the server exits 0 saying how many", SHUTDOWN_TIMEOUT_S, float,
+              metavar="SECONDS"),
     ServeFlag("--enable-log-requests", "log one access line per HTTP request (client, method, path, status) at "
               "--log-level info", False, None),
     ServeFlag("--tool-call-parser", "deepseek_v4 or hermes: finds tool calls in tool_choice=auto output",
@@ -88,6 +94,9 @@ SERVE_FLAGS: tuple[ServeFlag, ...] = (
               "engine", choices=("prefill", "decode"), metavar="ROLE"),
     ServeFlag("--pd-prefill-url", "with --pd-role decode: the prefill server, http://HOST:PORT (it must serve the "
               "same model; checked at start)", metavar="URL"),
+    ServeFlag("--pd-prefill-api-key", "with --pd-role decode: the prefill server's --api-key, sent as "
+              "`Authorization: Bearer KEY` on /v1/pd/*; a key it refuses stops the start (401 invalid_api_key); "
+              "unset = this server's --api-key", metavar="KEY"),
     ServeFlag("--tokenizer", "vLLM's flag: DeepInfer reads the tokenizer from the model folder (tokenizer.json), "
               "so it may only name MODEL itself; another tokenizer is refused", metavar="MODEL"),
     ServeFlag("--revision", "the revision (branch, tag or commit) of a Hugging Face repo id MODEL, read from the "

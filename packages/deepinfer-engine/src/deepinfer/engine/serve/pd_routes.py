@@ -7,8 +7,9 @@
   409 another model, 500 the prefill failed, 503 the engine is full or stopped. A decode server that
   closes the connection aborts the prefill.
 
-They do not check the server's API key (a decode server sends none): keep prefill servers on a
-private network.
+Both check the server's API key as /v1/* do (`--api-key`: 401 invalid_api_key without
+`Authorization: Bearer <key>`); a decode server sends its `--pd-prefill-api-key` (by default its own
+`--api-key`).
 """
 
 from __future__ import annotations
@@ -25,12 +26,14 @@ from .errors import APIError
 
 
 def add_pd_routes(app: FastAPI, llm: EngineClient, exports: PrefillExports) -> None:
-    """Add the two routes above to a prefill server's app (`llm` drives the PROMPT engine whose
-    `KVTransfer` is `exports`); /metrics reads the KV sent from `exports`."""
-    app.state.server.metrics.transfer_source = exports.stats
+    """Add the two routes above to a prefill server's app (`build_app`'s: they check its API key; `llm`
+    drives the PROMPT engine whose `KVTransfer` is `exports`); /metrics reads the KV sent from `exports`."""
+    server = app.state.server
+    server.metrics.transfer_source = exports.stats
 
     @app.get("/v1/pd/info")
-    async def pd_info() -> dict[str, Any]:
+    async def pd_info(request: Request) -> dict[str, Any]:
+        server.check_key(request)
         fingerprint = exports.fingerprint
         if fingerprint is None:
             raise APIError(503, "the prefill engine is not built yet")
@@ -38,6 +41,7 @@ def add_pd_routes(app: FastAPI, llm: EngineClient, exports: PrefillExports) -> N
 
     @app.post("/v1/pd/prefill")
     async def pd_prefill(request: Request) -> Response:
+        server.check_key(request)
         try:
             body = await request.json()
         except ValueError:

@@ -4,15 +4,20 @@ process, `deepinfer serve`'s default), `serve_client(DPAsyncLLM(args), ...)` (DP
 / SIGTERM.
 
 On SIGTERM (or SIGINT) uvicorn stops accepting connections and waits for the responses in flight
-(streams included); the app's shutdown then waits until every accepted request has finished and
-stops the engine process, the engine thread or the DP ranks (`shutdown(drain=True)`), and `run_server` returns, so that
-`deepinfer serve` exits 0 after a drain (uvicorn would re-raise the signal and die by it).
+(streams included), for up to `ServeOptions.shutdown_timeout_s`; the app's shutdown then waits until
+every accepted request has finished and stops the engine process, the engine thread or the DP ranks
+(`shutdown(drain=True)`), and `run_server` returns, so that `deepinfer serve` exits 0 after a drain
+(uvicorn would re-raise the signal and die by it). Requests still running when the timeout ends (a
+client that never reads its stream holds its response open) are cut: uvicorn cancels them and
+closes their connections, the engine aborts them instead of draining (`shutdown.CutRequests`), and
+the return value counts them (`ServeEnd.num_cut`); the process still exits 0.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import math
 import signal
 import threading
 from collections.abc import Callable, Iterator
@@ -27,6 +32,7 @@ from ..frontends.async_front import DEFAULT_MAX_NUM_WAITING, EngineClient
 from ..frontends.async_llm import AsyncLLM
 from ..llm_engine import LLMEngine
 from .app import build_app, check_parser_options
+from .flags import SHUTDOWN_TIMEOUT_S
 
 HEADER_TIMEOUT_S = 15.0      # a connection's request headers must be complete this long after it opened
 KEEP_ALIVE_TIMEOUT_S = 30.0  # an idle keep-alive connection is closed after this
@@ -48,6 +54,8 @@ class ServeOptions:
         enable_auto_tool_choice: accept tool_choice="auto" (needs tool_call_parser).
         reasoning_parser: "deepseek_v4": thinking goes to reasoning_content; None = none.
         enable_log_requests: uvicorn's access log, one line per HTTP request (at log_level "info").
+        shutdown_timeout_s: on SIGTERM, how long the requests in flight may take to finish (> 0,
+            finite); those still running then are cut (module docstring).
     """
 
     host: str = "127.0.0.1"
@@ -61,6 +69,7 @@ class ServeOptions:
     enable_auto_tool_choice: bool = False
     reasoning_parser: str | None = None
     enable_log_requests: bool = False
+    shutdown_timeout_s: float = SHUTDOWN_TIMEOUT_S
 
     def __post_init__(self) -> None:
         if isinstance(self.port, bool) or not isinstance(self.port, int) or not 0 <= self.port <= 65535:
@@ -73,42 +82,62 @@ class ServeOptions:
         if self.api_key is not None and (not isinstance(self.api_key, str) or not self.api_key):
             raise ValueError("api_key must be a non-empty str or None")
         check_parser_options(self.tool_call_parser, self.enable_auto_tool_choice, self.reasoning_parser)
+        timeout = self.shutdown_timeout_s
+        if isinstance(timeout, bool) or not isinstance(timeout, int | float) or not 0 < timeout < math.inf:
+            raise ValueError(f"shutdown_timeout_s={timeout!r} must be a number of seconds > 0 (and finite)")
 
 
-def run_server(engine: LLMEngine, options: ServeOptions) -> str | None:
+@dataclass(frozen=True, slots=True)
+class ServeEnd:
+    """How a server stopped (`serve_client`, `run_server`).
+
+    Attributes:
+        failure: why the engine had failed (`EngineClient.failure`); None after a clean stop.
+        num_cut: requests still running when the SIGTERM drain reached shutdown_timeout_s: their
+            connections were closed and the engine aborted them; 0 when every request finished.
+    """
+
+    failure: str | None
+    num_cut: int
+
+
+def run_server(engine: LLMEngine, options: ServeOptions) -> ServeEnd:
     """Serve `engine`, stepped in a thread of this process (`AsyncLLM`), over HTTP until SIGINT /
     SIGTERM; returns once in-flight requests are done, as `serve_client`."""
     return serve_client(AsyncLLM(engine, max_num_waiting=options.max_num_waiting), options)
 
 
 def serve_client(llm: EngineClient, options: ServeOptions,
-                 extra_routes: Callable[[FastAPI], None] | None = None) -> str | None:
+                 extra_routes: Callable[[FastAPI], None] | None = None) -> ServeEnd:
     """Serve `llm` (built with options.max_num_waiting) as `run_server` does; it is shut down on return.
     `extra_routes(app)` adds routes to the app first (a prefill server's, `pd_routes.add_pd_routes`).
-    Returns None after a clean stop, else why the engine had failed (`llm.failure`)."""
+    Returns why the engine had failed, if it had, and how many requests the drain cut."""
     app = build_app(llm, served_model_name=options.served_model_name, api_key=options.api_key,
                     chat_template=options.chat_template, tool_call_parser=options.tool_call_parser,
                     enable_auto_tool_choice=options.enable_auto_tool_choice, reasoning_parser=options.reasoning_parser)
     if extra_routes is not None:
         extra_routes(app)
     config = uvicorn_config(app, host=options.host, port=options.port, log_level=options.log_level,
-                            access_log=options.enable_log_requests)
+                            access_log=options.enable_log_requests, shutdown_timeout_s=options.shutdown_timeout_s)
     with _signals_end_quietly():
         uvicorn.Server(config).run()
-    return llm.failure
+    return ServeEnd(llm.failure, app.state.server.requests.num_cut)
 
 
 def uvicorn_config(app: Callable[..., Any], *, host: str = "127.0.0.1", port: int = 0, log_level: str = "info",
                    access_log: bool = False, header_timeout_s: float = HEADER_TIMEOUT_S,
-                   keep_alive_timeout_s: float = KEEP_ALIVE_TIMEOUT_S) -> uvicorn.Config:
+                   keep_alive_timeout_s: float = KEEP_ALIVE_TIMEOUT_S,
+                   shutdown_timeout_s: float = SHUTDOWN_TIMEOUT_S) -> uvicorn.Config:
     """How `deepinfer serve` runs uvicorn: HTTP/1.1 through h11 (`_H11WithHeaderTimeout`), an access log
     only with access_log (`--enable-log-requests`);
     an idle keep-alive connection is closed after keep_alive_timeout_s, and a connection whose
     request headers are not complete header_timeout_s after it opened (or after its previous
-    response) is closed."""
+    response) is closed; a graceful shutdown (SIGTERM) waits up to shutdown_timeout_s for the requests
+    in flight, then cancels those left (module docstring)."""
     protocol = type("H11Protocol", (_H11WithHeaderTimeout,), {"header_timeout_s": header_timeout_s})
     return uvicorn.Config(app, host=host, port=port, log_level=log_level, access_log=access_log, http=protocol,
-                          timeout_keep_alive=keep_alive_timeout_s)  # type: ignore[arg-type]  # typed int, a float delay
+                          timeout_keep_alive=keep_alive_timeout_s,  # type: ignore[arg-type]  # typed int, a float delay
+                          timeout_graceful_shutdown=shutdown_timeout_s)  # type: ignore[arg-type]  # the same
 
 
 class _H11WithHeaderTimeout(H11Protocol):

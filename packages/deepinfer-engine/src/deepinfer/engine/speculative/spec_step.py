@@ -47,7 +47,8 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Collection, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any, Protocol
 
 import numpy as np
 import torch
@@ -258,19 +259,23 @@ class SpeculativeDecoder:
         if d is None or not d.num_seqs:
             self.idle_verify()             # a lockstep rank's peers may verify: join them
             return None
-        lookup = self._host._seq
-        reqs = [lookup(seq_id) for seq_id in d.seq_ids]
-        return SpecLaunched(out, reqs, launched=self.launch_forward(d, reqs, guarded=guarded), guarded=guarded)
+        reqs = self._plain.requests_of(d.seq_ids)
+        return SpecLaunched(out, reqs, work=self.launch_forward(d, reqs, guarded=guarded), guarded=guarded)
 
     def sample(self, handle: SpecLaunched) -> None:
         """Verify the drafting rows and sample the others (`launch_accept`)."""
-        handle.flight = self.launch_accept(handle.launched, guarded=handle.guarded)
-        handle.launched = None              # its logits are no longer needed
+        launched = handle.work
+        if not isinstance(launched, SpecLaunch):
+            raise RuntimeError("SpeculativeDecoder.sample: this step was sampled already")
+        handle.work = self.launch_accept(launched, guarded=handle.guarded)   # drops the verify logits
 
     def commit(self, handle: SpecLaunched, *, rows_unchanged: bool = False) -> Changed:
         """Read the step's results and commit its tokens (`commit_flight`)."""
+        flight = handle.work
+        if not isinstance(flight, SpecFlight):
+            raise RuntimeError("SpeculativeDecoder.commit: this step was not sampled")
         changed: Changed = {}
-        self.commit_flight(handle.flight, changed, preempted=handle.preempted, recomputed=handle.recomputed)
+        self.commit_flight(flight, changed, preempted=handle.preempted, recomputed=handle.recomputed)
         return changed
 
     # ------------------------------------------------------------------ the phases
@@ -296,21 +301,21 @@ class SpeculativeDecoder:
         if self._all_static(d, reqs, drafting, in_flight):
             return self._launch_static(d, reqs, guarded)
         drafted_from = self._stopwatch.mark()
-        walk = verifying = None
-        if len(drafting):
-            walk, verifying = self._draft(d, reqs, drafting, guarded)
+        drafted = self._draft(d, reqs, drafting, guarded) if len(drafting) else None
+        verifying = None if drafted is None else drafted[1]
         with forbid_cuda_sync(device, enabled=guarded):
-            if len(drafting) == n:
+            if drafted is not None and len(drafting) == n:
+                walk = drafted[0]
                 tokens, shift = walk.tokens[:n], walk.shift[:n] if in_flight else None
                 rows = self.draft_graphs.inputs[ROW, :n]
                 flying = self.draft_graphs.inputs[IN_FLIGHT, :n] != 0 if in_flight else None
             else:
                 tokens, shift, rows, flying = self._anchors(d, in_flight)
-                if walk is not None:
-                    tokens[:, 1:].index_copy_(0, verifying.rows, walk.tokens[:len(drafting), 1:])
+                if drafted is not None:
+                    tokens[:, 1:].index_copy_(0, drafted[1].rows, drafted[0].tokens[:len(drafting), 1:])
             query_lens = None
-            if in_flight and self.varlen is not None and verifying is not None:
-                query_lens = self._split_on_device(d, verifying, rows, flying)
+            if flying is not None and self.varlen is not None and verifying is not None:
+                query_lens = self._split_on_device(d, verifying, rows, flying, self.varlen)
         size = total_q if self.lockstep is None else self.lockstep.graph_size(total_q)   # the group's, >= own key
         with forbid_cuda_sync(device, enabled=guarded and runner.verify_replays_graph(size)):
             started = self._stopwatch.mark()
@@ -377,14 +382,15 @@ class SpeculativeDecoder:
         tokens[:, 0] = anchors
         return tokens, shift, rows, flying
 
-    def _split_on_device(self, d: DecodeBatch, v: _Verifying, rows: Tensor, in_flight: Tensor) -> Tensor:
+    def _split_on_device(self, d: DecodeBatch, v: _Verifying, rows: Tensor, in_flight: Tensor,
+                         varlen: VarlenVerifyPolicy) -> Tensor:
         """docs/design.md §7.5, under ZOS: the drafting rows' total query tokens stay the host's choice (it
         picked the graph, from the confidences of the last step read), split again on the device by
         the confidences of the step in flight (`query_lens_by_confidence`); a row whose last step did
         not draft, or is not in flight, keeps its host estimate. Returns [num_seqs] int64 query lengths
         (1 for rows that do not draft)."""
         k, device = self.k, self.runner.device
-        estimates = np.array([self.varlen.rates(r.seq_id, k) for r in v.reqs], dtype=np.float32).reshape(-1, k)
+        estimates = np.array([varlen.rates(r.seq_id, k) for r in v.reqs], dtype=np.float32).reshape(-1, k)
         sub_rows = v.rows
         self._ensure_confidence_rows(self.runner.row_tokens.shape[0])
         latest = self._row_confidence.index_select(0, rows.index_select(0, sub_rows))
@@ -440,14 +446,16 @@ class SpeculativeDecoder:
         """Verify the drafting rows and sample the others on the device, keep each row's last token and
         count in the runner (for the next step, launched before this one is read), and start copying the
         results back. `guarded`: a ZOS launch (the plain rows' sampling runs under the sync guard)."""
+        v = launched.verifying
         if launched.tail_size:
-            return self._accept_static(launched, guarded)
+            if v is None:
+                raise ValueError("a step verified by VerifyTails has drafting rows (SpecLaunch.verifying)")
+            return self._accept_static(launched, v, guarded)
         d, reqs, device = launched.d, launched.reqs, self.runner.device
         results: tuple[Tensor, ...] = ()
         logprob_parts: tuple[Tensor, ...] = ()
         confidence: tuple[Tensor, ...] = ()
         wanted: list[int | None] = []
-        v = launched.verifying
         dead: dict[int, str] = {}
         if v is not None:
             results, logprob_parts, confidence, dead = self._launch_verify(launched, v, guarded)
@@ -475,10 +483,11 @@ class SpeculativeDecoder:
         return SpecFlight(reqs, launched.drafting, plain, host[0] if host else None, host[1:1 + num_parts],
                           host[-1] if confidence else None, done, flight, wanted, dead, timings)
 
-    def _accept_static(self, launched: SpecLaunch, guarded: bool) -> SpecFlight:
-        """`launch_accept` of a `_launch_static` step: `VerifyTails` verifies every row and records its
-        last token and count (a CUDA graph replay on CUDA), then the results start for the host."""
-        d, v, device = launched.d, launched.verifying, self.runner.device
+    def _accept_static(self, launched: SpecLaunch, v: _Verifying, guarded: bool) -> SpecFlight:
+        """`launch_accept` of a `_launch_static` step (`v`: its drafting rows, every row): `VerifyTails`
+        verifies every row and records its last token and count (a CUDA graph replay on CUDA), then the
+        results start for the host."""
+        d, device = launched.d, self.runner.device
         n = d.num_seqs
         with forbid_cuda_sync(device, enabled=guarded):
             results = self.tails.replay(launched.tail_size, launched.logits)[:n]
@@ -500,7 +509,7 @@ class SpeculativeDecoder:
         under the varlen policy (else ()), and the rows failed by their grammar (index into v.reqs ->
         why). Rows with a grammar verify against the target masked by it (`_grammar_masks`)."""
         device, k = self.runner.device, self.k
-        masks, dead = self._grammar_masks(v) if v.constrained else (None, {})
+        masks, dead = (None, {}) if v.drafts_to_host is None else self._grammar_masks(v, v.drafts_to_host)
         mask_words = None if masks is None else masks.numpy()         # host memory: no device read
         with forbid_cuda_sync(device, enabled=guarded):
             query_lens = launched.query_lens
@@ -528,7 +537,8 @@ class SpeculativeDecoder:
                                              [r.params.logprobs for r in v.reqs])
         return (results,), logprob_parts, (v.confidence,) if self.varlen is not None else (), dead
 
-    def _grammar_masks(self, v: _Verifying) -> tuple[Tensor, dict[int, str]]:
+    def _grammar_masks(self, v: _Verifying, drafts_to_host: tuple[tuple[Tensor, ...], torch.cuda.Event | None]
+                       ) -> tuple[Tensor, dict[int, str]]:
         """The token masks of the rows with a grammar at each of their k + 1 positions (host work): the
         mask at position j is the grammar's after the row's drafts before j, which the matcher accepts
         one by one and then rolls back (their tokens go in at the commit). Past a draft the grammar
@@ -541,7 +551,7 @@ class SpeculativeDecoder:
             rows whose grammar allows no token at all (index into v.reqs -> why)).
         """
         k = self.k
-        (drafts,), done = v.drafts_to_host
+        (drafts,), done = drafts_to_host
         if done is not None:
             done.synchronize()
         vocab = self.runner.model.cfg.vocab_size
@@ -577,10 +587,10 @@ class SpeculativeDecoder:
                 finish as "preempted"; the second drop theirs.
         """
         rows: list[_RowTokens | None] = [None] * len(flight.reqs)
-        if len(flight.drafting):
+        if flight.results is not None:
             if flight.done is not None:
                 flight.done.synchronize()
-            for i, row in zip(flight.drafting.tolist(), self._verified_rows(flight)):
+            for i, row in zip(flight.drafting.tolist(), self._verified_rows(flight, flight.results)):
                 rows[i] = row
         if flight.sampling is not None:
             sampled = self._host.sampling.collect(flight.sampling)
@@ -597,49 +607,51 @@ class SpeculativeDecoder:
         wait of their own)."""
         self._timings.append(flight.timings)
         pending: list[SpecTimings] = []
+        varlen = self.varlen
         for timings in self._timings:
-            drafted_from, started, forwarded, sampled = timings.marks
-            times = [self._stopwatch.elapsed_ms(*pair) for pair in
-                     ((drafted_from, started), (started, forwarded), (forwarded, sampled))]
-            if any(ms is None for ms in times):
+            times = self._stopwatch.phases_ms(timings.marks)
+            if times is None:
                 pending.append(timings)
                 continue
             draft_ms, forward_ms, sampler_ms = times
             self._measured_ms += times
-            if self.varlen is None:
+            if varlen is None:
                 continue
-            if timings.num_drafting:
-                self.varlen.draft.observe(timings.num_drafting, draft_ms)
-            self.varlen.forward.observe(timings.total_q, forward_ms)
-            self.varlen.sampler.observe(timings.num_rows, sampler_ms)
+            if timings.num_drafting and varlen.draft is not None:
+                varlen.draft.observe(timings.num_drafting, draft_ms)
+            varlen.forward.observe(timings.total_q, forward_ms)
+            varlen.sampler.observe(timings.num_rows, sampler_ms)
         self._timings = pending[-8:]        # a mark the device never reaches (a failed step) is not kept forever
 
-    def _verified_rows(self, flight: SpecFlight) -> list[_RowTokens]:
-        """The drafting rows' tokens, logprobs and errors from the host copies."""
-        k = self.k
-        host = flight.results.numpy()
+    def _verified_rows(self, flight: SpecFlight, results: Tensor) -> list[_RowTokens]:
+        """The drafting rows' tokens, logprobs and errors from the host copies (`results`: flight.results)."""
+        k, varlen = self.k, self.varlen
+        host = results.numpy()
         entries = _logprob_entries(host[:, :k + 1], flight.logprob_parts, flight.wanted)
-        confidence = None if flight.confidence is None else flight.confidence.numpy()
+        confidence = None if flight.confidence is None or varlen is None else flight.confidence.numpy()
         reqs = [flight.reqs[i] for i in flight.drafting.tolist()]
         out = []
         for j, req in enumerate(reqs):
             num_out = int(host[j, k + 1]) + 1
-            logprobs, ranks = entries[j] if entries is not None else ([None] * num_out, [None] * num_out)
+            logprobs: list[dict[int, float] | None] = [None] * num_out
+            ranks: list[int | None] = [None] * num_out
+            if entries is not None:
+                logprobs, ranks = entries[j]
             error = flight.dead.get(j) or (None if host[j, k + 2] else NON_FINITE_LOGITS)
             out.append(_RowTokens(host[j, :num_out].tolist(), logprobs[:num_out], ranks[:num_out], error))
-            if confidence is not None:
-                self.varlen.observe(req.seq_id, confidence[j])
-        if confidence is not None:
+            if confidence is not None and varlen is not None:
+                varlen.observe(req.seq_id, confidence[j])
+        if confidence is not None and varlen is not None:
             # how far the confidences over- or under-stated acceptance: the drafts they predicted accepted
             # (cumulative products over the drafts fed) against those accepted
             fed = np.arange(k) < host[:, k + 3, None]
             predicted = (np.cumprod(np.clip(confidence, 0.0, 1.0), axis=1) * fed).sum(axis=1)
             for expected, accepted, drafts in zip(predicted.tolist(), host[:, k + 1].tolist(), host[:, k + 3].tolist()):
                 if drafts:
-                    self.varlen.calibration.observe(expected, accepted)
+                    varlen.calibration.observe(expected, accepted)
             live = {r.seq_id for r in reqs}
             for seq_id in self._observed - live:
-                self.varlen.forget(seq_id)
+                varlen.forget(seq_id)
             self._observed = live
         self._counts += (1, len(reqs), int(host[:, k + 3].sum()), int(host[:, k + 1].sum()))
         return out
@@ -656,7 +668,8 @@ class SpeculativeDecoder:
             if row is None:
                 continue
             if req.finished or req.seq_id in recomputed:
-                if req.history_slot is not None and not req.finished:     # its token was counted: take it out
+                if sampling.history is not None and req.history_slot is not None and not req.finished:
+                    # its token was counted: take it out
                     sampling.history.reset(req.history_slot, req.prompt_token_ids, req.output_token_ids)
                 continue
             kept: list[int] = []
@@ -701,8 +714,8 @@ class SpecLaunch:
     verifying: _Verifying | None   # the drafting rows' sampler, q and confidences; None when m = 0
     query_lens: Tensor             # [num_seqs] int64 query length of each row (device): d.query_lens, or
                                    # their split on the device under ZOS + varlen
-    marks: tuple[object, object, object]   # `_Stopwatch` marks before the draft walk, before and after the
-                                           # verify forward
+    marks: tuple[_Mark, _Mark, _Mark]   # `_Stopwatch` marks before the draft walk, before and after the
+                                        # verify forward
     size: int                      # tokens the verify forward ran: total query tokens, padded to the
                                    # lockstep group's size
     tail_size: int = 0             # > 0: verified by `VerifyTails` at this size (`_launch_static`); 0: outside
@@ -745,7 +758,7 @@ class SpecTimings:
     forward, after the verification and sampling; what they measured: drafting rows (0: no walk ran),
     tokens of the verify forward, rows."""
 
-    marks: tuple[object, object, object, object]
+    marks: tuple[_Mark, _Mark, _Mark, _Mark]
     num_drafting: int
     total_q: int
     num_rows: int
@@ -753,33 +766,58 @@ class SpecTimings:
 
 @dataclass(slots=True, eq=False)
 class SpecLaunched(Launched):
-    """A speculative decode step between its launch and its commit: `launched` until `sample`,
-    `flight` after it; `guarded`: launched to stay in flight."""
+    """A speculative decode step between its launch and its commit. `work`: its verify forward's
+    outputs (`SpecLaunch`) until `sample`, then its results on their way to the host (`SpecFlight`);
+    `guarded`: launched to stay in flight."""
 
-    launched: SpecLaunch | None = None
+    work: SpecLaunch | SpecFlight = field(kw_only=True)
     guarded: bool = False
-    flight: SpecFlight | None = None
+
+
+class _Mark(Protocol):
+    """A point on the device's timeline (`_Stopwatch.mark`); a `torch.cuda.Event` with timing on CUDA."""
+
+    def query(self) -> bool:
+        """Whether the device has passed it."""
+
+    def elapsed_time(self, end: Any) -> float:
+        """Milliseconds from this mark to `end` (a later mark of the same stopwatch)."""
+
+
+@dataclass(frozen=True, slots=True)
+class _HostMark:
+    """A `_Mark` on the host clock (CPU devices: their forwards and sampling run synchronously)."""
+
+    seconds: float            # time.perf_counter()
+
+    def query(self) -> bool:
+        return True
+
+    def elapsed_time(self, end: _HostMark) -> float:
+        return (end.seconds - self.seconds) * 1e3
 
 
 class _Stopwatch:
     """Marks on the device's timeline, read after the step's results are on the host: CUDA events
-    with timing on CUDA (`elapsed_ms` is None while the later one has not happened: never a wait),
-    the host clock on the CPU (whose forwards and sampling run synchronously)."""
+    with timing on CUDA (not read while the later one has not happened: never a wait), the host clock
+    on the CPU."""
 
     def __init__(self, device: torch.device) -> None:
         self._cuda = device.type == "cuda"
 
-    def mark(self) -> object:
+    def mark(self) -> _Mark:
         if not self._cuda:
-            return time.perf_counter()
+            return _HostMark(time.perf_counter())
         event = torch.cuda.Event(enable_timing=True)
         event.record()
         return event
 
-    def elapsed_ms(self, first: object, second: object) -> float | None:
-        if not self._cuda:
-            return (second - first) * 1e3
-        return first.elapsed_time(second) if second.query() else None
+    def phases_ms(self, marks: Sequence[_Mark]) -> tuple[float, ...] | None:
+        """The milliseconds between each two consecutive marks; None while the device has not passed
+        the last one."""
+        if not marks[-1].query():
+            return None
+        return tuple(first.elapsed_time(second) for first, second in zip(marks, marks[1:]))
 
 
 @dataclass(frozen=True, slots=True)
