@@ -176,10 +176,10 @@ def assert_same_bf16x2(got: np.ndarray, want: np.ndarray, where: str) -> None:
 @pytest.mark.parametrize("decoder", DECODERS)
 def test_asm_text_decodes_every_element_of_a_block_by_itself(decoder: str) -> None:
     """Each block's P elements are words of different rows, at different places in their groups, with
-    different scale bytes: every code at every nibble position and every scale byte 0–255 (the
-    subnormal results, overflow, inf and NaN), beside elements of ordinary (127), large (200) or the
-    same scale bytes, so that both sides of the s > 128 branch the elements share run. Every
-    element's four outputs must be its own word's weights."""
+    different scale bytes: every code (each row holds the 16 twice, shuffled; all four of its words
+    are read) under every scale byte 0–255 (the subnormal results, overflow, inf and NaN), beside
+    block-mates of ordinary (127), large (200) or the same scale bytes, so that both sides of the
+    s > 128 branch the elements share run. Every element's four outputs must be its own word's."""
     text, pack, _, _ = DECODERS[decoder]
     gen = torch.Generator().manual_seed(29)
     block, element = np.arange(3 * 256), np.arange(pack)[:, None]            # row of element e: e · 768 + b
