@@ -228,28 +228,35 @@ def compile_sm90(fn, sig: dict[str, str], constants: dict, aligned: set[str], nu
 
 def compiled_tile_cases():
     """(decoder, the compiled kernel, its num_warps): the tile of the GPU probe of issue #29 (64 × 32, 4
-    warps: two words a thread, fewer than `packed`'s pack of 4), and the shipped small-batch up kernel
-    at V4-Flash's strides as `test_hopper_compile_moe` compiles it (its asm operands in the layout the
-    wgmma's A operand propagates back: rows r, r + 8 and words c, c + 4 in one block of 4)."""
+    warps: two words a thread, fewer than `packed`'s pack of 4), and the shipped small-batch up and
+    down kernels at V4-Flash's strides as `test_hopper_compile_moe` compiles them (Triton's cache
+    shares the compiles; their asm operands in the layouts the wgmma's A operand propagates back, in
+    the up kernel rows r, r + 8 and words c, c + 4 in one block of 4)."""
     from deepinfer.kernels.triton_ops import moe
 
     def tile(decoder: str):
         return compile_sm90(_tile_kernel, dict(w_ptr="*u8", s_ptr="*u8", out_ptr="*i16"),
                             dict(BLOCK_N=64, BLOCK_K=32, DECODE=mxfp4.DECODES[decoder]), set(), 4)
 
-    def shipped_up():
-        sig = dict(x_ptr="*bf16", order_ptr="*i64", meta_ptr="*i32", w13_ptr="*u8", s13_ptr="*u8", act_ptr="*bf16",
-                   num_slots="i32", hidden="i32", inter="i32", top_k="i32", limit="fp32", w_expert="i32", w_row="i32",
-                   s_expert="i32", s_row="i32")
+    def shipped(kernel: str):
+        ints = dict.fromkeys(("hidden", "inter", "w_expert", "w_row", "s_expert", "s_row"), "i32")
+        if kernel == "up":
+            sig = dict(x_ptr="*bf16", order_ptr="*i64", meta_ptr="*i32", w13_ptr="*u8", s13_ptr="*u8",
+                       act_ptr="*bf16", num_slots="i32", hidden="i32", inter="i32", top_k="i32", limit="fp32",
+                       w_expert="i32", w_row="i32", s_expert="i32", s_row="i32")
+        else:
+            sig = dict(act_ptr="*bf16", order_ptr="*i64", meta_ptr="*i32", weights_ptr="*fp32", w2_ptr="*u8",
+                       s2_ptr="*u8", y_ptr="*fp32", num_slots="i32", **ints)
         block_n, block_k = moe.MXFP4_TILES[mxfp4.MX_PACKED]
         constants = dict(BLOCK_M=16, BLOCK_N=block_n, BLOCK_K=block_k, PRECISION="tf32", FORMAT=moe.MXFP4,
                          BLOCK_S=32, DECODE=mxfp4.MX_PACKED, BF16_MATH=True)
-        return compile_sm90(moe._expert_up_kernel, sig, constants,
-                            {"hidden", "inter", "w_expert", "w_row", "s_expert", "s_row"}, 4)
+        fn = moe._expert_up_kernel if kernel == "up" else moe._expert_down_kernel
+        return compile_sm90(fn, sig, constants, set(ints), 4)
 
     return [pytest.param("packed", lambda: tile("packed"), 4, id="packed-probe-tile-64x32"),
             pytest.param("asm", lambda: tile("asm"), 4, id="asm-probe-tile-64x32"),
-            pytest.param("packed", shipped_up, 4, id="packed-shipped-up-kernel")]
+            pytest.param("packed", lambda: shipped("up"), 4, id="packed-shipped-up-kernel"),
+            pytest.param("packed", lambda: shipped("down"), 4, id="packed-shipped-down-kernel")]
 
 
 def _mlir_unescape(text: str) -> str:
