@@ -13,7 +13,7 @@ import pytest
 from deepinfer.engine.parallel.launcher import free_port
 
 WORKER = r"""
-import json, sys
+import json, os, sys
 from datetime import timedelta
 
 import torch.distributed as dist
@@ -47,10 +47,13 @@ for step in range(3):
         sched.finish_seq("a", "stop")
 result["kinds"] = kinds
 print(json.dumps(result), flush=True)
-# every rank past its last collective before any tears its group down (a gloo worker thread still
-# holding work at interpreter exit aborts the process: "terminate called without an active exception")
+# every rank past its last collective before any tears its group down, then out without the
+# interpreter's teardown: a gloo thread still alive when C++ statics are destroyed aborts the process
+# ("terminate called without an active exception", exit -6) after the result was printed, now and then
 dist.barrier()
 dist.destroy_process_group()
+sys.stderr.flush()
+os._exit(0)
 """
 
 

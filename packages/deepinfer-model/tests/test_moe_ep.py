@@ -19,7 +19,7 @@ import torch
 from deepinfer.model import ExpertSlots
 
 WORKER = r"""
-import json, sys
+import json, os, sys
 from datetime import timedelta
 
 import torch
@@ -117,10 +117,13 @@ with torch.no_grad():
     result["hash_fixed_err"] = (hashed(x, tokens, ops, decode_step=True) - expected).abs().max().item()
     result["hash_variable_err"] = (hashed(x, tokens, ops) - expected).abs().max().item()
 print(json.dumps(result), flush=True)
-# every rank past its last collective before any tears its group down (a gloo worker thread still
-# holding work at interpreter exit aborts the process: "terminate called without an active exception")
+# every rank past its last collective before any tears its group down, then out without the
+# interpreter's teardown: a gloo thread still alive when C++ statics are destroyed aborts the process
+# ("terminate called without an active exception", exit -6) after the result was printed, now and then
 dist.barrier()
 dist.destroy_process_group()
+sys.stderr.flush()
+os._exit(0)
 """
 
 

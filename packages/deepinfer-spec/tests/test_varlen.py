@@ -183,3 +183,22 @@ def test_an_overconfident_head_is_calibrated_down_to_plain_rows() -> None:
     # scaled values stay probabilities and keep each row's drafts a prefix
     plan = choose_query_lens([[0.9, 0.8, 0.5]], 4, forward, SamplerRuntimeEstimator(), acceptance_scale=3.0)
     assert plan.query_lens.tolist() == [4] and plan.expected_tokens == pytest.approx(4.0)
+
+
+def test_a_row_kept_plain_is_reprobed_with_one_draft_and_waits_twice_as_long_after_each_miss() -> None:
+    forward = ForwardRuntimeEstimator(StepTimeCurve((1, 64), (10.0, 11.0)))
+    policy = VarlenVerifyPolicy(forward, SamplerRuntimeEstimator(), draft=_draft_cost(3.0), reprobe_after=2,
+                                max_reprobe_after=4)
+    seq_lens = np.array([10], dtype=np.int32)
+    policy.observe("a", [0.05] * 5)               # a bad first step: its drafts do not pay
+    lens = [policy.query_lens(("a",), seq_lens, 6).tolist()[0] for _ in range(12)]
+    # plain, probe (one draft) after 2 plain steps, then after 4, 4 (capped) ...
+    assert lens == [1, 2, 1, 1, 1, 2, 1, 1, 1, 2, 1, 1]
+    assert policy.last_plan is not None and policy.last_plan.total_q == 1
+    policy.observe("a", [0.95] * 5)               # a probe finds good drafts: the row drafts again,
+    assert policy.query_lens(("a",), seq_lens, 6).tolist() == [6]
+    policy.observe("a", [0.05] * 5)               # and the next stretch waits from the start again
+    assert [policy.query_lens(("a",), seq_lens, 6).tolist()[0] for _ in range(3)] == [1, 2, 1]
+    policy.forget("a")
+    with pytest.raises(ValueError, match="reprobe_after=0"):
+        VarlenVerifyPolicy(forward, SamplerRuntimeEstimator(), reprobe_after=0)

@@ -296,6 +296,7 @@ class LLMEngine(RequestIntake, PrefillDecodeHooks):
             graph_interval=env.cudagraph_batch_size_interval, batch_invariant=args.batch_invariant,
             num_snapshot_slots=self._num_snapshots, host_tier_bytes=int((args.prefix_cache_host_mb or 0) * 2**20),
             max_verify_tokens=0 if draft is None else args.max_num_seqs * query_len,
+            emulate_graphs=env.emulate_cuda_graphs and not args.enforce_eager,
         )
 
     def _new_scheduler(self) -> Scheduler:

@@ -12,10 +12,20 @@ rows given a draft), and the best one wins. A row given none is a plain decode r
 walk, so where drafting does not pay the step costs what a plain decode step does. The confidences
 are scaled by how far they have over- or under-stated acceptance so far (`AcceptanceCalibration`):
 an overconfident head would otherwise buy drafts that are not accepted.
+
+Re-probing: a request's estimate is its confidences of the last step it drafted, and a row given no
+draft runs no draft walk, so nothing would ever refresh a low estimate (nor the calibration, once no
+row drafts): one bad stretch (say the first drafts after an unusual prompt) would end speculation for
+the request's lifetime. So a row the policy has kept plain for `reprobe_after` steps in a row is given
+one draft (the cheapest walk: it refreshes the confidences of all its drafts and feeds the
+calibration); while probes keep finding drafting not worth it, the wait doubles, up to
+`max_reprobe_after` steps, so a request that truly cannot draft pays for at most one probe in that
+many steps.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -131,16 +141,27 @@ class VarlenVerifyPolicy:
     scales them by how far they have over- or under-stated acceptance. `draft`: the draft walk's cost
     (None: free).
     `plain_only`: drafting cannot pay on this device (`drafting_can_pay`): every row gets 1.
+    `reprobe_after` / `max_reprobe_after`: a row kept plain this many steps in a row is given one draft
+    (module docstring); each probe that does not bring drafting back doubles the wait, up to the max.
+
+    Raises:
+        ValueError: reprobe_after < 1 or max_reprobe_after < reprobe_after.
     """
 
     def __init__(self, forward: ForwardRuntimeEstimator, sampler: SamplerRuntimeEstimator, *,
                  draft: DraftRuntimeEstimator | None = None, default_acceptance: Sequence[float] = (0.8,),
-                 plain_only: bool = False) -> None:
+                 plain_only: bool = False, reprobe_after: int = 8, max_reprobe_after: int = 256) -> None:
+        if not 1 <= reprobe_after <= max_reprobe_after:
+            raise ValueError(f"reprobe_after={reprobe_after} must be >= 1 and <= max_reprobe_after="
+                             f"{max_reprobe_after}")
         self.forward, self.sampler, self.draft = forward, sampler, draft
         self.plain_only = plain_only
         self.calibration = AcceptanceCalibration()
         self._default = tuple(float(r) for r in default_acceptance)
         self._rates: dict[str, tuple[float, ...]] = {}
+        self.reprobe_after, self.max_reprobe_after = reprobe_after, max_reprobe_after
+        self._plain_steps: dict[str, int] = {}     # steps in a row the policy kept the row plain
+        self._wait: dict[str, int] = {}            # plain steps before its next probe (absent: reprobe_after)
         self.last_plan: VarlenPlan | None = None
 
     def observe(self, seq_id: str, acceptance: Sequence[float]) -> None:
@@ -149,6 +170,8 @@ class VarlenVerifyPolicy:
 
     def forget(self, seq_id: str) -> None:
         self._rates.pop(seq_id, None)
+        self._plain_steps.pop(seq_id, None)
+        self._wait.pop(seq_id, None)
 
     def rates(self, seq_id: str, num_drafts: int) -> tuple[float, ...]:
         """`seq_id`'s estimated acceptance of each of its next num_drafts drafts: the latest observed
@@ -164,8 +187,32 @@ class VarlenVerifyPolicy:
             return np.ones(len(seq_ids), dtype=np.int32)
         plan = choose_query_lens([self.rates(s, max_query_len - 1) for s in seq_ids], max_query_len,
                                  self.forward, self.sampler, self.draft, self.calibration.factor)
+        if max_query_len > 1:
+            plan = self._reprobe(seq_ids, plan)
         self.last_plan = plan
         return plan.query_lens
+
+    def _reprobe(self, seq_ids: tuple[str, ...], plan: VarlenPlan) -> VarlenPlan:
+        """Give one draft to each row kept plain for its wait (module docstring); count the others."""
+        lens = plan.query_lens
+        probes = []
+        for i, seq_id in enumerate(seq_ids):
+            if lens[i] > 1:                       # the policy drafts it again: waits back to the start
+                self._wait.pop(seq_id, None)
+                self._plain_steps[seq_id] = 0
+                continue
+            wait = self._wait.get(seq_id, self.reprobe_after)
+            plain_steps = self._plain_steps.get(seq_id, 0) + 1
+            if plain_steps >= wait:
+                probes.append(i)
+                self._wait[seq_id] = min(2 * wait, self.max_reprobe_after)
+                plain_steps = 0
+            self._plain_steps[seq_id] = plain_steps
+        if not probes:
+            return plan
+        lens = lens.copy()
+        lens[probes] = 2
+        return dataclasses.replace(plan, total_q=int(lens.sum()), query_lens=lens)
 
 
 class FixedVerifyPolicy:

@@ -43,6 +43,7 @@ class EngineEnv:
     sampler_force_topk: int | None = None
     cudagraph_batch_size_interval: int = 8
     varlen_profile_cache: str | None = None     # None: the user cache folder's file (`varlen_profile_cache_path`)
+    emulate_cuda_graphs: bool = False
 
     def __post_init__(self) -> None:
         if self.sampler_force_topk == 0 and not isinstance(self.sampler_force_topk, bool):
@@ -111,6 +112,10 @@ VARIABLES: tuple[EnvVar, ...] = (
            "warned about and measured again. off = measure at every start, write nothing",
            lambda v: v != "", optional=True,
            shown_default="$XDG_CACHE_HOME/deepinfer/varlen_profile.json (XDG_CACHE_HOME unset: ~/.cache)"),
+    EnvVar("emulate_cuda_graphs", "bool", "a bool",
+           "tests: capture the decode, draft-walk and verify-tail graphs as CPU stand-ins (a replay re-runs "
+           "the captured function on the same static buffers), so the CUDA-graph path runs on any device; "
+           "slower than eager, never faster", lambda v: True),
 )
 _BY_FIELD = {var.field: var for var in VARIABLES}
 

@@ -9,9 +9,18 @@ Under expert parallelism the graphs capture each MoE layer's fixed-capacity exch
 exchanged like real ones, their results dropped); every rank captures the same sizes in the same
 order, so the collectives of warm-up and capture match. Not yet run on GPUs: NCCL all-to-alls inside
 these graphs are untested.
+
+`capture_graph` captures every graph of the engine (these, the draft walks, the verify tails). With
+`emulate=True` (`DEEPINFER_EMULATE_CUDA_GRAPHS`, CPU tests) it returns a `CpuGraph` instead: the same
+code stages the same static inputs and reads the same static outputs, and `replay` re-runs the
+captured function into them, so the graph path's staging is tested on the CPU.
 """
 
 from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 import numpy as np
 import torch
@@ -23,6 +32,7 @@ from deepinfer.spec import cuda_graph_key, cuda_graph_sizes
 
 from .block_tables import RowBlockTables
 
+Out = TypeVar("Out")
 STAGED_ROWS = 4     # rows of `DecodeGraphs.inputs`: token ids, positions, state slots, scheduler rows
 
 
@@ -56,15 +66,16 @@ class DecodeGraphs:
             graphs then run multi-token decode batches (`ForwardBatch.multi_decode`: max_seqs counts
             query tokens, one virtual sequence each) and are keyed by total query tokens through
             `deepinfer.spec.cuda_graph_key`, the function the varlen policy sizes its steps with.
+        emulate: `CpuGraph`s instead of CUDA graphs (`capture_graph`; any device, for tests).
     """
 
     def __init__(self, model: CausalLM, cache: ModelCache, *, max_seqs: int, max_blocks: int,
                  max_context_len: int, interval: int = 8, ops: KernelSet | None = None,
-                 max_query_len: int = 1) -> None:
+                 max_query_len: int = 1, emulate: bool = False) -> None:
         device = model.embed.weight.device
-        if device.type != "cuda":
+        if device.type != "cuda" and not emulate:
             raise ValueError(f"CUDA graphs need a CUDA model, got device {device}")
-        self.model, self.cache, self.ops = model, cache, ops
+        self.model, self.cache, self.ops, self.emulated = model, cache, ops, emulate
         self.interval, self.max_query_len = interval, max_query_len
         self.sizes = graph_sizes(max_seqs, interval) if max_query_len == 1 else cuda_graph_sizes(max_seqs, interval)
         max_seqs = self.sizes[-1]
@@ -81,7 +92,7 @@ class DecodeGraphs:
         # every scheduler row's block table, brought up to date by diff; `stage` gathers a step's rows
         self.row_tables = RowBlockTables(max_blocks, device)
         self.rows = torch.arange(max_seqs, dtype=torch.int64, device=device)
-        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.graphs: dict[int, torch.cuda.CUDAGraph | CpuGraph] = {}
         self.outputs: dict[int, Tensor] = {}
         self.pool = None
         for size in reversed(self.sizes):          # largest first, so smaller graphs reuse its pool
@@ -103,16 +114,8 @@ class DecodeGraphs:
     @torch.no_grad()
     def _capture(self, size: int) -> None:
         batch = self._batch(size)
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):            # warm up (allocations, lazy inits) off the graph
-            for _ in range(2):
-                self.model(batch, self.cache, self.ops)
-        torch.cuda.current_stream().wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool):
-            self.outputs[size] = self.model(batch, self.cache, self.ops)
-        self.pool = graph.pool()
+        graph, self.outputs[size], self.pool = capture_graph(lambda: self.model(batch, self.cache, self.ops),
+                                                             self.pool, emulate=self.emulated)
         self.graphs[size] = graph
 
     def bucket(self, num_seqs: int) -> int | None:
@@ -220,3 +223,50 @@ def copy_into(dst: Tensor, array: np.ndarray) -> None:
         dst.copy_(src.pin_memory(), non_blocking=True)
     else:
         dst.copy_(src)
+
+
+class CpuGraph:
+    """A stand-in for `torch.cuda.CUDAGraph` where none can be captured (`capture_graph(emulate=True)`):
+    it keeps the captured function and its first outputs (a tensor, or a dataclass of tensors); `replay`
+    runs the function again and copies what it returns into those outputs, which stay the graph's static
+    outputs, as a CUDA graph's do. Unlike a CUDA graph it re-reads the Python state it closes over.
+    A replay runs outside `forbid_cuda_sync`'s CPU emulation: a graph replay launches nothing and reads
+    nothing on the host, whatever the eager ops it stands in for do."""
+
+    def __init__(self, fn: Callable[[], Any]) -> None:
+        self._fn = fn
+        self.outputs = fn()
+
+    def replay(self) -> None:
+        with torch.no_grad(), torch._C.DisableTorchFunction():
+            _copy_outputs(self.outputs, self._fn())
+
+    def pool(self) -> None:
+        return None
+
+
+def capture_graph(fn: Callable[[], Out], pool: Any, *, emulate: bool = False) -> tuple[Any, Out, Any]:
+    """One graph of `fn` (which reads and writes static buffers only): on CUDA two warm-up runs on a side
+    stream (allocations, lazy inits, Triton compiles) and the capture into `pool`; with `emulate` a
+    `CpuGraph` (any device). Returns (the graph, its static outputs, the pool for the next capture)."""
+    if emulate:
+        graph = CpuGraph(fn)
+        return graph, graph.outputs, pool
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(2):
+            fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    cuda_graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(cuda_graph, pool=pool):
+        outputs = fn()
+    return cuda_graph, outputs, cuda_graph.pool()
+
+
+def _copy_outputs(static: Any, fresh: Any) -> None:
+    if isinstance(static, Tensor):
+        static.copy_(fresh)
+        return
+    for field in dataclasses.fields(static):
+        _copy_outputs(getattr(static, field.name), getattr(fresh, field.name))

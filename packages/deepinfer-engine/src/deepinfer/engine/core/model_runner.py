@@ -26,7 +26,7 @@ from deepinfer.kernels import kernels_for
 from deepinfer.model import CausalLM, ForwardBatch, ModelCache
 from deepinfer.sched import DecodeBatch, SchedulerOutput, StepKind
 
-from ..device.staging import to_device
+from ..device.staging import host_staging, to_device
 from .cache_copies import SnapshotLayout, block_bytes
 from .cuda_graphs import STAGED_ROWS, DecodeGraphs
 from .prefix_memory import HostTierSize, PrefixMemory, host_tier_size
@@ -134,6 +134,7 @@ class ModelRunner:
         num_snapshot_slots: int = 0,
         max_verify_tokens: int = 0,
         host_tier_bytes: int = 0,
+        emulate_graphs: bool = False,
     ) -> None:
         self.model = model
         self.device = model.embed.weight.device
@@ -174,13 +175,21 @@ class ModelRunner:
         self.row_tokens = torch.zeros(0, dtype=torch.int64, device=self.device)   # [rows] last sampled token
         self.row_emitted = torch.zeros(0, dtype=torch.int64, device=self.device)  # [rows] tokens of its last step
         # None: every forward runs eagerly. A step replays a graph where `_graphs_for` finds one that holds it.
-        self.graphs: DecodeGraphs | None = None
-        # CUDA graphs need the graph-safe kernels, which run in bfloat16 (grouped-GEMM MoE).
-        if graph_max_seqs and self.device.type == "cuda" and model.embed.weight.dtype == torch.bfloat16:
-            self.graphs = DecodeGraphs(model, self.cache, max_seqs=graph_max_seqs, max_blocks=max_blocks_per_seq,
-                                       max_context_len=max_model_len, interval=graph_interval, ops=self.ops,
-                                       max_query_len=graph_max_query_len)
+        self.graphs = self._decode_graphs(graph_max_seqs, max_blocks_per_seq, max_model_len, graph_interval,
+                                          graph_max_query_len, emulate_graphs)
         self.fed_tokens, self.fed_positions = self._verify_inputs(graph_max_query_len, max_verify_tokens)
+
+    def _decode_graphs(self, max_seqs: int | None, max_blocks: int, max_context_len: int, interval: int,
+                       max_query_len: int, emulate: bool) -> DecodeGraphs | None:
+        """The decode graphs, where they are wanted (max_seqs) and can run: CUDA graphs need the graph-safe
+        kernels, which run in bfloat16 (grouped-GEMM MoE); emulated (tests), they are CPU stand-ins of
+        the same static buffers on any device and dtype."""
+        cuda_bf16 = self.device.type == "cuda" and self.model.embed.weight.dtype == torch.bfloat16
+        if not max_seqs or not (cuda_bf16 or emulate):
+            return None
+        return DecodeGraphs(self.model, self.cache, max_seqs=max_seqs, max_blocks=max_blocks,
+                            max_context_len=max_context_len, interval=interval, ops=self.ops,
+                            max_query_len=max_query_len, emulate=emulate)
 
     def _verify_inputs(self, max_query_len: int, max_verify_tokens: int) -> tuple[Tensor | None, Tensor | None]:
         """Speculative decoding: the flat token ids and positions of a verify forward as the draft walk
@@ -286,8 +295,7 @@ class ModelRunner:
         n = d.num_seqs
         if d.seq_lens.min() < 1:
             raise ValueError(f"seq_lens must be >= 1, got {int(d.seq_lens.min())}")
-        inputs = torch.empty((STAGED_ROWS, n), dtype=torch.int64, pin_memory=True)
-        host = inputs.numpy()
+        host, inputs = host_staging((STAGED_ROWS, n), self.device)
         _stage_tokens(d, in_flight, host[0])
         np.subtract(d.seq_lens, 1, out=host[1])
         host[2] = d.state_slots
@@ -340,8 +348,7 @@ class ModelRunner:
         if graphs is not None:
             # a replay of the graph keyed by total_q: per token (-1: filled below on the device), its
             # position, its row's state slot and scheduler row (the graphs gather the block tables by it)
-            inputs = torch.empty((STAGED_ROWS, total_q), dtype=torch.int64, pin_memory=True)
-            host = inputs.numpy()
+            host, inputs = host_staging((STAGED_ROWS, total_q), self.device)
             host[0] = -1
             host[1] = positions
             host[2] = d.state_slots[token_rows]

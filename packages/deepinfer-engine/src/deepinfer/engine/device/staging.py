@@ -29,6 +29,17 @@ def to_device(array: np.ndarray | Tensor, device: torch.device) -> Tensor:
     return staged.to(device, non_blocking=True)
 
 
+def host_staging(shape: tuple[int, ...], device: torch.device) -> tuple[np.ndarray, Tensor]:
+    """An int64 host buffer to fill and then copy to `device` without waiting: (its numpy view, the
+    tensor), pinned on CUDA; on the CPU made from numpy, so filling it calls no tensor method (the sync
+    guard's CPU emulation counts `Tensor.numpy` as a host read)."""
+    if device.type != "cuda":
+        array = np.empty(shape, dtype=np.int64)
+        return array, torch.from_numpy(array)
+    staged = torch.empty(shape, dtype=torch.int64, pin_memory=True)
+    return staged.numpy(), staged
+
+
 def to_host(tensors: tuple[Tensor, ...]) -> tuple[tuple[Tensor, ...], torch.cuda.Event | None]:
     """Start copying device tensors back to the host without waiting.
 

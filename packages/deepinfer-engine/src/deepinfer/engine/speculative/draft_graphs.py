@@ -38,7 +38,7 @@ from torch import Tensor
 from deepinfer.model import DSparkDraft
 from deepinfer.spec import DraftSampler, cuda_graph_key, cuda_graph_sizes
 
-from ..core.cuda_graphs import copy_into
+from ..core.cuda_graphs import CpuGraph, capture_graph, copy_into
 from ..core.model_runner import ModelRunner
 
 # Rows of `DraftGraphs.inputs`, per drafting row: the anchor token as the host knows it (any value
@@ -81,7 +81,8 @@ class DraftGraphs:
             tokens of steps in flight; its kernel set is the one captured).
         max_rows: the most drafting rows of a step (the engine's max_num_seqs).
         interval: `DEEPINFER_CUDAGRAPH_BATCH_SIZE_INTERVAL`.
-        capture: capture one CUDA graph per size (needs a CUDA runner); False = run eagerly.
+        capture: capture one CUDA graph per size (needs a CUDA runner, or one whose graphs are emulated:
+            `CpuGraph`s then); False = run eagerly.
         row_capacity: scheduler rows the runner's per-row buffers hold before the graphs are captured.
     Raises:
         ValueError: capture=True on a non-CUDA runner, a runner without `fed_tokens`, or max_rows < 1.
@@ -92,7 +93,8 @@ class DraftGraphs:
         if max_rows < 1:
             raise ValueError(f"max_rows={max_rows} must be >= 1")
         device = runner.device
-        if capture and device.type != "cuda":
+        self.emulated = runner.graphs is not None and runner.graphs.emulated
+        if capture and device.type != "cuda" and not self.emulated:
             raise ValueError(f"draft CUDA graphs need a CUDA runner, got device {device}")
         if runner.fed_tokens is None or runner.fed_positions is None:
             raise ValueError("the runner has no verify inputs to lay out (ModelRunner(max_verify_tokens=...))")
@@ -104,7 +106,7 @@ class DraftGraphs:
         self.temperature = torch.zeros(size, dtype=torch.float32, device=device)
         runner.ensure_rows(max(row_capacity, size))
         self._row_buffers = (runner.row_tokens, runner.row_emitted)     # what the graphs read
-        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.graphs: dict[int, torch.cuda.CUDAGraph | CpuGraph] = {}
         self.outputs: dict[int, DraftWalk] = {}
         self.pool = None
         if capture:
@@ -184,15 +186,7 @@ class DraftGraphs:
         return DraftWalk(tokens, positions, shift, output_positions, prop.logits, prop.confidence)
 
     def _capture(self, size: int) -> None:
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):            # warm up (allocations, lazy inits, Triton compiles) off the graph
-            for _ in range(2):
-                self._walk(size)
-        torch.cuda.current_stream().wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool):
-            self.outputs[size] = self._walk(size)
-        self.pool = graph.pool()
+        graph, self.outputs[size], self.pool = capture_graph(lambda: self._walk(size), self.pool,
+                                                             emulate=self.emulated)
         self.graphs[size] = graph
 

@@ -23,7 +23,7 @@ from torch import Tensor
 
 from deepinfer.spec import greedy_verify_flat
 
-from ..core.cuda_graphs import copy_into
+from ..core.cuda_graphs import CpuGraph, capture_graph, copy_into
 from ..core.model_runner import ModelRunner
 from ..sampling.sampler import MAX_LOGIT_MAGNITUDE
 
@@ -40,7 +40,8 @@ class VerifyTails:
             buffers.
         k: drafts per row.
         max_rows: rows of a step at most (max_num_seqs).
-        capture: capture one CUDA graph per size of `runner.graphs` (needs them); False = eager.
+        capture: capture one graph per size of `runner.graphs` (needs them; `CpuGraph`s where they are
+            emulated); False = eager.
     Raises:
         ValueError: a runner without `fed_tokens`, or capture=True without the runner's verify graphs.
     """
@@ -58,11 +59,11 @@ class VerifyTails:
         self.dummy_row = runner.row_tokens.shape[0] - 1
         self.row_inputs[TARGET_ROW].fill_(self.dummy_row)
         self._row_buffers = (runner.row_tokens, runner.row_emitted)
-        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.graphs: dict[int, torch.cuda.CUDAGraph | CpuGraph] = {}
         self.outputs: dict[int, Tensor] = {}
         self.pool = None
         if capture:
-            if graphs is None or device.type != "cuda":
+            if graphs is None or (device.type != "cuda" and not graphs.emulated):
                 raise ValueError("verify tail CUDA graphs need the runner's verify CUDA graphs")
             for size in reversed(graphs.sizes):
                 self._capture(size)
@@ -122,14 +123,6 @@ class VerifyTails:
         graphs = self.runner.graphs
         assert graphs is not None, "captured only over the runner's verify graphs"
         logits = graphs.outputs[size]
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            for _ in range(2):
-                self._tail(logits, size)
-        torch.cuda.current_stream().wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool):
-            self.outputs[size] = self._tail(logits, size)
-        self.pool = graph.pool()
+        graph, self.outputs[size], self.pool = capture_graph(lambda: self._tail(logits, size), self.pool,
+                                                             emulate=graphs.emulated)
         self.graphs[size] = graph

@@ -1,0 +1,84 @@
+"""The speculative graph path on the CPU (`DEEPINFER_EMULATE_CUDA_GRAPHS`: `CpuGraph` stand-ins for the
+decode, draft-walk and verify-tail graphs, on the same static buffers), against the eager path, on the
+embedded model and its trained head; and the varlen policy's recovery after bad first drafts (issue #31:
+on an H100 the head accepted nothing with varlen on — a request whose first drafts missed was kept
+plain for good, as it is on the CPU; the re-probe brings it back).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from deepinfer.engine import EngineArgs, LLMEngine, SamplingParams
+from deepinfer.engine.bench import run_bench
+from deepinfer.engine.config.env import EngineEnv
+from deepinfer.engine.speculative.draft_graphs import DraftGraphs
+from deepinfer.model import embedded_model_dir
+
+ENGINE = {"device": "cpu", "kv_cache_memory_mb": 16, "max_num_seqs": 4, "max_model_len": 512,
+          "num_speculative_tokens": 5}
+MAX_TOKENS = 24
+
+
+def code_prompts() -> list[str]:
+    """Two code passages of the embedded model's held-out sample (never trained on)."""
+    lines = (embedded_model_dir() / "heldout_sample.txt").read_text(encoding="utf-8").splitlines(keepends=True)
+    return ["".join(lines[140:152]), "".join(lines[196:208])]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def _run(emulate: bool, zos: bool, monkeypatch: pytest.MonkeyPatch) -> tuple[list[list[int]], list[list[list[int]]],
+                                                                              LLMEngine]:
+    """Greedy tokens of the code prompts, and every draft walk's rows (anchor + drafts), step by step."""
+    engine = LLMEngine(EngineArgs(**ENGINE, varlen_verify=False, zero_overhead_scheduling=zos),
+                       env=EngineEnv(emulate_cuda_graphs=emulate, varlen_profile_cache="off"))
+    walks: list[torch.Tensor] = []
+    replay = DraftGraphs.replay
+
+    def recorded(self: DraftGraphs, size: int):
+        walk = replay(self, size)
+        walks.append(walk.tokens.clone())            # no host read here: a ZOS launch is guarded
+        return walk
+
+    monkeypatch.setattr(DraftGraphs, "replay", recorded)
+    for i, prompt in enumerate(code_prompts()):
+        engine.add_request(f"r{i}", prompt, SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True))
+    tokens: dict[str, list[int]] = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                tokens[out.request_id] = list(out.outputs[0].token_ids)
+    monkeypatch.undo()
+    return [tokens[f"r{i}"] for i in range(len(tokens))], [w.tolist() for w in walks], engine
+
+
+@pytest.mark.parametrize("zos", [False, True])
+def test_the_graph_path_drafts_what_the_eager_path_drafts(zos: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    eager_tokens, eager_walks, eager = _run(False, zos, monkeypatch)
+    graph_tokens, graph_walks, graphs = _run(True, zos, monkeypatch)
+    assert eager.runner.graphs is None and graphs.runner.graphs is not None
+    assert graphs.spec.draft_graphs.graphs and graphs.spec.tails.graphs
+    assert graph_tokens == eager_tokens
+    assert graph_walks == eager_walks and len(graph_walks) >= 8
+    eager_stats, graph_stats = eager.stats(), graphs.stats()
+    assert graph_stats.spec_accepted_tokens >= eager_stats.spec_accepted_tokens
+    assert graph_stats.mean_accepted_length >= 1.5, graph_stats
+
+
+@pytest.mark.parametrize("zos", [False, True])
+def test_varlen_keeps_drafting_after_bad_first_drafts(zos: bool) -> None:
+    """`deepinfer bench`'s random-token prompts: every first draft misses (as on the H100 of issue #31);
+    the rows kept plain are re-probed, so more steps than the requests' first ones verify drafts."""
+    engine = LLMEngine(EngineArgs(**ENGINE, zero_overhead_scheduling=zos),
+                       env=EngineEnv(emulate_cuda_graphs=True, varlen_profile_cache="off"))
+    assert engine.spec.varlen is not None and not engine.spec.varlen.plain_only
+    result = run_bench(engine, num_prompts=2, input_len=32, output_len=40)
+    assert result["spec_verify_steps"] > 4 and result["spec_accepted_tokens"] > 0, result
