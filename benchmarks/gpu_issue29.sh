@@ -14,19 +14,7 @@ phase=${1:?usage: gpu_issue29.sh probe|final|kernel OUT_DIR}
 out=${2:?usage: gpu_issue29.sh probe|final|kernel OUT_DIR}
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1
-summary=()
-
-step() {   # step NAME SECONDS COMMAND...: run with a time limit, log to OUT/NAME.log, note the status
-    local name=$1 limit=$2
-    shift 2
-    local start=$SECONDS
-    timeout "$limit" "$@" > "$out/$name.log" 2>&1
-    local rc=$?
-    summary+=("$name: rc=$rc in $((SECONDS - start)) s; $(tail -1 "$out/$name.log" | cut -c1-160)")
-    printf '%s\n' "${summary[@]}" > "$out/summary.txt"
-    # ARCHIVE: a .tgz of OUT_DIR kept up to date after every step (what a killed run leaves behind)
-    [ -n "${ARCHIVE:-}" ] && tar czf "$ARCHIVE" -C "$(dirname "$out")" "$(basename "$out")"
-}
+source benchmarks/device_steps.sh        # step / archive; steps.txt in OUT_DIR
 
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 decode() {   # decode DTYPE [MXFP4_DECODER]: 8 V4-Flash layers at batch 1/8/32/256, graph step against the roofline
