@@ -9,22 +9,16 @@ from __future__ import annotations
 
 import pytest
 import torch
+from heldout import heldout_code
 
 from deepinfer.engine import EngineArgs, LLMEngine, SamplingParams
 from deepinfer.engine.bench import run_bench
 from deepinfer.engine.config.env import EngineEnv
 from deepinfer.engine.speculative.draft_graphs import DraftGraphs
-from deepinfer.model import embedded_model_dir
 
 ENGINE = {"device": "cpu", "kv_cache_memory_mb": 16, "max_num_seqs": 4, "max_model_len": 512,
           "num_speculative_tokens": 5}
 MAX_TOKENS = 24
-
-
-def code_prompts() -> list[str]:
-    """Two code passages of the embedded model's held-out sample (never trained on)."""
-    lines = (embedded_model_dir() / "heldout_sample.txt").read_text(encoding="utf-8").splitlines(keepends=True)
-    return ["".join(lines[140:152]), "".join(lines[196:208])]
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -49,7 +43,7 @@ def _run(emulate: bool, zos: bool, monkeypatch: pytest.MonkeyPatch) -> tuple[lis
         return walk
 
     monkeypatch.setattr(DraftGraphs, "replay", recorded)
-    for i, prompt in enumerate(code_prompts()):
+    for i, prompt in enumerate(heldout_code()):
         engine.add_request(f"r{i}", prompt, SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True))
     tokens: dict[str, list[int]] = {}
     while engine.has_unfinished_requests():
