@@ -5,7 +5,6 @@ pass MIN_MEAN_ACCEPTED_LENGTH tokens per verify step, and speculation changes no
 from __future__ import annotations
 
 import pytest
-import torch
 from heldout import heldout_code
 
 from deepinfer.engine import LLM, SamplingParams
@@ -17,12 +16,7 @@ MAX_TOKENS = 64
 MIN_MEAN_ACCEPTED_LENGTH = 1.9      # measured 2.13 on these two prompts (72 of 320 drafts accepted, 64 rows)
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def test_shipped_head_is_accepted_and_keeps_the_greedy_tokens() -> None:

@@ -21,12 +21,7 @@ ENGINE = {"device": "cpu", "kv_cache_memory_mb": 16, "max_num_seqs": 4, "max_mod
 MAX_TOKENS = 24
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def _run(emulate: bool, zos: bool, monkeypatch: pytest.MonkeyPatch) -> tuple[list[list[int]], list[list[list[int]]],
