@@ -3,7 +3,8 @@
 # `source .device/activate.sh && source benchmarks/device_env.sh`):
 #     bash benchmarks/gpu_issue29.sh probe  OUT_DIR   # the fixed GPU tests, tile sweep, decode FP4
 #     bash benchmarks/gpu_issue29.sh final  OUT_DIR   # decode per expert dtype at 1/8/32/256, the GPU suite
-#     bash benchmarks/gpu_issue29.sh kernel OUT_DIR   # the `packed` MXFP4 decoder: its GPU tests, the sweep
+#     bash benchmarks/gpu_issue29.sh kernel OUT_DIR   # the `packed` MXFP4 decoder: first its bit-exactness probe
+#                                                     # (mxfp4_packed_probe.py), its GPU tests, the sweep
 #                                                     # against dot_scaled / asm / FP8, decode FP4 with it
 # Each step's log goes to OUT_DIR (with ARCHIVE=path.tgz set, packed there after every step); a step
 # that fails or runs out of time does not stop the next.
@@ -13,19 +14,7 @@ phase=${1:?usage: gpu_issue29.sh probe|final|kernel OUT_DIR}
 out=${2:?usage: gpu_issue29.sh probe|final|kernel OUT_DIR}
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1
-summary=()
-
-step() {   # step NAME SECONDS COMMAND...: run with a time limit, log to OUT/NAME.log, note the status
-    local name=$1 limit=$2
-    shift 2
-    local start=$SECONDS
-    timeout "$limit" "$@" > "$out/$name.log" 2>&1
-    local rc=$?
-    summary+=("$name: rc=$rc in $((SECONDS - start)) s; $(tail -1 "$out/$name.log" | cut -c1-160)")
-    printf '%s\n' "${summary[@]}" > "$out/summary.txt"
-    # ARCHIVE: a .tgz of OUT_DIR kept up to date after every step (what a killed run leaves behind)
-    [ -n "${ARCHIVE:-}" ] && tar czf "$ARCHIVE" -C "$(dirname "$out")" "$(basename "$out")"
-}
+source benchmarks/device_steps.sh        # step / archive; steps.txt in OUT_DIR
 
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 decode() {   # decode DTYPE [MXFP4_DECODER]: 8 V4-Flash layers at batch 1/8/32/256, graph step against the roofline
@@ -53,6 +42,10 @@ if [ "$phase" = probe ]; then
         packages/deepinfer-kernels/tests/test_triton_ops.py -k "mxfp4 or fp8 or moe"
     grep -hE "^(FAILED|ERROR)" "$out/kernel_tests.log" | cut -c1-220
 elif [ "$phase" = kernel ]; then
+    # first: are the packed decoder's weights bit-exact on this card (issue #29: they were not on the H100)?
+    step packed_probe 60 python3 benchmarks/mxfp4_packed_probe.py
+    grep -vE "^ (got|want) " "$out/packed_probe.log" | tail -8
+    grep -qx "packed probe: PASS" "$out/packed_probe.log" || sed -n '2,7p' "$out/packed_probe.log"
     step kernel_tests 60 python3 -m pytest -q -p no:cacheprovider -p no:warnings --tb=short -m gpu \
         packages/deepinfer-kernels/tests/test_mxfp4_decode.py packages/deepinfer-kernels/tests/test_triton_moe_grouped.py \
         -k "(packed or asm or runnable) and not 4096"

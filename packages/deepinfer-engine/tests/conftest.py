@@ -3,6 +3,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import torch
 
 sys.path.insert(0, str(Path(__file__).parent))   # serve_helpers, kept_once, engine_tiny_v4
 
@@ -41,3 +42,12 @@ def drafting_pays(flat_varlen_curves: None, monkeypatch: pytest.MonkeyPatch) -> 
 
     for estimator in (ForwardRuntimeEstimator, SamplerRuntimeEstimator, AcceptanceCalibration):
         monkeypatch.setattr(estimator, "observe", lambda self, count, measured: None)
+
+
+@pytest.fixture(scope="module")
+def one_torch_thread() -> Iterator[None]:
+    """One intra-op thread for a module of tiny-model tests (as fast, and no stall on a busy CPU)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)

@@ -5,33 +5,22 @@ pass MIN_MEAN_ACCEPTED_LENGTH tokens per verify step, and speculation changes no
 from __future__ import annotations
 
 import pytest
-import torch
+from heldout import heldout_code
 
 from deepinfer.engine import LLM, SamplingParams
 from deepinfer.engine.bench import run_bench
-from deepinfer.model import embedded_model_dir, num_stages_in
+from deepinfer.model import num_stages_in
 
 ENGINE = {"device": "cpu", "kv_cache_memory_mb": 16, "max_num_seqs": 4, "max_model_len": 512}
 MAX_TOKENS = 64
 MIN_MEAN_ACCEPTED_LENGTH = 1.9      # measured 2.13 on these two prompts (72 of 320 drafts accepted, 64 rows)
 
 
-def _heldout_prompts() -> list[str]:
-    """Two code passages of the shipped held-out sample (plistlib.py, never trained on)."""
-    lines = (embedded_model_dir() / "heldout_sample.txt").read_text(encoding="utf-8").splitlines(keepends=True)
-    return ["".join(lines[140:152]), "".join(lines[196:208])]
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def test_shipped_head_is_accepted_and_keeps_the_greedy_tokens() -> None:
-    prompts, params = _heldout_prompts(), SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True)
+    prompts, params = heldout_code(), SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True)
     speculative = LLM(num_speculative_tokens=5, varlen_verify=False, **ENGINE)    # no model: the embedded default
     assert num_stages_in(speculative.engine.model.draft_weights) == 1
     got = speculative.generate(prompts, params, use_tqdm=False)

@@ -10,12 +10,12 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from heldout import heldout_code
 
 from deepinfer.engine import EngineArgs, LLMEngine, OutputKind, SamplingParams
 from deepinfer.engine.bench import run_bench
 from deepinfer.engine.config.env import EngineEnv
 from deepinfer.engine.speculative.draft_graphs import DraftGraphs
-from deepinfer.model import embedded_model_dir
 from deepinfer.sched import StepKind
 
 ENGINE = {"device": "cpu", "kv_cache_memory_mb": 16, "max_num_seqs": 4, "max_model_len": 512,
@@ -23,18 +23,7 @@ ENGINE = {"device": "cpu", "kv_cache_memory_mb": 16, "max_num_seqs": 4, "max_mod
 MAX_TOKENS = 24
 
 
-def code_prompts() -> list[str]:
-    """Two code passages of the embedded model's held-out sample (never trained on)."""
-    lines = (embedded_model_dir() / "heldout_sample.txt").read_text(encoding="utf-8").splitlines(keepends=True)
-    return ["".join(lines[140:152]), "".join(lines[196:208])]
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def _run(emulate: bool, zos: bool, monkeypatch: pytest.MonkeyPatch) -> tuple[list[list[int]], list[list[list[int]]],
@@ -51,7 +40,7 @@ def _run(emulate: bool, zos: bool, monkeypatch: pytest.MonkeyPatch) -> tuple[lis
         return walk
 
     monkeypatch.setattr(DraftGraphs, "replay", recorded)
-    for i, prompt in enumerate(code_prompts()):
+    for i, prompt in enumerate(heldout_code()):
         engine.add_request(f"r{i}", prompt, SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True))
     tokens: dict[str, list[int]] = {}
     while engine.has_unfinished_requests():
@@ -129,7 +118,7 @@ def test_a_step_without_drafts_runs_as_a_plain_step(zos: bool, emulate: bool, mo
     if engine.runner.graphs is not None:
         counted("decode graph", engine.runner.graphs, "replay")
     params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
-    for i, prompt in enumerate(code_prompts()):       # FINAL_ONLY: plain steps take their tokens in bulk
+    for i, prompt in enumerate(heldout_code()):       # FINAL_ONLY: plain steps take their tokens in bulk
         engine.add_request(f"r{i}", prompt, params, output_kind=OutputKind.FINAL_ONLY)
     kinds: list[str] = []                    # per decode step: "plain" (no row drafts) or "verify"
     tokens = {}
@@ -151,7 +140,7 @@ def test_a_step_without_drafts_runs_as_a_plain_step(zos: bool, emulate: bool, mo
     stats = engine.stats()
     assert stats.mean_accepted_length >= 1.5, stats
     plain = LLMEngine(EngineArgs(**{**ENGINE, "num_speculative_tokens": 0}, zero_overhead_scheduling=zos), env=env)
-    for i, prompt in enumerate(code_prompts()):
+    for i, prompt in enumerate(heldout_code()):
         plain.add_request(f"r{i}", prompt, params)
     expected = {}
     while plain.has_unfinished_requests():

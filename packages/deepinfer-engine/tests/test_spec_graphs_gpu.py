@@ -26,10 +26,10 @@ from pathlib import Path
 
 import pytest
 import torch
+from heldout import heldout_code
 from test_speculative_tiny import folder_v41, with_random_head  # noqa: F401  (fixtures)
 
 from deepinfer.engine import LLM, EngineArgs, LLMEngine, SamplingParams
-from deepinfer.model import embedded_model_dir
 from deepinfer.sched import StepKind
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
@@ -122,16 +122,10 @@ def test_v41_speculative_greedy_is_the_same_with_zos_on_and_off_under_graphs(fol
     assert tokens[True] == tokens[False]
 
 
-def _heldout_code() -> list[str]:
-    """Three code passages of the embedded model's held-out sample (plistlib.py, never trained on)."""
-    lines = (embedded_model_dir() / "heldout_sample.txt").read_text(encoding="utf-8").splitlines(keepends=True)
-    return ["".join(lines[140:152]), "".join(lines[196:208]), "".join(lines[120:132])]
-
-
 def _mean_accepted_length(**args) -> float:
     """Tokens per verified row and step over the held-out code, greedy, ZOS on, 5 drafts."""
     llm = LLM(num_speculative_tokens=5, zero_overhead_scheduling=True, **args)
-    llm.generate(_heldout_code(), SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=True), use_tqdm=False)
+    llm.generate(heldout_code(3), SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=True), use_tqdm=False)
     stats = llm.engine.stats()
     assert stats.spec_verify_steps > 0, stats
     del llm

@@ -4,13 +4,13 @@
 Runs on a CUDA device (every decoder; bfloat16 activations) and under Triton's CPU interpreter when
 TRITON_INTERPRET=1 (float32 activations; the decoders the interpreter can run: not `MX_DOT_SCALED`,
 whose weights no kernel exposes, nor the PTX of `MX_ASM`; op tests bounds-checked by `kernel_bounds`).
+The PTX of `MX_ASM` and `MX_PACKED` on the CPU, emulated as Triton binds it: `test_mxfp4_asm.py`.
 """
 
 from __future__ import annotations
 
 import os
 
-import numpy as np
 import pytest
 import torch
 
@@ -211,150 +211,6 @@ def test_a_token_gets_the_same_bits_alone_and_in_a_batch(decoder, monkeypatch) -
     alone = op(x[:1], ids[:1], weights[:1], *args)
     batch = op(x[order], ids[order], weights[order], *args)
     assert torch.equal(alone[0], batch[9])
-
-
-class PtxSubset:
-    """Runs the straight-line PTX of `mxfp4._ASM` on numpy lanes (uint32): the instructions it uses,
-    with PTX's semantics (prmt's default mode: selector nibble k picks byte k of the result from
-    a's and b's 8 bytes, its top bit replicating that byte's sign; mul.rn.bf16x2 as exact products
-    rounded to nearest even, subnormals kept); one forward branch per predicate."""
-
-    def __init__(self, text: str) -> None:
-        self.lines = [line.strip().rstrip(";") for line in text.splitlines()]
-
-    def run(self, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-        regs = {k: v.astype(np.uint32) for k, v in inputs.items()}
-        lanes = next(iter(inputs.values())).shape
-        active = np.ones(lanes, dtype=bool)
-        skipping: dict[str, np.ndarray] = {}                    # label -> lanes that jumped there
-
-        def val(tok: str) -> np.ndarray:
-            tok = tok.strip()
-            if tok in regs:
-                return regs[tok]
-            return np.full(lanes, int(tok, 0) & 0xFFFFFFFF, dtype=np.uint32)
-
-        def put(dst: str, value: np.ndarray) -> None:
-            old = regs.get(dst, np.zeros(lanes, dtype=np.uint32))
-            regs[dst] = np.where(active, value.astype(np.uint32), old)
-
-        for line in self.lines:
-            if not line or line in "{}" or line.startswith(".reg"):
-                continue
-            if line.endswith(":"):                               # a label: lanes that branched rejoin
-                active = active | skipping.pop(line[:-1].replace("${:uid}", ""), False)
-                continue
-            op, _, rest = line.partition(" ")
-            args = [a.strip() for a in rest.split(",")]
-            if op.startswith("@!"):                              # @!p bra LABEL
-                instruction, target = rest.split()
-                assert instruction == "bra", line
-                target = target.replace("${:uid}", "")
-                jumped = active & ~regs[op[2:]].astype(bool)
-                skipping[target] = jumped
-                active = active & ~jumped
-                continue
-            if op == "and.b32":
-                put(args[0], val(args[1]) & val(args[2]))
-            elif op == "shr.u32":
-                put(args[0], val(args[1]) >> val(args[2]))
-            elif op == "or.b32":
-                put(args[0], val(args[1]) | val(args[2]))
-            elif op == "shf.l.wrap.b32":                         # funnel shift of (b:a) left, high word
-                k = val(args[3]) & 31
-                put(args[0], ((val(args[2]).astype(np.uint64) << k) | (val(args[1]).astype(np.uint64) >> (32 - k)))
-                    .astype(np.uint32))
-            elif op == "mul.lo.u32":
-                put(args[0], (val(args[1]).astype(np.uint64) * val(args[2])).astype(np.uint32))
-            elif op == "mad.lo.u32":
-                put(args[0], (val(args[1]).astype(np.uint64) * val(args[2]) + val(args[3])).astype(np.uint32))
-            elif op == "min.u32":
-                put(args[0], np.minimum(val(args[1]), val(args[2])))
-            elif op == "max.u32":
-                put(args[0], np.maximum(val(args[1]), val(args[2])))
-            elif op == "prmt.b32":
-                put(args[0], self._prmt(val(args[1]), val(args[2]), val(args[3])))
-            elif op == "mul.rn.bf16x2":
-                put(args[0], self._mul_bf16x2(val(args[1]), val(args[2])))
-            elif op in ("setp.gt.u32", "setp.eq.u32"):
-                cmp = np.greater if op == "setp.gt.u32" else np.equal
-                put(args[0], cmp(val(args[1]), val(args[2])).astype(np.uint32))
-            elif op == "selp.b32":
-                put(args[0], np.where(regs[args[3]].astype(bool), val(args[1]), val(args[2])))
-            else:
-                raise AssertionError(f"instruction not modelled: {line}")
-        assert not skipping, "a branch without its label"
-        return regs
-
-    @staticmethod
-    def _prmt(a: np.ndarray, b: np.ndarray, sel: np.ndarray) -> np.ndarray:
-        pool = np.stack([(a >> (8 * i)) & 0xFF for i in range(4)] + [(b >> (8 * i)) & 0xFF for i in range(4)])
-        out = np.zeros_like(a)
-        for k in range(4):
-            nibble = (sel >> (4 * k)) & 0xF
-            byte = np.take_along_axis(pool, (nibble & 7)[None].astype(np.int64), 0)[0]
-            byte = np.where(nibble & 8, np.where(byte & 0x80, 0xFF, 0), byte)
-            out |= (byte.astype(np.uint32) << (8 * k)).astype(np.uint32)
-        return out
-
-    @staticmethod
-    def _mul_bf16x2(a: np.ndarray, b: np.ndarray) -> np.ndarray:
-        def halves(x: np.ndarray) -> torch.Tensor:
-            pairs = torch.from_numpy(x.astype(np.int64)).to(torch.int32)
-            return torch.stack((pairs & 0xFFFF, (pairs >> 16) & 0xFFFF), -1).to(torch.int16).view(torch.bfloat16)
-
-        product = (halves(a).float() * halves(b).float()).to(torch.bfloat16).view(torch.int16).to(torch.int64) & 0xFFFF
-        return (product[..., 0] | (product[..., 1] << 16)).numpy().astype(np.uint32)
-
-
-def test_asm_text_decodes_every_code_at_every_scale_byte_when_emulated() -> None:
-    """`mxfp4._ASM` itself (what the GPU runs for MX_ASM) under `PtxSubset`: two code words per block
-    with their scale bytes; every code at every nibble position, each scale byte 0–255 with the
-    other word's byte equal, ordinary (127) or large (200): both sides of the s > 128 branch."""
-    nibbles = np.array([[(c + r) % 16 for c in range(16)] for r in range(8)], dtype=np.uint32)    # [8, 16]
-    words = [(nibbles[:, 8 * w: 8 * w + 8] << (4 * np.arange(8, dtype=np.uint32))).sum(1).astype(np.uint32)
-             for w in range(2)]
-    s = np.arange(256, dtype=np.uint32)
-    pairs = [(s, s), (s, np.full(256, 127, np.uint32)), (np.full(256, 200, np.uint32), s)]
-    s0 = np.concatenate([p[0] for p in pairs])[None, :].repeat(8, 0)
-    s1 = np.concatenate([p[1] for p in pairs])[None, :].repeat(8, 0)
-    w0, w1 = (w[:, None].repeat(s0.shape[1], 1) for w in words)
-    regs = PtxSubset(mxfp4._ASM.value).run({"$8": w0, "$9": w1, "$10": s0, "$11": s1})
-    for word, scale, outs in ((w0, s0, ("$0", "$2", "$4", "$6")), (w1, s1, ("$1", "$3", "$5", "$7"))):
-        codes = np.stack([(word >> (4 * i)) & 0xF for i in range(8)], -1).reshape(-1, 8)
-        packed = torch.from_numpy(np.concatenate([codes[:, 0::2] | (codes[:, 1::2] << 4),
-                                                  np.zeros((codes.shape[0], 12), np.uint32)], 1).astype(np.uint8))
-        want = expected_bits(packed, torch.from_numpy(scale.reshape(-1, 1).astype(np.uint8)), mxfp4.MX_ASM)[:, :8]
-        got = np.stack([np.stack([regs[o] & 0xFFFF, regs[o] >> 16], -1) for o in outs], -2).reshape(-1, 8)
-        assert_same_bits(torch.from_numpy(got.astype(np.int64)).to(torch.int16), want)
-
-
-def test_packed_asm_text_decodes_every_code_at_every_scale_byte_when_emulated() -> None:
-    """`mxfp4_packed._PACKED_ASM` (what the GPU runs for MX_PACKED) under `PtxSubset`: four re-packed
-    code words per block with their scale bytes, every code at every nibble position; each scale byte
-    0–255 on word 0 with the others ordinary (127) or one of them large (200): both sides of the
-    shared s > 128 branch."""
-    from deepinfer.kernels.triton_ops import mxfp4_packed
-
-    gen = torch.Generator().manual_seed(3)
-    s = np.arange(256, dtype=np.uint32)
-    lanes = 3 * 256
-    scales = np.full((4, lanes), 127, np.uint32)
-    scales[0] = np.tile(s, 3)
-    scales[2, 512:] = 200
-    codes = torch.stack([torch.randperm(32, generator=gen) % 16 for _ in range(4 * lanes)])     # [4 · lanes, 32]
-    packed = (codes[:, 0::2] | (codes[:, 1::2] << 4)).to(torch.uint8)                           # one group a row
-    words = repack_mxfp4_for_decode(packed).view(torch.int32).numpy().astype(np.uint32)          # [4 · lanes, 4]
-    word_of = words[:, 0].reshape(4, lanes)                     # word c = 0 of each row: its pairs 0, 4, 8, 12
-    inputs = {f"${16 + i}": word_of[i] for i in range(4)} | {f"${20 + i}": scales[i] for i in range(4)}
-    regs = PtxSubset(mxfp4_packed._PACKED_ASM.value).run(inputs)
-    for i in range(4):
-        rows = slice(i * lanes, (i + 1) * lanes)
-        want = expected_bits(packed[rows], torch.from_numpy(scales[i].astype(np.uint8))[:, None], mxfp4.MX_PACKED)
-        want = want[:, [0, 1, 8, 9, 16, 17, 24, 25]]            # columns of pairs 0, 4, 8, 12
-        got = np.stack([np.stack([regs[f"${4 * i + j}"] & 0xFFFF, regs[f"${4 * i + j}"] >> 16], -1)
-                        for j in range(4)], -2).reshape(-1, 8)
-        assert_same_bits(torch.from_numpy(got.astype(np.int64)).to(torch.int16), want)
 
 
 @pytest.mark.skipif(not CUDA, reason="V4-Flash shapes: a GPU")
