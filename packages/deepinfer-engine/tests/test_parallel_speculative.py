@@ -23,7 +23,7 @@ PROMPTS = ["def add(a, b):", "import os", "class Stack:"]
 MAX_TOKENS = 8
 
 SCRIPT = r"""
-import dataclasses, json, sys
+import dataclasses, json, os, sys
 
 import torch
 
@@ -47,6 +47,11 @@ print(json.dumps({"tokens": [o.outputs[0].token_ids for o in outs], "agreed": ag
                   "stats": dataclasses.asdict(llm.engine.stats()),
                   "curves": None if varlen is None else [list(varlen.forward.curve.ms), list(varlen.draft.prior.ms)]}))
 llm.close()
+# out without the interpreter's teardown: a gloo thread still alive when C++ statics are destroyed aborts
+# the process ("terminate called without an active exception", exit -6) after the result was printed
+sys.stdout.flush()
+sys.stderr.flush()
+os._exit(0)
 """
 
 
