@@ -29,114 +29,30 @@ import triton.language as tl
 
 _M = tl.constexpr(0x81C081C0)  # bf16 bits 6–8 and 15 of both halves: a code's magnitude and sign
 
-_PACKED_ASM = tl.constexpr("""
-{
-.reg .b32 t, a, m;
-.reg .pred big;
-min.u32 t, $20, 128;
-mad.lo.u32 m, t, 0x00800080, 0x3F003F00;
-and.b32 t, $16, 0x81C081C0;
-mul.rn.bf16x2 $0, t, m;
-shf.l.wrap.b32 t, $16, $16, 4;
-and.b32 t, t, 0x81C081C0;
-mul.rn.bf16x2 $4, t, m;
-shf.l.wrap.b32 t, $16, $16, 10;
-and.b32 t, t, 0x81C081C0;
-mul.rn.bf16x2 $8, t, m;
-shf.l.wrap.b32 t, $16, $16, 6;
-shf.l.wrap.b32 a, $16, $16, 14;
-and.b32 t, t, 0x80C080C0;
-and.b32 a, a, 0x01000100;
-or.b32 t, t, a;
-mul.rn.bf16x2 $12, t, m;
-min.u32 t, $21, 128;
-mad.lo.u32 m, t, 0x00800080, 0x3F003F00;
-and.b32 t, $17, 0x81C081C0;
-mul.rn.bf16x2 $1, t, m;
-shf.l.wrap.b32 t, $17, $17, 4;
-and.b32 t, t, 0x81C081C0;
-mul.rn.bf16x2 $5, t, m;
-shf.l.wrap.b32 t, $17, $17, 10;
-and.b32 t, t, 0x81C081C0;
-mul.rn.bf16x2 $9, t, m;
-shf.l.wrap.b32 t, $17, $17, 6;
-shf.l.wrap.b32 a, $17, $17, 14;
-and.b32 t, t, 0x80C080C0;
-and.b32 a, a, 0x01000100;
-or.b32 t, t, a;
-mul.rn.bf16x2 $13, t, m;
-min.u32 t, $22, 128;
-mad.lo.u32 m, t, 0x00800080, 0x3F003F00;
-and.b32 t, $18, 0x81C081C0;
-mul.rn.bf16x2 $2, t, m;
-shf.l.wrap.b32 t, $18, $18, 4;
-and.b32 t, t, 0x81C081C0;
-mul.rn.bf16x2 $6, t, m;
-shf.l.wrap.b32 t, $18, $18, 10;
-and.b32 t, t, 0x81C081C0;
-mul.rn.bf16x2 $10, t, m;
-shf.l.wrap.b32 t, $18, $18, 6;
-shf.l.wrap.b32 a, $18, $18, 14;
-and.b32 t, t, 0x80C080C0;
-and.b32 a, a, 0x01000100;
-or.b32 t, t, a;
-mul.rn.bf16x2 $14, t, m;
-min.u32 t, $23, 128;
-mad.lo.u32 m, t, 0x00800080, 0x3F003F00;
-and.b32 t, $19, 0x81C081C0;
-mul.rn.bf16x2 $3, t, m;
-shf.l.wrap.b32 t, $19, $19, 4;
-and.b32 t, t, 0x81C081C0;
-mul.rn.bf16x2 $7, t, m;
-shf.l.wrap.b32 t, $19, $19, 10;
-and.b32 t, t, 0x81C081C0;
-mul.rn.bf16x2 $11, t, m;
-shf.l.wrap.b32 t, $19, $19, 6;
-shf.l.wrap.b32 a, $19, $19, 14;
-and.b32 t, t, 0x80C080C0;
-and.b32 a, a, 0x01000100;
-or.b32 t, t, a;
-mul.rn.bf16x2 $15, t, m;
-max.u32 t, $20, $21;
-max.u32 t, t, $22;
-max.u32 t, t, $23;
-setp.gt.u32 big, t, 128;
-@!big bra DONE${:uid};
-max.u32 t, $20, 128;
-mad.lo.u32 m, t, 0x00800080, 0xFF7FFF80;
-setp.eq.u32 big, $20, 255;
-selp.b32 m, 0x7F807F80, m, big;
-mul.rn.bf16x2 $0, $0, m;
-mul.rn.bf16x2 $4, $4, m;
-mul.rn.bf16x2 $8, $8, m;
-mul.rn.bf16x2 $12, $12, m;
-max.u32 t, $21, 128;
-mad.lo.u32 m, t, 0x00800080, 0xFF7FFF80;
-setp.eq.u32 big, $21, 255;
-selp.b32 m, 0x7F807F80, m, big;
-mul.rn.bf16x2 $1, $1, m;
-mul.rn.bf16x2 $5, $5, m;
-mul.rn.bf16x2 $9, $9, m;
-mul.rn.bf16x2 $13, $13, m;
-max.u32 t, $22, 128;
-mad.lo.u32 m, t, 0x00800080, 0xFF7FFF80;
-setp.eq.u32 big, $22, 255;
-selp.b32 m, 0x7F807F80, m, big;
-mul.rn.bf16x2 $2, $2, m;
-mul.rn.bf16x2 $6, $6, m;
-mul.rn.bf16x2 $10, $10, m;
-mul.rn.bf16x2 $14, $14, m;
-max.u32 t, $23, 128;
-mad.lo.u32 m, t, 0x00800080, 0xFF7FFF80;
-setp.eq.u32 big, $23, 255;
-selp.b32 m, 0x7F807F80, m, big;
-mul.rn.bf16x2 $3, $3, m;
-mul.rn.bf16x2 $7, $7, m;
-mul.rn.bf16x2 $11, $11, m;
-mul.rn.bf16x2 $15, $15, m;
-DONE${:uid}:
-}
-""")
+def _decode_word(e: int) -> str:
+    """PTX of element e's word ($(16 + e)) and scale byte ($(20 + e)) → its four pairs $(4r + e), × m1."""
+    pairs = [f"and.b32 t, ${16 + e}, 0x81C081C0;"]
+    for rotation in (4, 10):
+        pairs.append(f"shf.l.wrap.b32 t, ${16 + e}, ${16 + e}, {rotation};\nand.b32 t, t, 0x81C081C0;")
+    pairs.append(f"shf.l.wrap.b32 t, ${16 + e}, ${16 + e}, 6;\nshf.l.wrap.b32 a, ${16 + e}, ${16 + e}, 14;\n"
+                 "and.b32 t, t, 0x80C080C0;\nand.b32 a, a, 0x01000100;\nor.b32 t, t, a;")
+    lines = [f"min.u32 t, ${20 + e}, 128;", "mad.lo.u32 m, t, 0x00800080, 0x3F003F00;"]
+    for r, pair in enumerate(pairs):
+        lines += [pair, f"mul.rn.bf16x2 ${4 * r + e}, t, m;"]
+    return "\n".join(lines)
+
+
+def _scale_big(e: int) -> str:
+    """PTX: element e's four pairs × m2 = 2^(max(s, 128) − 128) (inf for s = 255)."""
+    return "\n".join([f"max.u32 t, ${20 + e}, 128;", "mad.lo.u32 m, t, 0x00800080, 0xFF7FFF80;",
+                      f"setp.eq.u32 big, ${20 + e}, 255;", "selp.b32 m, 0x7F807F80, m, big;"]
+                     + [f"mul.rn.bf16x2 ${4 * r + e}, ${4 * r + e}, m;" for r in range(4)])
+
+
+_PACKED_ASM = tl.constexpr("\n".join(
+    ["", "{", ".reg .b32 t, a, m;", ".reg .pred big;"] + [_decode_word(e) for e in range(4)]
+    + ["max.u32 t, $20, $21;", "max.u32 t, t, $22;", "max.u32 t, t, $23;", "setp.gt.u32 big, t, 128;",
+       "@!big bra DONE${:uid};"] + [_scale_big(e) for e in range(4)] + ["DONE${:uid}:", "}", ""]))
 
 
 # outputs $0–$15 (pair r of element e: $(4r + e)), then words $16–$19 and their scale bytes $20–$23
