@@ -14,6 +14,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from engine_tiny_v4 import RUNNER_CONFIG
 from test_speculative_tiny import ARGS as TINY_ARGS
 from test_speculative_tiny import folder, folder_v41, with_random_head  # noqa: F401  (fixtures)
 
@@ -43,12 +44,7 @@ K = 3
 @pytest.fixture(scope="module")
 def runner() -> ModelRunner:
     cfg = DeepseekV4Config.from_dict(dict(
-        vocab_size=64, hidden_size=32, num_hidden_layers=3, num_attention_heads=2, head_dim=16,
-        qk_rope_head_dim=8, q_lora_rank=16, o_groups=1, o_lora_rank=8, n_routed_experts=4,
-        num_experts_per_tok=2, moe_intermediate_size=16, num_hash_layers=1, sliding_window=4, hc_mult=2,
-        index_n_heads=2, index_head_dim=8, index_topk=2,
-        layer_types=["sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention"],
-        compress_rates={"compressed_sparse_attention": 4, "heavily_compressed_attention": 8},
+        RUNNER_CONFIG,
         dspark_block_size=K, dspark_noise_token_id=63, dspark_target_layer_ids=[1, 2], dspark_markov_rank=4))
     model = build_model(cfg, device="cpu", dtype=torch.float32)
     model.init_weights(seed=0)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from engine_tiny_v4 import RUNNER_CONFIG
 
 from deepinfer.engine.core.model_runner import ModelRunner, default_block_size
 from deepinfer.model import DeepseekV4Config
@@ -12,13 +13,7 @@ from deepinfer.model.model import build_model
 
 @pytest.fixture(scope="module")
 def model():
-    cfg = DeepseekV4Config.from_dict(dict(
-        vocab_size=64, hidden_size=32, num_hidden_layers=3, num_attention_heads=2, head_dim=16,
-        qk_rope_head_dim=8, q_lora_rank=16, o_groups=1, o_lora_rank=8, n_routed_experts=4,
-        num_experts_per_tok=2, moe_intermediate_size=16, num_hash_layers=1, sliding_window=4, hc_mult=2,
-        index_n_heads=2, index_head_dim=8, index_topk=2,
-        layer_types=["sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention"],
-        compress_rates={"compressed_sparse_attention": 4, "heavily_compressed_attention": 8}))
+    cfg = DeepseekV4Config.from_dict(RUNNER_CONFIG)
     m = build_model(cfg, device="cpu", dtype=torch.float32)
     m.init_weights(seed=0)
     return m
